@@ -1,0 +1,80 @@
+/* util: the bottom of the stack. Error reporting, hashing and small helpers
+ * that every other folder may use. Depends on OpenSSL (SHA-256) only. */
+#ifndef PD_UTIL_H
+#define PD_UTIL_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Status codes: 0 is success, every failure is negative. */
+enum {
+    PD_OK = 0,
+    PD_EINVAL = -1,       /* bad argument or bad user input */
+    PD_EIO = -2,          /* the operating system said no (open, mmap, read) */
+    PD_ENOMEM = -3,       /* allocation failed */
+    PD_EFORMAT = -4,      /* a file or record is malformed */
+    PD_ENOTFOUND = -5,    /* a key, token or file does not exist */
+    PD_EUNSUPPORTED = -6, /* valid, but not something we implement */
+    PD_ERANGE = -7,       /* a value is outside its allowed range */
+};
+
+/* Every fallible function takes one of these and, on failure, leaves a
+ * message a user can act on: what failed, where, and why. */
+typedef struct pd_error {
+    int code;
+    char msg[512];
+} pd_error;
+
+/* Fill err (if not NULL) and return code, so callers can write
+ * `return pd_errorf(err, PD_EFORMAT, "...", ...);`. */
+int pd_errorf(pd_error *err, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+int pd_verrorf(pd_error *err, int code, const char *fmt, va_list ap);
+/* Prepend context to an existing message: "ctx: old message". */
+int pd_error_prefix(pd_error *err, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+void pd_error_clear(pd_error *err);
+const char *pd_status_name(int code);
+
+/* SHA-256 (OpenSSL EVP). Incremental, so callers can hash several parts. */
+#define PD_SHA256_LEN 32
+typedef struct pd_sha256 {
+    void *evp; /* EVP_MD_CTX* */
+} pd_sha256;
+int pd_sha256_init(pd_sha256 *h, pd_error *err);
+void pd_sha256_update(pd_sha256 *h, const void *data, size_t len);
+void pd_sha256_final(pd_sha256 *h, uint8_t out[PD_SHA256_LEN]);
+/* One-shot convenience. */
+int pd_sha256_buf(const void *data, size_t len, uint8_t out[PD_SHA256_LEN], pd_error *err);
+/* Lower-case hex of n bytes into out (2n+1 bytes). */
+void pd_hex(const uint8_t *bytes, size_t n, char *out);
+
+/* A read-only memory mapping of a whole file. */
+typedef struct pd_mapped_file {
+    const uint8_t *data;
+    size_t size;
+} pd_mapped_file;
+int pd_map_file(const char *path, pd_mapped_file *out, pd_error *err);
+void pd_unmap_file(pd_mapped_file *m);
+
+/* Read a whole stream/file into a malloc'd, NUL-terminated buffer. */
+int pd_read_stream(void *file /* FILE* */, char **out, size_t *len, pd_error *err);
+int pd_read_file(const char *path, char **out, size_t *len, pd_error *err);
+
+/* Overflow-checked size arithmetic: return 0 on overflow. */
+static inline int pd_mul_ok(uint64_t a, uint64_t b, uint64_t *out) {
+    return !__builtin_mul_overflow(a, b, out);
+}
+static inline int pd_add_ok(uint64_t a, uint64_t b, uint64_t *out) {
+    return !__builtin_add_overflow(a, b, out);
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif
