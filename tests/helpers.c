@@ -50,3 +50,42 @@ int th_run(const char *cmd, char **out) {
     else free(buf);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
+
+void th_buf_bytes(th_buf *b, const void *p, size_t n) {
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n) cap *= 2;
+        uint8_t *nd = realloc(b->data, cap);
+        if (!nd) abort();
+        b->data = nd;
+        b->cap = cap;
+    }
+    if (n) memcpy(b->data + b->len, p, n);
+    b->len += n;
+}
+void th_buf_u8(th_buf *b, uint8_t v) { th_buf_bytes(b, &v, 1); }
+void th_buf_u32(th_buf *b, uint32_t v) {
+    uint8_t x[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
+    th_buf_bytes(b, x, 4);
+}
+void th_buf_u64(th_buf *b, uint64_t v) {
+    th_buf_u32(b, (uint32_t)v);
+    th_buf_u32(b, (uint32_t)(v >> 32));
+}
+void th_buf_f32(th_buf *b, float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    th_buf_u32(b, u);
+}
+void th_buf_str(th_buf *b, const char *s) {
+    th_buf_u64(b, strlen(s));
+    th_buf_bytes(b, s, strlen(s));
+}
+void th_buf_pad(th_buf *b, size_t alignment) {
+    while (b->len % alignment) th_buf_u8(b, 0);
+}
+void th_buf_free(th_buf *b) {
+    free(b->data);
+    b->data = NULL;
+    b->len = b->cap = 0;
+}

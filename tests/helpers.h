@@ -22,4 +22,20 @@ int th_run(const char *cmd, char **out);
             cr_skip_test("../shared/models is absent (set PD_SHARED_MODELS); skipping");      \
     } while (0)
 
+
+
+/* A growable byte buffer for hand-building binary files (GGUF images). */
+#include <stdint.h>
+typedef struct th_buf {
+    uint8_t *data;
+    size_t len, cap;
+} th_buf;
+void th_buf_bytes(th_buf *b, const void *p, size_t n);
+void th_buf_u8(th_buf *b, uint8_t v);
+void th_buf_u32(th_buf *b, uint32_t v);
+void th_buf_u64(th_buf *b, uint64_t v);
+void th_buf_f32(th_buf *b, float v);
+void th_buf_str(th_buf *b, const char *s); /* GGUF string: u64 length + bytes */
+void th_buf_pad(th_buf *b, size_t alignment);
+void th_buf_free(th_buf *b);
 #endif

@@ -1,0 +1,70 @@
+# Thin wrapper around meson. `make run` and `make test` work on a fresh
+# Debian 12 machine: they install the dependencies first.
+
+BUILD      ?= build
+ASAN_BUILD ?= build-asan
+MESON_OPTS ?=
+SHARED     ?= $(abspath ../shared/models)
+FUZZ_SECS  ?= 600
+
+# meson finds nvcc on PATH; the CUDA toolkit installs it outside.
+export PATH := $(PATH):/usr/local/cuda/bin
+
+DEFAULT_MODEL := $(if $(wildcard $(SHARED)/tinystories/stories260K.gguf),$(SHARED)/tinystories/stories260K.gguf,models/default.gguf)
+
+.PHONY: all deps build test test-asan run bench fuzz clean
+
+all: build
+
+deps:
+	@deploy/install-deps.sh
+
+$(BUILD)/build.ninja: | deps
+	meson setup $(BUILD) -Dwerror=true $(MESON_OPTS)
+
+build: deps $(BUILD)/build.ninja
+	meson compile -C $(BUILD)
+
+test: build
+	meson test -C $(BUILD) --print-errorlogs
+	@tools/test-summary.sh $(BUILD)
+
+$(ASAN_BUILD)/build.ninja: | deps
+	meson setup $(ASAN_BUILD) -Dwerror=true -Db_sanitize=address,undefined -Db_lundef=false \
+	  -Dbuildtype=debug $(MESON_OPTS)
+
+# The same tests under AddressSanitizer + UndefinedBehaviorSanitizer.
+test-asan: deps $(ASAN_BUILD)/build.ninja
+	meson compile -C $(ASAN_BUILD)
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	  meson test -C $(ASAN_BUILD) --print-errorlogs --timeout-multiplier 4
+	@tools/test-summary.sh $(ASAN_BUILD)
+
+models/default.gguf: | build
+	mkdir -p models
+	$(BUILD)/tools/prefixctl gen-model --preset stories260k --seed 1 -o $@
+
+# Until the serving daemon lands, `make run` shows what exists: the model,
+# the tokenizer round trip and the daemon's effective configuration.
+run: build $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/default.gguf)
+	@echo "== model: $(DEFAULT_MODEL)"
+	$(BUILD)/tools/prefixctl inspect $(DEFAULT_MODEL) --items 4 | head -40
+	@echo "== tokenize"
+	echo "Once upon a time, there was a little girl named Lily." | $(BUILD)/tools/prefixctl tokenize --model $(DEFAULT_MODEL)
+	@echo "== detokenize"
+	echo "Once upon a time, there was a little girl named Lily." | $(BUILD)/tools/prefixctl tokenize --model $(DEFAULT_MODEL) \
+	  | $(BUILD)/tools/prefixctl detokenize --model $(DEFAULT_MODEL)
+	@echo "== prefixd --check-config"
+	$(BUILD)/daemon/prefixd --check-config --set model.path=$(DEFAULT_MODEL)
+	@echo "== CUDA"
+	$(BUILD)/tools/prefixctl cuda-info
+
+bench: build
+	@echo "prefix-bench arrives with the engine (issue 3); nothing to measure yet"
+
+# libFuzzer on the GGUF reader and tokenizer loader (clang, ASan+UBSan).
+fuzz: deps
+	tools/fuzz.sh $(FUZZ_SECS)
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD) build-fuzz

@@ -1,0 +1,119 @@
+/* prefixctl end to end: the real binary, real files, real pipes. */
+#include <criterion/criterion.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "helpers.h"
+
+static const char *prefixctl(void) {
+    const char *p = getenv("PD_PREFIXCTL");
+    cr_assert(p, "PD_PREFIXCTL is not set");
+    return p;
+}
+
+static int run(char **out, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int run(char **out, const char *fmt, ...) {
+    char cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    return th_run(cmd, out);
+}
+
+Test(cli, usage_errors_exit_2) {
+    char *out = NULL;
+    cr_assert_eq(run(&out, "%s 2>&1", prefixctl()), 2);
+    cr_assert(strstr(out, "usage"));
+    free(out);
+    cr_assert_eq(run(&out, "%s frobnicate 2>&1", prefixctl()), 2);
+    cr_assert(strstr(out, "unknown command 'frobnicate'"), "%s", out);
+    free(out);
+    cr_assert_eq(run(&out, "echo hi | %s tokenize 2>&1", prefixctl()), 2);
+    cr_assert(strstr(out, "--model FILE is required"), "%s", out);
+    free(out);
+}
+
+Test(cli, missing_or_bad_model_is_explained) {
+    char *out = NULL;
+    cr_assert_eq(run(&out, "echo hi | %s tokenize --model /nonexistent.gguf 2>&1", prefixctl()), 1);
+    cr_assert(strstr(out, "/nonexistent.gguf"), "%s", out);
+    free(out);
+    char *dir = th_mkdtemp();
+    cr_assert(dir);
+    cr_assert_eq(run(&out, "printf 'GGUF\\003\\000\\000\\000' > %s/bad.gguf && %s inspect %s/bad.gguf 2>&1", dir,
+                     prefixctl(), dir),
+                 1);
+    cr_assert(strstr(out, "truncated"), "%s", out);
+    free(out);
+    th_rmtree(dir);
+}
+
+Test(cli, gen_model_then_inspect_tokenize_detokenize) {
+    char *dir = th_mkdtemp();
+    cr_assert(dir);
+    char *out = NULL;
+    cr_assert_eq(run(&out, "%s gen-model --preset tiny --seed 3 -o %s/m.gguf 2>&1", prefixctl(), dir), 0, "%s", out);
+    free(out);
+    cr_assert_eq(run(&out, "%s inspect %s/m.gguf", prefixctl(), dir), 0);
+    cr_assert(strstr(out, "general.architecture"), "%s", out);
+    cr_assert(strstr(out, "blk.0.attn_q.weight"), "%s", out);
+    cr_assert(strstr(out, "fingerprint "), "%s", out);
+    free(out);
+    cr_assert_eq(run(&out, "printf 'hello world' | %s tokenize --model %s/m.gguf | %s detokenize --model %s/m.gguf",
+                     prefixctl(), dir, prefixctl(), dir),
+                 0);
+    cr_assert_str_eq(out, "hello world");
+    free(out);
+    th_rmtree(dir);
+}
+
+/* The reference greedy continuation of stories260K (MANIFEST.md section 1). */
+static const char *const reference_ids =
+    "403 407 261 378 432 383 286 261 376 298 315 421 395 317 426 338 401 396 267 337 410 408 419 292 411 322 265 "
+    "282 295 433 426 385 328 432 358 394 261 370 432 352 266 268 388 426 338 391 266 267 337 335 312 432 398 312 "
+    "286 267 414 270 333 415 426 13 438 310";
+static const char *const reference_text =
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw "
+    "a big, red ball. She wanted to play with it, but it was too high.\nLily";
+
+Test(cli, stories260k_reference_text) {
+    TH_REQUIRE_SHARED();
+    char model[1024];
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    char *out = NULL;
+    cr_assert_eq(run(&out, "echo '%s' | %s detokenize --model %s", reference_ids, prefixctl(), model), 0);
+    cr_assert_str_eq(out, reference_text);
+    free(out);
+    /* BOS first, then ids that decode back to the same text. */
+    char *dir = th_mkdtemp();
+    char path[1100];
+    snprintf(path, sizeof path, "%s/ref.txt", dir);
+    FILE *f = fopen(path, "w");
+    fputs(reference_text, f);
+    fclose(f);
+    cr_assert_eq(run(&out, "%s tokenize --model %s < %s", prefixctl(), model, path), 0);
+    cr_assert(strncmp(out, "1 ", 2) == 0, "BOS (1) should come first: %s", out);
+    free(out);
+    cr_assert_eq(run(&out, "%s tokenize --model %s --no-bos < %s | %s detokenize --model %s", prefixctl(), model, path,
+                     prefixctl(), model),
+                 0);
+    cr_assert_str_eq(out, reference_text);
+    free(out);
+    th_rmtree(dir);
+}
+
+Test(cli, detokenize_rejects_garbage_ids) {
+    TH_REQUIRE_SHARED();
+    char model[1024];
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    char *out = NULL;
+    cr_assert_eq(run(&out, "echo '5 x7' | %s detokenize --model %s 2>&1", prefixctl(), model), 1);
+    cr_assert(strstr(out, "not a token id"), "%s", out);
+    free(out);
+    cr_assert_eq(run(&out, "echo '5 99999' | %s detokenize --model %s 2>&1", prefixctl(), model), 1);
+    cr_assert(strstr(out, "99999"), "%s", out);
+    free(out);
+}
