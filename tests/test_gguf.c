@@ -613,10 +613,10 @@ Test(gguf_malformed, nul_in_key) {
 /* Inputs the fuzzer once crashed on (or that we keep as seeds) must parse or
  * be refused cleanly. */
 Test(gguf_malformed, fuzz_regressions) {
-    const char *src = getenv("PD_TEST_DATA");
-    cr_assert(src, "PD_TEST_DATA is not set");
+    const char *root = getenv("PD_SOURCE_ROOT");
+    cr_assert(root, "PD_SOURCE_ROOT is not set (run through meson test)");
     char dir[1024];
-    snprintf(dir, sizeof dir, "%s/../fuzz/regressions", src);
+    snprintf(dir, sizeof dir, "%s/tests/fuzz/regressions", root);
     DIR *d = opendir(dir);
     cr_assert(d, "cannot open %s", dir);
     int n = 0;

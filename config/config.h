@@ -1,0 +1,128 @@
+/* config: the daemon's settings, read from an INI file (inih) and
+ * `--set section.key=value` overrides, checked, and frozen into one plain
+ * struct that the rest of the daemon reads and never writes.
+ *
+ * Loading is all-or-nothing: a function that fails leaves the caller's
+ * pd_config exactly as it was. Every message names the key and where the
+ * bad value came from ("prefixd.conf:12: server.port = 70000 is out of range
+ * (1..65535)", "--set: ..."). Secrets (server.api_key, admin.token) are never
+ * echoed in messages. docs/configuration.md describes every key. */
+#ifndef PD_CONFIG_H
+#define PD_CONFIG_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "util/util.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The longest line a config file may have, not counting the line ending.
+ * inih reads lines into a fixed buffer (200 bytes in its default build) and
+ * silently splits longer ones, so we refuse them instead. String values are
+ * limited so that `key = value` always fits, which keeps the output of
+ * pd_config_print() readable by pd_config_load_*(). */
+#define PD_CONFIG_LINE_MAX 197
+/* Capacity of every string field, terminator included. */
+#define PD_CONFIG_STR_CAP (PD_CONFIG_LINE_MAX + 1)
+
+typedef enum pd_backend {
+    PD_BACKEND_CPU = 0,
+    PD_BACKEND_CUDA = 1,
+    PD_BACKEND_AUTO = 2, /* CUDA when a device is present, else CPU */
+} pd_backend;
+
+typedef enum pd_log_level {
+    PD_LOG_ERROR = 0,
+    PD_LOG_WARN = 1,
+    PD_LOG_INFO = 2,
+    PD_LOG_DEBUG = 3,
+} pd_log_level;
+
+typedef enum pd_log_format {
+    PD_LOG_TEXT = 0,
+    PD_LOG_JSON = 1,
+} pd_log_format;
+
+/* Plain values only: a pd_config can be copied with `=` and needs no free. */
+typedef struct pd_config {
+    struct {
+        char listen[PD_CONFIG_STR_CAP]; /* IP address or host name */
+        int port;
+        int threads;                    /* HTTP worker threads; 0 = number of CPUs */
+        int64_t max_body_bytes;
+        int request_timeout_s;          /* 0 = no limit */
+        char api_key[PD_CONFIG_STR_CAP]; /* "" = no authentication */
+        bool metrics;                   /* serve GET /metrics */
+    } server;
+    struct {
+        char token[PD_CONFIG_STR_CAP];  /* "" = admin API disabled */
+        char listen[PD_CONFIG_STR_CAP];
+        int port;                       /* 0 = share the public listener */
+    } admin;
+    struct {
+        char path[PD_CONFIG_STR_CAP];   /* GGUF file */
+        int n_ctx;                      /* 0 = the model's trained context */
+        pd_backend backend;
+        int n_threads;                  /* compute threads; 0 = number of CPUs */
+        int gpu_device;
+    } model;
+    struct {
+        char path[PD_CONFIG_STR_CAP];   /* LMDB environment directory */
+        int64_t map_size_mb;
+        int64_t hot_tier_mb;            /* 0 = no in-memory tier */
+        int page_tokens;
+    } cache;
+    struct {
+        char policy[PD_CONFIG_STR_CAP]; /* policy spec, e.g. compactor:retention=0.25 */
+        int min_prefix_tokens;
+        double quality_budget;          /* 0 = off, else max NLL ratio (>= 1) */
+    } compression;
+    struct {
+        int max_batch;
+        int max_queue;
+    } scheduler;
+    struct {
+        pd_log_level level;
+        pd_log_format format;
+    } log;
+} pd_config;
+
+/* Fill every field with its documented default. The result validates. */
+void pd_config_defaults(pd_config *c);
+
+/* Apply the keys in an INI file (or NUL-terminated text) on top of *c.
+ * Keys not mentioned keep their current values. `origin` names the text in
+ * messages (a file name, or e.g. "<string>"). Unknown sections and keys, a
+ * key given twice, malformed lines and bad values are errors. */
+int pd_config_load_file(pd_config *c, const char *path, pd_error *err);
+int pd_config_load_string(pd_config *c, const char *text, const char *origin, pd_error *err);
+
+/* Apply one "section.key=value" override (the argument of --set). Values are
+ * parsed and range-checked exactly as in a file. */
+int pd_config_set(pd_config *c, const char *assignment, pd_error *err);
+
+/* Check every value again (for configs built in code) and the rules that
+ * involve more than one key. Call once, on the final config. */
+int pd_config_validate(const pd_config *c, pd_error *err);
+
+/* Write *c as INI; loading the output yields an equal config. Secrets are
+ * written too: the output is as sensitive as the config file. Returns
+ * PD_EIO when the stream reports a write error. */
+int pd_config_print(const pd_config *c, FILE *f, pd_error *err);
+
+/* Field-by-field equality (strings compared as strings). */
+bool pd_config_equal(const pd_config *a, const pd_config *b);
+
+/* Canonical names, as written in the config file. */
+const char *pd_backend_name(pd_backend b);
+const char *pd_log_level_name(pd_log_level l);
+const char *pd_log_format_name(pd_log_format f);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
