@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -28,7 +29,7 @@ extern "C" int pd_cuda_device_info_get(int index, pd_cuda_device_info *out, pd_e
         return pd_errorf(err, PD_ENOTFOUND, "CUDA device %d: %s", index, cudaGetErrorString(e));
     memset(out, 0, sizeof *out);
     out->index = index;
-    strncpy(out->name, prop.name, sizeof out->name - 1);
+    snprintf(out->name, sizeof out->name, "%s", prop.name);
     out->cc_major = prop.major;
     out->cc_minor = prop.minor;
     out->total_mem = prop.totalGlobalMem;

@@ -1,0 +1,102 @@
+/* tools: admin CLI helpers and the test-model generator.
+ *
+ * This header is the folder's public contract. */
+#ifndef PD_TOOLS_H
+#define PD_TOOLS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/kernels.h"
+#include "util/util.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------
+ * Test-model generator
+ *
+ * Writes a GGUF model with llama.cpp's exact tensor names, shapes and
+ * metadata keys for the `llama` or `qwen2` architecture, filled with seeded
+ * pseudo-random weights: matrices ~ N(0, 0.02^2) (sum-of-12-uniforms
+ * approximation, computed with exact integer/IEEE arithmetic so the same
+ * options give a byte-identical file on every machine), norm weights 1.0,
+ * biases ~ N(0, 0.02^2). Each tensor's values depend only on (seed, tensor
+ * name), never on its storage type, so a Q8_0 model holds the quantized
+ * values of the F32 model with the same seed.
+ *
+ * Matrices are stored in `wtype`. A matrix whose row length (ne[0]) is not a
+ * multiple of that type's block size falls back, as llama-quantize does, to
+ * a compatible type: q4_k -> q4_0 -> f16, q6_k -> q8_0 -> f16,
+ * q8_0/q4_0 -> f16. Norms and biases are always F32.
+ *
+ * Vocabulary: built in (a small SentencePiece-style "llama" vocab: <unk>,
+ * <s>, </s>, the 256 byte tokens, then "▁", printable ASCII and common
+ * English pieces with descending scores; padded with "[PAD<id>]" unused
+ * tokens, or truncated, to n_vocab), or every tokenizer.* key copied from
+ * another GGUF file (`vocab_from`), in which case n_vocab becomes that
+ * file's token count.
+ * ------------------------------------------------------------------------ */
+
+typedef struct pd_testmodel_opts {
+    const char *arch;     /* "llama" or "qwen2" */
+    const char *name;     /* general.name; NULL = "prefixd-test-<preset or arch>" */
+    uint32_t n_vocab;     /* 0 = size of the built-in vocab */
+    uint32_t n_embd;
+    uint32_t n_ff;
+    uint32_t n_layer;
+    uint32_t n_head;
+    uint32_t n_head_kv;
+    uint32_t n_ctx;
+    float rope_freq_base;
+    float rms_eps;
+    bool tied;            /* no output.weight: the output reuses token_embd */
+    pd_type wtype;        /* storage type of the 2-D matrices (token_embd included) */
+    uint64_t seed;
+    const char *vocab_from; /* NULL = built-in vocab; else a GGUF path */
+    const char *preset;   /* informational: name of the preset the shape came from */
+} pd_testmodel_opts;
+
+/* What pd_testmodel_write produced. */
+typedef struct pd_testmodel_info {
+    uint32_t n_vocab;     /* effective vocabulary size */
+    uint64_t n_tensors;
+    uint64_t n_params;    /* total elements over all tensors */
+    uint64_t n_fallback;  /* matrices stored in a fallback type */
+    uint64_t data_bytes;  /* bytes of tensor data (without padding) */
+} pd_testmodel_info;
+
+/* Fill *o with the named preset: "tiny", "stories260k", "smollm2-135m",
+ * "llama-3.2-1b", "qwen2.5-0.5b" (case-insensitive). Type f32, seed 1. */
+int pd_testmodel_preset(const char *name, pd_testmodel_opts *o, pd_error *err);
+/* Number of presets and the name of preset i (NULL when out of range). */
+size_t pd_testmodel_preset_count(void);
+const char *pd_testmodel_preset_name(size_t i);
+
+/* Check the options: arch, shape consistency (n_embd % n_head == 0, even
+ * head_dim, n_head % n_head_kv == 0, ...), weight type. */
+int pd_testmodel_validate(const pd_testmodel_opts *o, pd_error *err);
+
+/* Generate the model and write it atomically to path. info may be NULL. */
+int pd_testmodel_write(const pd_testmodel_opts *o, const char *path, pd_testmodel_info *info,
+                       pd_error *err);
+
+/* The float values the generator draws for tensor `name` (before they are
+ * converted to the storage type). n must equal the tensor's element count. */
+int pd_testmodel_tensor_values(const pd_testmodel_opts *o, const char *name, float *dst,
+                               uint64_t n, pd_error *err);
+
+/* Size of the built-in vocabulary (before padding to n_vocab). */
+uint32_t pd_testmodel_builtin_vocab_size(void);
+
+/* `prefixctl gen-model ...`: argv[0] is the subcommand name. Prints a
+ * summary on stdout, errors on stderr. Returns 0 on success, 2 on a usage
+ * error, 1 when generation fails. */
+int pd_testmodel_cli(int argc, char **argv);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
