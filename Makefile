@@ -26,8 +26,8 @@ build: deps $(BUILD)/build.ninja
 	meson compile -C $(BUILD)
 
 test: build
-	meson test -C $(BUILD) --print-errorlogs
-	@tools/test-summary.sh $(BUILD)
+	@rc=0; meson test -C $(BUILD) --print-errorlogs || rc=$$?; \
+	  tools/test-summary.sh $(BUILD); exit $$rc
 
 $(ASAN_BUILD)/build.ninja: | deps
 	meson setup $(ASAN_BUILD) -Dwerror=true -Db_sanitize=address,undefined -Db_lundef=false \
@@ -36,9 +36,9 @@ $(ASAN_BUILD)/build.ninja: | deps
 # The same tests under AddressSanitizer + UndefinedBehaviorSanitizer.
 test-asan: deps $(ASAN_BUILD)/build.ninja
 	meson compile -C $(ASAN_BUILD)
-	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-	  meson test -C $(ASAN_BUILD) --print-errorlogs --timeout-multiplier 4
-	@tools/test-summary.sh $(ASAN_BUILD)
+	@rc=0; ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	  meson test -C $(ASAN_BUILD) --print-errorlogs --timeout-multiplier 4 || rc=$$?; \
+	  tools/test-summary.sh $(ASAN_BUILD); exit $$rc
 
 models/default.gguf: | build
 	mkdir -p models
