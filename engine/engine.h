@@ -228,6 +228,12 @@ const char *pd_tokenizer_pre(const pd_tokenizer *t);
 int32_t pd_tokenizer_n_vocab(const pd_tokenizer *t);
 pd_token pd_tokenizer_bos(const pd_tokenizer *t); /* PD_TOKEN_NULL if none */
 pd_token pd_tokenizer_eos(const pd_tokenizer *t);
+/* End-of-turn token (tokenizer.ggml.eot_token_id, or found by its text:
+ * "<|eot_id|>", "<|im_end|>", "<|end|>", ...); PD_TOKEN_NULL if none. */
+pd_token pd_tokenizer_eot(const pd_tokenizer *t);
+/* True for tokens that end generation: EOS, EOT, EOM and llama.cpp's
+ * end-of-generation set ("<|eot_id|>", "<|im_end|>", "<|endoftext|>", ...). */
+bool pd_tokenizer_is_eog(const pd_tokenizer *t, pd_token id);
 bool pd_tokenizer_add_bos(const pd_tokenizer *t); /* tokenizer.ggml.add_bos_token (or kind default) */
 bool pd_tokenizer_add_eos(const pd_tokenizer *t);
 /* Raw token text as stored in the vocab (NULL if out of range). */
@@ -255,8 +261,13 @@ int pd_token_to_piece(const pd_tokenizer *t, pd_token id, bool special, char *bu
 
 /* Decode ids to exact bytes. Pieces are concatenated as raw bytes, so a
  * UTF-8 character split across tokens comes out whole. The leading space
- * SPM adds is removed when `remove_leading_space` is set. Result is malloc'd
- * and NUL-terminated; *len_out excludes the NUL. */
+ * SPM adds is removed when `remove_leading_space` is set (from the first
+ * token after any leading control tokens such as BOS). Like llama.cpp's
+ * llama_detokenize, vocabs with clean_up_tokenization_spaces (gpt-2, llama3,
+ * bert, ...; not qwen2/deepseek/smollm) then drop the space in " ,", " .",
+ * " !", " ?", " 's", " 'm", " 're", " 've" and " ' "; concatenated
+ * pd_token_to_piece output does not. Invalid ids give PD_EINVAL. Result is
+ * malloc'd and NUL-terminated; *len_out excludes the NUL. */
 int pd_detokenize(const pd_tokenizer *t, const pd_token *ids, size_t n, bool special,
                   bool remove_leading_space, char **out, size_t *len_out, pd_error *err);
 
