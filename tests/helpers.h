@@ -10,7 +10,7 @@
 const char *th_shared_models(void);
 /* th_shared_models()/rel into buf; returns buf, or NULL if the file is absent. */
 const char *th_shared_file(const char *rel, char *buf, size_t cap);
-/* A fresh temporary directory (mkdtemp); removed by th_rmtree. */
+/* A fresh temporary directory (mkdtemp), malloc'd: th_rmtree() it, then free() it. */
 char *th_mkdtemp(void);
 void th_rmtree(const char *dir);
 /* Run a shell command, capturing stdout (malloc'd) and the exit status. */

@@ -49,6 +49,7 @@ Test(cli, missing_or_bad_model_is_explained) {
     cr_assert(strstr(out, "truncated"), "%s", out);
     free(out);
     th_rmtree(dir);
+    free(dir);
 }
 
 Test(cli, gen_model_then_inspect_tokenize_detokenize) {
@@ -68,6 +69,7 @@ Test(cli, gen_model_then_inspect_tokenize_detokenize) {
     cr_assert_str_eq(out, "hello world");
     free(out);
     th_rmtree(dir);
+    free(dir);
 }
 
 /* The reference greedy continuation of stories260K (MANIFEST.md section 1). */
@@ -103,6 +105,7 @@ Test(cli, stories260k_reference_text) {
     cr_assert_str_eq(out, reference_text);
     free(out);
     th_rmtree(dir);
+    free(dir);
 }
 
 Test(cli, detokenize_rejects_garbage_ids) {

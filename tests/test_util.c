@@ -74,4 +74,5 @@ Test(util, map_and_read_files) {
     cr_assert_eq(pd_map_file(path, &m, &err), PD_EIO);
     cr_assert(strstr(err.msg, "missing"));
     th_rmtree(dir);
+    free(dir);
 }
