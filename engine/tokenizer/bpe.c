@@ -62,17 +62,7 @@ static int bpe_word(const pd_tokenizer *t, bpe_work *w, const char *src, size_t 
         w->sym_cap = slen;
     }
     tk_sym *sym = w->sym;
-    int32_t n_sym = 0;
-    for (size_t off = 0; off < slen;) {
-        size_t cl = tk_utf8_len((unsigned char)s[off]);
-        if (cl > slen - off) cl = slen - off;
-        sym[n_sym].off = (uint32_t)off;
-        sym[n_sym].n = (uint32_t)cl;
-        sym[n_sym].prev = n_sym - 1;
-        off += cl;
-        sym[n_sym].next = off == slen ? -1 : n_sym + 1;
-        n_sym++;
-    }
+    int32_t n_sym = tk_split_symbols(s, slen, sym);
 
     w->heap.n = 0;
     int rc;

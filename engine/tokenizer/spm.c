@@ -57,17 +57,7 @@ int tk_spm_tokenize(const pd_tokenizer *t, const char *text, size_t len, tk_ids 
     }
 
     /* one symbol per UTF-8 character (length from the lead byte) */
-    int32_t n_sym = 0;
-    for (size_t off = 0; off < slen;) {
-        size_t cl = tk_utf8_len((unsigned char)s[off]);
-        if (cl > slen - off) cl = slen - off;
-        sym[n_sym].off = (uint32_t)off;
-        sym[n_sym].n = (uint32_t)cl;
-        sym[n_sym].prev = n_sym - 1;
-        off += cl;
-        sym[n_sym].next = off == slen ? -1 : n_sym + 1;
-        n_sym++;
-    }
+    int32_t n_sym = tk_split_symbols(s, slen, sym);
 
     for (int32_t i = 1; i < n_sym; i++)
         if ((rc = try_add_bigram(t, s, sym, i - 1, i, &heap))) goto done;

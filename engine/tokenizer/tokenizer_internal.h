@@ -165,6 +165,10 @@ typedef struct tk_sym {
     int32_t prev, next;
     uint32_t off, n;
 } tk_sym;
+/* Split s[0..len) into one linked symbol per UTF-8 character (length from
+ * the lead byte, clipped at the end); sym has room for len entries. Returns
+ * the number of symbols. */
+int32_t tk_split_symbols(const char *s, size_t len, tk_sym *sym);
 
 /* ---- unicode helpers (unicode.c) -------------------------------------- */
 

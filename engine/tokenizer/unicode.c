@@ -101,3 +101,18 @@ int tk_cp_to_byte(uint32_t cp) {
     if (n < 67) return (int)(0x7F + (n - 33));
     return 0xAD;
 }
+
+int32_t tk_split_symbols(const char *s, size_t len, tk_sym *sym) {
+    int32_t n_sym = 0;
+    for (size_t off = 0; off < len;) {
+        size_t cl = tk_utf8_len((unsigned char)s[off]);
+        if (cl > len - off) cl = len - off;
+        sym[n_sym].off = (uint32_t)off;
+        sym[n_sym].n = (uint32_t)cl;
+        sym[n_sym].prev = n_sym - 1;
+        off += cl;
+        sym[n_sym].next = off == len ? -1 : n_sym + 1;
+        n_sym++;
+    }
+    return n_sym;
+}
