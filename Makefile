@@ -59,8 +59,11 @@ run: build $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/defaul
 	@echo "== CUDA"
 	$(BUILD)/tools/prefixctl cuda-info
 
+# Engine throughput on a generated SmolLM2-135M-shaped Q8_0 model (32000 vocab),
+# the shape of the llama.cpp reference numbers in the README.
 bench: build
-	@echo "prefix-bench arrives with the engine (issue 3); nothing to measure yet"
+	$(BUILD)/tools/prefix-bench --preset smollm2-135m --type q8_0 --n-vocab 32000 --threads 1,2 \
+	  --prompt 256 --gen 64 --reps 3
 
 # libFuzzer on the GGUF reader and tokenizer loader (clang, ASan+UBSan).
 fuzz: deps

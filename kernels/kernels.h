@@ -1,10 +1,10 @@
 /* kernels: tensor element types and the compute backends behind them.
  *
- * This header is the folder's contract. Today it holds the type table that
- * every layer above needs (block sizes, byte sizes, names, ids as in GGUF),
- * reference quantize/dequantize routines per type, half-precision
- * conversions, and the CUDA device probe. The CPU/CUDA compute vtable lands
- * with the inference engine. */
+ * This header is the folder's contract: the type table that every layer
+ * above needs (block sizes, byte sizes, names, ids as in GGUF), reference
+ * quantize/dequantize routines per type, half-precision conversions, a
+ * fork-join thread pool, the compute backend vtable with its CPU
+ * implementation, and the CUDA device probe. */
 #ifndef PD_KERNELS_H
 #define PD_KERNELS_H
 
@@ -72,6 +72,152 @@ float pd_fp16_to_fp32(uint16_t h);
 uint16_t pd_fp32_to_fp16(float f);
 float pd_bf16_to_fp32(uint16_t h);
 uint16_t pd_fp32_to_bf16(float f);
+
+/* ------------------------------------------------------------------------
+ * Thread pool
+ *
+ * A fixed set of worker threads that run one parallel job at a time. The
+ * calling thread takes part as thread 0, so a pool of 1 runs everything
+ * inline. Not reentrant: one pd_threadpool_run at a time per pool.
+ * ------------------------------------------------------------------------ */
+
+typedef struct pd_threadpool pd_threadpool;
+typedef void (*pd_parallel_fn)(void *ctx, int ith, int nth);
+
+/* n_threads <= 0 means the number of online CPUs. */
+int pd_threadpool_create(int n_threads, pd_threadpool **out, pd_error *err);
+void pd_threadpool_free(pd_threadpool *tp);
+int pd_threadpool_size(const pd_threadpool *tp);
+/* Run fn(ctx, ith, nth) for ith = 0..nth-1 on the pool's threads; returns
+ * when all have finished. */
+void pd_threadpool_run(pd_threadpool *tp, pd_parallel_fn fn, void *ctx);
+
+/* ------------------------------------------------------------------------
+ * Compute backend
+ *
+ * The engine calls every heavy operation through this vtable, so a CUDA
+ * backend can take the CPU's place without the engine changing. Buffers are
+ * host memory (float32, row-major) in this version; a device backend keeps
+ * its own copies of the weights keyed by pd_weight.data.
+ * ------------------------------------------------------------------------ */
+
+/* A 2-D weight as GGUF stores it: `rows` rows of `cols` elements of `type`,
+ * each row `row_bytes` long and contiguous. y = W x means
+ * y[r] = dot(W[r, :], x). */
+typedef struct pd_weight {
+    pd_type type;
+    const void *data;
+    int64_t rows;
+    int64_t cols;
+    size_t row_bytes;
+} pd_weight;
+
+/* Fill a pd_weight for a tensor of the given type and shape; checks that
+ * cols is a multiple of the type's block size. */
+int pd_weight_init(pd_weight *w, pd_type type, const void *data, int64_t rows, int64_t cols,
+                   pd_error *err);
+
+typedef enum pd_rope_mode {
+    PD_ROPE_NORM = 0, /* rotate adjacent pairs (x[2i], x[2i+1]): llama in GGUF */
+    PD_ROPE_NEOX = 2, /* rotate halves (x[i], x[i + n_rot/2]): qwen2 */
+} pd_rope_mode;
+
+typedef struct pd_rope_params {
+    pd_rope_mode mode;
+    int n_rot;                  /* rotated dimensions per head (<= head_dim, even) */
+    float freq_base;            /* theta */
+    const float *freq_factors;  /* n_rot/2 divisors of each frequency (llama3 scaling), or NULL */
+} pd_rope_params;
+
+/* One (layer, kv_head) run of cached keys and values. Rows are head_dim
+ * floats; `pos` gives each row's original position (kept tokens keep theirs,
+ * so positions may have gaps). `keep`, if not NULL, masks rows out (0 =
+ * ignore this key), which tests use to check eviction against masking. */
+typedef struct pd_kv_view {
+    const float *k;
+    const float *v;
+    const int32_t *pos;
+    const uint8_t *keep;
+    int64_t len;
+} pd_kv_view;
+
+/* Attention of n_tokens queries over up to PD_MAX_KV_SEGMENTS segments per
+ * kv head (for example a shared read-only compressed prefix and the
+ * sequence's own cache). Each segment is processed with an online softmax
+ * and the partial results are merged with log-sum-exp, so the result equals
+ * softmax attention over the concatenation. Query head h reads kv head
+ * h / (n_head / n_head_kv). With `causal`, keys whose position is greater
+ * than the query's are ignored. A query with no visible key gets zeros. */
+#define PD_MAX_KV_SEGMENTS 4
+typedef struct pd_attn_args {
+    const float *q;       /* [n_tokens][n_head][head_dim] */
+    const int32_t *q_pos; /* [n_tokens] */
+    int64_t n_tokens;
+    int n_head, n_head_kv, head_dim;
+    int n_segments;
+    const pd_kv_view *kv; /* [n_segments][n_head_kv] */
+    float scale;          /* usually 1/sqrt(head_dim) */
+    bool causal;
+    float *out;           /* [n_tokens][n_head][head_dim] */
+} pd_attn_args;
+
+typedef struct pd_backend pd_backend;
+typedef struct pd_backend_ops {
+    const char *name;
+    void (*free)(pd_backend *be);
+    /* y[i][r] = dot(W[r,:], x[i,:]) for i < n: y is [n][rows], x is [n][cols].
+     * Small n uses quantized dot products directly, large n a GEMM.
+     * Accuracy (CPU): f32/f16/bf16 weights use float x (relative error of
+     * float accumulation, ~1e-6). Quantized weights are multiplied exactly
+     * by x quantized to int8 (per 32 elements for q8_0/q4_0, per 256 for
+     * q4_K/q6_K, scale amax/127 kept in float), so each output is within
+     * sum_i |W[r,i]| * amax(block of i) / 254 (plus float rounding) of the
+     * exact product; where a GEMM on dequantized weights serves large n the
+     * error is only float rounding. */
+    int (*matmul)(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y,
+                  pd_error *err);
+    /* out[i][:] = dequantized row ids[i] of W (embedding lookup). */
+    int (*get_rows)(pd_backend *be, const pd_weight *w, const int32_t *ids, int64_t n, float *out,
+                    pd_error *err);
+    /* out[i] = x[i] / rms(x[i]) * weight, rows of dim; out may equal x. */
+    void (*rmsnorm)(pd_backend *be, const float *x, const float *weight, int64_t n, int64_t dim,
+                    float eps, float *out);
+    /* In-place rotary embedding of x [n][n_heads][head_dim] at positions pos[n]:
+     * pairs i < n_rot/2 rotate by theta_i = pos * freq_base^(-2i/n_rot)
+     * / freq_factors[i]; dimensions from n_rot on are left alone. An n_rot
+     * above head_dim is treated as head_dim, an odd one rounded down. */
+    void (*rope)(pd_backend *be, float *x, const int32_t *pos, int64_t n, int n_heads, int head_dim,
+                 const pd_rope_params *p);
+    /* out[i] = silu(gate[i]) * up[i] for i < n; out may equal gate. */
+    void (*swiglu)(pd_backend *be, const float *gate, const float *up, int64_t n, float *out);
+    int (*attention)(pd_backend *be, const pd_attn_args *a, pd_error *err);
+} pd_backend_ops;
+
+struct pd_backend {
+    const pd_backend_ops *ops;
+    void *impl;
+};
+
+/* The CPU backend: OpenBLAS for batched products, AVX2/AVX-512 quantized dot
+ * products chosen at run time (portable C otherwise), n_threads workers
+ * (<= 0: all CPUs). The backend owns its scratch buffers and is used by
+ * one thread at a time.
+ *
+ * Environment, read at creation:
+ *   PD_CPU_SIMD=scalar|avx2|avx512|auto  cap the SIMD level (never above
+ *       what the CPU supports); tests use "scalar" to compare paths. An
+ *       unknown value makes creation fail with PD_EINVAL.
+ *   PD_CPU_GEMM_MIN_N=N  batch size from which dequantize + sgemm replaces
+ *       the quantized dot products (default 16; tuning only).
+ * Creation also sets OpenBLAS to one thread (process-wide): the backend
+ * parallelises GEMM tiles on its own pool. */
+int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err);
+static inline void pd_backend_free(pd_backend *be) {
+    if (be) be->ops->free(be);
+}
+/* Which SIMD path a CPU backend created now would pick ("avx512vnni",
+ * "avx2", "scalar"): the best the CPU supports, capped by $PD_CPU_SIMD. */
+const char *pd_cpu_simd_name(void);
 
 /* CUDA backend probe. Always linkable: without CUDA support compiled in, it
  * reports zero devices and `pd_cuda_compiled()` is false. */

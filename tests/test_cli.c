@@ -120,3 +120,60 @@ Test(cli, detokenize_rejects_garbage_ids) {
     cr_assert(strstr(out, "99999"), "%s", out);
     free(out);
 }
+
+Test(cli, generate_greedy_reproduces_reference) {
+    TH_REQUIRE_SHARED();
+    char model[1024];
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    char *out = NULL;
+    cr_assert_eq(run(&out, "%s generate --model %s --prompt '' -n 64 --ids --threads 1 2>/dev/null", prefixctl(), model),
+                 0);
+    char want[512];
+    snprintf(want, sizeof want, "%s\n", reference_ids);
+    cr_assert_str_eq(out, want);
+    free(out);
+    cr_assert_eq(run(&out, "%s generate --model %s --prompt '' -n 64 2>&1 >/dev/null", prefixctl(), model), 0);
+    cr_assert(strstr(out, "tok/s") && strstr(out, "finish: length"), "speed report on stderr: %s", out);
+    free(out);
+    /* Text output stops before a stop string. */
+    cr_assert_eq(run(&out, "%s generate --model %s --prompt '' -n 64 --stop ' named' 2>/dev/null", prefixctl(), model),
+                 0);
+    cr_assert_str_eq(out, " Once upon a time, there was a little girl\n");
+    free(out);
+}
+
+Test(cli, generate_sampling_is_seeded) {
+    TH_REQUIRE_SHARED();
+    char model[1024];
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    char *a = NULL, *b = NULL, *c = NULL;
+    const char *fmt = "%s generate --model %s --prompt 'Once upon' -n 24 --temp 1.0 --seed %d --ids 2>/dev/null";
+    cr_assert_eq(run(&a, fmt, prefixctl(), model, 7), 0);
+    cr_assert_eq(run(&b, fmt, prefixctl(), model, 7), 0);
+    cr_assert_eq(run(&c, fmt, prefixctl(), model, 8), 0);
+    cr_assert_str_eq(a, b, "same seed, same tokens");
+    cr_assert_str_neq(a, c, "another seed, other tokens");
+    free(a), free(b), free(c);
+    cr_assert_eq(run(&a, "%s generate --model %s --prompt x --temp -1 2>&1", prefixctl(), model), 1);
+    cr_assert(strstr(a, "temperature"), "%s", a);
+    free(a);
+}
+
+Test(cli, nll_of_likely_text_is_lower) {
+    TH_REQUIRE_SHARED();
+    char model[1024];
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    char *likely = NULL, *unlikely = NULL;
+    cr_assert_eq(run(&likely, "%s nll --model %s --context 'Once upon a time, there was a little girl' "
+                              "--text 'named Lily. She loved to play outside in the park.' 2>/dev/null",
+                     prefixctl(), model),
+                 0);
+    cr_assert_eq(run(&unlikely, "%s nll --model %s --context 'Once upon a time, there was a little girl' "
+                                "--text 'quantum chromodynamics of the electroweak vacuum' 2>/dev/null",
+                     prefixctl(), model),
+                 0);
+    double l = atof(likely), u = atof(unlikely);
+    cr_assert(l > 0 && u > 0, "%s / %s", likely, unlikely);
+    cr_assert_lt(l, u, "story text should be likelier than physics: %g vs %g", l, u);
+    free(likely), free(unlikely);
+}

@@ -3,14 +3,18 @@
  *   prefixctl inspect FILE
  *   prefixctl tokenize --model FILE [--no-bos] [--special]     < text
  *   prefixctl detokenize --model FILE [--special] [--keep-leading-space] < ids
+ *   prefixctl generate --model FILE --prompt TEXT [-n N] [--greedy | --temp T --seed S] [--ids]
+ *   prefixctl nll --model FILE --context TEXT --text TEXT
  *   prefixctl gen-model [options] -o OUT.gguf
  *   prefixctl cuda-info
  */
 #include <errno.h>
 #include <getopt.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "engine/engine.h"
 #include "kernels/kernels.h"
@@ -28,6 +32,15 @@ static void usage(FILE *f) {
           "  detokenize --model FILE       read token ids on stdin, write the exact bytes\n"
           "      [--special]               render control tokens as their text\n"
           "      [--keep-leading-space]    keep the space SentencePiece adds before the text\n"
+          "  generate --model FILE --prompt TEXT\n"
+          "      [-n N]                    tokens to generate (default 64)\n"
+          "      [--greedy | --temp T]     greedy (default) or sampling at temperature T\n"
+          "      [--top-k K] [--top-p P] [--min-p P] [--seed S]\n"
+          "      [--stop TEXT]...          stop strings\n"
+          "      [--ids]                   print token ids instead of text\n"
+          "      [--threads N]             CPU threads (default: all)\n"
+          "  nll --model FILE --context TEXT --text TEXT\n"
+          "                                mean negative log-likelihood of TEXT after CONTEXT\n"
           "  gen-model [options] -o OUT    write a seeded random GGUF model (--help for options)\n"
           "  cuda-info                     list CUDA devices and run a cuBLAS self-test\n",
           f);
@@ -184,6 +197,189 @@ static int cmd_detokenize(int argc, char **argv) {
     return rc ? fail(&err) : 0;
 }
 
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int parse_long(const char *opt, const char *arg, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(arg, &end, 10);
+    if (errno || end == arg || *end || v < lo || v > hi) {
+        fprintf(stderr, "prefixctl: %s wants an integer in [%ld, %ld], got '%s'\n", opt, lo, hi, arg);
+        return 2;
+    }
+    *out = v;
+    return 0;
+}
+
+static int parse_float(const char *opt, const char *arg, float *out) {
+    char *end;
+    errno = 0;
+    float v = strtof(arg, &end);
+    if (errno || end == arg || *end) {
+        fprintf(stderr, "prefixctl: %s wants a number, got '%s'\n", opt, arg);
+        return 2;
+    }
+    *out = v;
+    return 0;
+}
+
+static int tokenize_text(const pd_tokenizer *tok, const char *text, bool add_special, pd_token **ids, size_t *n,
+                         pd_error *err) {
+    pd_tokenize_opts o = {.add_special = add_special};
+    return pd_tokenize(tok, text, strlen(text), o, ids, n, err);
+}
+
+#define MAX_STOPS 16
+
+static int cmd_generate(int argc, char **argv) {
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'}, {"prompt", required_argument, 0, 'p'},
+        {"greedy", no_argument, 0, 'G'},      {"temp", required_argument, 0, 't'},
+        {"top-k", required_argument, 0, 'k'}, {"top-p", required_argument, 0, 'P'},
+        {"min-p", required_argument, 0, 'M'}, {"seed", required_argument, 0, 's'},
+        {"stop", required_argument, 0, 'S'},  {"ids", no_argument, 0, 'i'},
+        {"threads", required_argument, 0, 'T'}, {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    const char *model = NULL, *prompt = NULL;
+    const char *stops[MAX_STOPS];
+    size_t n_stops = 0;
+    long n_predict = 64, threads = 0, v;
+    bool ids_out = false;
+    pd_sampler_params sp = pd_sampler_params_default();
+    sp.temperature = 0.0f;
+    sp.seed = 1;
+    int c, rc;
+    while ((c = getopt_long(argc, argv, "m:p:n:h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model = optarg; break;
+        case 'p': prompt = optarg; break;
+        case 'n': if ((rc = parse_long("-n", optarg, 1, 1 << 20, &n_predict))) return rc; break;
+        case 'G': sp.temperature = 0.0f; break;
+        case 't': if ((rc = parse_float("--temp", optarg, &sp.temperature))) return rc; break;
+        case 'k': if ((rc = parse_long("--top-k", optarg, 0, INT32_MAX, &v))) return rc; sp.top_k = (int32_t)v; break;
+        case 'P': if ((rc = parse_float("--top-p", optarg, &sp.top_p))) return rc; break;
+        case 'M': if ((rc = parse_float("--min-p", optarg, &sp.min_p))) return rc; break;
+        case 's': if ((rc = parse_long("--seed", optarg, 0, INT64_MAX, &v))) return rc; sp.seed = (uint64_t)v; break;
+        case 'S':
+            if (n_stops == MAX_STOPS) {
+                fprintf(stderr, "prefixctl generate: at most %d --stop strings\n", MAX_STOPS);
+                return 2;
+            }
+            stops[n_stops++] = optarg;
+            break;
+        case 'i': ids_out = true; break;
+        case 'T': if ((rc = parse_long("--threads", optarg, 0, 1024, &threads))) return rc; break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (!model || !prompt || optind != argc) {
+        fputs("prefixctl generate: --model FILE and --prompt TEXT are required\n", stderr);
+        return 2;
+    }
+    pd_error err = {0};
+    pd_model *m = NULL;
+    pd_model_params mp = {.n_threads = (int)threads};
+    if (pd_model_load(model, &mp, &m, &err)) return fail(&err);
+    const pd_tokenizer *tok = pd_model_tokenizer(m);
+    const int32_t V = pd_model_hparams(m)->n_vocab;
+    pd_token *ids = NULL;
+    size_t n_ids = 0;
+    pd_seq *seq = NULL;
+    pd_sampler *smp = NULL;
+    pd_generation *gen = NULL;
+    float *logits = malloc(sizeof(float) * (size_t)V);
+    rc = logits ? PD_OK : pd_errorf(&err, PD_ENOMEM, "out of memory");
+    if (!rc) rc = tokenize_text(tok, prompt, true, &ids, &n_ids, &err);
+    if (!rc && n_ids == 0) rc = pd_errorf(&err, PD_EINVAL, "the prompt is empty and the model adds no BOS token");
+    if (!rc) rc = pd_seq_create(m, 0, &seq, &err);
+    if (!rc) rc = pd_sampler_create(&sp, V, &smp, &err);
+    if (!rc) rc = pd_sampler_accept_many(smp, ids, n_ids, false, &err);
+    pd_generation_params gp = {.max_tokens = (int32_t)n_predict, .stop = stops, .n_stop = n_stops};
+    if (!rc) rc = pd_generation_create(tok, &gp, &gen, &err);
+    double t0 = now_s(), t1 = t0;
+    if (!rc) rc = pd_prefill(m, seq, ids, (int64_t)n_ids, NULL, logits, &err);
+    t1 = now_s();
+    int n_gen = 0;
+    pd_generation_step step = {.finish = PD_FINISH_NONE};
+    while (!rc && step.finish == PD_FINISH_NONE) {
+        pd_sample_result r;
+        if ((rc = pd_sampler_sample(smp, logits, &r, &err))) break;
+        if ((rc = pd_sampler_accept(smp, r.token, true, &err))) break;
+        if ((rc = pd_generation_push(gen, r.token, &step, &err))) break;
+        n_gen++;
+        if (ids_out) printf(n_gen > 1 ? " %d" : "%d", r.token);
+        else fwrite(step.text, 1, step.len, stdout);
+        fflush(stdout);
+        if (step.finish != PD_FINISH_NONE) break;
+        if (pd_seq_pos(seq) + 1 >= pd_model_hparams(m)->n_ctx_train) {
+            pd_generation_finish(gen, PD_FINISH_LENGTH, &step);
+            if (!ids_out) fwrite(step.text, 1, step.len, stdout);
+            break;
+        }
+        rc = pd_decode(m, &seq, &r.token, 1, logits, &err);
+    }
+    double t2 = now_s();
+    if (!rc) {
+        putchar('\n');
+        fprintf(stderr, "prompt: %zu tokens in %.3f s (%.1f tok/s); generated: %d tokens in %.3f s (%.1f tok/s); finish: %s\n",
+                n_ids, t1 - t0, (double)n_ids / (t1 - t0), n_gen, t2 - t1, n_gen > 1 ? (n_gen - 1) / (t2 - t1) : 0.0,
+                pd_finish_reason_name(pd_generation_finish_reason(gen)) ? pd_finish_reason_name(pd_generation_finish_reason(gen)) : "none");
+    }
+    pd_generation_free(gen);
+    pd_sampler_free(smp);
+    pd_seq_free(seq);
+    free(ids);
+    free(logits);
+    pd_model_free(m);
+    return rc ? fail(&err) : 0;
+}
+
+static int cmd_nll(int argc, char **argv) {
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'}, {"context", required_argument, 0, 'c'},
+        {"text", required_argument, 0, 't'},  {"threads", required_argument, 0, 'T'},
+        {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
+    const char *model = NULL, *context = NULL, *text = NULL;
+    long threads = 0;
+    int c, rc;
+    while ((c = getopt_long(argc, argv, "m:h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model = optarg; break;
+        case 'c': context = optarg; break;
+        case 't': text = optarg; break;
+        case 'T': if ((rc = parse_long("--threads", optarg, 0, 1024, &threads))) return rc; break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (!model || !context || !text || optind != argc) {
+        fputs("prefixctl nll: --model FILE, --context TEXT and --text TEXT are required\n", stderr);
+        return 2;
+    }
+    pd_error err = {0};
+    pd_model *m = NULL;
+    pd_model_params mp = {.n_threads = (int)threads};
+    if (pd_model_load(model, &mp, &m, &err)) return fail(&err);
+    pd_token *ctx_ids = NULL, *text_ids = NULL;
+    size_t n_ctx = 0, n_text = 0;
+    double nll = 0;
+    /* The context starts the document (BOS); the text continues it. */
+    rc = tokenize_text(pd_model_tokenizer(m), context, true, &ctx_ids, &n_ctx, &err);
+    if (!rc) rc = tokenize_text(pd_model_tokenizer(m), text, false, &text_ids, &n_text, &err);
+    if (!rc) rc = pd_nll(m, NULL, ctx_ids, (int64_t)n_ctx, text_ids, (int64_t)n_text, &nll, &err);
+    if (!rc) printf("%.6f\n", nll);
+    if (!rc) fprintf(stderr, "context %zu tokens, text %zu tokens, perplexity %.4f\n", n_ctx, n_text, exp(nll));
+    free(ctx_ids);
+    free(text_ids);
+    pd_model_free(m);
+    return rc ? fail(&err) : 0;
+}
+
 static int cmd_cuda_info(void) {
     printf("CUDA backend compiled in: %s\n", pd_cuda_compiled() ? "yes" : "no");
     int n = pd_cuda_device_count();
@@ -212,6 +408,8 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "inspect") == 0) return cmd_inspect(argc, argv);
     if (strcmp(cmd, "tokenize") == 0) return cmd_tokenize(argc, argv);
     if (strcmp(cmd, "detokenize") == 0) return cmd_detokenize(argc, argv);
+    if (strcmp(cmd, "generate") == 0) return cmd_generate(argc, argv);
+    if (strcmp(cmd, "nll") == 0) return cmd_nll(argc, argv);
     if (strcmp(cmd, "gen-model") == 0) return pd_testmodel_cli(argc, argv);
     if (strcmp(cmd, "cuda-info") == 0) return cmd_cuda_info();
     if (strcmp(cmd, "-h") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "help") == 0) {

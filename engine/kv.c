@@ -1,0 +1,209 @@
+/* KV caches: a sequence's own streams and shared read-only prefixes, both
+ * addressed per (layer, kv_head) with their own lengths and positions. */
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/model_internal.h"
+
+int kv_stream_reserve(kv_stream *s, int64_t cap, int head_dim, pd_error *err) {
+    if (cap <= s->cap) return PD_OK;
+    int64_t new_cap = s->cap ? s->cap : 64;
+    while (new_cap < cap) new_cap *= 2;
+    size_t rows = (size_t)new_cap, hd = (size_t)head_dim;
+    /* Each array is grown in turn; one that failed leaves the others larger
+     * but valid, and cap unchanged, so the stream stays consistent. */
+    float *k = realloc(s->k, rows * hd * sizeof *k);
+    if (!k) goto oom;
+    s->k = k;
+    float *v = realloc(s->v, rows * hd * sizeof *v);
+    if (!v) goto oom;
+    s->v = v;
+    int32_t *pos = realloc(s->pos, rows * sizeof *pos);
+    if (!pos) goto oom;
+    s->pos = pos;
+    if (s->keep) {
+        uint8_t *keep = realloc(s->keep, rows);
+        if (!keep) goto oom;
+        memset(keep + s->cap, 1, rows - (size_t)s->cap);
+        s->keep = keep;
+    }
+    s->cap = new_cap;
+    return PD_OK;
+oom:
+    return pd_errorf(err, PD_ENOMEM, "out of memory growing the KV cache to %" PRId64 " rows", new_cap);
+}
+
+void kv_stream_free(kv_stream *s) {
+    free(s->k);
+    free(s->v);
+    free(s->pos);
+    free(s->keep);
+    memset(s, 0, sizeof *s);
+}
+
+static int streams_alloc(int32_t n_layer, int32_t n_head_kv, kv_stream **out, pd_error *err) {
+    *out = calloc((size_t)n_layer * (size_t)n_head_kv, sizeof **out);
+    return *out ? PD_OK : pd_errorf(err, PD_ENOMEM, "out of memory for KV streams");
+}
+
+static void streams_free(kv_stream *s, int64_t n) {
+    if (!s) return;
+    for (int64_t i = 0; i < n; i++) kv_stream_free(&s[i]);
+    free(s);
+}
+
+/* ---- prefixes --------------------------------------------------------- */
+
+int pd_kv_prefix_create(const pd_hparams *hp, int32_t n_orig, pd_kv_prefix **out, pd_error *err) {
+    *out = NULL;
+    if (n_orig < 0) return pd_errorf(err, PD_EINVAL, "prefix length %d is negative", n_orig);
+    pd_kv_prefix *p = calloc(1, sizeof *p);
+    if (!p) return pd_errorf(err, PD_ENOMEM, "out of memory for a KV prefix");
+    p->n_layer = hp->n_layer;
+    p->n_head_kv = hp->n_head_kv;
+    p->head_dim = hp->head_dim;
+    p->n_orig = n_orig;
+    int rc = streams_alloc(p->n_layer, p->n_head_kv, &p->streams, err);
+    if (rc) {
+        free(p);
+        return rc;
+    }
+    *out = p;
+    return PD_OK;
+}
+
+int pd_kv_prefix_set(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos, const float *k, const float *v,
+                     int64_t len, pd_error *err) {
+    if (layer < 0 || layer >= p->n_layer || kv_head < 0 || kv_head >= p->n_head_kv)
+        return pd_errorf(err, PD_EINVAL, "prefix stream (layer %d, kv head %d) is out of range (%d layers, %d kv heads)",
+                         layer, kv_head, p->n_layer, p->n_head_kv);
+    if (len < 0 || len > p->n_orig)
+        return pd_errorf(err, PD_EINVAL, "prefix stream (layer %d, kv head %d): %" PRId64 " rows for a prefix of %d tokens",
+                         layer, kv_head, len, p->n_orig);
+    for (int64_t i = 0; i < len; i++)
+        if (pos[i] < 0 || pos[i] >= p->n_orig || (i > 0 && pos[i] <= pos[i - 1]))
+            return pd_errorf(err, PD_EINVAL,
+                             "prefix stream (layer %d, kv head %d): position %d at row %" PRId64
+                             " is not increasing within [0, %d)",
+                             layer, kv_head, pos[i], i, p->n_orig);
+    kv_stream *s = &p->streams[(int64_t)layer * p->n_head_kv + kv_head];
+    int rc = kv_stream_reserve(s, len, p->head_dim, err);
+    if (rc) return rc;
+    size_t row = (size_t)p->head_dim * sizeof(float);
+    if (len) {
+        memcpy(s->k, k, (size_t)len * row);
+        memcpy(s->v, v, (size_t)len * row);
+        memcpy(s->pos, pos, (size_t)len * sizeof *pos);
+    }
+    s->len = len;
+    return PD_OK;
+}
+
+void pd_kv_prefix_free(pd_kv_prefix *p) {
+    if (!p) return;
+    streams_free(p->streams, (int64_t)p->n_layer * p->n_head_kv);
+    free(p);
+}
+
+int32_t pd_kv_prefix_n_orig(const pd_kv_prefix *p) { return p->n_orig; }
+
+int64_t pd_kv_prefix_stream(const pd_kv_prefix *p, int layer, int kv_head, const int32_t **pos, const float **k,
+                            const float **v) {
+    const kv_stream *s = &p->streams[(int64_t)layer * p->n_head_kv + kv_head];
+    if (pos) *pos = s->pos;
+    if (k) *k = s->k;
+    if (v) *v = s->v;
+    return s->len;
+}
+
+int64_t pd_kv_prefix_kept_rows(const pd_kv_prefix *p) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < (int64_t)p->n_layer * p->n_head_kv; i++) n += p->streams[i].len;
+    return n;
+}
+
+/* ---- sequences -------------------------------------------------------- */
+
+int pd_seq_create(pd_model *m, int32_t n_ctx, pd_seq **out, pd_error *err) {
+    *out = NULL;
+    if (n_ctx < 0) return pd_errorf(err, PD_EINVAL, "context size %d is negative", n_ctx);
+    pd_seq *s = calloc(1, sizeof *s);
+    if (!s) return pd_errorf(err, PD_ENOMEM, "out of memory for a sequence");
+    s->model = m;
+    s->n_ctx = n_ctx ? n_ctx : m->hp.n_ctx_train;
+    int rc = streams_alloc(m->hp.n_layer, m->hp.n_head_kv, &s->streams, err);
+    if (rc) {
+        free(s);
+        return rc;
+    }
+    *out = s;
+    return PD_OK;
+}
+
+void pd_seq_free(pd_seq *s) {
+    if (!s) return;
+    streams_free(s->streams, (int64_t)s->model->hp.n_layer * s->model->hp.n_head_kv);
+    free(s);
+}
+
+int pd_seq_attach_prefix(pd_seq *s, const pd_kv_prefix *p, pd_error *err) {
+    const pd_hparams *hp = &s->model->hp;
+    if (s->next_pos != 0 || s->prefix) return pd_errorf(err, PD_EINVAL, "a prefix can only be attached to an empty sequence");
+    if (p->n_layer != hp->n_layer || p->n_head_kv != hp->n_head_kv || p->head_dim != hp->head_dim)
+        return pd_errorf(err, PD_EINVAL,
+                         "prefix shape (%d layers, %d kv heads, head size %d) does not match the model (%d, %d, %d)",
+                         p->n_layer, p->n_head_kv, p->head_dim, hp->n_layer, hp->n_head_kv, hp->head_dim);
+    if (p->n_orig >= s->n_ctx)
+        return pd_errorf(err, PD_ERANGE, "prefix of %d tokens leaves no room in a context of %d", p->n_orig, s->n_ctx);
+    s->prefix = p;
+    s->next_pos = p->n_orig;
+    return PD_OK;
+}
+
+int32_t pd_seq_pos(const pd_seq *s) { return s->next_pos; }
+
+int64_t pd_seq_stream_len(const pd_seq *s, int layer, int kv_head) {
+    return s->streams[(int64_t)layer * s->model->hp.n_head_kv + kv_head].len;
+}
+
+int pd_seq_to_prefix(const pd_seq *s, pd_kv_prefix **out, pd_error *err) {
+    *out = NULL;
+    if (s->prefix) return pd_errorf(err, PD_EINVAL, "a sequence that continues a prefix cannot be snapshotted as one");
+    const pd_hparams *hp = &s->model->hp;
+    pd_kv_prefix *p;
+    int rc = pd_kv_prefix_create(hp, s->next_pos, &p, err);
+    if (rc) return rc;
+    for (int l = 0; l < hp->n_layer && !rc; l++)
+        for (int h = 0; h < hp->n_head_kv && !rc; h++) {
+            const kv_stream *st = &s->streams[(int64_t)l * hp->n_head_kv + h];
+            rc = pd_kv_prefix_set(p, l, h, st->pos, st->k, st->v, st->len, err);
+        }
+    if (rc) {
+        pd_kv_prefix_free(p);
+        return rc;
+    }
+    *out = p;
+    return PD_OK;
+}
+
+int pd_seq_set_mask(pd_seq *s, int layer, int kv_head, const uint8_t *keep, int64_t len, pd_error *err) {
+    const pd_hparams *hp = &s->model->hp;
+    if (layer < 0 || layer >= hp->n_layer || kv_head < 0 || kv_head >= hp->n_head_kv)
+        return pd_errorf(err, PD_EINVAL, "stream (layer %d, kv head %d) is out of range", layer, kv_head);
+    kv_stream *st = &s->streams[(int64_t)layer * hp->n_head_kv + kv_head];
+    if (!keep) {
+        free(st->keep);
+        st->keep = NULL;
+        return PD_OK;
+    }
+    if (len != st->len)
+        return pd_errorf(err, PD_EINVAL, "mask of %" PRId64 " entries for a stream of %" PRId64 " rows", len, st->len);
+    if (!st->keep) {
+        st->keep = malloc(st->cap ? (size_t)st->cap : 1);
+        if (!st->keep) return pd_errorf(err, PD_ENOMEM, "out of memory for a KV mask");
+        if (st->cap) memset(st->keep, 1, (size_t)st->cap);
+    }
+    if (len) memcpy(st->keep, keep, (size_t)len);
+    return PD_OK;
+}

@@ -1,0 +1,352 @@
+/* The CPU backend: SIMD level selection, the vtable, scratch memory and the
+ * light element-wise operations (get_rows, rmsnorm, rope, swiglu). matmul.c
+ * and attention.c hold the heavy ones. */
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "kernels/cpu/cpu_internal.h"
+#include "kernels/kernels.h"
+
+#if PD_X86
+#include <cpuid.h>
+#endif
+
+/* ------------------------------------------------------------------------
+ * SIMD level
+ * ------------------------------------------------------------------------ */
+
+static cpu_simd_level best_level(void) {
+#if PD_X86
+    unsigned a, b, c, d;
+    const bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+    __builtin_cpu_init();
+    if (!(f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
+        return CPU_SIMD_SCALAR;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vnni"))
+        return CPU_SIMD_AVX512;
+    return CPU_SIMD_AVX2;
+#else
+    return CPU_SIMD_SCALAR;
+#endif
+}
+
+/* Parse $PD_CPU_SIMD; returns false for a value we do not know. */
+static bool env_level(cpu_simd_level best, cpu_simd_level *out, const char **bad) {
+    const char *v = getenv("PD_CPU_SIMD");
+    *out = best;
+    *bad = NULL;
+    if (!v || !*v || strcasecmp(v, "auto") == 0) return true;
+    cpu_simd_level want;
+    if (strcasecmp(v, "scalar") == 0)
+        want = CPU_SIMD_SCALAR;
+    else if (strcasecmp(v, "avx2") == 0)
+        want = CPU_SIMD_AVX2;
+    else if (strcasecmp(v, "avx512") == 0 || strcasecmp(v, "avx512vnni") == 0)
+        want = CPU_SIMD_AVX512;
+    else {
+        *bad = v;
+        return false;
+    }
+    *out = want < best ? want : best; /* never above what the CPU has */
+    return true;
+}
+
+cpu_simd_level cpu_simd_detect(void) {
+    cpu_simd_level l;
+    const char *bad;
+    env_level(best_level(), &l, &bad);
+    return l;
+}
+
+const char *cpu_simd_level_name(cpu_simd_level l) {
+    switch (l) {
+    case CPU_SIMD_AVX512: return "avx512vnni";
+    case CPU_SIMD_AVX2: return "avx2";
+    default: return "scalar";
+    }
+}
+
+const char *pd_cpu_simd_name(void) {
+    return cpu_simd_level_name(cpu_simd_detect());
+}
+
+/* ------------------------------------------------------------------------
+ * weights and scratch
+ * ------------------------------------------------------------------------ */
+
+int pd_weight_init(pd_weight *w, pd_type type, const void *data, int64_t rows, int64_t cols,
+                   pd_error *err) {
+    memset(w, 0, sizeof *w);
+    const pd_type_traits *tr = pd_type_get((uint32_t)type);
+    if (!tr) return pd_errorf(err, PD_EINVAL, "weight: unknown tensor type id %u", (unsigned)type);
+    if (rows < 0 || cols < 0)
+        return pd_errorf(err, PD_EINVAL, "weight: negative shape %lld x %lld", (long long)rows,
+                         (long long)cols);
+    uint64_t rb, total;
+    int rc = pd_type_row_size(type, (uint64_t)cols, &rb, err);
+    if (rc) {
+        pd_error_prefix(err, "weight of %lld x %lld", (long long)rows, (long long)cols);
+        return rc;
+    }
+    if (!pd_mul_ok(rb, (uint64_t)rows, &total) || total > (uint64_t)PTRDIFF_MAX)
+        return pd_errorf(err, PD_ERANGE, "weight: %lld rows of %llu bytes overflow", (long long)rows,
+                         (unsigned long long)rb);
+    if (!data && total > 0) return pd_errorf(err, PD_EINVAL, "weight: NULL data for a non-empty tensor");
+    w->type = type;
+    w->data = data;
+    w->rows = rows;
+    w->cols = cols;
+    w->row_bytes = (size_t)rb;
+    return PD_OK;
+}
+
+int cpu_scratch_reserve(void **buf, size_t *cap, size_t bytes, pd_error *err) {
+    if (bytes <= *cap && *buf) return PD_OK;
+    size_t want = bytes + bytes / 4 + 4096; /* grow with headroom */
+    want = (want + 63) & ~(size_t)63;
+    void *p = aligned_alloc(64, want);
+    if (!p) return pd_errorf(err, PD_ENOMEM, "cpu backend: cannot allocate %zu bytes of scratch", want);
+    free(*buf);
+    *buf = p;
+    *cap = want;
+    return PD_OK;
+}
+
+/* ------------------------------------------------------------------------
+ * get_rows
+ * ------------------------------------------------------------------------ */
+
+static int cpu_get_rows(pd_backend *be, const pd_weight *w, const int32_t *ids, int64_t n, float *out,
+                        pd_error *err) {
+    const cpu_backend *cb = be->impl;
+    const pd_type_traits *tr = pd_type_get((uint32_t)w->type);
+    if (!tr || !tr->can_dequantize)
+        return pd_errorf(err, PD_EUNSUPPORTED, "get_rows: cannot dequantize tensor type %s",
+                         tr ? tr->name : "(unknown)");
+    if (n < 0) return pd_errorf(err, PD_EINVAL, "get_rows: negative count %lld", (long long)n);
+    if (n > 0 && (!ids || !out)) return pd_errorf(err, PD_EINVAL, "get_rows: NULL ids or output");
+    const cpu_dequant_fn fast = cb->k.dequant[w->type];
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= w->rows)
+            return pd_errorf(err, PD_ERANGE, "get_rows: id %d at index %lld is outside [0, %lld)",
+                             (int)ids[i], (long long)i, (long long)w->rows);
+        const uint8_t *row = (const uint8_t *)w->data + (size_t)ids[i] * w->row_bytes;
+        float *dst = out + i * w->cols;
+        if (fast)
+            fast(row, w->cols, dst);
+        else {
+            int rc = pd_dequantize_row(w->type, row, dst, (uint64_t)w->cols, err);
+            if (rc) {
+                pd_error_prefix(err, "get_rows");
+                return rc;
+            }
+        }
+    }
+    return PD_OK;
+}
+
+/* ------------------------------------------------------------------------
+ * rmsnorm, swiglu: row- or range-parallel
+ * ------------------------------------------------------------------------ */
+
+/* Below this many elements an element-wise op runs on the calling thread. */
+#define PAR_MIN_ELEMS 32768
+
+typedef struct rms_ctx {
+    const cpu_kernels *k;
+    const float *x, *weight;
+    float *out;
+    int64_t n, dim;
+    float eps;
+} rms_ctx;
+
+static void rms_rows(const rms_ctx *c, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = c->x + r * c->dim;
+        float *o = c->out + r * c->dim;
+        const float ss = c->k->dot_f32(x, x, c->dim);
+        const float scale = 1.0f / sqrtf(ss / (float)c->dim + c->eps);
+        if (c->weight)
+            for (int64_t i = 0; i < c->dim; i++) o[i] = x[i] * scale * c->weight[i];
+        else
+            for (int64_t i = 0; i < c->dim; i++) o[i] = x[i] * scale;
+    }
+}
+
+static void rms_worker(void *p, int ith, int nth) {
+    const rms_ctx *c = p;
+    rms_rows(c, c->n * ith / nth, c->n * (ith + 1) / nth);
+}
+
+static void cpu_rmsnorm(pd_backend *be, const float *x, const float *weight, int64_t n, int64_t dim,
+                        float eps, float *out) {
+    const cpu_backend *cb = be->impl;
+    if (n <= 0 || dim <= 0) return;
+    rms_ctx c = {&cb->k, x, weight, out, n, dim, eps};
+    if (n * dim < PAR_MIN_ELEMS || n < 2)
+        rms_rows(&c, 0, n);
+    else
+        pd_threadpool_run(cb->tp, rms_worker, &c);
+}
+
+typedef struct swiglu_ctx {
+    const cpu_kernels *k;
+    const float *g, *u;
+    float *out;
+    int64_t n;
+} swiglu_ctx;
+
+static void swiglu_worker(void *p, int ith, int nth) {
+    const swiglu_ctx *c = p;
+    /* split on multiples of 64 so every slice but the last is whole vectors */
+    const int64_t nv = (c->n + 63) / 64;
+    int64_t a = nv * ith / nth * 64, b = nv * (ith + 1) / nth * 64;
+    if (b > c->n) b = c->n;
+    if (a < b) c->k->swiglu(c->g + a, c->u + a, b - a, c->out + a);
+}
+
+static void cpu_swiglu(pd_backend *be, const float *gate, const float *up, int64_t n, float *out) {
+    const cpu_backend *cb = be->impl;
+    if (n <= 0) return;
+    if (n < PAR_MIN_ELEMS) {
+        cb->k.swiglu(gate, up, n, out);
+        return;
+    }
+    swiglu_ctx c = {&cb->k, gate, up, out, n};
+    pd_threadpool_run(cb->tp, swiglu_worker, &c);
+}
+
+/* ------------------------------------------------------------------------
+ * rope
+ * ------------------------------------------------------------------------ */
+
+#define ROPE_CHUNK 64 /* frequency pairs handled per pass */
+
+typedef struct rope_ctx {
+    float *x;
+    const int32_t *pos;
+    int64_t n;
+    int n_heads, head_dim, n_rot;
+    pd_rope_mode mode;
+    double base;
+    const float *ff;
+} rope_ctx;
+
+static void rope_tokens(const rope_ctx *c, int64_t t0, int64_t t1) {
+    const int half = c->n_rot / 2;
+    double inv_freq[ROPE_CHUNK];
+    float cs[ROPE_CHUNK], sn[ROPE_CHUNK];
+    for (int i0 = 0; i0 < half; i0 += ROPE_CHUNK) {
+        const int ni = half - i0 < ROPE_CHUNK ? half - i0 : ROPE_CHUNK;
+        for (int i = 0; i < ni; i++) {
+            /* theta_i = pos * base^(-2i/n_rot) / freq_factors[i] */
+            inv_freq[i] = pow(c->base, -2.0 * (double)(i0 + i) / (double)c->n_rot);
+            if (c->ff) inv_freq[i] /= (double)c->ff[i0 + i];
+        }
+        for (int64_t t = t0; t < t1; t++) {
+            const double p = (double)c->pos[t];
+            for (int i = 0; i < ni; i++) {
+                const double th = p * inv_freq[i];
+                cs[i] = (float)cos(th);
+                sn[i] = (float)sin(th);
+            }
+            for (int h = 0; h < c->n_heads; h++) {
+                float *v = c->x + (t * c->n_heads + h) * (int64_t)c->head_dim;
+                for (int i = 0; i < ni; i++) {
+                    const int a = c->mode == PD_ROPE_NEOX ? i0 + i : 2 * (i0 + i);
+                    const int b = c->mode == PD_ROPE_NEOX ? i0 + i + half : 2 * (i0 + i) + 1;
+                    const float x0 = v[a], x1 = v[b];
+                    v[a] = x0 * cs[i] - x1 * sn[i];
+                    v[b] = x0 * sn[i] + x1 * cs[i];
+                }
+            }
+        }
+    }
+}
+
+static void rope_worker(void *p, int ith, int nth) {
+    const rope_ctx *c = p;
+    rope_tokens(c, c->n * ith / nth, c->n * (ith + 1) / nth);
+}
+
+static void cpu_rope(pd_backend *be, float *x, const int32_t *pos, int64_t n, int n_heads,
+                     int head_dim, const pd_rope_params *p) {
+    const cpu_backend *cb = be->impl;
+    if (n <= 0 || n_heads <= 0 || head_dim <= 0 || !p) return;
+    int n_rot = p->n_rot < head_dim ? p->n_rot : head_dim;
+    n_rot &= ~1;
+    if (n_rot <= 0) return;
+    rope_ctx c = {x, pos, n, n_heads, head_dim, n_rot, p->mode, (double)p->freq_base, p->freq_factors};
+    if (n * n_heads * (int64_t)n_rot < PAR_MIN_ELEMS / 4 || n < 2)
+        rope_tokens(&c, 0, n);
+    else
+        pd_threadpool_run(cb->tp, rope_worker, &c);
+}
+
+/* ------------------------------------------------------------------------
+ * create / free
+ * ------------------------------------------------------------------------ */
+
+static void cpu_free(pd_backend *be) {
+    if (!be) return;
+    cpu_backend *cb = be->impl;
+    pd_threadpool_free(cb->tp);
+    free(cb->act);
+    free(cb->work);
+    free(cb);
+}
+
+static const pd_backend_ops cpu_ops = {
+    .name = "cpu",
+    .free = cpu_free,
+    .matmul = cpu_matmul,
+    .get_rows = cpu_get_rows,
+    .rmsnorm = cpu_rmsnorm,
+    .rope = cpu_rope,
+    .swiglu = cpu_swiglu,
+    .attention = cpu_attention,
+};
+
+int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err) {
+    *out = NULL;
+    cpu_simd_level level;
+    const char *bad;
+    if (!env_level(best_level(), &level, &bad))
+        return pd_errorf(err, PD_EINVAL,
+                         "PD_CPU_SIMD='%s' is not a SIMD level (use scalar, avx2, avx512 or auto)", bad);
+    cpu_backend *cb = calloc(1, sizeof *cb);
+    if (!cb) return pd_errorf(err, PD_ENOMEM, "cpu backend: out of memory");
+    int rc = pd_threadpool_create(n_threads, &cb->tp, err);
+    if (rc) {
+        free(cb);
+        pd_error_prefix(err, "cpu backend");
+        return rc;
+    }
+    cb->n_threads = pd_threadpool_size(cb->tp);
+    switch (level) {
+#if PD_X86
+    case CPU_SIMD_AVX512: cpu_kernels_avx512(&cb->k); break;
+    case CPU_SIMD_AVX2: cpu_kernels_avx2(&cb->k); break;
+#endif
+    default: cpu_kernels_scalar(&cb->k); break;
+    }
+    cb->gemm_min_n = 16;
+    const char *g = getenv("PD_CPU_GEMM_MIN_N"); /* tuning knob for kernel-bench */
+    if (g && *g) {
+        char *end;
+        const long v = strtol(g, &end, 10);
+        if (*end == '\0' && v >= 1) cb->gemm_min_n = v;
+    }
+    /* Our pool parallelises across GEMM tiles; OpenBLAS's own threads would
+     * fight with it (process-wide setting). */
+    openblas_set_num_threads(1);
+    cb->base.ops = &cpu_ops;
+    cb->base.impl = cb;
+    *out = &cb->base;
+    return PD_OK;
+}

@@ -1,0 +1,175 @@
+/* Private to kernels/cpu: the SIMD kernel tables and the data layouts the
+ * matmul kernels share. Nothing outside kernels/cpu includes this. */
+#ifndef PD_KERNELS_CPU_INTERNAL_H
+#define PD_KERNELS_CPU_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels/kernels.h"
+
+#define PD_CPU_MAX_THREADS 512
+
+/* Function attributes for the run-time dispatched SIMD code: the build
+ * needs no -march flag, each kernel is compiled for its own target and only
+ * called after cpuid said the CPU has it. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define PD_X86 1
+#define PD_TARGET_AVX2 __attribute__((target("avx,avx2,fma,f16c")))
+#define PD_TARGET_AVX512                                                                        \
+    __attribute__((target("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#else
+#define PD_X86 0
+#endif
+
+/* Full unrolling of the short constant-trip loops in tile kernels, so their
+ * accumulator arrays live in registers (clang needs its own spelling). */
+#if defined(__clang__)
+#define PD_UNROLL _Pragma("unroll")
+#else
+#define PD_UNROLL _Pragma("GCC unroll 4")
+#endif
+
+typedef enum cpu_simd_level {
+    CPU_SIMD_SCALAR = 0,
+    CPU_SIMD_AVX2 = 1,     /* AVX2 + FMA + F16C */
+    CPU_SIMD_AVX512 = 2,   /* AVX-512 F/BW/VL/DQ + VNNI (plus the AVX2 set) */
+} cpu_simd_level;
+
+/* Best level this CPU supports, lowered by $PD_CPU_SIMD if set. */
+cpu_simd_level cpu_simd_detect(void);
+const char *cpu_simd_level_name(cpu_simd_level l);
+
+/* Activations quantized for the integer dot products, one row per token.
+ *
+ * q8_0 (for q8_0 and q4_0 weights), per block of 32:
+ *   qs[32] int8 = round(x / d), d = amax / 127 (float, not fp16)
+ *   c = -128 * sum(qs) : the correction that turns a dot product against
+ *       (w XOR 0x80), i.e. w + 128 as unsigned bytes, back into dot(w, qs);
+ *       for q4_0 (nibbles q in 0..15, w = q - 8) the correction is c / 16.
+ * q8_K (for q4_K and q6_K weights), per super-block of 256:
+ *   qs[256] int8, d = amax / 127, bsums[16] = sums of each 16 qs.
+ *
+ * Rows are stored as separate arrays (qs contiguous per row) so SIMD loads
+ * stay simple. */
+typedef struct cpu_qact {
+    int8_t *qs;     /* [n][cols] */
+    float *d;       /* [n][nblocks] */
+    int32_t *c;     /* q8_0: [n][nblocks] */
+    int16_t *bsums; /* q8_K: [n][cols / 16] */
+    int64_t n, cols, nblocks;
+} cpu_qact;
+
+/* Arguments of a matmul kernel call: rows [r0, r1) of W against all n
+ * activation rows, y[t * ldy + r]. */
+typedef struct cpu_mm {
+    const uint8_t *w; /* row 0 */
+    size_t rb;        /* bytes per row */
+    int64_t cols;
+    int64_t n;
+    const float *x; /* float activations [n][cols] (f32/f16/bf16 weights) */
+    const cpu_qact *q; /* quantized activations (quantized weights) */
+    float *y;
+    int64_t ldy;
+} cpu_mm;
+
+typedef void (*cpu_mm_fn)(const cpu_mm *m, int64_t r0, int64_t r1);
+/* Quantize one row of cols floats (cols a multiple of the block size). */
+typedef void (*cpu_quant_fn)(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
+                             int16_t *bsums);
+/* Dequantize one row to float (fast path; NULL means use the reference). */
+typedef void (*cpu_dequant_fn)(const uint8_t *w, int64_t cols, float *out);
+
+typedef struct cpu_kernels {
+    cpu_simd_level level;
+    cpu_mm_fn mm[PD_TYPE_COUNT];       /* small-n (or any-n) kernels, NULL = unsupported */
+    /* Types whose mm kernel also serves large n better than dequant + GEMM
+     * (an integer GEMM tile kernel). */
+    bool mm_any_n[PD_TYPE_COUNT];
+    cpu_dequant_fn dequant[PD_TYPE_COUNT];
+    cpu_quant_fn quant_q8_0;
+    cpu_quant_fn quant_q8_K;
+    /* out[i] = silu(g[i]) * u[i] */
+    void (*swiglu)(const float *g, const float *u, int64_t n, float *out);
+    /* p[i] = exp(s[i] - m) for i < n; returns the sum (masked entries are
+     * -INFINITY and give 0) */
+    float (*softmax_exp)(const float *s, float m, int64_t n, float *p);
+    float (*dot_f32)(const float *a, const float *b, int64_t n);
+    /* y += a * x */
+    void (*axpy_f32)(float a, const float *x, int64_t n, float *y);
+    /* y *= a */
+    void (*scale_f32)(float a, int64_t n, float *y);
+    /* s[j] = scale * dot(q, k + j * hd) for j < nk (attention scores) */
+    void (*attn_scores)(const float *q, const float *k, int64_t hd, int64_t nk, float scale,
+                        float *s);
+    /* o += sum_j p[j] * v[j * hd ...] for j < nk, skipping p[j] == 0 */
+    void (*attn_pv)(const float *p, const float *v, int64_t hd, int64_t nk, float *o);
+} cpu_kernels;
+
+void cpu_kernels_scalar(cpu_kernels *k);
+#if PD_X86
+void cpu_kernels_avx2(cpu_kernels *k);
+void cpu_kernels_avx512(cpu_kernels *k);
+#endif
+
+/* Shared scalar helpers. */
+static inline uint16_t cpu_load_u16(const uint8_t *p) {
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+static inline float cpu_load_f32(const void *p) {
+    float f;
+    memcpy(&f, p, sizeof f);
+    return f;
+}
+static inline int8_t cpu_load_i8(const uint8_t *p) {
+    int8_t v;
+    memcpy(&v, p, 1);
+    return v;
+}
+
+/* The 6-bit scale and min of sub-block j (0..7) of a q4_K block. */
+static inline void cpu_q4k_scale_min(int j, const uint8_t *s, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = s[j] & 63u;
+        *m = s[j + 4] & 63u;
+    } else {
+        *sc = (uint8_t)((s[j + 4] & 0x0fu) | ((s[j - 4] >> 6) << 4));
+        *m = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+/* Activation quantizers shared by the scalar table; SIMD tables use their
+ * own but must produce identical bytes (same float ops, round to nearest
+ * even), so the integer dot products agree exactly across levels. */
+void cpu_quant_q8_0_scalar(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
+                           int16_t *bsums);
+void cpu_quant_q8_K_scalar(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
+                           int16_t *bsums);
+
+/* The CPU backend object (pd_backend.impl points at it). Used by one
+ * thread at a time; the scratch buffers only grow. */
+typedef struct cpu_backend {
+    pd_backend base;
+    pd_threadpool *tp;
+    int n_threads;
+    cpu_kernels k;
+    int64_t gemm_min_n; /* n at which dequantize + sgemm takes over */
+    void *act;          /* quantized activations */
+    size_t act_cap;
+    float *work;        /* per-thread float scratch (dequantized tiles, attention) */
+    size_t work_cap;    /* floats in total */
+} cpu_backend;
+
+/* Make sure *buf holds at least `bytes` (64-byte aligned, contents not
+ * kept). */
+int cpu_scratch_reserve(void **buf, size_t *cap, size_t bytes, pd_error *err);
+
+/* matmul.c */
+int cpu_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y,
+               pd_error *err);
+/* attention.c */
+int cpu_attention(pd_backend *be, const pd_attn_args *a, pd_error *err);
+
+#endif

@@ -1,0 +1,388 @@
+/* AVX-512 (F/BW/VL/DQ) + VNNI kernels, run-time dispatched.
+ *
+ * q8_0 weights use an integer GEMM tile kernel for every n: a tile of up to
+ * 4 weight rows x 4 activation rows, two 32-blocks per 512-bit register.
+ * vpdpbusd multiplies unsigned by signed bytes, so the weights are flipped
+ * to unsigned with XOR 0x80 (w + 128) and the accumulator starts at
+ * -128 * sum(x) for the block (precomputed when x was quantized); the
+ * result is the exact integer dot(w, x) of each block, which is then scaled
+ * by d_w * d_x in float. The K-quants reuse the AVX2 kernels. */
+#include "kernels/cpu/cpu_internal.h"
+
+#if PD_X86
+#include <immintrin.h>
+#include <math.h>
+
+#include "kernels/cpu/simd_x86.h"
+
+#define Q8_0_BYTES 34
+#define Q4_0_BYTES 18
+
+/* ------------------------------------------------------------------------
+ * q8_0 x q8_0 tile kernel
+ * ------------------------------------------------------------------------ */
+
+#define TILE_M 4
+#if defined(__clang__)
+#define TILE_N 3 /* clang spills the registers of a 4x4 tile */
+#else
+#define TILE_N 4
+#endif
+#define TOKEN_BLOCK 64
+
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
+q8_0_tile(const uint8_t *w, size_t rb, const int nr, const cpu_qact *q, int64_t t0, const int nt,
+          float *y, int64_t ldy) {
+    const int64_t nb = q->nblocks;
+    const int64_t ldq = q->cols;
+    const int8_t *xq = q->qs + t0 * ldq;
+    const float *xd = q->d + t0 * nb;
+    const int32_t *xc = q->c + t0 * nb;
+    const __m512i idx01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i x80 = _mm512_set1_epi8((char)0x80);
+
+    __m512 acc[TILE_M][TILE_N];
+PD_UNROLL
+    for (int i = 0; i < nr; i++)
+PD_UNROLL
+        for (int j = 0; j < nt; j++) acc[i][j] = _mm512_setzero_ps();
+
+    int64_t p = 0;
+    for (; p + 2 <= nb; p += 2) {
+        __m512i xv[TILE_N], cv[TILE_N];
+        __m512 dx[TILE_N];
+PD_UNROLL
+        for (int j = 0; j < nt; j++) {
+            xv[j] = _mm512_loadu_si512((const void *)(xq + j * ldq + 32 * p));
+            const __m128i d2 = _mm_loadl_epi64((const __m128i *)(const void *)(xd + j * nb + p));
+            dx[j] = _mm512_permutexvar_ps(idx01, _mm512_castps128_ps512(_mm_castsi128_ps(d2)));
+            const __m128i c2 = _mm_loadl_epi64((const __m128i *)(const void *)(xc + j * nb + p));
+            cv[j] = _mm512_maskz_permutexvar_epi32((__mmask16)0x0101, idx01, _mm512_castsi128_si512(c2));
+        }
+PD_UNROLL
+        for (int i = 0; i < nr; i++) {
+            const uint8_t *blk = w + (size_t)i * rb + (size_t)Q8_0_BYTES * (size_t)p;
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + Q8_0_BYTES + 2));
+            const __m512i wv = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), x80);
+            const uint32_t h2 = (uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + Q8_0_BYTES) << 16);
+            const __m128 dw2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h2));
+            const __m512 dw = _mm512_permutexvar_ps(idx01, _mm512_castps128_ps512(dw2));
+PD_UNROLL
+            for (int j = 0; j < nt; j++) {
+                const __m512i s = _mm512_dpbusd_epi32(cv[j], wv, xv[j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx[j]), acc[i][j]);
+            }
+        }
+    }
+    if (p < nb) { /* odd block count: the last block in the low half */
+        __m512i xv[TILE_N], cv[TILE_N];
+        __m512 dx[TILE_N];
+PD_UNROLL
+        for (int j = 0; j < nt; j++) {
+            xv[j] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xq + j * ldq + 32 * p)));
+            dx[j] = _mm512_maskz_mov_ps((__mmask16)0x00ff, _mm512_set1_ps(xd[j * nb + p]));
+            cv[j] = _mm512_maskz_mov_epi32((__mmask16)0x0001, _mm512_set1_epi32(xc[j * nb + p]));
+        }
+PD_UNROLL
+        for (int i = 0; i < nr; i++) {
+            const uint8_t *blk = w + (size_t)i * rb + (size_t)Q8_0_BYTES * (size_t)p;
+            const __m512i wv = _mm512_xor_si512(
+                _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 2))), x80);
+            const __m512 dw = _mm512_set1_ps(_cvtsh_ss(pd_ld16(blk)));
+PD_UNROLL
+            for (int j = 0; j < nt; j++) {
+                const __m512i s = _mm512_dpbusd_epi32(cv[j], wv, xv[j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx[j]), acc[i][j]);
+            }
+        }
+    }
+PD_UNROLL
+    for (int j = 0; j < nt; j++) {
+        if (nr == 4) {
+            const __m128 s = pd_reduce4_ps_avx512(acc[0][j], acc[1][j], acc[2][j], acc[3][j]);
+            _mm_storeu_ps(y + (t0 + j) * ldy, s);
+        } else {
+PD_UNROLL
+            for (int i = 0; i < nr; i++) y[(t0 + j) * ldy + i] = _mm512_reduce_add_ps(acc[i][j]);
+        }
+    }
+}
+
+#define TILE_CASE(NR, NT)                                                                        \
+    case (NR)*8 + (NT): q8_0_tile(w, rb, NR, q, t0, NT, y, ldy); break;
+
+PD_TARGET_AVX512 static void q8_0_tile_any(const uint8_t *w, size_t rb, int nr, const cpu_qact *q,
+                                           int64_t t0, int nt, float *y, int64_t ldy) {
+    switch (nr * 8 + nt) {
+#if TILE_N >= 4
+        TILE_CASE(4, 4) TILE_CASE(3, 4) TILE_CASE(2, 4) TILE_CASE(1, 4)
+#endif
+        TILE_CASE(4, 3) TILE_CASE(4, 2) TILE_CASE(4, 1)
+        TILE_CASE(3, 3) TILE_CASE(3, 2) TILE_CASE(3, 1)
+        TILE_CASE(2, 3) TILE_CASE(2, 2) TILE_CASE(2, 1)
+        TILE_CASE(1, 3) TILE_CASE(1, 2) TILE_CASE(1, 1)
+    default: break;
+    }
+}
+
+PD_TARGET_AVX512 static void mm_q8_0(const cpu_mm *m, int64_t r0, int64_t r1) {
+    for (int64_t tb = 0; tb < m->n; tb += TOKEN_BLOCK) {
+        const int64_t te = tb + TOKEN_BLOCK < m->n ? tb + TOKEN_BLOCK : m->n;
+        for (int64_t r = r0; r < r1; r += TILE_M) {
+            const int nr = (int)(r1 - r < TILE_M ? r1 - r : TILE_M);
+            const uint8_t *w = m->w + (size_t)r * m->rb;
+            for (int64_t t = tb; t < te; t += TILE_N) {
+                const int nt = (int)(te - t < TILE_N ? te - t : TILE_N);
+                q8_0_tile_any(w, m->rb, nr, m->q, t, nt, m->y + r, m->ldy);
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * q4_0 x q8_0 (VNNI on 256-bit halves)
+ * ------------------------------------------------------------------------ */
+
+PD_TARGET_AVX512 static inline __m256i unpack_q4_0_512(const uint8_t *qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+}
+
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
+q4_0_rows(const cpu_mm *m, int64_t r, const int nr) {
+    const cpu_qact *q = m->q;
+    const int64_t nb = q->nblocks;
+    for (int64_t t = 0; t < m->n; t++) {
+        const int8_t *xq = q->qs + t * q->cols;
+        const float *xd = q->d + t * nb;
+        const int32_t *xc = q->c + t * nb;
+        __m256 acc[4];
+PD_UNROLL
+        for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
+            const __m256i corr = _mm256_maskz_mov_epi32((__mmask8)1, _mm256_set1_epi32(xc[b] / 16));
+PD_UNROLL
+            for (int i = 0; i < nr; i++) {
+                const uint8_t *blk = m->w + (size_t)(r + i) * m->rb + (size_t)Q4_0_BYTES * (size_t)b;
+                const __m256i p = _mm256_dpbusd_epi32(corr, unpack_q4_0_512(blk + 2), xv);
+                const __m256 s = _mm256_set1_ps(_cvtsh_ss(pd_ld16(blk)) * xd[b]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[i]);
+            }
+        }
+PD_UNROLL
+        for (int i = 0; i < nr; i++) m->y[t * m->ldy + r + i] = pd_hsum_ps_avx2(acc[i]);
+    }
+}
+
+PD_TARGET_AVX512 static void mm_q4_0(const cpu_mm *m, int64_t r0, int64_t r1) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) q4_0_rows(m, r, 4);
+    for (; r < r1; r++) q4_0_rows(m, r, 1);
+}
+
+/* ------------------------------------------------------------------------
+ * float weights
+ * ------------------------------------------------------------------------ */
+
+PD_TARGET_AVX512 static inline __m512 load16_f32(const uint8_t *p) {
+    return _mm512_loadu_ps((const void *)p);
+}
+PD_TARGET_AVX512 static inline __m512 load16_f16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+PD_TARGET_AVX512 static inline __m512 load16_bf16(const uint8_t *p) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+static inline float load1_f32(const uint8_t *p) {
+    return cpu_load_f32(p);
+}
+static inline float load1_f16(const uint8_t *p) {
+    return pd_fp16_to_fp32(pd_ld16(p));
+}
+static inline float load1_bf16(const uint8_t *p) {
+    return pd_bf16_to_fp32(pd_ld16(p));
+}
+
+#define MM_FLOAT_512(NAME, ESZ, LOAD16, LOAD1)                                                   \
+    PD_TARGET_AVX512 static inline __attribute__((always_inline)) void NAME##_rows(               \
+        const cpu_mm *m, int64_t r, const int nr) {                                              \
+        const int64_t cols = m->cols;                                                            \
+        for (int64_t t = 0; t < m->n; t++) {                                                     \
+            const float *x = m->x + t * cols;                                                    \
+            __m512 acc[4][2];                                                                    \
+            PD_UNROLL for (int i = 0; i < nr; i++) acc[i][0] = acc[i][1] =         \
+                _mm512_setzero_ps();                                                             \
+            int64_t k = 0;                                                                       \
+            for (; k + 32 <= cols; k += 32) {                                                    \
+                const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);      \
+                PD_UNROLL for (int i = 0; i < nr; i++) {                           \
+                    const uint8_t *wr = m->w + (size_t)(r + i) * m->rb + (size_t)k * ESZ;        \
+                    acc[i][0] = _mm512_fmadd_ps(LOAD16(wr), x0, acc[i][0]);                      \
+                    acc[i][1] = _mm512_fmadd_ps(LOAD16(wr + 16 * ESZ), x1, acc[i][1]);           \
+                }                                                                                \
+            }                                                                                    \
+            for (; k + 16 <= cols; k += 16) {                                                    \
+                const __m512 x0 = _mm512_loadu_ps(x + k);                                        \
+                PD_UNROLL for (int i = 0; i < nr; i++) {                           \
+                    const uint8_t *wr = m->w + (size_t)(r + i) * m->rb + (size_t)k * ESZ;        \
+                    acc[i][0] = _mm512_fmadd_ps(LOAD16(wr), x0, acc[i][0]);                      \
+                }                                                                                \
+            }                                                                                    \
+            for (int i = 0; i < nr; i++) {                                                       \
+                const uint8_t *wr = m->w + (size_t)(r + i) * m->rb;                              \
+                float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));             \
+                for (int64_t kk = k; kk < cols; kk++) s += LOAD1(wr + (size_t)kk * ESZ) * x[kk]; \
+                m->y[t * m->ldy + r + i] = s;                                                    \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    PD_TARGET_AVX512 static void NAME(const cpu_mm *m, int64_t r0, int64_t r1) {                 \
+        int64_t r = r0;                                                                          \
+        for (; r + 4 <= r1; r += 4) NAME##_rows(m, r, 4);                                        \
+        for (; r < r1; r++) NAME##_rows(m, r, 1);                                                \
+    }
+
+MM_FLOAT_512(mm_f32, 4, load16_f32, load1_f32)
+MM_FLOAT_512(mm_f16, 2, load16_f16, load1_f16)
+MM_FLOAT_512(mm_bf16, 2, load16_bf16, load1_bf16)
+
+/* ------------------------------------------------------------------------
+ * element-wise
+ * ------------------------------------------------------------------------ */
+
+PD_TARGET_AVX512 static void swiglu(const float *g, const float *u, int64_t n, float *out) {
+    int64_t i = 0;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(g + i);
+        const __m512 e = pd_exp_ps_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, e));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+PD_TARGET_AVX512 static float softmax_exp(const float *s, float m, int64_t n, float *p) {
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = pd_exp_ps_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+        _mm512_storeu_ps(p + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    float sum = _mm512_reduce_add_ps(acc);
+    for (; i < n; i++) {
+        p[i] = expf(s[i] - m);
+        sum += p[i];
+    }
+    return sum;
+}
+
+PD_TARGET_AVX512 static float dot_f32(const float *a, const float *b, int64_t n) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), a1);
+    }
+    for (; i + 16 <= n; i += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), a0);
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+PD_TARGET_AVX512 static void axpy_f32(float a, const float *x, int64_t n, float *y) {
+    const __m512 va = _mm512_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+PD_TARGET_AVX512 static void scale_f32(float a, int64_t n, float *y) {
+    const __m512 va = _mm512_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_mul_ps(va, _mm512_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] *= a;
+}
+
+PD_TARGET_AVX512 static void attn_scores(const float *q, const float *k, int64_t hd, int64_t nk,
+                                         float scale, float *s) {
+    int64_t j = 0;
+    for (; j + 4 <= nk; j += 4) {
+        const float *k0 = k + j * hd;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < hd; d += 16) {
+            const __mmask16 m = pd_tail_mask16(hd - d);
+            const __m512 qv = _mm512_maskz_loadu_ps(m, q + d);
+            a0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + d), a0);
+            a1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + hd + d), a1);
+            a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + 2 * hd + d), a2);
+            a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + 3 * hd + d), a3);
+        }
+        _mm_storeu_ps(s + j, _mm_mul_ps(pd_reduce4_ps_avx512(a0, a1, a2, a3), _mm_set1_ps(scale)));
+    }
+    for (; j < nk; j++) {
+        __m512 a0 = _mm512_setzero_ps();
+        for (int64_t d = 0; d < hd; d += 16) {
+            const __mmask16 m = pd_tail_mask16(hd - d);
+            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), _mm512_maskz_loadu_ps(m, k + j * hd + d), a0);
+        }
+        s[j] = scale * _mm512_reduce_add_ps(a0);
+    }
+}
+
+PD_TARGET_AVX512 static void attn_pv(const float *p, const float *v, int64_t hd, int64_t nk, float *o) {
+    int64_t d = 0;
+    for (; d + 64 <= hd; d += 64) {
+        __m512 o0 = _mm512_loadu_ps(o + d), o1 = _mm512_loadu_ps(o + d + 16);
+        __m512 o2 = _mm512_loadu_ps(o + d + 32), o3 = _mm512_loadu_ps(o + d + 48);
+        for (int64_t j = 0; j < nk; j++) {
+            if (p[j] == 0.0f) continue;
+            const __m512 b = _mm512_set1_ps(p[j]);
+            const float *vj = v + j * hd + d;
+            o0 = _mm512_fmadd_ps(b, _mm512_loadu_ps(vj), o0);
+            o1 = _mm512_fmadd_ps(b, _mm512_loadu_ps(vj + 16), o1);
+            o2 = _mm512_fmadd_ps(b, _mm512_loadu_ps(vj + 32), o2);
+            o3 = _mm512_fmadd_ps(b, _mm512_loadu_ps(vj + 48), o3);
+        }
+        _mm512_storeu_ps(o + d, o0);
+        _mm512_storeu_ps(o + d + 16, o1);
+        _mm512_storeu_ps(o + d + 32, o2);
+        _mm512_storeu_ps(o + d + 48, o3);
+    }
+    for (; d < hd; d += 16) {
+        const __mmask16 m = pd_tail_mask16(hd - d);
+        __m512 o0 = _mm512_maskz_loadu_ps(m, o + d);
+        for (int64_t j = 0; j < nk; j++) {
+            if (p[j] == 0.0f) continue;
+            o0 = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, v + j * hd + d), o0);
+        }
+        _mm512_mask_storeu_ps(o + d, m, o0);
+    }
+}
+
+void cpu_kernels_avx512(cpu_kernels *k) {
+    cpu_kernels_avx2(k);
+    k->level = CPU_SIMD_AVX512;
+    k->mm[PD_TYPE_Q8_0] = mm_q8_0;
+    k->mm_any_n[PD_TYPE_Q8_0] = true;
+    k->mm[PD_TYPE_Q4_0] = mm_q4_0;
+    k->mm[PD_TYPE_F32] = mm_f32;
+    k->mm[PD_TYPE_F16] = mm_f16;
+    k->mm[PD_TYPE_BF16] = mm_bf16;
+    k->swiglu = swiglu;
+    k->softmax_exp = softmax_exp;
+    k->dot_f32 = dot_f32;
+    k->axpy_f32 = axpy_f32;
+    k->scale_f32 = scale_f32;
+    k->attn_scores = attn_scores;
+    k->attn_pv = attn_pv;
+}
+
+#endif /* PD_X86 */

@@ -1,0 +1,130 @@
+/* Private x86 helpers shared by the AVX2 and AVX-512 kernel files. Every
+ * helper carries the target attribute of the narrowest set it needs, so it
+ * inlines into AVX2 and AVX-512 callers alike. */
+#ifndef PD_KERNELS_CPU_SIMD_X86_H
+#define PD_KERNELS_CPU_SIMD_X86_H
+
+#include <immintrin.h>
+
+#include "kernels/cpu/cpu_internal.h"
+
+/* Little-endian 16/32-bit loads from unaligned bytes (x86 is little-endian;
+ * memcpy compiles to one mov). */
+static inline uint16_t pd_ld16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+PD_TARGET_AVX2 static inline int32_t pd_hsum_epi32_sse(__m128i v) {
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(v);
+}
+
+PD_TARGET_AVX2 static inline int32_t pd_hsum_epi32_avx2(__m256i v) {
+    return pd_hsum_epi32_sse(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+
+PD_TARGET_AVX2 static inline float pd_hsum_ps_sse(__m128 v) {
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v);
+}
+
+PD_TARGET_AVX2 static inline float pd_hsum_ps_avx2(__m256 v) {
+    return pd_hsum_ps_sse(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+}
+
+PD_TARGET_AVX2 static inline float pd_hmax_ps_avx2(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* Horizontal sums of four vectors at once: lane i of the result is the
+ * sum of the i-th argument. */
+PD_TARGET_AVX2 static inline __m128 pd_reduce4_ps_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 ab = _mm256_hadd_ps(a, b); /* a01 a23 b01 b23 | a45 a67 b45 b67 */
+    const __m256 cd = _mm256_hadd_ps(c, d);
+    const __m256 s = _mm256_hadd_ps(ab, cd); /* a0-3 b0-3 c0-3 d0-3 | a4-7 ... */
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+PD_TARGET_AVX512 static inline __m128 pd_reduce4_ps_avx512(__m512 a, __m512 b, __m512 c, __m512 d) {
+    /* per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3) */
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    /* per 128-bit lane: (a, b, c, d) partial sums */
+    const __m512 s = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Lane mask for the first `rem` (capped at 8) of 8 lanes, for maskload. */
+PD_TARGET_AVX2 static inline __m256i pd_tail_mask8(int64_t rem) {
+    const int r = rem > 8 ? 8 : (int)rem;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(r), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+PD_TARGET_AVX512 static inline __mmask16 pd_tail_mask16(int64_t rem) {
+    return rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1u);
+}
+
+/* exp(x) for float lanes, Cephes-style: x = n*ln2 + r, degree-6 polynomial
+ * for exp(r), 2^n through the exponent bits. Relative error about 2e-7.
+ * Inputs below -87 give exactly 0 (so -INFINITY gives 0); inputs above 88
+ * are clamped to 88 (no infinities). */
+#define PD_EXP_LO (-87.0f)
+#define PD_EXP_HI 88.0f
+#define PD_EXP_P0 1.9875691500E-4f
+#define PD_EXP_P1 1.3981999507E-3f
+#define PD_EXP_P2 8.3334519073E-3f
+#define PD_EXP_P3 4.1665795894E-2f
+#define PD_EXP_P4 1.6666665459E-1f
+#define PD_EXP_P5 5.0000001201E-1f
+
+PD_TARGET_AVX2 static inline __m256 pd_exp_ps_avx2(__m256 x) {
+    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(PD_EXP_LO), _CMP_LT_OQ);
+    x = _mm256_min_ps(x, _mm256_set1_ps(PD_EXP_HI));
+    x = _mm256_max_ps(x, _mm256_set1_ps(PD_EXP_LO));
+    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(PD_EXP_P0);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(PD_EXP_P1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(PD_EXP_P2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(PD_EXP_P3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(PD_EXP_P4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(PD_EXP_P5));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, y);
+}
+
+PD_TARGET_AVX512 static inline __m512 pd_exp_ps_avx512(__m512 x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(PD_EXP_LO), _CMP_LT_OQ);
+    x = _mm512_min_ps(x, _mm512_set1_ps(PD_EXP_HI));
+    x = _mm512_max_ps(x, _mm512_set1_ps(PD_EXP_LO));
+    const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(PD_EXP_P0);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(PD_EXP_P1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(PD_EXP_P2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(PD_EXP_P3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(PD_EXP_P4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(PD_EXP_P5));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    return _mm512_maskz_mov_ps((__mmask16)~under, y);
+}
+
+#endif

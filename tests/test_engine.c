@@ -1,0 +1,522 @@
+/* The forward pass: reference output of a real model, agreement of every
+ * weight type with an F32 computation of the same weights, compressed-prefix
+ * attention, the per-layer prefill hook, batching and NLL. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine.h"
+#include "helpers.h"
+#include "tools/tools.h"
+
+static char *tmpdir;
+
+static void setup(void) {
+    tmpdir = th_mkdtemp();
+    cr_assert_not_null(tmpdir);
+}
+
+static void teardown(void) {
+    th_rmtree(tmpdir);
+    free(tmpdir);
+    tmpdir = NULL;
+}
+
+TestSuite(engine, .init = setup, .fini = teardown);
+
+static pd_model *load(const char *path, int threads) {
+    pd_model *m = NULL;
+    pd_error err = {0};
+    pd_model_params p = {.n_threads = threads};
+    cr_assert_eq(pd_model_load(path, &p, &m, &err), PD_OK, "%s: %s", path, err.msg);
+    return m;
+}
+
+/* A generated model; K-quant friendly shape (rows of 256) unless `small`. */
+static void gen(const char *arch, pd_type type, uint64_t seed, bool small, const char *path) {
+    pd_testmodel_opts o;
+    pd_error err = {0};
+    cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
+    o.arch = arch;
+    o.wtype = type;
+    o.seed = seed;
+    if (!small) {
+        o.n_embd = 256;
+        o.n_ff = 512;
+        o.n_head = 8;
+        o.n_head_kv = 2;
+        o.n_layer = 2;
+    }
+    cr_assert_eq(pd_testmodel_write(&o, path, NULL, &err), PD_OK, "%s", err.msg);
+}
+
+static pd_token argmax(const float *x, int32_t n) {
+    pd_token best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+/* ||a - b|| / ||b|| */
+static double rel_err(const float *a, const float *b, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        den += (double)b[i] * b[i];
+    }
+    return sqrt(num / (den > 0 ? den : 1));
+}
+
+static double max_abs_diff(const float *a, const float *b, int64_t n) {
+    double m = 0;
+    for (int64_t i = 0; i < n; i++) m = fmax(m, fabs((double)a[i] - b[i]));
+    return m;
+}
+
+/* ---- real model ------------------------------------------------------- */
+
+static const pd_token reference_ids[64] = {
+    403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410, 408,
+    419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432, 352, 266, 268, 388, 426,
+    338, 391, 266, 267, 337, 335, 312, 432, 398, 312, 286, 267, 414, 270, 333, 415, 426, 13,  438, 310};
+
+static void greedy_from_bos(int threads) {
+    char path[1024];
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", path, sizeof path));
+    pd_model *m = load(path, threads);
+    const int32_t V = pd_model_hparams(m)->n_vocab;
+    float *logits = malloc(sizeof(float) * (size_t)V);
+    pd_seq *s = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_seq_create(m, 0, &s, &err), PD_OK);
+    pd_token tok = pd_tokenizer_bos(pd_model_tokenizer(m));
+    cr_assert_eq(tok, 1);
+    cr_assert_eq(pd_prefill(m, s, &tok, 1, NULL, logits, &err), PD_OK, "%s", err.msg);
+    for (int i = 0; i < 64; i++) {
+        tok = argmax(logits, V);
+        cr_assert_eq(tok, reference_ids[i], "%d threads: token %d is %d, the reference says %d", threads, i, tok,
+                     reference_ids[i]);
+        if (i < 63) cr_assert_eq(pd_decode(m, &s, &tok, 1, logits, &err), PD_OK, "%s", err.msg);
+    }
+    cr_assert_eq(pd_seq_pos(s), 64);
+    pd_seq_free(s);
+    free(logits);
+    pd_model_free(m);
+}
+
+Test(engine, stories260k_greedy_matches_reference_1_thread) {
+    TH_REQUIRE_SHARED();
+    greedy_from_bos(1);
+}
+
+Test(engine, stories260k_greedy_matches_reference_2_threads) {
+    TH_REQUIRE_SHARED();
+    greedy_from_bos(2);
+}
+
+Test(engine, stories260k_hparams) {
+    TH_REQUIRE_SHARED();
+    char path[1024];
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", path, sizeof path));
+    pd_model *m = load(path, 1);
+    const pd_hparams *hp = pd_model_hparams(m);
+    cr_assert_eq(hp->arch, PD_ARCH_LLAMA);
+    cr_assert_eq(hp->n_embd, 64);
+    cr_assert_eq(hp->n_layer, 5);
+    cr_assert_eq(hp->n_head, 8);
+    cr_assert_eq(hp->n_head_kv, 4);
+    cr_assert_eq(hp->head_dim, 8);
+    cr_assert_eq(hp->n_ff, 172);
+    cr_assert_eq(hp->n_vocab, 512);
+    cr_assert_eq(hp->rope.mode, PD_ROPE_NORM);
+    cr_assert_eq(hp->tied_output, false);
+    pd_model_free(m);
+}
+
+/* ---- weight types ----------------------------------------------------- */
+
+/* Rewrite a model with every tensor dequantized to F32: the same weights,
+ * computed on the plain float path. */
+static void dequantize_model(const char *src, const char *dst) {
+    pd_gguf *g = NULL;
+    pd_gguf_writer *w = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_gguf_open(src, &g, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_gguf_writer_new(&w, &err), PD_OK);
+    for (size_t i = 0; i < pd_gguf_kv_count(g); i++)
+        cr_assert_eq(pd_gguf_writer_copy_kv(w, pd_gguf_kv_at(g, i), &err), PD_OK, "%s", err.msg);
+    for (size_t i = 0; i < pd_gguf_tensor_count(g); i++) {
+        const pd_gguf_tensor *t = pd_gguf_tensor_at(g, i);
+        float *f = malloc(sizeof(float) * t->n_elems);
+        cr_assert_eq(pd_dequantize_row(t->type, t->data, f, t->n_elems, &err), PD_OK, "%s", err.msg);
+        cr_assert_eq(pd_gguf_writer_add_tensor(w, t->name, PD_TYPE_F32, t->n_dims, t->ne, f, &err), PD_OK, "%s", err.msg);
+        free(f);
+    }
+    cr_assert_eq(pd_gguf_writer_write(w, dst, 0, &err), PD_OK, "%s", err.msg);
+    pd_gguf_writer_free(w);
+    pd_gguf_close(g);
+}
+
+/* Logits of every position of a fixed prompt (prefill) and of 3 decode steps. */
+static void run_prompt(pd_model *m, float *out /* [n_prompt + 3][V] */, int n_prompt) {
+    const int32_t V = pd_model_hparams(m)->n_vocab;
+    pd_token prompt[64];
+    for (int i = 0; i < n_prompt; i++) prompt[i] = (pd_token)((i * 37 + 11) % V);
+    pd_seq *s = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_seq_create(m, 0, &s, &err), PD_OK);
+    pd_prefill_opts all = {.logits_all = true};
+    cr_assert_eq(pd_prefill(m, s, prompt, n_prompt, &all, out, &err), PD_OK, "%s", err.msg);
+    for (int i = 0; i < 3; i++) {
+        pd_token t = (pd_token)((i * 53 + 5) % V);
+        cr_assert_eq(pd_decode(m, &s, &t, 1, out + (int64_t)(n_prompt + i) * V, &err), PD_OK, "%s", err.msg);
+    }
+    pd_seq_free(s);
+}
+
+/* Tolerances. The float types (f32/f16/bf16) are computed with float
+ * activations: only summation order differs from the reference, so logits
+ * agree to ~1e-5 relative. The quantized types multiply against activations
+ * quantized to 8 bits per block (as llama.cpp does): each dot product then
+ * carries a relative error of about 2^-8 / sqrt(block) per element, which
+ * through a few layers stays well under 1% of the logit vector's norm; we
+ * allow 3%. The same run reports how far each type is from the original
+ * F32 weights (quantization error, informational). */
+static void check_type(const char *arch, pd_type type, double tol) {
+    char qpath[1024], fpath[1024], opath[1024];
+    const pd_type_traits *tr = pd_type_get(type);
+    snprintf(qpath, sizeof qpath, "%s/%s-%s.gguf", tmpdir, arch, tr->name);
+    snprintf(fpath, sizeof fpath, "%s/%s-%s-deq.gguf", tmpdir, arch, tr->name);
+    snprintf(opath, sizeof opath, "%s/%s-orig.gguf", tmpdir, arch);
+    gen(arch, type, 7, false, qpath);
+    gen(arch, PD_TYPE_F32, 7, false, opath);
+    dequantize_model(qpath, fpath);
+    enum { N = 20 };
+    for (int threads = 1; threads <= 2; threads++) {
+        pd_model *mq = load(qpath, threads), *mf = load(fpath, threads), *mo = load(opath, threads);
+        cr_assert_eq(pd_model_hparams(mq)->wtype, type, "the generator stored %s matrices",
+                     pd_type_get(pd_model_hparams(mq)->wtype)->name);
+        const int32_t V = pd_model_hparams(mq)->n_vocab;
+        float *lq = malloc(sizeof(float) * V * (N + 3)), *lf = malloc(sizeof(float) * V * (N + 3)),
+              *lo = malloc(sizeof(float) * V * (N + 3));
+        run_prompt(mq, lq, N);
+        run_prompt(mf, lf, N);
+        run_prompt(mo, lo, N);
+        for (int r = 0; r < N + 3; r++) {
+            double e = rel_err(lq + (int64_t)r * V, lf + (int64_t)r * V, V);
+            cr_assert_lt(e, tol, "%s %s, %d threads, row %d: relative error %.3g vs the same weights in F32 (limit %.3g)",
+                         arch, tr->name, threads, r, e, tol);
+        }
+        if (threads == 1)
+            cr_log_info("%s %s: kernel error %.2e, quantization error vs original F32 weights %.2e", arch, tr->name,
+                        rel_err(lq, lf, (int64_t)V * (N + 3)), rel_err(lq, lo, (int64_t)V * (N + 3)));
+        free(lq), free(lf), free(lo);
+        pd_model_free(mq), pd_model_free(mf), pd_model_free(mo);
+    }
+}
+
+Test(engine, f32_is_its_own_reference) { check_type("llama", PD_TYPE_F32, 1e-5); }
+Test(engine, f16_agrees_with_f32) { check_type("llama", PD_TYPE_F16, 1e-4); }
+Test(engine, bf16_agrees_with_f32) { check_type("llama", PD_TYPE_BF16, 1e-4); }
+Test(engine, q8_0_agrees_with_f32) { check_type("llama", PD_TYPE_Q8_0, 3e-2); }
+Test(engine, q4_0_agrees_with_f32) { check_type("llama", PD_TYPE_Q4_0, 3e-2); }
+Test(engine, q4_k_agrees_with_f32) { check_type("llama", PD_TYPE_Q4_K, 3e-2); }
+Test(engine, q6_k_agrees_with_f32) { check_type("llama", PD_TYPE_Q6_K, 3e-2); }
+Test(engine, qwen2_q8_0_agrees_with_f32) { check_type("qwen2", PD_TYPE_Q8_0, 3e-2); }
+
+/* ---- prefixes, hook, batching ---------------------------------------- */
+
+enum { NP = 40, NS = 9 };
+
+static void prompt_tokens(pd_token *p, int n, int32_t V, int salt) {
+    for (int i = 0; i < n; i++) p[i] = (pd_token)((i * 31 + 7 + salt * 101) % V);
+}
+
+static void prefix_matches_full_prefill(const char *arch) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s-f32.gguf", tmpdir, arch);
+    gen(arch, PD_TYPE_F32, 3, true, path);
+    pd_model *m = load(path, 2);
+    const int32_t V = pd_model_hparams(m)->n_vocab;
+    pd_token toks[NP + NS];
+    prompt_tokens(toks, NP + NS, V, 0);
+    pd_error err = {0};
+    float *full = malloc(sizeof(float) * V * NS), *viaprefix = malloc(sizeof(float) * V * NS);
+
+    pd_seq *a = NULL, *b = NULL, *c = NULL;
+    pd_kv_prefix *p = NULL;
+    pd_prefill_opts all = {.logits_all = true};
+    cr_assert_eq(pd_seq_create(m, 0, &a, &err), PD_OK);
+    cr_assert_eq(pd_prefill(m, a, toks, NP + NS, &all, NULL, &err), PD_OK, "%s", err.msg);
+    /* logits for the suffix rows only */
+    float *all_logits = malloc(sizeof(float) * V * (NP + NS));
+    cr_assert_eq(pd_seq_create(m, 0, &c, &err), PD_OK);
+    cr_assert_eq(pd_prefill(m, c, toks, NP + NS, &all, all_logits, &err), PD_OK, "%s", err.msg);
+    memcpy(full, all_logits + (int64_t)NP * V, sizeof(float) * V * NS);
+
+    pd_seq *pre = NULL;
+    cr_assert_eq(pd_seq_create(m, 0, &pre, &err), PD_OK);
+    cr_assert_eq(pd_prefill(m, pre, toks, NP, NULL, NULL, &err), PD_OK);
+    cr_assert_eq(pd_seq_to_prefix(pre, &p, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_kv_prefix_n_orig(p), NP);
+    cr_assert_eq(pd_kv_prefix_kept_rows(p),
+                 (int64_t)NP * pd_model_hparams(m)->n_layer * pd_model_hparams(m)->n_head_kv);
+    cr_assert_eq(pd_seq_create(m, 0, &b, &err), PD_OK);
+    cr_assert_eq(pd_seq_attach_prefix(b, p, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_seq_pos(b), NP);
+    cr_assert_eq(pd_prefill(m, b, toks + NP, NS, &all, viaprefix, &err), PD_OK, "%s", err.msg);
+    double e = max_abs_diff(viaprefix, full, (int64_t)V * NS);
+    cr_assert_lt(e, 1e-4, "%s: [prefix | suffix] differs from a full prefill by %g", arch, e);
+
+    /* Decoding on from both gives the same greedy continuation. */
+    pd_token ta = argmax(full + (int64_t)(NS - 1) * V, V), tb = argmax(viaprefix + (int64_t)(NS - 1) * V, V);
+    float *la = malloc(sizeof(float) * V), *lb = malloc(sizeof(float) * V);
+    for (int i = 0; i < 8; i++) {
+        cr_assert_eq(ta, tb, "step %d", i);
+        cr_assert_eq(pd_decode(m, &c, &ta, 1, la, &err), PD_OK);
+        cr_assert_eq(pd_decode(m, &b, &tb, 1, lb, &err), PD_OK);
+        cr_assert_lt(max_abs_diff(la, lb, V), 1e-4);
+        ta = argmax(la, V);
+        tb = argmax(lb, V);
+    }
+    free(la), free(lb), free(all_logits), free(full), free(viaprefix);
+    pd_seq_free(a), pd_seq_free(b), pd_seq_free(c), pd_seq_free(pre);
+    pd_kv_prefix_free(p);
+    pd_model_free(m);
+}
+
+Test(engine, prefix_at_retention_1_equals_full_prefill_llama) { prefix_matches_full_prefill("llama"); }
+Test(engine, prefix_at_retention_1_equals_full_prefill_qwen2) { prefix_matches_full_prefill("qwen2"); }
+
+typedef struct hook_state {
+    int calls;
+    int last_layer;
+    bool shapes_ok;
+    bool rope_ok;
+} hook_state;
+
+/* Keep every other token, with the parity depending on the head and layer so
+ * that heads and layers keep different tokens. */
+static uint8_t keep_rule(int layer, int head, int64_t i) { return (uint8_t)((i + head + layer) % 2 == 0 || i == 0); }
+
+static int every_other_hook(void *ctx, const pd_layer_kv *L, uint8_t *keep, pd_error *err) {
+    hook_state *st = ctx;
+    (void)err;
+    st->shapes_ok &= L->layer == st->last_layer + 1 && L->n_tokens == NP && L->pos[0] == 0 && L->pos[NP - 1] == NP - 1;
+    st->last_layer = L->layer;
+    st->calls++;
+    /* Position 0 is unrotated: pre- and post-RoPE keys agree there and differ later. */
+    for (int j = 0; j < L->head_dim; j++) st->rope_ok &= L->k_pre_rope[j] == L->k[j];
+    int64_t row5 = (int64_t)5 * L->n_head_kv * L->head_dim;
+    bool differs = false;
+    for (int j = 0; j < L->head_dim; j++) differs |= L->k_pre_rope[row5 + j] != L->k[row5 + j];
+    st->rope_ok &= differs;
+    for (int h = 0; h < L->n_head_kv; h++)
+        for (int64_t i = 0; i < L->n_tokens; i++) keep[h * L->n_tokens + i] = keep_rule(L->layer, h, i);
+    return PD_OK;
+}
+
+Test(engine, hook_eviction_equals_masking) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/hook.gguf", tmpdir);
+    gen("llama", PD_TYPE_F32, 5, true, path);
+    pd_model *m = load(path, 2);
+    const pd_hparams *hp = pd_model_hparams(m);
+    const int32_t V = hp->n_vocab;
+    pd_token toks[NP + NS];
+    prompt_tokens(toks, NP + NS, V, 1);
+    pd_error err = {0};
+
+    /* A: evict through the hook. */
+    pd_seq *a = NULL;
+    hook_state st = {.last_layer = -1, .shapes_ok = true, .rope_ok = true};
+    pd_prefill_opts hook = {.hook = every_other_hook, .hook_ctx = &st};
+    cr_assert_eq(pd_seq_create(m, 0, &a, &err), PD_OK);
+    float *la = malloc(sizeof(float) * V * NS), *lb = malloc(sizeof(float) * V * NS), *lfull = malloc(sizeof(float) * V);
+    cr_assert_eq(pd_prefill(m, a, toks, NP, &hook, lfull, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(st.calls, hp->n_layer);
+    cr_assert(st.shapes_ok, "the hook saw the wrong layer order, token count or positions");
+    cr_assert(st.rope_ok, "pre-RoPE keys should equal post-RoPE keys at position 0 only");
+    cr_assert_eq(pd_seq_pos(a), NP, "kept tokens keep positions: the next one is n, not the kept count");
+    for (int l = 0; l < hp->n_layer; l++)
+        for (int h = 0; h < hp->n_head_kv; h++) {
+            int64_t want = 0;
+            for (int64_t i = 0; i < NP; i++) want += keep_rule(l, h, i);
+            cr_assert_eq(pd_seq_stream_len(a, l, h), want, "layer %d head %d", l, h);
+        }
+
+    /* B: keep everything, then mask the same rows. */
+    pd_seq *b = NULL;
+    float *lb_prefill = malloc(sizeof(float) * V);
+    cr_assert_eq(pd_seq_create(m, 0, &b, &err), PD_OK);
+    cr_assert_eq(pd_prefill(m, b, toks, NP, NULL, lb_prefill, &err), PD_OK);
+    cr_assert_lt(max_abs_diff(lfull, lb_prefill, V), 1e-5, "eviction must not change the prefill's own output");
+    for (int l = 0; l < hp->n_layer; l++)
+        for (int h = 0; h < hp->n_head_kv; h++) {
+            uint8_t keep[NP];
+            for (int64_t i = 0; i < NP; i++) keep[i] = keep_rule(l, h, i);
+            cr_assert_eq(pd_seq_set_mask(b, l, h, keep, NP, &err), PD_OK, "%s", err.msg);
+        }
+
+    pd_prefill_opts all = {.logits_all = true};
+    cr_assert_eq(pd_prefill(m, a, toks + NP, NS, &all, la, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_prefill(m, b, toks + NP, NS, &all, lb, &err), PD_OK, "%s", err.msg);
+    double e = max_abs_diff(la, lb, (int64_t)V * NS);
+    cr_assert_lt(e, 1e-4, "evicted cache vs masked cache differ by %g", e);
+
+    /* And the eviction really changed something. */
+    pd_seq *c = NULL;
+    float *lc = malloc(sizeof(float) * V * NS);
+    cr_assert_eq(pd_seq_create(m, 0, &c, &err), PD_OK);
+    cr_assert_eq(pd_prefill(m, c, toks, NP, NULL, NULL, &err), PD_OK);
+    cr_assert_eq(pd_prefill(m, c, toks + NP, NS, &all, lc, &err), PD_OK);
+    cr_assert_gt(max_abs_diff(la, lc, (int64_t)V * NS), 1e-3, "evicting half the cache should change the logits");
+
+    /* The compressed cache becomes a shareable prefix with the same effect. */
+    pd_seq *a2 = NULL, *d = NULL;
+    pd_kv_prefix *p = NULL;
+    st = (hook_state){.last_layer = -1, .shapes_ok = true, .rope_ok = true};
+    cr_assert_eq(pd_seq_create(m, 0, &a2, &err), PD_OK);
+    cr_assert_eq(pd_prefill(m, a2, toks, NP, &hook, NULL, &err), PD_OK);
+    cr_assert_eq(pd_seq_to_prefix(a2, &p, &err), PD_OK);
+    cr_assert_lt(pd_kv_prefix_kept_rows(p), (int64_t)NP * hp->n_layer * hp->n_head_kv);
+    cr_assert_eq(pd_seq_create(m, 0, &d, &err), PD_OK);
+    cr_assert_eq(pd_seq_attach_prefix(d, p, &err), PD_OK);
+    float *ld = malloc(sizeof(float) * V * NS);
+    cr_assert_eq(pd_prefill(m, d, toks + NP, NS, &all, ld, &err), PD_OK);
+    cr_assert_lt(max_abs_diff(la, ld, (int64_t)V * NS), 1e-4);
+
+    free(la), free(lb), free(lc), free(ld), free(lfull), free(lb_prefill);
+    pd_seq_free(a), pd_seq_free(b), pd_seq_free(c), pd_seq_free(a2), pd_seq_free(d);
+    pd_kv_prefix_free(p);
+    pd_model_free(m);
+}
+
+Test(engine, batched_decode_equals_one_by_one) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/batch.gguf", tmpdir);
+    gen("llama", PD_TYPE_F32, 9, true, path);
+    pd_model *m = load(path, 2);
+    const int32_t V = pd_model_hparams(m)->n_vocab;
+    pd_error err = {0};
+    enum { B = 3 };
+    pd_seq *solo[B], *batch[B];
+    pd_token toks[B][12];
+    for (int i = 0; i < B; i++) {
+        prompt_tokens(toks[i], 5 + 3 * i, V, i + 2);
+        cr_assert_eq(pd_seq_create(m, 0, &solo[i], &err), PD_OK);
+        cr_assert_eq(pd_seq_create(m, 0, &batch[i], &err), PD_OK);
+        cr_assert_eq(pd_prefill(m, solo[i], toks[i], 5 + 3 * i, NULL, NULL, &err), PD_OK);
+        cr_assert_eq(pd_prefill(m, batch[i], toks[i], 5 + 3 * i, NULL, NULL, &err), PD_OK);
+    }
+    float *lb = malloc(sizeof(float) * V * B), *ls = malloc(sizeof(float) * V);
+    pd_token next[B] = {3, 50, 77};
+    for (int step = 0; step < 4; step++) {
+        cr_assert_eq(pd_decode(m, batch, next, B, lb, &err), PD_OK, "%s", err.msg);
+        for (int i = 0; i < B; i++) {
+            cr_assert_eq(pd_decode(m, &solo[i], &next[i], 1, ls, &err), PD_OK);
+            cr_assert_lt(max_abs_diff(ls, lb + (int64_t)i * V, V), 1e-4, "step %d seq %d", step, i);
+        }
+        for (int i = 0; i < B; i++) next[i] = argmax(lb + (int64_t)i * V, V);
+    }
+    pd_seq *twice[2] = {batch[0], batch[0]};
+    cr_assert_eq(pd_decode(m, twice, next, 2, lb, &err), PD_EINVAL);
+    cr_assert(strstr(err.msg, "twice"), "%s", err.msg);
+    for (int i = 0; i < B; i++) pd_seq_free(solo[i]), pd_seq_free(batch[i]);
+    free(lb), free(ls);
+    pd_model_free(m);
+}
+
+Test(engine, nll_matches_logits_and_prefix) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/nll.gguf", tmpdir);
+    gen("llama", PD_TYPE_F32, 11, true, path);
+    pd_model *m = load(path, 1);
+    const int32_t V = pd_model_hparams(m)->n_vocab;
+    pd_token ctx[10], text[150];
+    prompt_tokens(ctx, 10, V, 3);
+    prompt_tokens(text, 150, V, 4);
+    pd_error err = {0};
+    double nll = 0;
+    cr_assert_eq(pd_nll(m, NULL, ctx, 10, text, 150, &nll, &err), PD_OK, "%s", err.msg);
+
+    /* By hand from one prefill of context + text. */
+    pd_token all[160];
+    memcpy(all, ctx, sizeof ctx);
+    memcpy(all + 10, text, sizeof text);
+    float *logits = malloc(sizeof(float) * V * 160);
+    pd_seq *s = NULL;
+    pd_prefill_opts o = {.logits_all = true};
+    cr_assert_eq(pd_seq_create(m, 0, &s, &err), PD_OK);
+    cr_assert_eq(pd_prefill(m, s, all, 160, &o, logits, &err), PD_OK);
+    double sum = 0;
+    for (int i = 9; i < 159; i++) {
+        const float *l = logits + (int64_t)i * V;
+        double mx = l[0], z = 0;
+        for (int j = 1; j < V; j++) mx = fmax(mx, l[j]);
+        for (int j = 0; j < V; j++) z += exp(l[j] - mx);
+        sum += log(z) + mx - l[all[i + 1]];
+    }
+    cr_assert_float_eq(nll, sum / 150, 1e-4, "pd_nll %g vs by hand %g", nll, sum / 150);
+    cr_assert_gt(nll, 0.0);
+
+    /* With the context as an uncompressed prefix and no context, text[0] is not scored. */
+    pd_seq *pre = NULL;
+    pd_kv_prefix *p = NULL;
+    cr_assert_eq(pd_seq_create(m, 0, &pre, &err), PD_OK);
+    cr_assert_eq(pd_prefill(m, pre, ctx, 10, NULL, NULL, &err), PD_OK);
+    cr_assert_eq(pd_seq_to_prefix(pre, &p, &err), PD_OK);
+    double nll_p = 0;
+    cr_assert_eq(pd_nll(m, p, NULL, 0, text, 150, &nll_p, &err), PD_OK, "%s", err.msg);
+    double sum_p = 0;
+    for (int i = 10; i < 159; i++) {
+        const float *l = logits + (int64_t)i * V;
+        double mx = l[0], z = 0;
+        for (int j = 1; j < V; j++) mx = fmax(mx, l[j]);
+        for (int j = 0; j < V; j++) z += exp(l[j] - mx);
+        sum_p += log(z) + mx - l[all[i + 1]];
+    }
+    cr_assert_float_eq(nll_p, sum_p / 149, 1e-4);
+
+    cr_assert_eq(pd_nll(m, NULL, NULL, 0, text, 150, &nll, &err), PD_EINVAL);
+    free(logits);
+    pd_seq_free(s), pd_seq_free(pre);
+    pd_kv_prefix_free(p);
+    pd_model_free(m);
+}
+
+Test(engine, errors_are_explained) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/err.gguf", tmpdir);
+    gen("llama", PD_TYPE_F32, 1, true, path);
+    pd_model *m = load(path, 1);
+    const int32_t V = pd_model_hparams(m)->n_vocab;
+    pd_error err = {0};
+    pd_seq *s = NULL;
+    cr_assert_eq(pd_seq_create(m, 8, &s, &err), PD_OK);
+    pd_token bad = V + 5;
+    cr_assert_eq(pd_prefill(m, s, &bad, 1, NULL, NULL, &err), PD_EINVAL);
+    cr_assert(strstr(err.msg, "outside the vocabulary"), "%s", err.msg);
+    pd_token toks[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+    cr_assert_eq(pd_prefill(m, s, toks, 9, NULL, NULL, &err), PD_ERANGE);
+    cr_assert(strstr(err.msg, "context size 8"), "%s", err.msg);
+    cr_assert_eq(pd_seq_pos(s), 0, "a refused call leaves the sequence unchanged");
+    cr_assert_eq(pd_prefill(m, s, toks, 4, NULL, NULL, &err), PD_OK);
+    pd_kv_prefix *p = NULL;
+    cr_assert_eq(pd_seq_to_prefix(s, &p, &err), PD_OK);
+    cr_assert_eq(pd_seq_attach_prefix(s, p, &err), PD_EINVAL, "not on a non-empty sequence");
+    cr_assert(strstr(err.msg, "empty sequence"), "%s", err.msg);
+    pd_kv_prefix_free(p);
+    pd_seq_free(s);
+    pd_model_free(m);
+
+    cr_assert_neq(pd_model_load("/nonexistent.gguf", NULL, &m, &err), PD_OK);
+    cr_assert_null(m);
+    char vocab[1024];
+    if (th_shared_file("vocab/ggml-vocab-gpt-2.gguf", vocab, sizeof vocab)) {
+        cr_assert_eq(pd_model_load(vocab, NULL, &m, &err), PD_EUNSUPPORTED);
+        cr_assert(strstr(err.msg, "gpt2") && strstr(err.msg, "not supported"), "%s", err.msg);
+    }
+}

@@ -1,0 +1,777 @@
+/* kernels: the CPU backend (thread pool, matmul per type and SIMD level,
+ * get_rows, rmsnorm, rope, swiglu, segmented attention).
+ *
+ * References are computed in double from the reference dequantizer.
+ *
+ * matmul bounds tested, per output y[t][r] with w = dequantized row r and
+ * x = x[t]:
+ *   f32/f16/bf16 weights:  |y - ref| <= 1e-5 * sum_i |w_i x_i|
+ *   quantized weights:     |y - ref| <= 1.001 * sum_i |w_i| * amax(x over
+ *                          i's block) / 254  +  2e-5 * sum_i |w_i| (|x_i| + amax/254)
+ * The first term of the second line is the activation quantization error
+ * (int8 with a per-block scale amax/127 is off by at most half a step per
+ * element; blocks are 32 for q8_0/q4_0 and 256 for q4_K/q6_K); the second
+ * is float rounding. SIMD and scalar paths agree within float rounding
+ * (1e-5 of the sums above) on the quantized-dot path (n < 16), where both
+ * multiply the same int8 activations. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "helpers.h"
+#include "kernels/kernels.h"
+
+/* ------------------------------------------------------------------------
+ * helpers
+ * ------------------------------------------------------------------------ */
+
+static uint64_t rng_next(uint64_t *s) {
+    uint64_t x = *s;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *s = x;
+    return x * 0x2545f4914f6cdd1dull;
+}
+
+static double rng_unit(uint64_t *s) {
+    return ((double)(rng_next(s) >> 11) + 0.5) / 9007199254740992.0;
+}
+
+static float rng_normal(uint64_t *s) {
+    const double u1 = rng_unit(s), u2 = rng_unit(s);
+    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+static float rng_uniform(uint64_t *s) {
+    return (float)(rng_unit(s) * 2.0 - 1.0);
+}
+
+/* Activations with LLM-like outliers: mostly N(0,1), a few large values. */
+static void fill_acts(uint64_t *s, float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = rng_normal(s);
+        if (rng_next(s) % 97 == 0) x[i] *= 20.0f;
+    }
+}
+
+/* Create a CPU backend with PD_CPU_SIMD set to simd (NULL: auto). */
+static pd_backend *make_backend(int threads, const char *simd) {
+    if (simd)
+        setenv("PD_CPU_SIMD", simd, 1);
+    else
+        unsetenv("PD_CPU_SIMD");
+    pd_backend *be = NULL;
+    pd_error err = {0};
+    const int rc = pd_backend_cpu_create(threads, &be, &err);
+    unsetenv("PD_CPU_SIMD");
+    cr_assert_eq(rc, PD_OK, "pd_backend_cpu_create(%d, %s): %s", threads, simd ? simd : "auto", err.msg);
+    cr_assert_not_null(be);
+    return be;
+}
+
+static bool cpu_has(const char *level) {
+    /* a level is available when capping at it reports it */
+    setenv("PD_CPU_SIMD", level, 1);
+    const bool ok = strcmp(pd_cpu_simd_name(), strcmp(level, "avx512") == 0 ? "avx512vnni" : level) == 0;
+    unsetenv("PD_CPU_SIMD");
+    return ok;
+}
+
+/* Random weights of type t, quantized with the reference quantizer. */
+static uint8_t *make_weights(uint64_t *s, pd_type t, int64_t rows, int64_t cols, pd_weight *w) {
+    pd_error err = {0};
+    uint64_t rb;
+    cr_assert_eq(pd_type_row_size(t, (uint64_t)cols, &rb, &err), PD_OK, "%s", err.msg);
+    uint8_t *data = malloc((size_t)(rb * (uint64_t)rows) + 1);
+    float *src = malloc(sizeof(float) * (size_t)cols);
+    cr_assert(data && src);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < cols; i++) src[i] = rng_normal(s) * 0.05f;
+        cr_assert_eq(pd_quantize_row(t, src, data + (size_t)r * rb, (uint64_t)cols, &err), PD_OK, "%s",
+                     err.msg);
+    }
+    free(src);
+    cr_assert_eq(pd_weight_init(w, t, data, rows, cols, &err), PD_OK, "%s", err.msg);
+    return data;
+}
+
+static bool is_quant(pd_type t) {
+    return t != PD_TYPE_F32 && t != PD_TYPE_F16 && t != PD_TYPE_BF16;
+}
+
+/* Reference product and the error bounds described at the top. */
+static void ref_matmul(const pd_weight *w, const float *x, int64_t n, double *ref, double *bound,
+                       double *round_scale) {
+    pd_error err = {0};
+    float *wd = malloc(sizeof(float) * (size_t)w->cols);
+    cr_assert_not_null(wd);
+    const int64_t bs = (w->type == PD_TYPE_Q4_K || w->type == PD_TYPE_Q6_K) ? 256 : 32;
+    for (int64_t r = 0; r < w->rows; r++) {
+        cr_assert_eq(pd_dequantize_row(w->type, (const uint8_t *)w->data + (size_t)r * w->row_bytes, wd,
+                                       (uint64_t)w->cols, &err),
+                     PD_OK, "%s", err.msg);
+        for (int64_t t = 0; t < n; t++) {
+            const float *xt = x + t * w->cols;
+            double acc = 0, qb = 0, rs = 0;
+            for (int64_t b = 0; b < w->cols; b += bs) {
+                double amax = 0;
+                for (int64_t i = b; i < b + bs && i < w->cols; i++) amax = fmax(amax, fabs((double)xt[i]));
+                for (int64_t i = b; i < b + bs && i < w->cols; i++) {
+                    acc += (double)wd[i] * (double)xt[i];
+                    qb += fabs((double)wd[i]) * amax / 254.0;
+                    rs += fabs((double)wd[i]) * (fabs((double)xt[i]) + amax / 254.0);
+                }
+            }
+            ref[t * w->rows + r] = acc;
+            if (is_quant(w->type)) {
+                bound[t * w->rows + r] = 1.001 * qb + 2e-5 * rs;
+            } else {
+                double a = 0;
+                for (int64_t i = 0; i < w->cols; i++) a += fabs((double)wd[i] * (double)xt[i]);
+                bound[t * w->rows + r] = 1e-5 * a + 1e-30;
+            }
+            round_scale[t * w->rows + r] = rs;
+        }
+    }
+    free(wd);
+}
+
+static const pd_type all_types[] = {PD_TYPE_F32,  PD_TYPE_F16,  PD_TYPE_BF16, PD_TYPE_Q8_0,
+                                    PD_TYPE_Q4_0, PD_TYPE_Q4_K, PD_TYPE_Q6_K};
+#define N_TYPES (sizeof all_types / sizeof all_types[0])
+
+/* Check one (type, rows, cols) against the reference for several n and
+ * thread counts on the given SIMD level. */
+static void check_matmul(pd_type t, int64_t rows, int64_t cols, const char *simd, uint64_t seed) {
+    static const int64_t ns[] = {1, 3, 7, 64, 200};
+    static const int threads[] = {1, 2};
+    uint64_t s = seed;
+    pd_weight w;
+    uint8_t *data = make_weights(&s, t, rows, cols, &w);
+    const int64_t nmax = 200;
+    float *x = malloc(sizeof(float) * (size_t)(nmax * cols));
+    float *y = malloc(sizeof(float) * (size_t)(nmax * rows));
+    double *ref = malloc(sizeof(double) * (size_t)(nmax * rows));
+    double *bound = malloc(sizeof(double) * (size_t)(nmax * rows));
+    double *rs = malloc(sizeof(double) * (size_t)(nmax * rows));
+    cr_assert(x && y && ref && bound && rs);
+    fill_acts(&s, x, nmax * cols);
+    ref_matmul(&w, x, nmax, ref, bound, rs);
+    const char *tn = pd_type_get(t)->name;
+    for (size_t ti = 0; ti < sizeof threads / sizeof threads[0]; ti++) {
+        pd_backend *be = make_backend(threads[ti], simd);
+        for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+            const int64_t n = ns[ni];
+            pd_error err = {0};
+            for (int64_t i = 0; i < n * rows; i++) y[i] = NAN;
+            cr_assert_eq(be->ops->matmul(be, &w, x, n, y, &err), PD_OK, "%s", err.msg);
+            for (int64_t i = 0; i < n * rows; i++) {
+                const double e = fabs((double)y[i] - ref[i]);
+                cr_assert(e <= bound[i],
+                          "%s %s %lldx%lld n=%lld threads=%d: y[%lld][%lld] = %.9g, ref %.9g, |err| %.3g > "
+                          "bound %.3g",
+                          simd ? simd : "auto", tn, (long long)rows, (long long)cols, (long long)n,
+                          threads[ti], (long long)(i / rows), (long long)(i % rows), (double)y[i], ref[i], e,
+                          bound[i]);
+            }
+        }
+        pd_backend_free(be);
+    }
+    free(data);
+    free(x);
+    free(y);
+    free(ref);
+    free(bound);
+    free(rs);
+}
+
+/* ------------------------------------------------------------------------
+ * thread pool
+ * ------------------------------------------------------------------------ */
+
+typedef struct tp_ctx {
+    atomic_int hits[16];
+    atomic_int bad_nth;
+    int expect_nth;
+    int64_t *slots; /* written by each thread, read after run */
+    int64_t round;
+} tp_ctx;
+
+static void tp_fn(void *p, int ith, int nth) {
+    tp_ctx *c = p;
+    if (nth != c->expect_nth || ith < 0 || ith >= nth) atomic_fetch_add(&c->bad_nth, 1);
+    atomic_fetch_add(&c->hits[ith], 1);
+    for (int64_t i = ith; i < 1000; i += nth) c->slots[i] = c->round * 1000 + i;
+}
+
+Test(threadpool, every_index_once_per_run) {
+    for (int nthreads = 1; nthreads <= 5; nthreads++) {
+        pd_threadpool *tp;
+        pd_error err = {0};
+        cr_assert_eq(pd_threadpool_create(nthreads, &tp, &err), PD_OK, "%s", err.msg);
+        cr_assert_eq(pd_threadpool_size(tp), nthreads);
+        tp_ctx c = {.expect_nth = nthreads};
+        c.slots = calloc(1000, sizeof(int64_t));
+        for (int i = 0; i < 16; i++) atomic_init(&c.hits[i], 0);
+        atomic_init(&c.bad_nth, 0);
+        const int runs = 2000;
+        for (int r = 0; r < runs; r++) {
+            c.round = r;
+            pd_threadpool_run(tp, tp_fn, &c);
+            /* run is a barrier: every slot holds this round's value */
+            for (int64_t i = 0; i < 1000; i++)
+                cr_assert_eq(c.slots[i], (int64_t)r * 1000 + i, "threads %d run %d slot %lld", nthreads, r,
+                             (long long)i);
+            for (int i = 0; i < nthreads; i++)
+                cr_assert_eq(atomic_load(&c.hits[i]), r + 1, "threads %d run %d: index %d ran %d times",
+                             nthreads, r, i, atomic_load(&c.hits[i]));
+        }
+        cr_assert_eq(atomic_load(&c.bad_nth), 0);
+        free(c.slots);
+        pd_threadpool_free(tp);
+    }
+}
+
+static void sleepy_fn(void *p, int ith, int nth) {
+    (void)nth;
+    atomic_int *hits = p;
+    atomic_fetch_add(&hits[ith], 1);
+}
+
+Test(threadpool, wakes_sleeping_workers) {
+    /* gaps longer than the spin time put the workers to sleep */
+    pd_threadpool *tp;
+    pd_error err = {0};
+    cr_assert_eq(pd_threadpool_create(3, &tp, &err), PD_OK, "%s", err.msg);
+    atomic_int hits[3];
+    for (int i = 0; i < 3; i++) atomic_init(&hits[i], 0);
+    for (int r = 0; r < 5; r++) {
+        struct timespec ts = {0, 5 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        pd_threadpool_run(tp, sleepy_fn, hits);
+    }
+    for (int i = 0; i < 3; i++) cr_assert_eq(atomic_load(&hits[i]), 5);
+    pd_threadpool_free(tp);
+}
+
+Test(threadpool, default_size_and_limits) {
+    pd_threadpool *tp;
+    pd_error err = {0};
+    cr_assert_eq(pd_threadpool_create(0, &tp, &err), PD_OK, "%s", err.msg);
+    cr_assert_geq(pd_threadpool_size(tp), 1);
+    pd_threadpool_free(tp);
+    cr_assert_eq(pd_threadpool_create(100000, &tp, &err), PD_ERANGE);
+    cr_assert_null(tp);
+    pd_threadpool_free(NULL);
+}
+
+/* ------------------------------------------------------------------------
+ * matmul vs reference
+ * ------------------------------------------------------------------------ */
+
+Test(matmul, f32_f16_bf16_match_reference, .timeout = 120) {
+    const pd_type ts[] = {PD_TYPE_F32, PD_TYPE_F16, PD_TYPE_BF16};
+    const int64_t shapes[][2] = {{1, 8}, {5, 33}, {13, 96}, {37, 576}, {131, 100}};
+    for (size_t i = 0; i < 3; i++)
+        for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
+            check_matmul(ts[i], shapes[j][0], shapes[j][1], NULL, 1000 + 10 * i + j);
+}
+
+Test(matmul, q8_0_q4_0_match_reference, .timeout = 120) {
+    const pd_type ts[] = {PD_TYPE_Q8_0, PD_TYPE_Q4_0};
+    const int64_t shapes[][2] = {{1, 32}, {3, 64}, {5, 96}, {13, 576}, {37, 160}, {131, 1536}};
+    for (size_t i = 0; i < 2; i++)
+        for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
+            check_matmul(ts[i], shapes[j][0], shapes[j][1], NULL, 2000 + 10 * i + j);
+}
+
+Test(matmul, q4_k_q6_k_match_reference, .timeout = 120) {
+    const pd_type ts[] = {PD_TYPE_Q4_K, PD_TYPE_Q6_K};
+    const int64_t shapes[][2] = {{1, 256}, {5, 512}, {13, 768}, {37, 256}};
+    for (size_t i = 0; i < 2; i++)
+        for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
+            check_matmul(ts[i], shapes[j][0], shapes[j][1], NULL, 3000 + 10 * i + j);
+}
+
+Test(matmul, every_simd_level_matches_reference, .timeout = 300) {
+    /* the scalar path, and AVX2 when the CPU has more, with large n going
+     * through dequantize + sgemm */
+    const char *levels[] = {"scalar", "avx2"};
+    for (size_t l = 0; l < 2; l++) {
+        if (l == 1 && !cpu_has("avx2")) continue;
+        for (size_t i = 0; i < N_TYPES; i++) {
+            const pd_type t = all_types[i];
+            const int64_t cols = pd_type_get(t)->block_size == 256 ? 512 : 96;
+            check_matmul(t, 19, cols, levels[l], 4000 + 10 * l + i);
+        }
+    }
+}
+
+Test(matmul, simd_agrees_with_scalar) {
+    const char *levels[] = {"avx2", "avx512"};
+    for (size_t l = 0; l < 2; l++) {
+        if (!cpu_has(levels[l])) continue;
+        pd_backend *sc = make_backend(1, "scalar");
+        pd_backend *sv = make_backend(2, levels[l]);
+        for (size_t i = 0; i < N_TYPES; i++) {
+            const pd_type t = all_types[i];
+            const int64_t cols = pd_type_get(t)->block_size == 256 ? 768 : 608;
+            const int64_t rows = 23, nmax = 7;
+            uint64_t s = 5000 + i;
+            pd_weight w;
+            uint8_t *data = make_weights(&s, t, rows, cols, &w);
+            float x[7 * 768], y0[7 * 23], y1[7 * 23];
+            double ref[7 * 23], bound[7 * 23], rs[7 * 23];
+            fill_acts(&s, x, nmax * cols);
+            ref_matmul(&w, x, nmax, ref, bound, rs);
+            const int64_t ns[] = {1, 3, 7};
+            for (size_t ni = 0; ni < 3; ni++) {
+                pd_error err = {0};
+                cr_assert_eq(sc->ops->matmul(sc, &w, x, ns[ni], y0, &err), PD_OK, "%s", err.msg);
+                cr_assert_eq(sv->ops->matmul(sv, &w, x, ns[ni], y1, &err), PD_OK, "%s", err.msg);
+                for (int64_t k = 0; k < ns[ni] * rows; k++) {
+                    const double tol = 1e-5 * rs[k] + 1e-30;
+                    cr_assert(fabs((double)y0[k] - (double)y1[k]) <= tol,
+                              "%s vs scalar, %s n=%lld: y[%lld] %.9g vs %.9g (tol %.3g)", levels[l],
+                              pd_type_get(t)->name, (long long)ns[ni], (long long)k, (double)y1[k],
+                              (double)y0[k], tol);
+                }
+            }
+            free(data);
+        }
+        pd_backend_free(sc);
+        pd_backend_free(sv);
+    }
+}
+
+Test(matmul, padded_rows_and_empty_shapes) {
+    /* row_bytes larger than a row: the stride is honoured */
+    uint64_t s = 77;
+    pd_weight w;
+    uint8_t *data = make_weights(&s, PD_TYPE_Q8_0, 9, 64, &w);
+    const size_t rb = w.row_bytes, stride = rb + 6;
+    uint8_t *padded = calloc(9, stride);
+    for (int r = 0; r < 9; r++) memcpy(padded + r * stride, data + r * rb, rb);
+    pd_weight wp = w;
+    wp.data = padded;
+    wp.row_bytes = stride;
+    float x[2 * 64], y0[2 * 9], y1[2 * 9];
+    fill_acts(&s, x, 2 * 64);
+    pd_backend *be = make_backend(2, NULL);
+    pd_error err = {0};
+    cr_assert_eq(be->ops->matmul(be, &w, x, 2, y0, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(be->ops->matmul(be, &wp, x, 2, y1, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(memcmp(y0, y1, sizeof y0), 0);
+    /* n = 0 and rows = 0 are no-ops; cols = 0 gives zeros */
+    cr_assert_eq(be->ops->matmul(be, &w, x, 0, y0, &err), PD_OK);
+    pd_weight we;
+    cr_assert_eq(pd_weight_init(&we, PD_TYPE_F32, x, 3, 0, &err), PD_OK, "%s", err.msg);
+    y0[0] = y0[1] = y0[2] = 1.0f;
+    cr_assert_eq(be->ops->matmul(be, &we, x, 1, y0, &err), PD_OK, "%s", err.msg);
+    cr_assert(y0[0] == 0.0f && y0[1] == 0.0f && y0[2] == 0.0f);
+    pd_backend_free(be);
+    free(padded);
+    free(data);
+}
+
+Test(matmul, errors) {
+    pd_backend *be = make_backend(1, NULL);
+    pd_error err = {0};
+    pd_weight w;
+    float x[64] = {0}, y[4];
+    uint8_t buf[4 * 40] = {0};
+    /* a type the backend cannot multiply */
+    cr_assert_eq(pd_weight_init(&w, PD_TYPE_Q4_1, buf, 2, 32, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(be->ops->matmul(be, &w, x, 1, y, &err), PD_EUNSUPPORTED);
+    cr_assert(strstr(err.msg, "q4_1") != NULL, "message names the type: %s", err.msg);
+    /* shape checks */
+    cr_assert_eq(pd_weight_init(&w, PD_TYPE_Q8_0, buf, 2, 33, &err), PD_EFORMAT);
+    cr_assert_eq(pd_weight_init(&w, PD_TYPE_F32, buf, -1, 4, &err), PD_EINVAL);
+    cr_assert_eq(pd_weight_init(&w, PD_TYPE_F32, NULL, 2, 4, &err), PD_EINVAL);
+    cr_assert_eq(pd_weight_init(&w, (pd_type)99, buf, 2, 4, &err), PD_EINVAL);
+    cr_assert_eq(pd_weight_init(&w, PD_TYPE_Q8_0, buf, 2, 32, &err), PD_OK, "%s", err.msg);
+    w.row_bytes = 10;
+    cr_assert_eq(be->ops->matmul(be, &w, x, 1, y, &err), PD_EINVAL);
+    w.row_bytes = 34;
+    cr_assert_eq(be->ops->matmul(be, &w, x, -1, y, &err), PD_EINVAL);
+    pd_backend_free(be);
+
+    setenv("PD_CPU_SIMD", "sse9", 1);
+    pd_backend *bad = NULL;
+    cr_assert_eq(pd_backend_cpu_create(1, &bad, &err), PD_EINVAL);
+    cr_assert(strstr(err.msg, "PD_CPU_SIMD") != NULL, "%s", err.msg);
+    cr_assert_null(bad);
+    setenv("PD_CPU_SIMD", "scalar", 1);
+    cr_assert_str_eq(pd_cpu_simd_name(), "scalar");
+    unsetenv("PD_CPU_SIMD");
+}
+
+/* ------------------------------------------------------------------------
+ * get_rows
+ * ------------------------------------------------------------------------ */
+
+Test(get_rows, dequantizes_selected_rows_exactly) {
+    pd_backend *be = make_backend(2, NULL);
+    for (size_t i = 0; i < N_TYPES; i++) {
+        const pd_type t = all_types[i];
+        const int64_t cols = pd_type_get(t)->block_size == 256 ? 512 : 96, rows = 17;
+        uint64_t s = 6000 + i;
+        pd_weight w;
+        uint8_t *data = make_weights(&s, t, rows, cols, &w);
+        const int32_t ids[] = {0, 16, 3, 3, 9};
+        float out[5 * 512], want[512];
+        pd_error err = {0};
+        cr_assert_eq(be->ops->get_rows(be, &w, ids, 5, out, &err), PD_OK, "%s", err.msg);
+        for (int k = 0; k < 5; k++) {
+            cr_assert_eq(pd_dequantize_row(t, data + (size_t)ids[k] * w.row_bytes, want, (uint64_t)cols, &err),
+                         PD_OK);
+            cr_assert_eq(memcmp(out + k * cols, want, sizeof(float) * (size_t)cols), 0, "%s row %d",
+                         pd_type_get(t)->name, ids[k]);
+        }
+        const int32_t bad[] = {1, 17};
+        cr_assert_eq(be->ops->get_rows(be, &w, bad, 2, out, &err), PD_ERANGE);
+        const int32_t neg[] = {-1};
+        cr_assert_eq(be->ops->get_rows(be, &w, neg, 1, out, &err), PD_ERANGE);
+        free(data);
+    }
+    pd_backend_free(be);
+}
+
+/* ------------------------------------------------------------------------
+ * rmsnorm, swiglu
+ * ------------------------------------------------------------------------ */
+
+Test(rmsnorm, matches_formula_and_works_in_place) {
+    const char *levels[] = {"scalar", NULL};
+    for (int l = 0; l < 2; l++) {
+        pd_backend *be = make_backend(2, levels[l]);
+        const int64_t dims[] = {1, 7, 64, 576, 1000};
+        const int64_t ns[] = {1, 3, 100};
+        for (size_t di = 0; di < 5; di++)
+            for (size_t ni = 0; ni < 3; ni++) {
+                const int64_t dim = dims[di], n = ns[ni];
+                uint64_t s = 7000 + di * 10 + ni;
+                float *x = malloc(sizeof(float) * (size_t)(n * dim));
+                float *wt = malloc(sizeof(float) * (size_t)dim);
+                float *out = malloc(sizeof(float) * (size_t)(n * dim));
+                for (int64_t i = 0; i < n * dim; i++) x[i] = rng_normal(&s) * 3.0f;
+                for (int64_t i = 0; i < dim; i++) wt[i] = 1.0f + rng_uniform(&s);
+                be->ops->rmsnorm(be, x, wt, n, dim, 1e-5f, out);
+                for (int64_t r = 0; r < n; r++) {
+                    double ss = 0;
+                    for (int64_t i = 0; i < dim; i++) ss += (double)x[r * dim + i] * x[r * dim + i];
+                    const double sc = 1.0 / sqrt(ss / (double)dim + 1e-5);
+                    for (int64_t i = 0; i < dim; i++) {
+                        const double want = x[r * dim + i] * sc * wt[i];
+                        cr_assert(fabs(out[r * dim + i] - want) <= 1e-5 * fmax(1.0, fabs(want)),
+                                  "dim %lld n %lld [%lld][%lld]: %.9g vs %.9g", (long long)dim, (long long)n,
+                                  (long long)r, (long long)i, (double)out[r * dim + i], want);
+                    }
+                }
+                be->ops->rmsnorm(be, x, wt, n, dim, 1e-5f, x); /* in place */
+                cr_assert_eq(memcmp(x, out, sizeof(float) * (size_t)(n * dim)), 0);
+                free(x);
+                free(wt);
+                free(out);
+            }
+        pd_backend_free(be);
+    }
+}
+
+Test(swiglu, matches_formula_and_works_in_place) {
+    const char *levels[] = {"scalar", NULL};
+    for (int l = 0; l < 2; l++) {
+        pd_backend *be = make_backend(2, levels[l]);
+        const int64_t ns[] = {1, 15, 17, 1536, 70001};
+        for (size_t ni = 0; ni < 5; ni++) {
+            const int64_t n = ns[ni];
+            uint64_t s = 8000 + ni;
+            float *g = malloc(sizeof(float) * (size_t)n), *u = malloc(sizeof(float) * (size_t)n);
+            float *out = malloc(sizeof(float) * (size_t)n);
+            for (int64_t i = 0; i < n; i++) {
+                g[i] = rng_normal(&s) * 4.0f;
+                u[i] = rng_normal(&s);
+            }
+            if (n > 4) {
+                g[0] = 100.0f; /* silu(x) = x for large x */
+                g[1] = -100.0f; /* and 0 for very negative x */
+                g[2] = 0.0f;
+            }
+            be->ops->swiglu(be, g, u, n, out);
+            for (int64_t i = 0; i < n; i++) {
+                const double x = g[i];
+                const double want = x / (1.0 + exp(-x)) * u[i];
+                cr_assert(fabs(out[i] - want) <= 1e-6 * fmax(1.0, fabs(want)) + 2e-6 * fabs(want) * fabs(x),
+                          "n %lld [%lld]: silu(%g)*%g = %.9g, want %.9g", (long long)n, (long long)i, x,
+                          (double)u[i], (double)out[i], want);
+            }
+            be->ops->swiglu(be, g, u, n, g); /* in place */
+            cr_assert_eq(memcmp(g, out, sizeof(float) * (size_t)n), 0);
+            free(g);
+            free(u);
+            free(out);
+        }
+        pd_backend_free(be);
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * rope
+ * ------------------------------------------------------------------------ */
+
+static void rope_ref(float *x, const int32_t *pos, int64_t n, int nh, int hd, const pd_rope_params *p) {
+    const int half = p->n_rot / 2;
+    for (int64_t t = 0; t < n; t++)
+        for (int h = 0; h < nh; h++) {
+            float *v = x + (t * nh + h) * hd;
+            for (int i = 0; i < half; i++) {
+                double th = (double)pos[t] * pow((double)p->freq_base, -2.0 * i / p->n_rot);
+                if (p->freq_factors) th /= (double)p->freq_factors[i];
+                const int a = p->mode == PD_ROPE_NEOX ? i : 2 * i;
+                const int b = p->mode == PD_ROPE_NEOX ? i + half : 2 * i + 1;
+                const double x0 = v[a], x1 = v[b];
+                v[a] = (float)(x0 * cos(th) - x1 * sin(th));
+                v[b] = (float)(x0 * sin(th) + x1 * cos(th));
+            }
+        }
+}
+
+Test(rope, both_modes_match_formula) {
+    pd_backend *be = make_backend(2, NULL);
+    const pd_rope_mode modes[] = {PD_ROPE_NORM, PD_ROPE_NEOX};
+    const int hds[] = {64, 128, 10};
+    const int rots[] = {64, 32, 6};
+    float ff[64];
+    for (int i = 0; i < 64; i++) ff[i] = 1.0f + (float)i * 0.25f;
+    for (int mi = 0; mi < 2; mi++)
+        for (int hi = 0; hi < 3; hi++)
+            for (int f = 0; f < 2; f++) {
+                const int hd = hds[hi], nh = 3;
+                const int64_t n = 300;
+                pd_rope_params p = {modes[mi], rots[hi], 10000.0f, f ? ff : NULL};
+                uint64_t s = 9000 + mi * 100 + hi * 10 + f;
+                float *x = malloc(sizeof(float) * (size_t)(n * nh * hd));
+                float *want = malloc(sizeof(float) * (size_t)(n * nh * hd));
+                int32_t *pos = malloc(sizeof(int32_t) * (size_t)n);
+                for (int64_t i = 0; i < n * nh * hd; i++) x[i] = rng_normal(&s);
+                for (int64_t t = 0; t < n; t++) pos[t] = (int32_t)(t * 37 % 8191); /* gaps, any order */
+                memcpy(want, x, sizeof(float) * (size_t)(n * nh * hd));
+                rope_ref(want, pos, n, nh, hd, &p);
+                be->ops->rope(be, x, pos, n, nh, hd, &p);
+                for (int64_t i = 0; i < n * nh * hd; i++) {
+                    const int d = (int)(i % hd);
+                    if (d >= p.n_rot)
+                        cr_assert_eq(x[i], want[i], "unrotated dim %d changed", d);
+                    else
+                        cr_assert(fabsf(x[i] - want[i]) <= 2e-6f * (1.0f + fabsf(want[i])),
+                                  "mode %d hd %d n_rot %d ff %d: [%lld] %.9g vs %.9g", (int)modes[mi], hd, p.n_rot,
+                                  f, (long long)i, (double)x[i], (double)want[i]);
+                }
+                free(x);
+                free(want);
+                free(pos);
+            }
+    pd_backend_free(be);
+}
+
+Test(rope, position_zero_is_identity) {
+    pd_backend *be = make_backend(1, NULL);
+    uint64_t s = 9500;
+    float x[4 * 2 * 64], orig[4 * 2 * 64];
+    for (int i = 0; i < 4 * 2 * 64; i++) orig[i] = x[i] = rng_normal(&s);
+    const int32_t pos[4] = {0, 0, 0, 0};
+    for (int m = 0; m < 2; m++) {
+        pd_rope_params p = {m ? PD_ROPE_NEOX : PD_ROPE_NORM, 64, 500000.0f, NULL};
+        be->ops->rope(be, x, pos, 4, 2, 64, &p);
+        cr_assert_eq(memcmp(x, orig, sizeof x), 0);
+    }
+    pd_backend_free(be);
+}
+
+/* ------------------------------------------------------------------------
+ * attention
+ * ------------------------------------------------------------------------ */
+
+typedef struct attn_case {
+    int n_head, n_head_kv, head_dim, n_seg;
+    int64_t n_tokens;
+    int64_t seg_len[PD_MAX_KV_SEGMENTS];
+    bool causal, masks;
+    float scale;
+} attn_case;
+
+/* Naive reference: softmax over the concatenation of all visible keys. */
+static void attn_ref(const pd_attn_args *a, double *out) {
+    const int hd = a->head_dim;
+    for (int64_t t = 0; t < a->n_tokens; t++)
+        for (int h = 0; h < a->n_head; h++) {
+            const int g = h / (a->n_head / a->n_head_kv);
+            const float *q = a->q + (t * a->n_head + h) * hd;
+            double *o = out + (t * a->n_head + h) * hd;
+            double m = -INFINITY;
+            for (int pass = 0; pass < 2; pass++) {
+                double l = 0;
+                if (pass == 1)
+                    for (int d = 0; d < hd; d++) o[d] = 0;
+                for (int s = 0; s < a->n_segments; s++) {
+                    const pd_kv_view *kv = &a->kv[s * a->n_head_kv + g];
+                    for (int64_t j = 0; j < kv->len; j++) {
+                        if (kv->keep && !kv->keep[j]) continue;
+                        if (a->causal && kv->pos[j] > a->q_pos[t]) continue;
+                        double sc = 0;
+                        for (int d = 0; d < hd; d++) sc += (double)q[d] * kv->k[j * hd + d];
+                        sc *= a->scale;
+                        if (pass == 0) {
+                            if (sc > m) m = sc;
+                        } else {
+                            const double p = exp(sc - m);
+                            l += p;
+                            for (int d = 0; d < hd; d++) o[d] += p * kv->v[j * hd + d];
+                        }
+                    }
+                }
+                if (pass == 1)
+                    for (int d = 0; d < hd; d++) o[d] = l > 0 ? o[d] / l : 0.0;
+                if (pass == 0 && m == -INFINITY) {
+                    for (int d = 0; d < hd; d++) o[d] = 0;
+                    break;
+                }
+            }
+        }
+}
+
+static void run_attn_case(const attn_case *c, uint64_t seed, int threads, const char *simd) {
+    uint64_t s = seed;
+    const int hd = c->head_dim;
+    const int64_t nq = c->n_tokens * c->n_head * hd;
+    float *q = malloc(sizeof(float) * (size_t)nq);
+    float *out = malloc(sizeof(float) * (size_t)nq);
+    double *want = malloc(sizeof(double) * (size_t)nq);
+    int32_t *qpos = malloc(sizeof(int32_t) * (size_t)c->n_tokens);
+    pd_kv_view kv[PD_MAX_KV_SEGMENTS * 8];
+    cr_assert(c->n_head_kv <= 8);
+    for (int64_t i = 0; i < nq; i++) q[i] = rng_uniform(&s);
+    /* positions: segment s holds keys at increasing positions with gaps;
+     * the queries come after the first segment, in the middle of the rest */
+    int32_t next_pos = 0;
+    for (int sg = 0; sg < c->n_seg; sg++) {
+        const int32_t start = next_pos;
+        for (int g = 0; g < c->n_head_kv; g++) {
+            pd_kv_view *v = &kv[sg * c->n_head_kv + g];
+            const int64_t len = c->seg_len[sg] + g; /* kv heads differ in length */
+            float *k = malloc(sizeof(float) * (size_t)(len * hd + 1));
+            float *vv = malloc(sizeof(float) * (size_t)(len * hd + 1));
+            int32_t *pos = malloc(sizeof(int32_t) * (size_t)(len + 1));
+            uint8_t *keep = c->masks ? malloc((size_t)len + 1) : NULL;
+            for (int64_t j = 0; j < len * hd; j++) {
+                k[j] = rng_uniform(&s);
+                vv[j] = rng_uniform(&s);
+            }
+            int32_t p = start;
+            for (int64_t j = 0; j < len; j++) {
+                p += 1 + (int32_t)(rng_next(&s) % 3); /* gaps */
+                pos[j] = p;
+                if (keep) keep[j] = (uint8_t)(rng_next(&s) % 4 != 0);
+            }
+            if (p > next_pos) next_pos = p;
+            v->k = k;
+            v->v = vv;
+            v->pos = pos;
+            v->keep = keep;
+            v->len = len;
+        }
+    }
+    for (int64_t t = 0; t < c->n_tokens; t++) {
+        /* spread from before every key (sees nothing under causal) to after all */
+        qpos[t] = (int32_t)(t * (next_pos + 2) / (c->n_tokens > 1 ? c->n_tokens - 1 : 1)) - 1;
+    }
+    pd_attn_args a = {.q = q,
+                      .q_pos = qpos,
+                      .n_tokens = c->n_tokens,
+                      .n_head = c->n_head,
+                      .n_head_kv = c->n_head_kv,
+                      .head_dim = hd,
+                      .n_segments = c->n_seg,
+                      .kv = kv,
+                      .scale = c->scale,
+                      .causal = c->causal,
+                      .out = out};
+    attn_ref(&a, want);
+    pd_backend *be = make_backend(threads, simd);
+    pd_error err = {0};
+    for (int64_t i = 0; i < nq; i++) out[i] = NAN;
+    cr_assert_eq(be->ops->attention(be, &a, &err), PD_OK, "%s", err.msg);
+    for (int64_t i = 0; i < nq; i++)
+        cr_assert(fabs((double)out[i] - want[i]) <= 1e-5,
+                  "%s threads %d heads %d/%d hd %d segs %d causal %d masks %d: out[%lld] %.9g vs %.9g",
+                  simd ? simd : "auto", threads, c->n_head, c->n_head_kv, hd, c->n_seg, c->causal, c->masks,
+                  (long long)i, (double)out[i], want[i]);
+    /* under causal the first query sits before every key: all zeros */
+    if (c->causal)
+        for (int64_t i = 0; i < c->n_head * hd; i++) cr_assert_eq(out[i], 0.0f, "query with no key");
+    pd_backend_free(be);
+    for (int i = 0; i < c->n_seg * c->n_head_kv; i++) {
+        free((void *)kv[i].k);
+        free((void *)kv[i].v);
+        free((void *)kv[i].pos);
+        free((void *)kv[i].keep);
+    }
+    free(q);
+    free(out);
+    free(want);
+    free(qpos);
+}
+
+Test(attention, matches_naive_reference, .timeout = 120) {
+    const attn_case cases[] = {
+        /* heads, kv heads, hd, segs, tokens, lengths, causal, masks, scale */
+        {4, 4, 64, 1, 5, {40}, false, false, 0.125f},
+        {9, 3, 64, 1, 7, {300}, true, false, 0.125f},        /* GQA, several key blocks */
+        {6, 2, 64, 2, 9, {200, 33}, true, true, 0.125f},     /* two segments with masks */
+        {8, 2, 20, 3, 6, {17, 150, 5}, true, true, 0.3f},    /* odd head_dim, three segments */
+        {4, 1, 128, 3, 4, {0, 64, 129}, false, true, 0.09f}, /* an empty segment */
+        {2, 2, 8, 2, 3, {3, 2}, true, false, 1.0f},
+        {4, 2, 64, 1, 3, {400}, false, false, 4.0f}, /* large scores: the max moves across blocks */
+    };
+    const char *levels[] = {"scalar", "avx2", NULL};
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++)
+        for (int l = 0; l < 3; l++) {
+            if (l == 1 && !cpu_has("avx2")) continue;
+            for (int th = 1; th <= 3; th++) run_attn_case(&cases[ci], 10000 + ci, th, levels[l]);
+        }
+}
+
+Test(attention, masked_and_future_keys_are_never_read) {
+    /* keys that are masked out hold NaN: the result must not see them */
+    pd_backend *be = make_backend(2, NULL);
+    const int hd = 16;
+    float k[4 * 16], v[4 * 16], q[16], out[16];
+    for (int i = 0; i < 4 * hd; i++) k[i] = v[i] = (float)(i % 7) * 0.1f;
+    for (int d = 0; d < hd; d++) {
+        k[1 * hd + d] = v[1 * hd + d] = NAN; /* keep = 0 */
+        k[3 * hd + d] = v[3 * hd + d] = NAN; /* future */
+        q[d] = 0.5f;
+    }
+    const int32_t pos[4] = {0, 1, 2, 9};
+    const uint8_t keep[4] = {1, 0, 1, 1};
+    const int32_t qpos = 5;
+    pd_kv_view kv = {k, v, pos, keep, 4};
+    pd_attn_args a = {.q = q, .q_pos = &qpos, .n_tokens = 1, .n_head = 1, .n_head_kv = 1, .head_dim = hd,
+                      .n_segments = 1, .kv = &kv, .scale = 0.25f, .causal = true, .out = out};
+    pd_error err = {0};
+    cr_assert_eq(be->ops->attention(be, &a, &err), PD_OK, "%s", err.msg);
+    for (int d = 0; d < hd; d++) cr_assert(isfinite(out[d]), "out[%d] = %g", d, (double)out[d]);
+    /* bad shapes */
+    a.n_head = 3;
+    a.n_head_kv = 2;
+    cr_assert_eq(be->ops->attention(be, &a, &err), PD_EINVAL);
+    a.n_head = 1;
+    a.n_head_kv = 1;
+    a.n_segments = PD_MAX_KV_SEGMENTS + 1;
+    cr_assert_eq(be->ops->attention(be, &a, &err), PD_EINVAL);
+    pd_backend_free(be);
+}
