@@ -208,7 +208,9 @@ struct pd_backend {
  *       what the CPU supports); tests use "scalar" to compare paths. An
  *       unknown value makes creation fail with PD_EINVAL.
  *   PD_CPU_GEMM_MIN_N=N  batch size from which dequantize + sgemm replaces
- *       the quantized dot products (default 16; tuning only).
+ *       the dot-product kernels, for every type (tuning only; the defaults
+ *       are per type and SIMD level, 4 to 64; q8_0 on AVX-512 VNNI always
+ *       uses its integer GEMM kernel).
  * Creation also sets OpenBLAS to one thread (process-wide): the backend
  * parallelises GEMM tiles on its own pool. */
 int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err);

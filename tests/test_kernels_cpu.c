@@ -12,8 +12,8 @@
  * (int8 with a per-block scale amax/127 is off by at most half a step per
  * element; blocks are 32 for q8_0/q4_0 and 256 for q4_K/q6_K); the second
  * is float rounding. SIMD and scalar paths agree within float rounding
- * (1e-5 of the sums above) on the quantized-dot path (n < 16), where both
- * multiply the same int8 activations. */
+ * (1e-5 of the sums above) on the dot-product kernels, where both multiply
+ * the same int8 activations. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdatomic.h>
@@ -236,6 +236,41 @@ Test(threadpool, every_index_once_per_run) {
     }
 }
 
+typedef struct tp_job {
+    atomic_int count, mask;
+} tp_job;
+
+static void job_fn(void *p, int ith, int nth) {
+    tp_job *j = p;
+    (void)nth;
+    atomic_fetch_add(&j->count, 1);
+    atomic_fetch_or(&j->mask, 1 << ith);
+}
+
+Test(threadpool, no_index_runs_twice_or_late) {
+    /* a fresh context per run: every index touches its own run exactly once
+     * and nobody touches a run after pd_threadpool_run returned, also when
+     * workers fall asleep between runs and the caller takes their share */
+    pd_threadpool *tp;
+    pd_error err = {0};
+    cr_assert_eq(pd_threadpool_create(3, &tp, &err), PD_OK, "%s", err.msg);
+    const int runs = 100000;
+    tp_job *jobs = calloc((size_t)runs, sizeof *jobs);
+    cr_assert_not_null(jobs);
+    for (int r = 0; r < runs; r++) {
+        pd_threadpool_run(tp, job_fn, &jobs[r]);
+        cr_assert_eq(atomic_load(&jobs[r].count), 3, "run %d: %d calls", r, atomic_load(&jobs[r].count));
+        cr_assert_eq(atomic_load(&jobs[r].mask), 7, "run %d: indices %#x", r, atomic_load(&jobs[r].mask));
+        if (r % 10000 == 9999) {
+            struct timespec ts = {0, 2 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    for (int r = 0; r < runs; r++) cr_assert_eq(atomic_load(&jobs[r].count), 3, "run %d touched late", r);
+    pd_threadpool_free(tp);
+    free(jobs);
+}
+
 static void sleepy_fn(void *p, int ith, int nth) {
     (void)nth;
     atomic_int *hits = p;
@@ -315,8 +350,11 @@ Test(matmul, simd_agrees_with_scalar) {
     const char *levels[] = {"avx2", "avx512"};
     for (size_t l = 0; l < 2; l++) {
         if (!cpu_has(levels[l])) continue;
+        /* both on the dot-product kernels (no sgemm), same int8 activations */
+        setenv("PD_CPU_GEMM_MIN_N", "1000", 1);
         pd_backend *sc = make_backend(1, "scalar");
         pd_backend *sv = make_backend(2, levels[l]);
+        unsetenv("PD_CPU_GEMM_MIN_N");
         for (size_t i = 0; i < N_TYPES; i++) {
             const pd_type t = all_types[i];
             const int64_t cols = pd_type_get(t)->block_size == 256 ? 768 : 608;
@@ -446,8 +484,9 @@ Test(get_rows, dequantizes_selected_rows_exactly) {
  * ------------------------------------------------------------------------ */
 
 Test(rmsnorm, matches_formula_and_works_in_place) {
-    const char *levels[] = {"scalar", NULL};
-    for (int l = 0; l < 2; l++) {
+    const char *levels[] = {"scalar", "avx2", NULL};
+    for (int l = 0; l < 3; l++) {
+        if (l == 1 && !cpu_has("avx2")) continue;
         pd_backend *be = make_backend(2, levels[l]);
         const int64_t dims[] = {1, 7, 64, 576, 1000};
         const int64_t ns[] = {1, 3, 100};
@@ -483,8 +522,9 @@ Test(rmsnorm, matches_formula_and_works_in_place) {
 }
 
 Test(swiglu, matches_formula_and_works_in_place) {
-    const char *levels[] = {"scalar", NULL};
-    for (int l = 0; l < 2; l++) {
+    const char *levels[] = {"scalar", "avx2", NULL};
+    for (int l = 0; l < 3; l++) {
+        if (l == 1 && !cpu_has("avx2")) continue;
         pd_backend *be = make_backend(2, levels[l]);
         const int64_t ns[] = {1, 15, 17, 1536, 70001};
         for (size_t ni = 0; ni < 5; ni++) {

@@ -20,6 +20,10 @@
  * token over 256 and 2048 cached keys.
  *
  * Each figure is the best of five rounds (other load only adds time).
+ * The tool re-executes itself with OPENBLAS_NUM_THREADS=1 unless that is
+ * set: the pthreads OpenBLAS otherwise starts a thread per core at load
+ * time that spins for a while, stealing a core from the backend's pool (the
+ * backend never uses OpenBLAS's own threads).
  * $PD_CPU_SIMD caps the SIMD level and $PD_CPU_GEMM_MIN_N moves the
  * quantized-dot/GEMM threshold, as for the daemon. */
 #include <getopt.h>
@@ -28,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "kernels/kernels.h"
 #include "util/util.h"
@@ -147,6 +152,11 @@ static int time_attention(pd_backend *be, long n_tokens, long n_keys, bool causa
 }
 
 int main(int argc, char **argv) {
+    if (!getenv("OPENBLAS_NUM_THREADS")) {
+        setenv("OPENBLAS_NUM_THREADS", "1", 1);
+        execv("/proc/self/exe", argv);
+        /* no /proc: carry on with OpenBLAS's threads */
+    }
     long threads[MAX_LIST] = {1, 2}, ns[MAX_LIST] = {1, 256};
     int n_threads = 2, n_ns = 2;
     pd_type types[MAX_LIST] = {PD_TYPE_Q8_0, PD_TYPE_Q4_0, PD_TYPE_Q4_K, PD_TYPE_Q6_K,

@@ -1,103 +1,178 @@
 /* Attention over segmented KV on the CPU.
  *
- * Work items are (query token, query head) pairs taken from an atomic
- * counter. For each item and each segment the keys are processed in blocks
- * of KEY_BLOCK with an online softmax (running max m, running sum l,
- * running weighted value sum o); the per-segment results are then merged
- * with log-sum-exp:
+ * Work items are (block of query tokens, kv head) pairs taken from an
+ * atomic counter; an item handles the n_head / n_head_kv query heads that
+ * share the kv head, so which keys a token may see is worked out once for
+ * all of them, and each block of keys is reused from L1 by all its queries.
+ * For each query head and each segment the keys are processed in blocks of
+ * KEY_BLOCK with an online softmax (running max m, running sum l, running
+ * weighted value sum o); the per-segment results are then merged with
+ * log-sum-exp:
  *     M = max_s m_s,  L = sum_s l_s e^(m_s - M),  out = sum_s o_s e^(m_s - M) / L
  * which equals softmax attention over the concatenated segments. Keys that
  * are masked (keep[j] == 0, or pos > q_pos under causal) get a score of
- * -inf, hence weight exactly 0, and their values are never read. A block
- * with no visible key is skipped without computing its scores. */
+ * -inf, hence weight exactly 0, and their values are never read. Only the
+ * span from the first to the last visible key of a block is scored, so a
+ * block nobody can see costs one scan of its positions. */
 #include <math.h>
 #include <stdatomic.h>
 #include <string.h>
 
 #include "kernels/cpu/cpu_internal.h"
 
-#define KEY_BLOCK 128
+#define KEY_BLOCK 64
 
 typedef struct attn_ctx {
     const pd_attn_args *a;
     const cpu_kernels *k;
     float *work;
     size_t per_thread;
-    int64_t n_items;
+    int n_rep;
+    int64_t tok_block; /* tokens per work item */
+    int64_t n_tblocks;
+    int64_t n_items;   /* n_tblocks * n_head_kv */
     atomic_llong next;
 } attn_ctx;
 
-static void attn_item(const attn_ctx *c, int64_t item, float *work) {
+/* Visibility of keys [j0, j0 + nk) for a query at qpos: vis[j] = 0/1, the
+ * first and last visible offsets (-1 if none); returns true when every key
+ * in [first, last] is visible. */
+static bool block_visibility(const cpu_kernels *k, const pd_kv_view *kv, bool causal, int32_t qpos,
+                             int64_t j0, int64_t nk, uint8_t *vis, int64_t *first, int64_t *last) {
+    const uint8_t *keep = kv->keep ? kv->keep + j0 : NULL;
+    const int32_t *pos = kv->pos ? kv->pos + j0 : NULL;
+    if (!keep && !causal) {
+        *first = 0;
+        *last = nk - 1;
+        return true;
+    }
+    if (!keep) { /* causal only: often every key of the block is old enough */
+        if (k->max_i32(pos, nk) <= qpos) {
+            *first = 0;
+            *last = nk - 1;
+            return true;
+        }
+    }
+    int64_t n_vis = 0;
+    for (int64_t j = 0; j < nk; j++) {
+        const bool v = (!keep || keep[j]) && (!causal || pos[j] <= qpos);
+        vis[j] = (uint8_t)v;
+        n_vis += v;
+    }
+    if (n_vis == 0) {
+        *first = *last = -1;
+        return false;
+    }
+    int64_t f = 0, l = nk - 1;
+    while (!vis[f]) f++;
+    while (!vis[l]) l--;
+    *first = f;
+    *last = l;
+    return n_vis == l - f + 1;
+}
+
+/* Tokens [t0, t1) against kv head g, for each of its n_rep query heads.
+ * Loop order segment -> key block -> token -> head, so a block of keys and
+ * values (KEY_BLOCK rows) is read from memory once and then reused from L1
+ * by every query of the item. State per (token, head, segment): m, l, o. */
+static void attn_item(const attn_ctx *c, int64_t t0, int64_t t1, int g, float *work) {
     const pd_attn_args *a = c->a;
     const cpu_kernels *k = c->k;
     const int hd = a->head_dim;
-    const int64_t t = item / a->n_head;
-    const int h = (int)(item % a->n_head);
-    const int g = h / (a->n_head / a->n_head_kv);
-    const float *q = a->q + (t * a->n_head + h) * (int64_t)hd;
-    const int32_t qpos = a->q_pos ? a->q_pos[t] : 0;
-    float *out = a->out + (t * a->n_head + h) * (int64_t)hd;
+    const int n_rep = c->n_rep;
+    const int nseg = a->n_segments;
+    const int h0 = g * n_rep; /* first query head of this kv head */
+    const int64_t nt = t1 - t0;
+    const int64_t nstate = nt * n_rep * (nseg > 0 ? nseg : 1);
 
-    float *sc = work;            /* KEY_BLOCK scores */
-    float *pr = sc + KEY_BLOCK;  /* KEY_BLOCK probabilities */
-    float *os = pr + KEY_BLOCK;  /* n_segments x hd partial outputs */
-    float ms[PD_MAX_KV_SEGMENTS], ls[PD_MAX_KV_SEGMENTS];
+    float *sc = work;                /* KEY_BLOCK scores */
+    float *pr = sc + KEY_BLOCK;      /* KEY_BLOCK probabilities */
+    float *ml = pr + KEY_BLOCK;      /* nstate x (m, l) */
+    float *os = ml + 2 * nstate;     /* nstate x hd */
+    uint8_t vis[KEY_BLOCK];
+#define ST(tt, r, s) ((((tt) * n_rep) + (r)) * (int64_t)(nseg > 0 ? nseg : 1) + (s))
 
-    for (int s = 0; s < a->n_segments; s++) {
+    for (int64_t i = 0; i < nstate; i++) {
+        ml[2 * i] = -INFINITY;
+        ml[2 * i + 1] = 0.0f;
+    }
+    memset(os, 0, (size_t)nstate * (size_t)hd * sizeof(float));
+
+    for (int s = 0; s < nseg; s++) {
         const pd_kv_view *kv = &a->kv[(int64_t)s * a->n_head_kv + g];
-        float *o = os + (int64_t)s * hd;
-        memset(o, 0, (size_t)hd * sizeof(float));
-        float m = -INFINITY, l = 0.0f;
         for (int64_t j0 = 0; j0 < kv->len; j0 += KEY_BLOCK) {
             const int64_t nk = kv->len - j0 < KEY_BLOCK ? kv->len - j0 : KEY_BLOCK;
-            /* visibility first: skip blocks nobody can see */
-            int64_t first = -1, last = -1;
-            for (int64_t j = 0; j < nk; j++) {
-                const bool vis = (!kv->keep || kv->keep[j0 + j]) && (!a->causal || kv->pos[j0 + j] <= qpos);
-                if (vis) {
-                    if (first < 0) first = j;
-                    last = j;
+            for (int64_t tt = 0; tt < nt; tt++) {
+                const int64_t t = t0 + tt;
+                const int32_t qpos = a->q_pos ? a->q_pos[t] : 0;
+                int64_t first, last;
+                const bool dense = block_visibility(k, kv, a->causal, qpos, j0, nk, vis, &first, &last);
+                if (first < 0) continue;
+                const int64_t span = last - first + 1;
+                const float *kb = kv->k + (j0 + first) * hd;
+                const float *vb = kv->v + (j0 + first) * hd;
+                for (int r = 0; r < n_rep; r++) {
+                    const float *q = a->q + (t * a->n_head + h0 + r) * (int64_t)hd;
+                    float *m = &ml[2 * ST(tt, r, s)], *l = m + 1;
+                    float *o = os + ST(tt, r, s) * hd;
+                    k->attn_scores(q, kb, hd, span, a->scale, sc);
+                    float bmax = -INFINITY;
+                    if (dense) {
+                        bmax = k->max_f32(sc, span);
+                    } else {
+                        for (int64_t j = 0; j < span; j++) {
+                            if (!vis[first + j])
+                                sc[j] = -INFINITY;
+                            else if (sc[j] > bmax)
+                                bmax = sc[j];
+                        }
+                    }
+                    if (bmax > *m) {
+                        if (*m != -INFINITY) {
+                            const float alpha = expf(*m - bmax);
+                            *l *= alpha;
+                            k->scale_f32(alpha, hd, o);
+                        }
+                        *m = bmax;
+                    }
+                    if (*m == -INFINITY) continue; /* NaN scores only */
+                    *l += k->softmax_exp(sc, *m, span, pr);
+                    if (dense) {
+                        k->attn_pv(pr, vb, hd, span, o);
+                    } else { /* runs of visible keys: masked rows are never read */
+                        for (int64_t j = 0; j < span;) {
+                            if (!vis[first + j]) {
+                                j++;
+                                continue;
+                            }
+                            int64_t e = j + 1;
+                            while (e < span && vis[first + e]) e++;
+                            k->attn_pv(pr + j, vb + j * hd, hd, e - j, o);
+                            j = e;
+                        }
+                    }
                 }
             }
-            if (first < 0) continue;
-            const int64_t span = last - first + 1;
-            k->attn_scores(q, kv->k + (j0 + first) * hd, hd, span, a->scale, sc);
-            float bmax = -INFINITY;
-            for (int64_t j = 0; j < span; j++) {
-                const int64_t jj = j0 + first + j;
-                const bool vis = (!kv->keep || kv->keep[jj]) && (!a->causal || kv->pos[jj] <= qpos);
-                if (!vis)
-                    sc[j] = -INFINITY;
-                else if (sc[j] > bmax)
-                    bmax = sc[j];
-            }
-            if (bmax > m) {
-                if (m != -INFINITY) {
-                    const float alpha = expf(m - bmax);
-                    l *= alpha;
-                    k->scale_f32(alpha, hd, o);
-                }
-                m = bmax;
-            }
-            l += k->softmax_exp(sc, m, span, pr);
-            k->attn_pv(pr, kv->v + (j0 + first) * hd, hd, span, o);
         }
-        ms[s] = m;
-        ls[s] = l;
     }
 
-    float mx = -INFINITY;
-    for (int s = 0; s < a->n_segments; s++)
-        if (ms[s] > mx) mx = ms[s];
-    memset(out, 0, (size_t)hd * sizeof(float));
-    if (mx == -INFINITY) return; /* no visible key: zeros */
-    float lsum = 0.0f, wts[PD_MAX_KV_SEGMENTS];
-    for (int s = 0; s < a->n_segments; s++) {
-        wts[s] = ms[s] == -INFINITY ? 0.0f : expf(ms[s] - mx);
-        lsum += ls[s] * wts[s];
-    }
-    for (int s = 0; s < a->n_segments; s++)
-        if (wts[s] != 0.0f) k->axpy_f32(wts[s] / lsum, os + (int64_t)s * hd, hd, out);
+    for (int64_t tt = 0; tt < nt; tt++)
+        for (int r = 0; r < n_rep; r++) {
+            float *out = a->out + ((t0 + tt) * a->n_head + h0 + r) * (int64_t)hd;
+            memset(out, 0, (size_t)hd * sizeof(float));
+            float mx = -INFINITY;
+            for (int s = 0; s < nseg; s++) mx = ml[2 * ST(tt, r, s)] > mx ? ml[2 * ST(tt, r, s)] : mx;
+            if (mx == -INFINITY) continue; /* no visible key: zeros */
+            float lsum = 0.0f, wts[PD_MAX_KV_SEGMENTS];
+            for (int s = 0; s < nseg; s++) {
+                const float ms = ml[2 * ST(tt, r, s)];
+                wts[s] = ms == -INFINITY ? 0.0f : expf(ms - mx);
+                lsum += ml[2 * ST(tt, r, s) + 1] * wts[s];
+            }
+            for (int s = 0; s < nseg; s++)
+                if (wts[s] != 0.0f) k->axpy_f32(wts[s] / lsum, os + ST(tt, r, s) * hd, hd, out);
+        }
+#undef ST
 }
 
 static void attn_worker(void *p, int ith, int nth) {
@@ -105,11 +180,13 @@ static void attn_worker(void *p, int ith, int nth) {
     attn_ctx *c = p;
     float *work = c->work + (size_t)ith * c->per_thread;
     for (;;) {
-        /* a few items per grab keeps the counter off the hot path */
-        const int64_t i0 = atomic_fetch_add_explicit(&c->next, 4, memory_order_relaxed);
-        if (i0 >= c->n_items) break;
-        const int64_t i1 = i0 + 4 < c->n_items ? i0 + 4 : c->n_items;
-        for (int64_t i = i0; i < i1; i++) attn_item(c, i, work);
+        const int64_t i = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
+        if (i >= c->n_items) break;
+        const int64_t tb = i / c->a->n_head_kv;
+        const int g = (int)(i % c->a->n_head_kv);
+        const int64_t t0 = tb * c->tok_block;
+        const int64_t t1 = t0 + c->tok_block < c->a->n_tokens ? t0 + c->tok_block : c->a->n_tokens;
+        attn_item(c, t0, t1, g, work);
     }
 }
 
@@ -141,9 +218,16 @@ int cpu_attention(pd_backend *be, const pd_attn_args *a, pd_error *err) {
         }
 
     const int nth = cb->n_threads;
-    attn_ctx c = {.a = a, .k = &cb->k, .n_items = a->n_tokens * a->n_head};
-    c.per_thread = (2 * KEY_BLOCK + (size_t)(a->n_segments > 0 ? a->n_segments : 1) * (size_t)a->head_dim + 15) &
-                   ~(size_t)15;
+    attn_ctx c = {.a = a, .k = &cb->k, .n_rep = a->n_head / a->n_head_kv};
+    /* Tokens per item: up to 16 (reuse of each key block from L1), but
+     * enough items to keep every thread busy. */
+    int64_t tb = a->n_tokens * a->n_head_kv / (4 * (int64_t)nth);
+    tb = tb < 1 ? 1 : tb > 16 ? 16 : tb;
+    c.tok_block = tb;
+    c.n_tblocks = (a->n_tokens + tb - 1) / tb;
+    c.n_items = c.n_tblocks * a->n_head_kv;
+    const size_t nstate = (size_t)tb * (size_t)c.n_rep * (size_t)(a->n_segments > 0 ? a->n_segments : 1);
+    c.per_thread = (2 * KEY_BLOCK + 2 * nstate + nstate * (size_t)a->head_dim + 15) & ~(size_t)15;
     void *work = cb->work;
     size_t cap_bytes = cb->work_cap * sizeof(float);
     int rc = cpu_scratch_reserve(&work, &cap_bytes, c.per_thread * sizeof(float) * (size_t)nth, err);
@@ -152,7 +236,7 @@ int cpu_attention(pd_backend *be, const pd_attn_args *a, pd_error *err) {
     if (rc) return rc;
     c.work = cb->work;
     atomic_init(&c.next, 0);
-    if (c.n_items <= 4)
+    if (c.n_items == 1)
         attn_worker(&c, 0, 1);
     else
         pd_threadpool_run(cb->tp, attn_worker, &c);

@@ -171,10 +171,7 @@ static void rms_rows(const rms_ctx *c, int64_t r0, int64_t r1) {
         float *o = c->out + r * c->dim;
         const float ss = c->k->dot_f32(x, x, c->dim);
         const float scale = 1.0f / sqrtf(ss / (float)c->dim + c->eps);
-        if (c->weight)
-            for (int64_t i = 0; i < c->dim; i++) o[i] = x[i] * scale * c->weight[i];
-        else
-            for (int64_t i = 0; i < c->dim; i++) o[i] = x[i] * scale;
+        c->k->scale_mul(x, scale, c->weight, c->dim, o);
     }
 }
 
@@ -251,18 +248,28 @@ static void rope_tokens(const rope_ctx *c, int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; t++) {
             const double p = (double)c->pos[t];
             for (int i = 0; i < ni; i++) {
-                const double th = p * inv_freq[i];
-                cs[i] = (float)cos(th);
-                sn[i] = (float)sin(th);
+                /* theta in double, reduced to [-pi, pi] in double, then a
+                 * float sincos: accurate to float rounding at any position */
+                double th = p * inv_freq[i];
+                th -= 6.283185307179586 * nearbyint(th * 0.15915494309189535);
+                sincosf((float)th, &sn[i], &cs[i]);
             }
             for (int h = 0; h < c->n_heads; h++) {
                 float *v = c->x + (t * c->n_heads + h) * (int64_t)c->head_dim;
-                for (int i = 0; i < ni; i++) {
-                    const int a = c->mode == PD_ROPE_NEOX ? i0 + i : 2 * (i0 + i);
-                    const int b = c->mode == PD_ROPE_NEOX ? i0 + i + half : 2 * (i0 + i) + 1;
-                    const float x0 = v[a], x1 = v[b];
-                    v[a] = x0 * cs[i] - x1 * sn[i];
-                    v[b] = x0 * sn[i] + x1 * cs[i];
+                if (c->mode == PD_ROPE_NEOX) {
+                    float *v0 = v + i0, *v1 = v + i0 + half;
+                    for (int i = 0; i < ni; i++) {
+                        const float x0 = v0[i], x1 = v1[i];
+                        v0[i] = x0 * cs[i] - x1 * sn[i];
+                        v1[i] = x0 * sn[i] + x1 * cs[i];
+                    }
+                } else {
+                    float *vp = v + 2 * i0;
+                    for (int i = 0; i < ni; i++) {
+                        const float x0 = vp[2 * i], x1 = vp[2 * i + 1];
+                        vp[2 * i] = x0 * cs[i] - x1 * sn[i];
+                        vp[2 * i + 1] = x0 * sn[i] + x1 * cs[i];
+                    }
                 }
             }
         }
@@ -335,12 +342,25 @@ int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err) {
 #endif
     default: cpu_kernels_scalar(&cb->k); break;
     }
-    cb->gemm_min_n = 16;
+    /* Batch size from which dequantize + sgemm beats the dot-product
+     * kernels, measured with kernel-bench on AVX-512 (Zen): sgemm pays for
+     * packing the weights on every call, the K-quant dequantizers are the
+     * scalar reference ones, and the f16/bf16 kernels convert on the fly. */
+    for (int t = 0; t < PD_TYPE_COUNT; t++) cb->gemm_min_n[t] = 16;
+    if (level == CPU_SIMD_SCALAR) {
+        for (int t = 0; t < PD_TYPE_COUNT; t++) cb->gemm_min_n[t] = 4;
+    } else {
+        cb->gemm_min_n[PD_TYPE_F32] = 32;
+        cb->gemm_min_n[PD_TYPE_F16] = 64;
+        cb->gemm_min_n[PD_TYPE_BF16] = 64;
+        cb->gemm_min_n[PD_TYPE_Q6_K] = 48;
+    }
     const char *g = getenv("PD_CPU_GEMM_MIN_N"); /* tuning knob for kernel-bench */
     if (g && *g) {
         char *end;
         const long v = strtol(g, &end, 10);
-        if (*end == '\0' && v >= 1) cb->gemm_min_n = v;
+        if (*end == '\0' && v >= 1)
+            for (int t = 0; t < PD_TYPE_COUNT; t++) cb->gemm_min_n[t] = v;
     }
     /* Our pool parallelises across GEMM tiles; OpenBLAS's own threads would
      * fight with it (process-wide setting). */

@@ -29,7 +29,7 @@
 #if defined(__clang__)
 #define PD_UNROLL _Pragma("unroll")
 #else
-#define PD_UNROLL _Pragma("GCC unroll 4")
+#define PD_UNROLL _Pragma("GCC unroll 16")
 #endif
 
 typedef enum cpu_simd_level {
@@ -101,10 +101,17 @@ typedef struct cpu_kernels {
     void (*axpy_f32)(float a, const float *x, int64_t n, float *y);
     /* y *= a */
     void (*scale_f32)(float a, int64_t n, float *y);
+    /* o[i] = x[i] * a * w[i] (w NULL: 1); o may equal x */
+    void (*scale_mul)(const float *x, float a, const float *w, int64_t n, float *o);
+    /* max of x[0..n) (n >= 1; -INFINITY entries allowed) */
+    float (*max_f32)(const float *x, int64_t n);
+    /* max of x[0..n) (n >= 1) */
+    int32_t (*max_i32)(const int32_t *x, int64_t n);
     /* s[j] = scale * dot(q, k + j * hd) for j < nk (attention scores) */
     void (*attn_scores)(const float *q, const float *k, int64_t hd, int64_t nk, float scale,
                         float *s);
-    /* o += sum_j p[j] * v[j * hd ...] for j < nk, skipping p[j] == 0 */
+    /* o += sum_j p[j] * v[j * hd ...] for j < nk (every row is read: the
+     * caller passes only runs of visible keys) */
     void (*attn_pv)(const float *p, const float *v, int64_t hd, int64_t nk, float *o);
 } cpu_kernels;
 
@@ -155,7 +162,7 @@ typedef struct cpu_backend {
     pd_threadpool *tp;
     int n_threads;
     cpu_kernels k;
-    int64_t gemm_min_n; /* n at which dequantize + sgemm takes over */
+    int64_t gemm_min_n[PD_TYPE_COUNT]; /* n at which dequantize + sgemm takes over */
     void *act;          /* quantized activations */
     size_t act_cap;
     float *work;        /* per-thread float scratch (dequantized tiles, attention) */

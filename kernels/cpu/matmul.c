@@ -164,7 +164,9 @@ static int matmul_gemm(cpu_backend *cb, const pd_weight *w, const float *x, int6
     int64_t tile = 65536 / w->cols;
     if (tile > 512) tile = 512;
     int64_t chunk = pick_chunk(w->rows, nth, 2, 16, 16);
-    if (chunk > tile) chunk = tile < 16 ? 16 : tile / 16 * 16;
+    /* a dequantized tile must fit the per-thread buffer; f32 weights are
+     * used in place, and bigger tiles repack x less often */
+    if (!direct && chunk > tile) chunk = tile < 16 ? 16 : tile / 16 * 16;
     gemm_ctx c = {.k = &cb->k, .w = w, .x = x, .y = y, .n = n, .chunk = chunk, .direct = direct};
     c.nchunks = (w->rows + chunk - 1) / chunk;
     if (!direct) {
@@ -216,7 +218,7 @@ int cpu_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, fl
         return PD_OK;
     }
 
-    if (n >= cb->gemm_min_n && !cb->k.mm_any_n[w->type]) return matmul_gemm(cb, w, x, n, y, err);
+    if (n >= cb->gemm_min_n[w->type] && !cb->k.mm_any_n[w->type]) return matmul_gemm(cb, w, x, n, y, err);
 
     mm_ctx c = {.fn = cb->k.mm[w->type], .rows = w->rows};
     cpu_qact q;

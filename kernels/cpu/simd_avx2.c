@@ -126,7 +126,11 @@ PD_UNROLL
 
 PD_TARGET_AVX2 static void mm_q8_0(const cpu_mm *m, int64_t r0, int64_t r1) {
     int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) q8_0_rows(m, r, 4);
+    for (; r + 4 <= r1; r += 4) {
+        if (m->n <= 4 && r + PD_PF_AHEAD + 4 <= r1)
+            pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 4, m->rb);
+        q8_0_rows(m, r, 4);
+    }
     for (; r < r1; r++) q8_0_rows(m, r, 1);
 }
 
@@ -177,7 +181,11 @@ PD_UNROLL
 
 PD_TARGET_AVX2 static void mm_q4_0(const cpu_mm *m, int64_t r0, int64_t r1) {
     int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) q4_0_rows(m, r, 4);
+    for (; r + 4 <= r1; r += 4) {
+        if (m->n <= 4 && r + PD_PF_AHEAD + 4 <= r1)
+            pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 4, m->rb);
+        q4_0_rows(m, r, 4);
+    }
     for (; r < r1; r++) q4_0_rows(m, r, 1);
 }
 
@@ -218,11 +226,14 @@ PD_TARGET_AVX2 static float dot_q4_K(const uint8_t *w, const int8_t *xq, const f
 
 PD_TARGET_AVX2 static void mm_q4_K(const cpu_mm *m, int64_t r0, int64_t r1) {
     const cpu_qact *q = m->q;
-    for (int64_t r = r0; r < r1; r++)
+    for (int64_t r = r0; r < r1; r++) {
+        if (m->n <= 4 && r + PD_PF_AHEAD < r1)
+            pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 1, m->rb);
         for (int64_t t = 0; t < m->n; t++)
             m->y[t * m->ldy + r] =
                 dot_q4_K(m->w + (size_t)r * m->rb, q->qs + t * q->cols, q->d + t * q->nblocks,
                          q->bsums + t * (q->cols / 16), q->nblocks);
+    }
 }
 
 /* ------------------------------------------------------------------------
@@ -271,11 +282,14 @@ PD_TARGET_AVX2 static float dot_q6_K(const uint8_t *w, const int8_t *xq, const f
 
 PD_TARGET_AVX2 static void mm_q6_K(const cpu_mm *m, int64_t r0, int64_t r1) {
     const cpu_qact *q = m->q;
-    for (int64_t r = r0; r < r1; r++)
+    for (int64_t r = r0; r < r1; r++) {
+        if (m->n <= 4 && r + PD_PF_AHEAD < r1)
+            pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 1, m->rb);
         for (int64_t t = 0; t < m->n; t++)
             m->y[t * m->ldy + r] =
                 dot_q6_K(m->w + (size_t)r * m->rb, q->qs + t * q->cols, q->d + t * q->nblocks,
                          q->bsums + t * (q->cols / 16), q->nblocks);
+    }
 }
 
 /* ------------------------------------------------------------------------
@@ -330,7 +344,11 @@ static inline float load1_bf16(const uint8_t *p) {
     }                                                                                            \
     PD_TARGET_AVX2 static void NAME(const cpu_mm *m, int64_t r0, int64_t r1) {                   \
         int64_t r = r0;                                                                          \
-        for (; r + 4 <= r1; r += 4) NAME##_rows(m, r, 4);                                        \
+        for (; r + 4 <= r1; r += 4) {                                                            \
+            if (m->n <= 4 && r + PD_PF_AHEAD + 4 <= r1)                                          \
+                pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 4, m->rb);     \
+            NAME##_rows(m, r, 4);                                                                \
+        }                                                                                        \
         for (; r < r1; r++) NAME##_rows(m, r, 1);                                                \
     }
 
@@ -463,7 +481,6 @@ PD_TARGET_AVX2 static void attn_pv(const float *p, const float *v, int64_t hd, i
         __m256 o0 = _mm256_loadu_ps(o + d), o1 = _mm256_loadu_ps(o + d + 8);
         __m256 o2 = _mm256_loadu_ps(o + d + 16), o3 = _mm256_loadu_ps(o + d + 24);
         for (int64_t j = 0; j < nk; j++) {
-            if (p[j] == 0.0f) continue;
             const __m256 b = _mm256_set1_ps(p[j]);
             const float *vj = v + j * hd + d;
             o0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(vj), o0);
@@ -479,12 +496,48 @@ PD_TARGET_AVX2 static void attn_pv(const float *p, const float *v, int64_t hd, i
     for (; d < hd; d += 8) {
         const __m256i m = pd_tail_mask8(hd - d);
         __m256 o0 = _mm256_maskload_ps(o + d, m);
-        for (int64_t j = 0; j < nk; j++) {
-            if (p[j] == 0.0f) continue;
+        for (int64_t j = 0; j < nk; j++)
             o0 = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_maskload_ps(v + j * hd + d, m), o0);
-        }
         _mm256_maskstore_ps(o + d, m, o0);
     }
+}
+
+PD_TARGET_AVX2 static float max_f32(const float *x, int64_t n) {
+    int64_t i = 0;
+    float m = x[0];
+    if (n >= 8) {
+        __m256 v = _mm256_loadu_ps(x);
+        for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + i));
+        m = pd_hmax_ps_avx2(v);
+    }
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+PD_TARGET_AVX2 static int32_t max_i32(const int32_t *x, int64_t n) {
+    int64_t i = 0;
+    int32_t m = x[0];
+    if (n >= 8) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)x);
+        for (i = 8; i + 8 <= n; i += 8) v = _mm256_max_epi32(v, _mm256_loadu_si256((const __m256i *)(x + i)));
+        __m128i h = _mm_max_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+        h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+        m = _mm_cvtsi128_si32(h);
+    }
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+PD_TARGET_AVX2 static void scale_mul(const float *x, float a, const float *w, int64_t n, float *o) {
+    const __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    if (w)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), va), _mm256_loadu_ps(w + i)));
+    else
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), va));
+    for (; i < n; i++) o[i] = w ? x[i] * a * w[i] : x[i] * a;
 }
 
 void cpu_kernels_avx2(cpu_kernels *k) {
@@ -508,8 +561,11 @@ void cpu_kernels_avx2(cpu_kernels *k) {
     k->dot_f32 = dot_f32;
     k->axpy_f32 = axpy_f32;
     k->scale_f32 = scale_f32;
+    k->scale_mul = scale_mul;
     k->attn_scores = attn_scores;
     k->attn_pv = attn_pv;
+    k->max_f32 = max_f32;
+    k->max_i32 = max_i32;
 }
 
 #endif /* PD_X86 */

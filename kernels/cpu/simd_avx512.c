@@ -32,7 +32,7 @@
 
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
 q8_0_tile(const uint8_t *w, size_t rb, const int nr, const cpu_qact *q, int64_t t0, const int nt,
-          float *y, int64_t ldy) {
+          float *y, int64_t ldy, const uint8_t *pf) {
     const int64_t nb = q->nblocks;
     const int64_t ldq = q->cols;
     const int8_t *xq = q->qs + t0 * ldq;
@@ -58,6 +58,13 @@ PD_UNROLL
             dx[j] = _mm512_permutexvar_ps(idx01, _mm512_castps128_ps512(_mm_castsi128_ps(d2)));
             const __m128i c2 = _mm_loadl_epi64((const __m128i *)(const void *)(xc + j * nb + p));
             cv[j] = _mm512_maskz_permutexvar_epi32((__mmask16)0x0101, idx01, _mm512_castsi128_si512(c2));
+        }
+        if (pf) { /* stream the rows a later tile needs (decode reads weights once) */
+            PD_UNROLL
+            for (int i = 0; i < TILE_M; i++) {
+                _mm_prefetch((const char *)(pf + (size_t)i * rb + (size_t)Q8_0_BYTES * (size_t)p), _MM_HINT_T0);
+                _mm_prefetch((const char *)(pf + (size_t)i * rb + (size_t)Q8_0_BYTES * (size_t)p + 64), _MM_HINT_T0);
+            }
         }
 PD_UNROLL
         for (int i = 0; i < nr; i++) {
@@ -110,10 +117,11 @@ PD_UNROLL
 }
 
 #define TILE_CASE(NR, NT)                                                                        \
-    case (NR)*8 + (NT): q8_0_tile(w, rb, NR, q, t0, NT, y, ldy); break;
+    case (NR)*8 + (NT): q8_0_tile(w, rb, NR, q, t0, NT, y, ldy, pf); break;
 
 PD_TARGET_AVX512 static void q8_0_tile_any(const uint8_t *w, size_t rb, int nr, const cpu_qact *q,
-                                           int64_t t0, int nt, float *y, int64_t ldy) {
+                                           int64_t t0, int nt, float *y, int64_t ldy,
+                                           const uint8_t *pf) {
     switch (nr * 8 + nt) {
 #if TILE_N >= 4
         TILE_CASE(4, 4) TILE_CASE(3, 4) TILE_CASE(2, 4) TILE_CASE(1, 4)
@@ -134,7 +142,10 @@ PD_TARGET_AVX512 static void mm_q8_0(const cpu_mm *m, int64_t r0, int64_t r1) {
             const uint8_t *w = m->w + (size_t)r * m->rb;
             for (int64_t t = tb; t < te; t += TILE_N) {
                 const int nt = (int)(te - t < TILE_N ? te - t : TILE_N);
-                q8_0_tile_any(w, m->rb, nr, m->q, t, nt, m->y + r, m->ldy);
+                /* prefetch two tiles ahead, within this chunk, on the first
+                 * pass over the rows */
+                const uint8_t *pf = t == tb && r + 3 * TILE_M <= r1 ? w + 2 * TILE_M * m->rb : NULL;
+                q8_0_tile_any(w, m->rb, nr, m->q, t, nt, m->y + r, m->ldy, pf);
             }
         }
     }
@@ -179,7 +190,11 @@ PD_UNROLL
 
 PD_TARGET_AVX512 static void mm_q4_0(const cpu_mm *m, int64_t r0, int64_t r1) {
     int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) q4_0_rows(m, r, 4);
+    for (; r + 4 <= r1; r += 4) {
+        if (m->n <= 4 && r + PD_PF_AHEAD + 4 <= r1)
+            pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 4, m->rb);
+        q4_0_rows(m, r, 4);
+    }
     for (; r < r1; r++) q4_0_rows(m, r, 1);
 }
 
@@ -242,7 +257,11 @@ static inline float load1_bf16(const uint8_t *p) {
     }                                                                                            \
     PD_TARGET_AVX512 static void NAME(const cpu_mm *m, int64_t r0, int64_t r1) {                 \
         int64_t r = r0;                                                                          \
-        for (; r + 4 <= r1; r += 4) NAME##_rows(m, r, 4);                                        \
+        for (; r + 4 <= r1; r += 4) {                                                            \
+            if (m->n <= 4 && r + PD_PF_AHEAD + 4 <= r1)                                          \
+                pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 4, m->rb);     \
+            NAME##_rows(m, r, 4);                                                                \
+        }                                                                                        \
         for (; r < r1; r++) NAME##_rows(m, r, 1);                                                \
     }
 
@@ -314,6 +333,25 @@ PD_TARGET_AVX512 static void scale_f32(float a, int64_t n, float *y) {
 PD_TARGET_AVX512 static void attn_scores(const float *q, const float *k, int64_t hd, int64_t nk,
                                          float scale, float *s) {
     int64_t j = 0;
+    if (hd == 64) { /* the common head size: q in registers, plain loads, 8 keys per pass */
+        const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
+        const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
+        const __m128 vs = _mm_set1_ps(scale);
+        for (; j + 8 <= nk; j += 8) {
+            const float *k0 = k + j * 64;
+            __m512 acc[8];
+            PD_UNROLL
+            for (int i = 0; i < 8; i++) {
+                const float *ki = k0 + i * 64;
+                const __m512 x = _mm512_mul_ps(q0, _mm512_loadu_ps(ki));
+                const __m512 y = _mm512_mul_ps(q1, _mm512_loadu_ps(ki + 16));
+                acc[i] = _mm512_add_ps(_mm512_fmadd_ps(q2, _mm512_loadu_ps(ki + 32), x),
+                                       _mm512_fmadd_ps(q3, _mm512_loadu_ps(ki + 48), y));
+            }
+            _mm_storeu_ps(s + j, _mm_mul_ps(pd_reduce4_ps_avx512(acc[0], acc[1], acc[2], acc[3]), vs));
+            _mm_storeu_ps(s + j + 4, _mm_mul_ps(pd_reduce4_ps_avx512(acc[4], acc[5], acc[6], acc[7]), vs));
+        }
+    }
     for (; j + 4 <= nk; j += 4) {
         const float *k0 = k + j * hd;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -340,31 +378,48 @@ PD_TARGET_AVX512 static void attn_scores(const float *q, const float *k, int64_t
 PD_TARGET_AVX512 static void attn_pv(const float *p, const float *v, int64_t hd, int64_t nk, float *o) {
     int64_t d = 0;
     for (; d + 64 <= hd; d += 64) {
-        __m512 o0 = _mm512_loadu_ps(o + d), o1 = _mm512_loadu_ps(o + d + 16);
-        __m512 o2 = _mm512_loadu_ps(o + d + 32), o3 = _mm512_loadu_ps(o + d + 48);
-        for (int64_t j = 0; j < nk; j++) {
-            if (p[j] == 0.0f) continue;
-            const __m512 b = _mm512_set1_ps(p[j]);
-            const float *vj = v + j * hd + d;
-            o0 = _mm512_fmadd_ps(b, _mm512_loadu_ps(vj), o0);
-            o1 = _mm512_fmadd_ps(b, _mm512_loadu_ps(vj + 16), o1);
-            o2 = _mm512_fmadd_ps(b, _mm512_loadu_ps(vj + 32), o2);
-            o3 = _mm512_fmadd_ps(b, _mm512_loadu_ps(vj + 48), o3);
+        /* two sets of accumulators: consecutive keys do not wait on each other */
+        __m512 a[8];
+        a[0] = _mm512_loadu_ps(o + d), a[1] = _mm512_loadu_ps(o + d + 16);
+        a[2] = _mm512_loadu_ps(o + d + 32), a[3] = _mm512_loadu_ps(o + d + 48);
+        a[4] = a[5] = a[6] = a[7] = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 2 <= nk; j += 2) {
+            const __m512 b0 = _mm512_set1_ps(p[j]), b1 = _mm512_set1_ps(p[j + 1]);
+            const float *v0 = v + j * hd + d, *v1 = v0 + hd;
+            PD_UNROLL
+            for (int c = 0; c < 4; c++) {
+                a[c] = _mm512_fmadd_ps(b0, _mm512_loadu_ps(v0 + 16 * c), a[c]);
+                a[4 + c] = _mm512_fmadd_ps(b1, _mm512_loadu_ps(v1 + 16 * c), a[4 + c]);
+            }
         }
-        _mm512_storeu_ps(o + d, o0);
-        _mm512_storeu_ps(o + d + 16, o1);
-        _mm512_storeu_ps(o + d + 32, o2);
-        _mm512_storeu_ps(o + d + 48, o3);
+        if (j < nk) {
+            const __m512 b0 = _mm512_set1_ps(p[j]);
+            const float *v0 = v + j * hd + d;
+            PD_UNROLL
+            for (int c = 0; c < 4; c++) a[c] = _mm512_fmadd_ps(b0, _mm512_loadu_ps(v0 + 16 * c), a[c]);
+        }
+        PD_UNROLL
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + d + 16 * c, _mm512_add_ps(a[c], a[4 + c]));
     }
     for (; d < hd; d += 16) {
         const __mmask16 m = pd_tail_mask16(hd - d);
         __m512 o0 = _mm512_maskz_loadu_ps(m, o + d);
-        for (int64_t j = 0; j < nk; j++) {
-            if (p[j] == 0.0f) continue;
+        for (int64_t j = 0; j < nk; j++)
             o0 = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, v + j * hd + d), o0);
-        }
         _mm512_mask_storeu_ps(o + d, m, o0);
     }
+}
+
+PD_TARGET_AVX512 static void scale_mul(const float *x, float a, const float *w, int64_t n, float *o) {
+    const __m512 va = _mm512_set1_ps(a);
+    int64_t i = 0;
+    if (w)
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), va), _mm512_loadu_ps(w + i)));
+    else
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), va));
+    for (; i < n; i++) o[i] = w ? x[i] * a * w[i] : x[i] * a;
 }
 
 void cpu_kernels_avx512(cpu_kernels *k) {
@@ -381,6 +436,7 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     k->dot_f32 = dot_f32;
     k->axpy_f32 = axpy_f32;
     k->scale_f32 = scale_f32;
+    k->scale_mul = scale_mul;
     k->attn_scores = attn_scores;
     k->attn_pv = attn_pv;
 }

@@ -250,8 +250,26 @@ static void attn_scores_scalar(const float *q, const float *k, int64_t hd, int64
 }
 
 static void attn_pv_scalar(const float *p, const float *v, int64_t hd, int64_t nk, float *o) {
-    for (int64_t j = 0; j < nk; j++)
-        if (p[j] != 0.0f) axpy_f32_scalar(p[j], v + j * hd, hd, o);
+    for (int64_t j = 0; j < nk; j++) axpy_f32_scalar(p[j], v + j * hd, hd, o);
+}
+
+static void scale_mul_scalar(const float *x, float a, const float *w, int64_t n, float *o) {
+    if (w)
+        for (int64_t i = 0; i < n; i++) o[i] = x[i] * a * w[i];
+    else
+        for (int64_t i = 0; i < n; i++) o[i] = x[i] * a;
+}
+
+static float max_f32_scalar(const float *x, int64_t n) {
+    float m = x[0];
+    for (int64_t i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static int32_t max_i32_scalar(const int32_t *x, int64_t n) {
+    int32_t m = x[0];
+    for (int64_t i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
 }
 
 void cpu_kernels_scalar(cpu_kernels *k) {
@@ -271,6 +289,9 @@ void cpu_kernels_scalar(cpu_kernels *k) {
     k->dot_f32 = dot_f32_scalar;
     k->axpy_f32 = axpy_f32_scalar;
     k->scale_f32 = scale_f32_scalar;
+    k->scale_mul = scale_mul_scalar;
+    k->max_f32 = max_f32_scalar;
+    k->max_i32 = max_i32_scalar;
     k->attn_scores = attn_scores_scalar;
     k->attn_pv = attn_pv_scalar;
 }

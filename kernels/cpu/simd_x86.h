@@ -16,6 +16,16 @@ static inline uint16_t pd_ld16(const uint8_t *p) {
     return v;
 }
 
+/* Decode reads each weight once, straight from memory: ask for the rows a
+ * later tile will need (rows [r, r + nrows) of stride rb, `bytes` each) so
+ * more loads are in flight than the hardware prefetchers start on their
+ * own. Only called for rows inside the matrix. */
+static inline void pd_prefetch_rows(const uint8_t *p, size_t rb, int nrows, size_t bytes) {
+    for (int i = 0; i < nrows; i++)
+        for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(p + (size_t)i * rb + o), _MM_HINT_T0);
+}
+#define PD_PF_AHEAD 8 /* rows ahead */
+
 PD_TARGET_AVX2 static inline int32_t pd_hsum_epi32_sse(__m128i v) {
     v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
     v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1)));

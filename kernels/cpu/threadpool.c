@@ -84,6 +84,20 @@ static unsigned wait_for_job(pd_threadpool *tp, unsigned seen) {
     return g;
 }
 
+/* Claim index a->ith for job generation g: succeeds only while the claim
+ * holds an older generation. A compare-exchange, not an exchange: a worker
+ * that read generation g late must not take (or clobber) a claim the caller
+ * already made for a newer job. */
+static bool claim_index(struct worker_arg *a, unsigned g) {
+    unsigned c = atomic_load_explicit(&a->claim, memory_order_relaxed);
+    while ((int)(g - c) > 0) {
+        if (atomic_compare_exchange_weak_explicit(&a->claim, &c, g, memory_order_acq_rel,
+                                                  memory_order_relaxed))
+            return true;
+    }
+    return false;
+}
+
 static void *worker_main(void *p) {
     struct worker_arg *a = p;
     pd_threadpool *tp = a->tp;
@@ -92,7 +106,7 @@ static void *worker_main(void *p) {
         seen = wait_for_job(tp, seen);
         if (atomic_load_explicit(&tp->stop, memory_order_acquire)) break;
         /* the caller may have run our index already */
-        if (atomic_exchange_explicit(&a->claim, seen, memory_order_acq_rel) == seen) continue;
+        if (!claim_index(a, seen)) continue;
         tp->fn(tp->ctx, a->ith, tp->n_threads);
         atomic_fetch_add_explicit(&tp->done, 1, memory_order_release);
     }
@@ -203,7 +217,7 @@ void pd_threadpool_run(pd_threadpool *tp, pd_parallel_fn fn, void *ctx) {
     /* Run the indices of workers that have not started yet ourselves. */
     int by_workers = nth - 1;
     for (int i = 1; i < nth; i++) {
-        if (atomic_exchange_explicit(&tp->args[i - 1].claim, g, memory_order_acq_rel) != g) {
+        if (claim_index(&tp->args[i - 1], g)) {
             fn(ctx, i, nth);
             by_workers--;
         }
