@@ -18,7 +18,7 @@
 #include <sys/stat.h>
 
 /* Enum fields are read and written through an int (with memcpy). */
-static_assert(sizeof(pd_backend) == sizeof(int), "pd_backend must be int-sized");
+static_assert(sizeof(pd_backend_kind) == sizeof(int), "pd_backend_kind must be int-sized");
 static_assert(sizeof(pd_log_level) == sizeof(int), "pd_log_level must be int-sized");
 static_assert(sizeof(pd_log_format) == sizeof(int), "pd_log_format must be int-sized");
 
@@ -56,7 +56,7 @@ typedef struct key_desc {
     (offsetof(pd_config, member) + 0 * sizeof(_Generic(((pd_config *)0)->member, type : 1)))
 #define ENUM_FIELD(member) \
     (offsetof(pd_config, member) + \
-     0 * sizeof(_Generic(((pd_config *)0)->member, pd_backend : 1, pd_log_level : 1, \
+     0 * sizeof(_Generic(((pd_config *)0)->member, pd_backend_kind : 1, pd_log_level : 1, \
                          pd_log_format : 1)))
 
 #define INT_KEY(sec, key, lo, hi, def) \
@@ -524,7 +524,7 @@ bool pd_config_equal(const pd_config *a, const pd_config *b) {
     return true;
 }
 
-const char *pd_backend_name(pd_backend b) {
+const char *pd_backend_kind_name(pd_backend_kind b) {
     return (unsigned)b < 3 ? backend_names[b] : "unknown";
 }
 const char *pd_log_level_name(pd_log_level l) {

@@ -29,11 +29,11 @@ extern "C" {
 /* Capacity of every string field, terminator included. */
 #define PD_CONFIG_STR_CAP (PD_CONFIG_LINE_MAX + 1)
 
-typedef enum pd_backend {
+typedef enum pd_backend_kind {
     PD_BACKEND_CPU = 0,
     PD_BACKEND_CUDA = 1,
     PD_BACKEND_AUTO = 2, /* CUDA when a device is present, else CPU */
-} pd_backend;
+} pd_backend_kind;
 
 typedef enum pd_log_level {
     PD_LOG_ERROR = 0,
@@ -66,7 +66,7 @@ typedef struct pd_config {
     struct {
         char path[PD_CONFIG_STR_CAP];   /* GGUF file */
         int n_ctx;                      /* 0 = the model's trained context */
-        pd_backend backend;
+        pd_backend_kind backend;
         int n_threads;                  /* compute threads; 0 = number of CPUs */
         int gpu_device;
     } model;
@@ -118,7 +118,7 @@ int pd_config_print(const pd_config *c, FILE *f, pd_error *err);
 bool pd_config_equal(const pd_config *a, const pd_config *b);
 
 /* Canonical names, as written in the config file. */
-const char *pd_backend_name(pd_backend b);
+const char *pd_backend_kind_name(pd_backend_kind b);
 const char *pd_log_level_name(pd_log_level l);
 const char *pd_log_format_name(pd_log_format f);
 

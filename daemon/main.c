@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #include "config/config.h"
+#include "kernels/kernels.h"
 #include "util/util.h"
 
 /* Exit statuses: 0 success, 1 runtime failure, 2 bad usage or config. */
@@ -77,6 +78,7 @@ static int load_config(const options *opt, pd_config *cfg, pd_error *err) {
 }
 
 int main(int argc, char **argv) {
+    pd_cpu_prepare_process(argv);
     /* Every --set needs its own argv slot, so argc bounds their number. */
     options opt = {.sets = calloc((size_t)argc, sizeof(const char *))};
     if (!opt.sets) {

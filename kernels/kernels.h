@@ -217,6 +217,13 @@ int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err);
 static inline void pd_backend_free(pd_backend *be) {
     if (be) be->ops->free(be);
 }
+/* OpenBLAS's pthreads build starts one spinning thread per core when it is
+ * loaded, which steals cores from the backend's own pool (the backend calls
+ * OpenBLAS single-threaded). Programs call this first thing in main: unless
+ * OPENBLAS_NUM_THREADS is set it sets it to 1 and re-executes the program
+ * (/proc/self/exe) so the setting is seen at load time; where re-execution
+ * is impossible it returns and the program runs on. */
+void pd_cpu_prepare_process(char **argv);
 /* Which SIMD path a CPU backend created now would pick ("avx512vnni",
  * "avx2", "scalar"): the best the CPU supports, capped by $PD_CPU_SIMD. */
 const char *pd_cpu_simd_name(void);

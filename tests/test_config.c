@@ -147,7 +147,7 @@ Test(config, defaults_validate_and_match_docs) {
     cr_assert_eq(cfg.scheduler.max_queue, 256);
     cr_assert_eq(cfg.log.level, PD_LOG_INFO);
     cr_assert_eq(cfg.log.format, PD_LOG_TEXT);
-    cr_assert_str_eq(pd_backend_name(cfg.model.backend), "auto");
+    cr_assert_str_eq(pd_backend_kind_name(cfg.model.backend), "auto");
     cr_assert_str_eq(pd_log_level_name(cfg.log.level), "info");
     cr_assert_str_eq(pd_log_format_name(cfg.log.format), "text");
 }

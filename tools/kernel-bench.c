@@ -152,11 +152,7 @@ static int time_attention(pd_backend *be, long n_tokens, long n_keys, bool causa
 }
 
 int main(int argc, char **argv) {
-    if (!getenv("OPENBLAS_NUM_THREADS")) {
-        setenv("OPENBLAS_NUM_THREADS", "1", 1);
-        execv("/proc/self/exe", argv);
-        /* no /proc: carry on with OpenBLAS's threads */
-    }
+    pd_cpu_prepare_process(argv);
     long threads[MAX_LIST] = {1, 2}, ns[MAX_LIST] = {1, 256};
     int n_threads = 2, n_ns = 2;
     pd_type types[MAX_LIST] = {PD_TYPE_Q8_0, PD_TYPE_Q4_0, PD_TYPE_Q4_K, PD_TYPE_Q6_K,

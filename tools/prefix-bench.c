@@ -71,6 +71,7 @@ static int run_once(pd_model *m, int n_prompt, int n_gen, bench_result *r, pd_er
 }
 
 int main(int argc, char **argv) {
+    pd_cpu_prepare_process(argv);
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},   {"preset", required_argument, 0, 'p'},
         {"type", required_argument, 0, 't'},    {"n-vocab", required_argument, 0, 'v'},

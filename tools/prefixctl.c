@@ -399,6 +399,7 @@ static int cmd_cuda_info(void) {
 }
 
 int main(int argc, char **argv) {
+    pd_cpu_prepare_process(argv);
     if (argc < 2) {
         usage(stderr);
         return 2;

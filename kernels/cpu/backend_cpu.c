@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <unistd.h>
 
 #include "kernels/cpu/cpu_internal.h"
 #include "kernels/kernels.h"
@@ -369,4 +370,11 @@ int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err) {
     cb->base.impl = cb;
     *out = &cb->base;
     return PD_OK;
+}
+
+void pd_cpu_prepare_process(char **argv) {
+    if (getenv("OPENBLAS_NUM_THREADS")) return;
+    setenv("OPENBLAS_NUM_THREADS", "1", 1);
+    execv("/proc/self/exe", argv);
+    /* no /proc: carry on with OpenBLAS's threads */
 }
