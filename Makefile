@@ -45,7 +45,7 @@ models/default.gguf: | build
 	$(BUILD)/tools/prefixctl gen-model --preset stories260k --seed 1 -o $@
 
 # Until the serving daemon lands, `make run` shows what exists: the model,
-# the tokenizer round trip and the daemon's effective configuration.
+# the tokenizer round trip, generation and the daemon's effective configuration.
 run: build $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/default.gguf)
 	@echo "== model: $(DEFAULT_MODEL)"
 	$(BUILD)/tools/prefixctl inspect $(DEFAULT_MODEL) --items 4 | head -40
@@ -54,6 +54,8 @@ run: build $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/defaul
 	@echo "== detokenize"
 	echo "Once upon a time, there was a little girl named Lily." | $(BUILD)/tools/prefixctl tokenize --model $(DEFAULT_MODEL) \
 	  | $(BUILD)/tools/prefixctl detokenize --model $(DEFAULT_MODEL)
+	@echo "== generate (greedy)"
+	$(BUILD)/tools/prefixctl generate --model $(DEFAULT_MODEL) --prompt "Once upon a time" -n 48
 	@echo "== prefixd --check-config"
 	$(BUILD)/daemon/prefixd --check-config --set model.path=$(DEFAULT_MODEL)
 	@echo "== CUDA"

@@ -520,3 +520,63 @@ Test(engine, errors_are_explained) {
         cr_assert(strstr(err.msg, "gpt2") && strstr(err.msg, "not supported"), "%s", err.msg);
     }
 }
+
+/* Copy a model, adding metadata and optionally a rope_freqs.weight tensor. */
+static void with_rope_scaling(const char *src, const char *dst, const char *type, float factor, bool freqs_tensor) {
+    pd_gguf *g = NULL;
+    pd_gguf_writer *w = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_gguf_open(src, &g, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_gguf_writer_new(&w, &err), PD_OK);
+    for (size_t i = 0; i < pd_gguf_kv_count(g); i++)
+        cr_assert_eq(pd_gguf_writer_copy_kv(w, pd_gguf_kv_at(g, i), &err), PD_OK, "%s", err.msg);
+    if (type) {
+        cr_assert_eq(pd_gguf_writer_set_str(w, "llama.rope.scaling.type", type, &err), PD_OK);
+        cr_assert_eq(pd_gguf_writer_set_f32(w, "llama.rope.scaling.factor", factor, &err), PD_OK);
+    }
+    for (size_t i = 0; i < pd_gguf_tensor_count(g); i++) {
+        const pd_gguf_tensor *t = pd_gguf_tensor_at(g, i);
+        cr_assert_eq(pd_gguf_writer_add_tensor(w, t->name, t->type, t->n_dims, t->ne, t->data, &err), PD_OK);
+    }
+    uint32_t n_rot = 0;
+    cr_assert_eq(pd_gguf_get_u32(g, "llama.rope.dimension_count", &n_rot, &err), PD_OK, "%s", err.msg);
+    if (freqs_tensor) {
+        float f[256];
+        for (uint32_t i = 0; i < n_rot / 2; i++) f[i] = factor;
+        uint64_t ne[1] = {n_rot / 2};
+        cr_assert_eq(pd_gguf_writer_add_tensor(w, "rope_freqs.weight", PD_TYPE_F32, 1, ne, f, &err), PD_OK);
+    }
+    cr_assert_eq(pd_gguf_writer_write(w, dst, 0, &err), PD_OK, "%s", err.msg);
+    pd_gguf_writer_free(w);
+    pd_gguf_close(g);
+}
+
+/* llama3's per-frequency divisors (rope_freqs.weight) all equal to s must act
+ * exactly like linear scaling by s, and both must change the output. */
+Test(engine, rope_scaling_linear_equals_uniform_freq_factors) {
+    char base[1024], lin[1024], freqs[1024];
+    snprintf(base, sizeof base, "%s/rope.gguf", tmpdir);
+    snprintf(lin, sizeof lin, "%s/rope-linear.gguf", tmpdir);
+    snprintf(freqs, sizeof freqs, "%s/rope-freqs.gguf", tmpdir);
+    gen("llama", PD_TYPE_F32, 13, true, base);
+    with_rope_scaling(base, lin, "linear", 4.0f, false);
+    with_rope_scaling(base, freqs, NULL, 4.0f, true);
+    pd_model *mb = load(base, 1), *ml = load(lin, 1), *mf = load(freqs, 1);
+    const int32_t V = pd_model_hparams(mb)->n_vocab;
+    enum { N = 24 };
+    float *lb = malloc(sizeof(float) * V * (N + 3)), *ll = malloc(sizeof(float) * V * (N + 3)),
+          *lf = malloc(sizeof(float) * V * (N + 3));
+    run_prompt(mb, lb, N);
+    run_prompt(ml, ll, N);
+    run_prompt(mf, lf, N);
+    cr_assert_lt(max_abs_diff(ll, lf, (int64_t)V * (N + 3)), 1e-5, "linear scaling and uniform freq factors differ");
+    cr_assert_gt(max_abs_diff(lb, ll, (int64_t)V * (N + 3)), 1e-3, "rope scaling should change the output");
+    free(lb), free(ll), free(lf);
+    pd_model_free(mb), pd_model_free(ml), pd_model_free(mf);
+
+    pd_error err = {0};
+    pd_model *bad = NULL;
+    with_rope_scaling(base, lin, "yarn", 4.0f, false);
+    cr_assert_eq(pd_model_load(lin, NULL, &bad, &err), PD_EUNSUPPORTED);
+    cr_assert(strstr(err.msg, "yarn"), "%s", err.msg);
+}
