@@ -326,6 +326,7 @@ static int cmd_generate(int argc, char **argv) {
     double t2 = now_s();
     if (!rc) {
         putchar('\n');
+        fflush(stdout); /* the report on stderr comes after the text */
         fprintf(stderr, "prompt: %zu tokens in %.3f s (%.1f tok/s); generated: %d tokens in %.3f s (%.1f tok/s); finish: %s\n",
                 n_ids, t1 - t0, (double)n_ids / (t1 - t0), n_gen, t2 - t1, n_gen > 1 ? (n_gen - 1) / (t2 - t1) : 0.0,
                 pd_finish_reason_name(pd_generation_finish_reason(gen)) ? pd_finish_reason_name(pd_generation_finish_reason(gen)) : "none");
