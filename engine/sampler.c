@@ -680,20 +680,29 @@ static double weights_all(pd_sampler *s, const float *x, float xmax, float inv_t
     return total;
 }
 
+/* The block a uniform draw u in [0, total) falls into, skipping empty blocks
+ * (rounding can leave u past the last sum: the last non-empty block then);
+ * *base receives the sum of the blocks before it. SIZE_MAX if all are empty. */
+static size_t pick_block(const double *blocks, size_t nb, double u, double *base) {
+    double acc = 0.0;
+    size_t blk = SIZE_MAX;
+    for (size_t b = 0; b < nb; b++) {
+        if (!(blocks[b] > 0.0)) continue;
+        blk = b;
+        *base = acc;
+        if (u < acc + blocks[b]) break;
+        acc += blocks[b];
+    }
+    return blk;
+}
+
 /* Draw from the weights of every token: find the block, then the token. */
 static pd_token walk_all(pd_sampler *s, double total) {
     const size_t n = (size_t)s->n_vocab;
     const size_t nb = (n + SUM_BLOCK - 1) / SUM_BLOCK;
     const double u = rng_double(s) * total;
-    double acc = 0.0, base = 0.0;
-    size_t blk = SIZE_MAX;
-    for (size_t b = 0; b < nb; b++) {
-        if (!(s->blocks[b] > 0.0)) continue;
-        blk = b;
-        base = acc;
-        if (u < acc + s->blocks[b]) break;
-        acc += s->blocks[b];
-    }
+    double base = 0.0;
+    const size_t blk = pick_block(s->blocks, nb, u, &base);
     if (blk == SIZE_MAX) return PD_TOKEN_NULL;
     const size_t e = (blk + 1) * SUM_BLOCK < n ? (blk + 1) * SUM_BLOCK : n;
     const double u2 = u - base;
@@ -736,15 +745,8 @@ static pd_token walk_list(pd_sampler *s, const int32_t *list, size_t n, float th
         total += bs;
     }
     const double u = rng_double(s) * total;
-    double acc = 0.0, base = 0.0;
-    size_t blk = SIZE_MAX;
-    for (size_t b = 0; b < nb; b++) {
-        if (!(s->blocks[b] > 0.0)) continue;
-        blk = b;
-        base = acc;
-        if (u < acc + s->blocks[b]) break;
-        acc += s->blocks[b];
-    }
+    double base = 0.0;
+    const size_t blk = pick_block(s->blocks, nb, u, &base);
     if (blk == SIZE_MAX) return PD_TOKEN_NULL;
     const size_t e = (blk + 1) * bl < n ? (blk + 1) * bl : n;
     const double u2 = u - base;

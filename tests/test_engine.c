@@ -429,6 +429,14 @@ Test(engine, batched_decode_equals_one_by_one) {
     pd_model_free(m);
 }
 
+/* -log softmax(l)[target], computed independently of the engine. */
+static double nll_of(const float *l, int32_t V, pd_token target) {
+    double mx = l[0], z = 0;
+    for (int j = 1; j < V; j++) mx = fmax(mx, l[j]);
+    for (int j = 0; j < V; j++) z += exp(l[j] - mx);
+    return log(z) + mx - l[target];
+}
+
 Test(engine, nll_matches_logits_and_prefix) {
     char path[1024];
     snprintf(path, sizeof path, "%s/nll.gguf", tmpdir);
@@ -453,11 +461,7 @@ Test(engine, nll_matches_logits_and_prefix) {
     cr_assert_eq(pd_prefill(m, s, all, 160, &o, logits, &err), PD_OK);
     double sum = 0;
     for (int i = 9; i < 159; i++) {
-        const float *l = logits + (int64_t)i * V;
-        double mx = l[0], z = 0;
-        for (int j = 1; j < V; j++) mx = fmax(mx, l[j]);
-        for (int j = 0; j < V; j++) z += exp(l[j] - mx);
-        sum += log(z) + mx - l[all[i + 1]];
+        sum += nll_of(logits + (int64_t)i * V, V, all[i + 1]);
     }
     cr_assert_float_eq(nll, sum / 150, 1e-4, "pd_nll %g vs by hand %g", nll, sum / 150);
     cr_assert_gt(nll, 0.0);
@@ -472,11 +476,7 @@ Test(engine, nll_matches_logits_and_prefix) {
     cr_assert_eq(pd_nll(m, p, NULL, 0, text, 150, &nll_p, &err), PD_OK, "%s", err.msg);
     double sum_p = 0;
     for (int i = 10; i < 159; i++) {
-        const float *l = logits + (int64_t)i * V;
-        double mx = l[0], z = 0;
-        for (int j = 1; j < V; j++) mx = fmax(mx, l[j]);
-        for (int j = 0; j < V; j++) z += exp(l[j] - mx);
-        sum_p += log(z) + mx - l[all[i + 1]];
+        sum_p += nll_of(logits + (int64_t)i * V, V, all[i + 1]);
     }
     cr_assert_float_eq(nll_p, sum_p / 149, 1e-4);
 
