@@ -776,6 +776,10 @@ Test(attention, matches_naive_reference, .timeout = 120) {
         {4, 1, 128, 3, 4, {0, 64, 129}, false, true, 0.09f}, /* an empty segment */
         {2, 2, 8, 2, 3, {3, 2}, true, false, 1.0f},
         {4, 2, 64, 1, 3, {400}, false, false, 4.0f}, /* large scores: the max moves across blocks */
+        /* decode over a long cache: the keys are split across threads */
+        {9, 3, 64, 2, 1, {2000, 1000}, false, true, 0.125f},
+        {9, 3, 64, 2, 2, {1900, 1100}, true, false, 0.125f},
+        {4, 1, 64, 2, 1, {2500, 600}, false, false, 2.0f},
     };
     const char *levels[] = {"scalar", "avx2", NULL};
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++)

@@ -13,7 +13,15 @@
  * are masked (keep[j] == 0, or pos > q_pos under causal) get a score of
  * -inf, hence weight exactly 0, and their values are never read. Only the
  * span from the first to the last visible key of a block is scored, so a
- * block nobody can see costs one scan of its positions. */
+ * block nobody can see costs one scan of its positions.
+ *
+ * Decode (a few query tokens) over a long cache has too few (token block,
+ * kv head) items to keep every thread busy, and one thread would read a
+ * whole long shared prefix for its head. Then the concatenated key range of
+ * each kv head is also cut into chunks of whole key blocks: an item is
+ * (token block, kv head, key chunk) and leaves an unnormalised partial
+ * (m, l, o) per query, and the partials are merged with the same
+ * log-sum-exp rule afterwards. */
 #include <math.h>
 #include <stdatomic.h>
 #include <string.h>
@@ -21,6 +29,8 @@
 #include "kernels/cpu/cpu_internal.h"
 
 #define KEY_BLOCK 64
+#define SPLIT_MAX_TOKENS 8  /* split the keys only for this few query tokens */
+#define MIN_CHUNK_KEYS 256  /* keys per chunk at least */
 
 typedef struct attn_ctx {
     const pd_attn_args *a;
@@ -30,7 +40,10 @@ typedef struct attn_ctx {
     int n_rep;
     int64_t tok_block; /* tokens per work item */
     int64_t n_tblocks;
-    int64_t n_items;   /* n_tblocks * n_head_kv */
+    int64_t n_items;   /* n_tblocks * n_head_kv * n_chunks */
+    int64_t n_chunks;  /* key chunks per kv head (1: no split) */
+    int64_t chunk_keys; /* keys per chunk (a multiple of KEY_BLOCK) */
+    float *part;       /* n_chunks > 1: partials [chunk][kv head][token][rep] x (m, l, o[hd]) */
     atomic_llong next;
 } attn_ctx;
 
@@ -71,11 +84,16 @@ static bool block_visibility(const cpu_kernels *k, const pd_kv_view *kv, bool ca
     return n_vis == l - f + 1;
 }
 
-/* Tokens [t0, t1) against kv head g, for each of its n_rep query heads.
+/* Tokens [t0, t1) against kv head g, for each of its n_rep query heads,
+ * over keys [kr0, kr1) of the concatenation of the segments.
  * Loop order segment -> key block -> token -> head, so a block of keys and
  * values (KEY_BLOCK rows) is read from memory once and then reused from L1
- * by every query of the item. State per (token, head, segment): m, l, o. */
-static void attn_item(const attn_ctx *c, int64_t t0, int64_t t1, int g, float *work) {
+ * by every query of the item. State per (token, head, segment): m, l, o.
+ * With part == NULL the normalised result goes to a->out; otherwise the
+ * merged but unnormalised (m, l, o) of each (token, head) goes to
+ * part[(tt * n_rep + r) * (2 + hd)]. */
+static void attn_item(const attn_ctx *c, int64_t t0, int64_t t1, int g, int64_t kr0, int64_t kr1,
+                      float *work, float *part) {
     const pd_attn_args *a = c->a;
     const cpu_kernels *k = c->k;
     const int hd = a->head_dim;
@@ -98,10 +116,14 @@ static void attn_item(const attn_ctx *c, int64_t t0, int64_t t1, int g, float *w
     }
     memset(os, 0, (size_t)nstate * (size_t)hd * sizeof(float));
 
+    int64_t seg_off = 0; /* start of segment s in the concatenated key range */
     for (int s = 0; s < nseg; s++) {
         const pd_kv_view *kv = &a->kv[(int64_t)s * a->n_head_kv + g];
-        for (int64_t j0 = 0; j0 < kv->len; j0 += KEY_BLOCK) {
-            const int64_t nk = kv->len - j0 < KEY_BLOCK ? kv->len - j0 : KEY_BLOCK;
+        const int64_t jb = kr0 > seg_off ? kr0 - seg_off : 0;
+        const int64_t je = kr1 - seg_off < kv->len ? kr1 - seg_off : kv->len;
+        seg_off += kv->len;
+        for (int64_t j0 = jb; j0 < je; j0 += KEY_BLOCK) {
+            const int64_t nk = je - j0 < KEY_BLOCK ? je - j0 : KEY_BLOCK;
             for (int64_t tt = 0; tt < nt; tt++) {
                 const int64_t t = t0 + tt;
                 const int32_t qpos = a->q_pos ? a->q_pos[t] : 0;
@@ -158,10 +180,15 @@ static void attn_item(const attn_ctx *c, int64_t t0, int64_t t1, int g, float *w
 
     for (int64_t tt = 0; tt < nt; tt++)
         for (int r = 0; r < n_rep; r++) {
-            float *out = a->out + ((t0 + tt) * a->n_head + h0 + r) * (int64_t)hd;
+            float *pp = part ? part + (tt * n_rep + r) * (int64_t)(2 + hd) : NULL;
+            float *out = pp ? pp + 2 : a->out + ((t0 + tt) * a->n_head + h0 + r) * (int64_t)hd;
             memset(out, 0, (size_t)hd * sizeof(float));
             float mx = -INFINITY;
             for (int s = 0; s < nseg; s++) mx = ml[2 * ST(tt, r, s)] > mx ? ml[2 * ST(tt, r, s)] : mx;
+            if (pp) {
+                pp[0] = mx;
+                pp[1] = 0.0f;
+            }
             if (mx == -INFINITY) continue; /* no visible key: zeros */
             float lsum = 0.0f, wts[PD_MAX_KV_SEGMENTS];
             for (int s = 0; s < nseg; s++) {
@@ -169,8 +196,9 @@ static void attn_item(const attn_ctx *c, int64_t t0, int64_t t1, int g, float *w
                 wts[s] = ms == -INFINITY ? 0.0f : expf(ms - mx);
                 lsum += ml[2 * ST(tt, r, s) + 1] * wts[s];
             }
+            if (pp) pp[1] = lsum;
             for (int s = 0; s < nseg; s++)
-                if (wts[s] != 0.0f) k->axpy_f32(wts[s] / lsum, os + ST(tt, r, s) * hd, hd, out);
+                if (wts[s] != 0.0f) k->axpy_f32(pp ? wts[s] : wts[s] / lsum, os + ST(tt, r, s) * hd, hd, out);
         }
 #undef ST
 }
@@ -182,12 +210,48 @@ static void attn_worker(void *p, int ith, int nth) {
     for (;;) {
         const int64_t i = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
         if (i >= c->n_items) break;
-        const int64_t tb = i / c->a->n_head_kv;
-        const int g = (int)(i % c->a->n_head_kv);
+        const int64_t ch = i % c->n_chunks;
+        const int64_t tg = i / c->n_chunks;
+        const int64_t tb = tg / c->a->n_head_kv;
+        const int g = (int)(tg % c->a->n_head_kv);
         const int64_t t0 = tb * c->tok_block;
         const int64_t t1 = t0 + c->tok_block < c->a->n_tokens ? t0 + c->tok_block : c->a->n_tokens;
-        attn_item(c, t0, t1, g, work);
+        if (c->n_chunks == 1) {
+            attn_item(c, t0, t1, g, 0, INT64_MAX / 2, work, NULL);
+        } else { /* one token block: t0 == 0 */
+            const int64_t stride = (int64_t)c->n_rep * (2 + c->a->head_dim);
+            float *part = c->part + (ch * c->a->n_head_kv + g) * c->a->n_tokens * stride;
+            attn_item(c, t0, t1, g, ch * c->chunk_keys, (ch + 1) * c->chunk_keys, work, part);
+        }
     }
+}
+
+/* out = the log-sum-exp merge of the chunk partials of every query. */
+static void merge_chunks(const attn_ctx *c) {
+    const pd_attn_args *a = c->a;
+    const cpu_kernels *k = c->k;
+    const int hd = a->head_dim;
+    const int64_t stride = 2 + hd;
+    for (int64_t t = 0; t < a->n_tokens; t++)
+        for (int h = 0; h < a->n_head; h++) {
+            const int g = h / c->n_rep, r = h % c->n_rep;
+            float *out = a->out + (t * a->n_head + h) * (int64_t)hd;
+            memset(out, 0, (size_t)hd * sizeof(float));
+#define PART(ch) (c->part + (((ch) * a->n_head_kv + g) * a->n_tokens * c->n_rep + t * c->n_rep + r) * stride)
+            float mx = -INFINITY;
+            for (int64_t ch = 0; ch < c->n_chunks; ch++) mx = PART(ch)[0] > mx ? PART(ch)[0] : mx;
+            if (mx == -INFINITY) continue; /* no visible key: zeros */
+            float lsum = 0.0f;
+            for (int64_t ch = 0; ch < c->n_chunks; ch++) {
+                const float *pp = PART(ch);
+                if (pp[0] != -INFINITY) lsum += pp[1] * expf(pp[0] - mx);
+            }
+            for (int64_t ch = 0; ch < c->n_chunks; ch++) {
+                const float *pp = PART(ch);
+                if (pp[0] != -INFINITY) k->axpy_f32(expf(pp[0] - mx) / lsum, pp + 2, hd, out);
+            }
+#undef PART
+        }
 }
 
 int cpu_attention(pd_backend *be, const pd_attn_args *a, pd_error *err) {
@@ -223,22 +287,51 @@ int cpu_attention(pd_backend *be, const pd_attn_args *a, pd_error *err) {
      * enough items to keep every thread busy. */
     int64_t tb = a->n_tokens * a->n_head_kv / (4 * (int64_t)nth);
     tb = tb < 1 ? 1 : tb > 16 ? 16 : tb;
+    /* Few tokens over many keys: all tokens in one block, and the keys of
+     * each kv head cut into chunks of at least MIN_CHUNK_KEYS, about four
+     * items per thread. */
+    int64_t max_keys = 0;
+    for (int g = 0; g < a->n_head_kv; g++) {
+        int64_t len = 0;
+        for (int s = 0; s < a->n_segments; s++) len += a->kv[s * a->n_head_kv + g].len;
+        max_keys = len > max_keys ? len : max_keys;
+    }
+    c.n_chunks = 1;
+    if (nth > 1 && a->n_tokens <= SPLIT_MAX_TOKENS && a->n_head_kv < 4 * nth &&
+        max_keys >= 2 * MIN_CHUNK_KEYS) {
+        int64_t want = (4 * (int64_t)nth + a->n_head_kv - 1) / a->n_head_kv;
+        const int64_t most = max_keys / MIN_CHUNK_KEYS;
+        want = want < most ? want : most;
+        if (want > 1) {
+            tb = a->n_tokens;
+            c.chunk_keys = (max_keys + want - 1) / want;
+            c.chunk_keys = (c.chunk_keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+            c.n_chunks = (max_keys + c.chunk_keys - 1) / c.chunk_keys;
+        }
+    }
     c.tok_block = tb;
     c.n_tblocks = (a->n_tokens + tb - 1) / tb;
-    c.n_items = c.n_tblocks * a->n_head_kv;
+    c.n_items = c.n_tblocks * a->n_head_kv * c.n_chunks;
     const size_t nstate = (size_t)tb * (size_t)c.n_rep * (size_t)(a->n_segments > 0 ? a->n_segments : 1);
     c.per_thread = (2 * KEY_BLOCK + 2 * nstate + nstate * (size_t)a->head_dim + 15) & ~(size_t)15;
     void *work = cb->work;
     size_t cap_bytes = cb->work_cap * sizeof(float);
-    int rc = cpu_scratch_reserve(&work, &cap_bytes, c.per_thread * sizeof(float) * (size_t)nth, err);
+    const size_t part_floats = c.n_chunks > 1 ? (size_t)c.n_chunks * (size_t)a->n_head_kv *
+                                                    (size_t)a->n_tokens * (size_t)c.n_rep *
+                                                    (size_t)(2 + a->head_dim)
+                                              : 0;
+    int rc = cpu_scratch_reserve(&work, &cap_bytes,
+                                 (c.per_thread * (size_t)nth + part_floats) * sizeof(float), err);
     cb->work = work;
     cb->work_cap = cap_bytes / sizeof(float);
     if (rc) return rc;
     c.work = cb->work;
+    if (part_floats) c.part = cb->work + c.per_thread * (size_t)nth;
     atomic_init(&c.next, 0);
     if (c.n_items == 1)
         attn_worker(&c, 0, 1);
     else
         pd_threadpool_run(cb->tp, attn_worker, &c);
+    if (c.n_chunks > 1) merge_chunks(&c);
     return PD_OK;
 }

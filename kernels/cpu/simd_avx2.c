@@ -193,47 +193,96 @@ PD_TARGET_AVX2 static void mm_q4_0(const cpu_mm *m, int64_t r0, int64_t r1) {
  * q4_K x q8_K
  * ------------------------------------------------------------------------ */
 
-PD_TARGET_AVX2 static float dot_q4_K(const uint8_t *w, const int8_t *xq, const float *xd,
-                                     const int16_t *bsums, int64_t nb) {
+/* Up to 4 rows per pass: each 64-element piece of the activations is
+ * loaded once for all of them; the 6-bit scales and mins are unpacked with
+ * integer ops (bytes 0..7 scales, 8..15 mins). */
+#define KQ_ROWS 4
+
+static inline void q4k_scales_mins_u32(const uint8_t *s, uint32_t u[4]) {
+    memcpy(u, s, 12);
+    const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t aux = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = aux;
+    u[0] &= k1;
+}
+
+/* int16 lanes all equal to byte `k` of a 16-byte vector */
+PD_TARGET_AVX2 static inline __m256i q4k_bcast_idx(int k) {
+    return _mm256_set1_epi16((short)(0x8000 | k));
+}
+
+PD_TARGET_AVX2 static inline __attribute__((always_inline)) void
+q4_K_rows(const cpu_mm *m, int64_t r, const int nr) {
+    const cpu_qact *q = m->q;
+    const int64_t nb = q->nblocks;
     const __m256i mask = _mm256_set1_epi8(0x0f);
-    __m256 acc = _mm256_setzero_ps();
-    float accm = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += Q4_K_BYTES, xq += PD_QK_K, bsums += 16) {
-        const float dd = _cvtsh_ss(pd_ld16(w)) * xd[b];
-        const float dmin = _cvtsh_ss(pd_ld16(w + 2)) * xd[b];
-        const uint8_t *q = w + 16;
-        __m256i sumi = _mm256_setzero_si256();
-        int32_t summ = 0;
-        for (int j = 0; j < 4; j++) {
-            uint8_t sc0, m0, sc1, m1;
-            cpu_q4k_scale_min(2 * j, w + 4, &sc0, &m0);
-            cpu_q4k_scale_min(2 * j + 1, w + 4, &sc1, &m1);
-            summ += m0 * (bsums[4 * j] + bsums[4 * j + 1]) + m1 * (bsums[4 * j + 2] + bsums[4 * j + 3]);
-            const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
-            const __m256i lo = _mm256_and_si256(qv, mask);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), mask);
-            const __m256i xl = _mm256_loadu_si256((const __m256i *)(xq + 64 * j));
-            const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 64 * j + 32));
-            const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_set1_epi16(sc0));
-            const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), _mm256_set1_epi16(sc1));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+    for (int64_t t = 0; t < m->n; t++) {
+        const int8_t *xq = q->qs + t * q->cols;
+        const float *xd = q->d + t * nb;
+        const int16_t *bs = q->bsums + t * (q->cols / 16);
+        __m256 acc[KQ_ROWS];
+        __m128 accm[KQ_ROWS];
+PD_UNROLL
+        for (int i = 0; i < nr; i++) {
+            acc[i] = _mm256_setzero_ps();
+            accm[i] = _mm_setzero_ps();
         }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(dd), acc);
-        accm += dmin * (float)summ;
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *xb = xq + PD_QK_K * b;
+            const __m256i bp = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(bs + 16 * b)),
+                                                 _mm256_set1_epi16(1));
+            const __m128i bsp = _mm_packs_epi32(_mm256_castsi256_si128(bp), _mm256_extracti128_si256(bp, 1));
+            __m256i scb[KQ_ROWS], sumi[KQ_ROWS];
+PD_UNROLL
+            for (int i = 0; i < nr; i++) {
+                const uint8_t *blk = m->w + (size_t)(r + i) * m->rb + (size_t)Q4_K_BYTES * (size_t)b;
+                uint32_t u[4];
+                q4k_scales_mins_u32(blk + 4, u);
+                const __m128i sm = _mm_loadu_si128((const __m128i *)(const void *)u);
+                scb[i] = _mm256_broadcastsi128_si256(sm);
+                sumi[i] = _mm256_setzero_si256();
+                const float dmin = _cvtsh_ss(pd_ld16(blk + 2)) * xd[b];
+                const __m128i mn = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+                accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn, bsp)), _mm_set1_ps(dmin), accm[i]);
+            }
+            for (int j = 0; j < 4; j++) {
+                const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * j));
+                const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * j + 32));
+                const __m256i i0 = q4k_bcast_idx(2 * j), i1 = q4k_bcast_idx(2 * j + 1);
+PD_UNROLL
+                for (int i = 0; i < nr; i++) {
+                    const uint8_t *qs = m->w + (size_t)(r + i) * m->rb + (size_t)Q4_K_BYTES * (size_t)b + 16;
+                    const __m256i qv = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+                    const __m256i lo = _mm256_and_si256(qv, mask);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), mask);
+                    const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_shuffle_epi8(scb[i], i0));
+                    const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), _mm256_shuffle_epi8(scb[i], i1));
+                    sumi[i] = _mm256_add_epi32(sumi[i], _mm256_add_epi32(pl, ph));
+                }
+            }
+PD_UNROLL
+            for (int i = 0; i < nr; i++) {
+                const uint8_t *blk = m->w + (size_t)(r + i) * m->rb + (size_t)Q4_K_BYTES * (size_t)b;
+                const float dd = _cvtsh_ss(pd_ld16(blk)) * xd[b];
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[i]), _mm256_set1_ps(dd), acc[i]);
+            }
+        }
+PD_UNROLL
+        for (int i = 0; i < nr; i++)
+            m->y[t * m->ldy + r + i] = pd_hsum_ps_avx2(acc[i]) - pd_hsum_ps_sse(accm[i]);
     }
-    return pd_hsum_ps_avx2(acc) - accm;
 }
 
 PD_TARGET_AVX2 static void mm_q4_K(const cpu_mm *m, int64_t r0, int64_t r1) {
-    const cpu_qact *q = m->q;
-    for (int64_t r = r0; r < r1; r++) {
-        if (m->n <= 4 && r + PD_PF_AHEAD < r1)
-            pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 1, m->rb);
-        for (int64_t t = 0; t < m->n; t++)
-            m->y[t * m->ldy + r] =
-                dot_q4_K(m->w + (size_t)r * m->rb, q->qs + t * q->cols, q->d + t * q->nblocks,
-                         q->bsums + t * (q->cols / 16), q->nblocks);
+    int64_t r = r0;
+    for (; r + KQ_ROWS <= r1; r += KQ_ROWS) {
+        if (m->n <= 4 && r + PD_PF_AHEAD + KQ_ROWS <= r1)
+            pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, KQ_ROWS, m->rb);
+        q4_K_rows(m, r, KQ_ROWS);
     }
+    for (; r < r1; r++) q4_K_rows(m, r, 1);
 }
 
 /* ------------------------------------------------------------------------

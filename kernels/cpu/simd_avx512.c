@@ -6,7 +6,8 @@
  * to unsigned with XOR 0x80 (w + 128) and the accumulator starts at
  * -128 * sum(x) for the block (precomputed when x was quantized); the
  * result is the exact integer dot(w, x) of each block, which is then scaled
- * by d_w * d_x in float. The K-quants reuse the AVX2 kernels. */
+ * by d_w * d_x in float. The K-quants (q4_K, q6_K) take up to 4 weight
+ * rows per pass against q8_K activations (maddubs + vpdpwssd). */
 #include "kernels/cpu/cpu_internal.h"
 
 #if PD_X86
@@ -196,6 +197,187 @@ PD_TARGET_AVX512 static void mm_q4_0(const cpu_mm *m, int64_t r0, int64_t r1) {
         q4_0_rows(m, r, 4);
     }
     for (; r < r1; r++) q4_0_rows(m, r, 1);
+}
+
+/* ------------------------------------------------------------------------
+ * q4_K / q6_K x q8_K: up to 4 weight rows per pass, so each super-block of
+ * activations is loaded once for all of them. Codes times activations are
+ * paired into int16 with maddubs (no overflow: 15 * 127 * 2 and
+ * 63 * 127 * 2 fit), then multiplied by the sub-block scales and summed into
+ * int32 with vpdpwssd. Integer sums are exact; only the float additions are
+ * in another order than the scalar reference.
+ * ------------------------------------------------------------------------ */
+
+#define Q4_K_BYTES 144
+#define Q6_K_BYTES 210
+#define KQ_ROWS 4
+
+/* The 8 six-bit scales (bytes 0..7) and mins (bytes 8..15) of a q4_K block. */
+PD_TARGET_AVX512 static inline __m128i q4k_scales_mins(const uint8_t *s) {
+    uint32_t u[4];
+    memcpy(u, s, 12);
+    const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t aux = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = aux;
+    u[0] &= k1;
+    return _mm_loadu_si128((const __m128i *)(const void *)u);
+}
+
+/* 16-bit lanes: `a` in words 0..15, `b` in words 16..31. */
+PD_TARGET_AVX512 static inline __m512i halves_epi16(short a, short b) {
+    return _mm512_inserti64x4(_mm512_set1_epi16(a), _mm256_set1_epi16(b), 1);
+}
+
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
+q4_K_rows(const cpu_mm *m, int64_t r, const int nr, int64_t ta, int64_t tz) {
+    const cpu_qact *q = m->q;
+    const int64_t nb = q->nblocks;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i sh = halves_epi16(0, 4); /* low nibbles | high nibbles */
+    const __m512i idx0 = halves_epi16(0, 1), idx1 = halves_epi16(2, 3);
+    const __m512i idx2 = halves_epi16(4, 5), idx3 = halves_epi16(6, 7);
+    for (int64_t t = ta; t < tz; t++) {
+        const int8_t *xq = q->qs + t * q->cols;
+        const float *xd = q->d + t * nb;
+        const int16_t *bs = q->bsums + t * (q->cols / 16);
+        __m512 acc[KQ_ROWS];
+        __m128 accm[KQ_ROWS];
+PD_UNROLL
+        for (int i = 0; i < nr; i++) {
+            acc[i] = _mm512_setzero_ps();
+            accm[i] = _mm_setzero_ps();
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *xb = xq + PD_QK_K * b;
+            const __m512i x0 = _mm512_loadu_si512((const void *)xb);
+            const __m512i x1 = _mm512_loadu_si512((const void *)(xb + 64));
+            const __m512i x2 = _mm512_loadu_si512((const void *)(xb + 128));
+            const __m512i x3 = _mm512_loadu_si512((const void *)(xb + 192));
+            /* sums of the activations of each 32-sub-block (for the mins) */
+            const __m256i bp = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(bs + 16 * b)),
+                                                 _mm256_set1_epi16(1));
+            const __m128i bsp = _mm_packs_epi32(_mm256_castsi256_si128(bp), _mm256_extracti128_si256(bp, 1));
+PD_UNROLL
+            for (int i = 0; i < nr; i++) {
+                const uint8_t *blk = m->w + (size_t)(r + i) * m->rb + (size_t)Q4_K_BYTES * (size_t)b;
+                const __m128i sm = q4k_scales_mins(blk + 4);
+                const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
+                const __m128i mn = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+                const uint8_t *qs = blk + 16;
+#define Q4K_STEP(J, X, IDX)                                                                        \
+    {                                                                                              \
+        const __m512i qv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * (J)))); \
+        const __m512i nib = _mm512_and_si512(_mm512_srlv_epi16(qv, sh), m4);                       \
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(nib, X), _mm512_permutexvar_epi16(IDX, sc)); \
+    }
+                __m512i sumi = _mm512_setzero_si512();
+                Q4K_STEP(0, x0, idx0)
+                Q4K_STEP(1, x1, idx1)
+                Q4K_STEP(2, x2, idx2)
+                Q4K_STEP(3, x3, idx3)
+#undef Q4K_STEP
+                const float dd = _cvtsh_ss(pd_ld16(blk)) * xd[b];
+                const float dmin = _cvtsh_ss(pd_ld16(blk + 2)) * xd[b];
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(dd), acc[i]);
+                accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn, bsp)), _mm_set1_ps(dmin), accm[i]);
+            }
+        }
+PD_UNROLL
+        for (int i = 0; i < nr; i++)
+            m->y[t * m->ldy + r + i] = _mm512_reduce_add_ps(acc[i]) - pd_hsum_ps_sse(accm[i]);
+    }
+}
+
+/* Tokens in blocks of TOKEN_BLOCK, so their activations stay in L2 while
+ * every row tile of the chunk passes over them. */
+PD_TARGET_AVX512 static void mm_q4_K(const cpu_mm *m, int64_t r0, int64_t r1) {
+    for (int64_t ta = 0; ta < m->n; ta += TOKEN_BLOCK) {
+        const int64_t tz = ta + TOKEN_BLOCK < m->n ? ta + TOKEN_BLOCK : m->n;
+        int64_t r = r0;
+        for (; r + KQ_ROWS <= r1; r += KQ_ROWS) {
+            if (m->n <= 4 && r + PD_PF_AHEAD + KQ_ROWS <= r1)
+                pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, KQ_ROWS, m->rb);
+            q4_K_rows(m, r, KQ_ROWS, ta, tz);
+        }
+        for (; r < r1; r++) q4_K_rows(m, r, 1, ta, tz);
+    }
+}
+
+/* word k of each 128-bit lane i (8 words) gets scale base + i */
+PD_TARGET_AVX512 static inline __m512i q6k_idx(short base) {
+    return _mm512_set_epi16(base + 3, base + 3, base + 3, base + 3, base + 3, base + 3, base + 3, base + 3,
+                            base + 2, base + 2, base + 2, base + 2, base + 2, base + 2, base + 2, base + 2,
+                            base + 1, base + 1, base + 1, base + 1, base + 1, base + 1, base + 1, base + 1,
+                            base, base, base, base, base, base, base, base);
+}
+
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
+q6_K_rows(const cpu_mm *m, int64_t r, const int nr, int64_t ta, int64_t tz) {
+    const cpu_qact *q = m->q;
+    const int64_t nb = q->nblocks;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i m30 = _mm512_set1_epi8(0x30);
+    const __m512i shl = halves_epi16(4, 2); /* qh bits 0-1 | 2-3 to bits 4-5 */
+    const __m512i shr = halves_epi16(0, 2); /* qh bits 4-5 | 6-7 to bits 4-5 */
+    const __m512i idx[4] = {q6k_idx(0), q6k_idx(4), q6k_idx(8), q6k_idx(12)};
+    for (int64_t t = ta; t < tz; t++) {
+        const int8_t *xq = q->qs + t * q->cols;
+        const float *xd = q->d + t * nb;
+        const int16_t *bs = q->bsums + t * (q->cols / 16);
+        __m512 acc[KQ_ROWS];
+PD_UNROLL
+        for (int i = 0; i < nr; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *xb = xq + PD_QK_K * b;
+            __m512i xv[4];
+            for (int k = 0; k < 4; k++) xv[k] = _mm512_loadu_si512((const void *)(xb + 64 * k));
+            const __m256i bsv = _mm256_loadu_si256((const __m256i *)(const void *)(bs + 16 * b));
+PD_UNROLL
+            for (int i = 0; i < nr; i++) {
+                const uint8_t *blk = m->w + (size_t)(r + i) * m->rb + (size_t)Q6_K_BYTES * (size_t)b;
+                const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+                const __m512i sc = _mm512_castsi256_si512(sc16);
+                /* the codes are stored + 32: subtract 32 * sum(scale * bsum) */
+                const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsv), 5);
+                __m512i sumi = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_zextsi256_si512(corr));
+PD_UNROLL
+                for (int h = 0; h < 2; h++) {
+                    const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
+                    const __m512i hb =
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+                    const __m512i lo = _mm512_or_si512(_mm512_and_si512(l, m4),
+                                                       _mm512_and_si512(_mm512_sllv_epi16(hb, shl), m30));
+                    const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                                       _mm512_and_si512(_mm512_srlv_epi16(hb, shr), m30));
+                    sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(lo, xv[2 * h]),
+                                               _mm512_permutexvar_epi16(idx[2 * h], sc));
+                    sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(hi, xv[2 * h + 1]),
+                                               _mm512_permutexvar_epi16(idx[2 * h + 1], sc));
+                }
+                const float dd = _cvtsh_ss(pd_ld16(blk + 208)) * xd[b];
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(dd), acc[i]);
+            }
+        }
+PD_UNROLL
+        for (int i = 0; i < nr; i++) m->y[t * m->ldy + r + i] = _mm512_reduce_add_ps(acc[i]);
+    }
+}
+
+/* Tokens in blocks of TOKEN_BLOCK, so their activations stay in L2 while
+ * every row tile of the chunk passes over them. */
+PD_TARGET_AVX512 static void mm_q6_K(const cpu_mm *m, int64_t r0, int64_t r1) {
+    for (int64_t ta = 0; ta < m->n; ta += TOKEN_BLOCK) {
+        const int64_t tz = ta + TOKEN_BLOCK < m->n ? ta + TOKEN_BLOCK : m->n;
+        int64_t r = r0;
+        for (; r + KQ_ROWS <= r1; r += KQ_ROWS) {
+            if (m->n <= 4 && r + PD_PF_AHEAD + KQ_ROWS <= r1)
+                pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, KQ_ROWS, m->rb);
+            q6_K_rows(m, r, KQ_ROWS, ta, tz);
+        }
+        for (; r < r1; r++) q6_K_rows(m, r, 1, ta, tz);
+    }
 }
 
 /* ------------------------------------------------------------------------
@@ -428,6 +610,10 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     k->mm[PD_TYPE_Q8_0] = mm_q8_0;
     k->mm_any_n[PD_TYPE_Q8_0] = true;
     k->mm[PD_TYPE_Q4_0] = mm_q4_0;
+    k->mm[PD_TYPE_Q4_K] = mm_q4_K;
+    k->mm[PD_TYPE_Q6_K] = mm_q6_K;
+    k->mm_any_n[PD_TYPE_Q4_K] = true;
+    k->mm_any_n[PD_TYPE_Q6_K] = true;
     k->mm[PD_TYPE_F32] = mm_f32;
     k->mm[PD_TYPE_F16] = mm_f16;
     k->mm[PD_TYPE_BF16] = mm_bf16;
