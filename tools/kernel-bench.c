@@ -39,12 +39,6 @@
 
 #define MAX_LIST 32
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static float frand(void) {
     rng ^= rng >> 12;
@@ -89,13 +83,13 @@ static int time_matmul(pd_backend *be, const pd_weight *w, long n_copies, const 
     long k = 0;
     for (int round = 0; round < 5; round++) {
         long iters = 0;
-        const double t0 = now_s();
+        const double t0 = pd_now_seconds();
         double t;
         do {
             rc = be->ops->matmul(be, &w[k++ % n_copies], x, n, y, err);
             if (rc) return rc;
             iters++;
-            t = now_s() - t0;
+            t = pd_now_seconds() - t0;
         } while (t < min_time / 5 || iters < 2);
         if (t / (double)iters < best) best = t / (double)iters;
     }
@@ -132,12 +126,12 @@ static int time_attention(pd_backend *be, long n_tokens, long n_keys, bool causa
     double best = INFINITY;
     for (int round = 0; round < 5 && rc == PD_OK; round++) {
         long iters = 0;
-        const double t0 = now_s();
+        const double t0 = pd_now_seconds();
         double t = 0;
         while (rc == PD_OK && (t < min_time / 5 || iters < 2)) {
             rc = be->ops->attention(be, &a, err);
             iters++;
-            t = now_s() - t0;
+            t = pd_now_seconds() - t0;
         }
         if (t / (double)iters < best) best = t / (double)iters;
     }

@@ -20,12 +20,6 @@
 #include "engine/engine.h"
 #include "tools/tools.h"
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static void usage(FILE *f) {
     fputs("usage: prefix-bench [--model FILE | --preset NAME [--type T] [--n-vocab N] [--seed S]]\n"
           "                    [--threads LIST] [--prompt N] [--gen N] [--reps N] [--json]\n"
@@ -51,17 +45,17 @@ static int run_once(pd_model *m, int n_prompt, int n_gen, bench_result *r, pd_er
     if (!rc) rc = pd_seq_create(m, n_prompt + n_gen + 1, &s, err);
     if (!rc) {
         for (int i = 0; i < n_prompt; i++) toks[i] = (pd_token)((i * 7919 + 13) % hp->n_vocab);
-        double t0 = now_s();
+        double t0 = pd_now_seconds();
         rc = pd_prefill(m, s, toks, n_prompt, NULL, logits, err);
-        double t1 = now_s();
+        double t1 = pd_now_seconds();
         r->prefill_tps = n_prompt / (t1 - t0);
         pd_token t = toks[0];
-        double t2 = now_s();
+        double t2 = pd_now_seconds();
         for (int i = 0; !rc && i < n_gen; i++) {
             rc = pd_decode(m, &s, &t, 1, logits, err);
             t = (pd_token)((t * 31 + 7) % hp->n_vocab);
         }
-        double t3 = now_s();
+        double t3 = pd_now_seconds();
         r->decode_tps = n_gen / (t3 - t2);
     }
     pd_seq_free(s);

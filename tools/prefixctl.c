@@ -197,12 +197,6 @@ static int cmd_detokenize(int argc, char **argv) {
     return rc ? fail(&err) : 0;
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static int parse_long(const char *opt, const char *arg, long lo, long hi, long *out) {
     char *end;
     errno = 0;
@@ -301,9 +295,9 @@ static int cmd_generate(int argc, char **argv) {
     if (!rc) rc = pd_sampler_accept_many(smp, ids, n_ids, false, &err);
     pd_generation_params gp = {.max_tokens = (int32_t)n_predict, .stop = stops, .n_stop = n_stops};
     if (!rc) rc = pd_generation_create(tok, &gp, &gen, &err);
-    double t0 = now_s(), t1 = t0;
+    double t0 = pd_now_seconds(), t1 = t0;
     if (!rc) rc = pd_prefill(m, seq, ids, (int64_t)n_ids, NULL, logits, &err);
-    t1 = now_s();
+    t1 = pd_now_seconds();
     int n_gen = 0;
     pd_generation_step step = {.finish = PD_FINISH_NONE};
     while (!rc && step.finish == PD_FINISH_NONE) {
@@ -323,7 +317,7 @@ static int cmd_generate(int argc, char **argv) {
         }
         rc = pd_decode(m, &seq, &r.token, 1, logits, &err);
     }
-    double t2 = now_s();
+    double t2 = pd_now_seconds();
     if (!rc) {
         putchar('\n');
         fflush(stdout); /* the report on stderr comes after the text */

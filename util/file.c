@@ -7,6 +7,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 int pd_map_file(const char *path, pd_mapped_file *out, pd_error *err) {
@@ -79,4 +80,10 @@ int pd_read_file(const char *path, char **out, size_t *len, pd_error *err) {
     fclose(f);
     if (rc) pd_error_prefix(err, "%s", path);
     return rc;
+}
+
+double pd_now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }

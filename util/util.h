@@ -66,6 +66,9 @@ void pd_unmap_file(pd_mapped_file *m);
 int pd_read_stream(void *file /* FILE* */, char **out, size_t *len, pd_error *err);
 int pd_read_file(const char *path, char **out, size_t *len, pd_error *err);
 
+/* Seconds on the monotonic clock, for measuring elapsed time. */
+double pd_now_seconds(void);
+
 /* Overflow-checked size arithmetic: return 0 on overflow. */
 static inline int pd_mul_ok(uint64_t a, uint64_t b, uint64_t *out) {
     return !__builtin_mul_overflow(a, b, out);
