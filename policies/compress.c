@@ -1,0 +1,3 @@
+/* placeholder: filled in by its owner */
+#include "policies/policies.h"
+typedef int pd_placeholder_compress;
