@@ -115,7 +115,7 @@ typedef struct pd_policy_spec {
     int32_t pool;           /* average-pool width over tokens (1 = none) */
     pd_obcache_target target;
 
-    /* LASER-KV */
+    /* LASER-KV (defaults: the official code's hybrid setting) */
     int32_t divisor;        /* protection divisor n: B/n anchors and B/n recent */
     double alpha;           /* share of the rest chosen by exact attention (the rest: LSH) */
     int32_t rounds;         /* LSH hash rounds R */
@@ -258,8 +258,8 @@ typedef struct pd_select_args {
     /* fair eviction: per-span quotas over the free budget. NULL = none.
      * quotas: [n_head_kv][n_spans] (per head) or [n_spans] (global), the
      * number of free (non-protected) entries to keep inside each span, and
-     * local_scores (optional, same shape as scores) rank tokens inside
-     * spans instead of scores. */
+     * local_scores (optional; [n_criteria][n_head_kv][n], the second block
+     * only with scores2) rank tokens inside spans instead of scores. */
     const int64_t *quotas;
     const float *local_scores;
 } pd_select_args;

@@ -33,6 +33,15 @@ int pd_score_tova(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t lo,
                   pd_error *err);
 int pd_score_obcache(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t lo, int64_t hi, float *scores,
                      pd_error *err);
+/* Shared by the attention scorers (score_attention.c). Rows [q0, q0 + nq)
+ * of query head `a`: out[t * ld + j] is the causal softmax weight (scale
+ * 1/sqrt(head_dim)) of query q0 + t on key lo + j, 0 past the query; with
+ * `logits`, the scaled logits too (0 where masked). ld >= q0 + nq - lo. */
+void pd_attention_rows(const pd_layer_kv *kv, int64_t lo, int a, int64_t q0, int64_t nq, float *out, int64_t ld,
+                       float *logits);
+/* n elements of `size` bytes; NULL with err filled on overflow or OOM. */
+void *pd_scorer_alloc(int64_t n, size_t size, const char *name, pd_error *err);
+
 /* score_laserkv.c: two criteria (exact attention, LSH collisions) */
 int pd_score_laserkv(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t lo, int64_t hi, float *scores,
                      pd_error *err);
