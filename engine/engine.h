@@ -332,6 +332,11 @@ int pd_kv_prefix_create(const pd_hparams *hp, int32_t n_orig, pd_kv_prefix **out
 /* Set one stream (copies). Positions must be strictly increasing and < n_orig. */
 int pd_kv_prefix_set(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos, const float *k,
                      const float *v, int64_t len, pd_error *err);
+/* Set one stream without copying: pos, k and v (4-byte aligned) must stay
+ * valid and unchanged until the stream is replaced or the prefix freed —
+ * for example rows inside a store's memory map. Same checks as _set. */
+int pd_kv_prefix_set_borrowed(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos, const float *k,
+                              const float *v, int64_t len, pd_error *err);
 void pd_kv_prefix_free(pd_kv_prefix *p);
 int32_t pd_kv_prefix_n_orig(const pd_kv_prefix *p);
 /* Read access to one stream; rows are head_dim floats. */

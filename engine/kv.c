@@ -35,9 +35,11 @@ oom:
 }
 
 void kv_stream_free(kv_stream *s) {
-    free(s->k);
-    free(s->v);
-    free(s->pos);
+    if (!s->borrowed) {
+        free(s->k);
+        free(s->v);
+        free(s->pos);
+    }
     free(s->keep);
     memset(s, 0, sizeof *s);
 }
@@ -73,8 +75,9 @@ int pd_kv_prefix_create(const pd_hparams *hp, int32_t n_orig, pd_kv_prefix **out
     return PD_OK;
 }
 
-int pd_kv_prefix_set(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos, const float *k, const float *v,
-                     int64_t len, pd_error *err) {
+/* Shared checks of pd_kv_prefix_set and pd_kv_prefix_set_borrowed. */
+static int check_prefix_stream(const pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos, int64_t len,
+                               pd_error *err) {
     if (layer < 0 || layer >= p->n_layer || kv_head < 0 || kv_head >= p->n_head_kv)
         return pd_errorf(err, PD_EINVAL, "prefix stream (layer %d, kv head %d) is out of range (%d layers, %d kv heads)",
                          layer, kv_head, p->n_layer, p->n_head_kv);
@@ -87,9 +90,16 @@ int pd_kv_prefix_set(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos
                              "prefix stream (layer %d, kv head %d): position %d at row %" PRId64
                              " is not increasing within [0, %d)",
                              layer, kv_head, pos[i], i, p->n_orig);
-    kv_stream *s = &p->streams[(int64_t)layer * p->n_head_kv + kv_head];
-    int rc = kv_stream_reserve(s, len, p->head_dim, err);
+    return PD_OK;
+}
+
+int pd_kv_prefix_set(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos, const float *k, const float *v,
+                     int64_t len, pd_error *err) {
+    int rc = check_prefix_stream(p, layer, kv_head, pos, len, err);
     if (rc) return rc;
+    kv_stream *s = &p->streams[(int64_t)layer * p->n_head_kv + kv_head];
+    if (s->borrowed) memset(s, 0, sizeof *s);
+    if ((rc = kv_stream_reserve(s, len, p->head_dim, err))) return rc;
     size_t row = (size_t)p->head_dim * sizeof(float);
     if (len) {
         memcpy(s->k, k, (size_t)len * row);
@@ -97,6 +107,20 @@ int pd_kv_prefix_set(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos
         memcpy(s->pos, pos, (size_t)len * sizeof *pos);
     }
     s->len = len;
+    return PD_OK;
+}
+
+int pd_kv_prefix_set_borrowed(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos, const float *k,
+                              const float *v, int64_t len, pd_error *err) {
+    int rc = check_prefix_stream(p, layer, kv_head, pos, len, err);
+    if (rc) return rc;
+    if (((uintptr_t)pos | (uintptr_t)k | (uintptr_t)v) % _Alignof(float))
+        return pd_errorf(err, PD_EINVAL, "prefix stream (layer %d, kv head %d): rows are not 4-byte aligned", layer,
+                         kv_head);
+    kv_stream *s = &p->streams[(int64_t)layer * p->n_head_kv + kv_head];
+    kv_stream_free(s);
+    /* The engine only reads prefix streams, so dropping const is safe. */
+    *s = (kv_stream){.k = (float *)k, .v = (float *)v, .pos = (int32_t *)pos, .len = len, .cap = len, .borrowed = true};
     return PD_OK;
 }
 

@@ -39,6 +39,7 @@ typedef struct kv_stream {
     int32_t *pos;    /* [cap] */
     uint8_t *keep;   /* NULL, or [cap] attention mask */
     int64_t len, cap;
+    bool borrowed;   /* k, v, pos point into memory the stream does not own (a store's map) */
 } kv_stream;
 
 struct pd_kv_prefix {

@@ -290,6 +290,55 @@ static void prefix_matches_full_prefill(const char *arch) {
 Test(engine, prefix_at_retention_1_equals_full_prefill_llama) { prefix_matches_full_prefill("llama"); }
 Test(engine, prefix_at_retention_1_equals_full_prefill_qwen2) { prefix_matches_full_prefill("qwen2"); }
 
+/* A prefix whose streams borrow another prefix's rows (as the store's
+ * zero-copy reads do) attends exactly like the owning copy. */
+Test(engine, borrowed_prefix_streams_equal_copied_ones) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/llama-f32.gguf", tmpdir);
+    gen("llama", PD_TYPE_F32, 3, true, path);
+    pd_model *m = load(path, 2);
+    const pd_hparams *hp = pd_model_hparams(m);
+    pd_token toks[NP + NS];
+    prompt_tokens(toks, NP + NS, hp->n_vocab, 1);
+    pd_error err = {0};
+    pd_seq *pre = NULL;
+    pd_kv_prefix *owned = NULL, *borrowed = NULL;
+    cr_assert_eq(pd_seq_create(m, 0, &pre, &err), PD_OK);
+    cr_assert_eq(pd_prefill(m, pre, toks, NP, NULL, NULL, &err), PD_OK);
+    cr_assert_eq(pd_seq_to_prefix(pre, &owned, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_kv_prefix_create(hp, NP, &borrowed, &err), PD_OK);
+    for (int l = 0; l < hp->n_layer; l++)
+        for (int h = 0; h < hp->n_head_kv; h++) {
+            const int32_t *pos;
+            const float *k, *v;
+            int64_t len = pd_kv_prefix_stream(owned, l, h, &pos, &k, &v);
+            cr_assert_eq(pd_kv_prefix_set_borrowed(borrowed, l, h, pos, k, v, len, &err), PD_OK, "%s", err.msg);
+            const float *bk;
+            cr_assert_eq(pd_kv_prefix_stream(borrowed, l, h, NULL, &bk, NULL), len);
+            cr_assert_eq(bk, k, "borrowed rows must not be copied");
+        }
+    double nll_owned, nll_borrowed;
+    cr_assert_eq(pd_nll(m, owned, NULL, 0, toks + NP, NS, &nll_owned, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_nll(m, borrowed, NULL, 0, toks + NP, NS, &nll_borrowed, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(nll_owned, nll_borrowed);
+
+    /* Misaligned rows and bad positions are refused. */
+    const int32_t *pos;
+    const float *k, *v;
+    int64_t len = pd_kv_prefix_stream(owned, 0, 0, &pos, &k, &v);
+    cr_assert_eq(pd_kv_prefix_set_borrowed(borrowed, 0, 0, pos, (const float *)((const char *)k + 1), v, len - 1, &err),
+                 PD_EINVAL);
+    cr_assert(strstr(err.msg, "aligned"), "%s", err.msg);
+    int32_t backwards[2] = {3, 1};
+    cr_assert_eq(pd_kv_prefix_set_borrowed(borrowed, 0, 0, backwards, k, v, 2, &err), PD_EINVAL);
+    /* Replacing a borrowed stream by a copy works (and frees nothing borrowed). */
+    cr_assert_eq(pd_kv_prefix_set(borrowed, 0, 0, pos, k, v, len, &err), PD_OK, "%s", err.msg);
+    pd_kv_prefix_free(borrowed);
+    pd_kv_prefix_free(owned);
+    pd_seq_free(pre);
+    pd_model_free(m);
+}
+
 typedef struct hook_state {
     int calls;
     int last_layer;
