@@ -96,6 +96,10 @@ uint32_t pd_testmodel_builtin_vocab_size(void);
  * error, 1 when generation fails. */
 int pd_testmodel_cli(int argc, char **argv);
 
+/* `prefixctl store --dir DIR list|show ID|verify [--repair]|delete ID|pin ID|unpin ID|stats`
+ * (tools/store_cli.c): argv[0] is the subcommand name. Exit codes as above. */
+int pd_store_cli(int argc, char **argv);
+
 #ifdef __cplusplus
 }
 #endif

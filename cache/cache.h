@@ -1,0 +1,206 @@
+/* cache: the compressed prefix store.
+ *
+ * A stored prefix is identified by a SHA-256 prefix id over (format version,
+ * model fingerprint, prefix token ids, canonical policy spec, namespace). Its
+ * record lives in an LMDB environment: a checksummed header (with the token
+ * ids and kept counts) and, per (layer, kv head), one stream value holding
+ * the kept positions, K rows and V rows, checksummed in fixed-size pages of
+ * `page_tokens` rows. A stream is one LMDB value so its rows are contiguous
+ * in the memory map: f32 streams are attended to in place (zero-copy); f16
+ * and bf16 streams are converted on read. The byte layout is in
+ * docs/store.md and is stable across builds (little-endian, versioned).
+ *
+ * Thread safety: one pd_store may be used from any number of threads
+ * (MDB_NOTLS); LMDB serialises writers and readers never block the writer.
+ * The hot tier (pd_hot) is thread-safe too.
+ *
+ * The stack: cache -> engine (pd_kv_prefix) -> kernels -> util.
+ * This header is the folder's public contract. */
+#ifndef PD_CACHE_H
+#define PD_CACHE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/engine.h"
+#include "util/util.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PD_STORE_FORMAT_VERSION 1
+#define PD_PREFIX_ID_LEN 32
+#define PD_PREFIX_ID_HEX (2 * PD_PREFIX_ID_LEN + 1)
+#define PD_PREFIX_SPEC_MAX 1024 /* canonical spec (+ ';' layout) incl. NUL */
+#define PD_PREFIX_NS_MAX 128    /* namespace incl. NUL */
+#define PD_LOOKUP_BLOCK 16      /* tokens per block of the lookup hash chain */
+
+typedef struct pd_prefix_id {
+    uint8_t b[PD_PREFIX_ID_LEN];
+} pd_prefix_id;
+
+/* SHA-256 over (PD_STORE_FORMAT_VERSION, fingerprint, n, tokens, spec, ns),
+ * each length-prefixed little-endian; ns NULL == "". */
+void pd_prefix_id_compute(const uint8_t fingerprint[PD_SHA256_LEN], const pd_token *tokens, int64_t n,
+                          const char *spec, const char *ns, pd_prefix_id *out);
+void pd_prefix_id_hex(const pd_prefix_id *id, char out[PD_PREFIX_ID_HEX]);
+/* 64 hex digits (either case). */
+int pd_prefix_id_parse(const char *hex, pd_prefix_id *out, pd_error *err);
+
+typedef enum pd_kv_dtype {
+    PD_KV_F32 = 0,
+    PD_KV_F16 = 1,
+    PD_KV_BF16 = 2,
+} pd_kv_dtype;
+
+const char *pd_kv_dtype_name(pd_kv_dtype t);
+bool pd_kv_dtype_from_name(const char *name, pd_kv_dtype *out);
+
+/* Quality numbers measured when the prefix was compressed; NaN = unknown. */
+typedef struct pd_prefix_quality {
+    double retention;      /* the policy's retention (calibrated or asked for) */
+    double tau;            /* quality budget asked for; NaN = none */
+    double nll_full;       /* probe NLL under the full prefix */
+    double nll_ratio;      /* probe NLL ratio compressed / full */
+} pd_prefix_quality;
+
+/* What a record says about itself (the decoded header plus bookkeeping). */
+typedef struct pd_prefix_info {
+    pd_prefix_id id;
+    uint8_t fingerprint[PD_SHA256_LEN];
+    char spec[PD_PREFIX_SPEC_MAX];
+    char ns[PD_PREFIX_NS_MAX];
+    int32_t n_layer, n_head_kv, head_dim;
+    pd_kv_dtype dtype;
+    int32_t n_tokens;          /* original prefix length n */
+    int64_t kept_rows;         /* sum of kept counts over (layer, head) */
+    pd_prefix_quality quality;
+    int64_t created_at;        /* unix seconds */
+    int64_t last_used;         /* unix seconds (approximate: see pd_store_get) */
+    uint64_t bytes;            /* stored bytes of header + streams */
+    bool pinned;               /* never evicted by the store's size limit */
+} pd_prefix_info;
+
+/* ------------------------------------------------------------------------
+ * The LMDB store
+ * ------------------------------------------------------------------------ */
+
+typedef struct pd_store_opts {
+    const char *dir;           /* LMDB environment directory, created if missing */
+    uint64_t map_size;         /* bytes (default 1 GiB) */
+    uint64_t max_bytes;        /* 0 = no store-level eviction; else LRU beyond this */
+    int32_t page_tokens;       /* rows per checksummed page (default 64) */
+    unsigned max_readers;      /* concurrent read handles (default 126) */
+    bool read_only;
+} pd_store_opts;
+
+void pd_store_opts_default(pd_store_opts *o);
+
+typedef struct pd_store pd_store;
+
+int pd_store_open(const pd_store_opts *o, pd_store **out, pd_error *err);
+/* All pd_prefix_ref handles must be released first. */
+void pd_store_close(pd_store *s);
+
+/* Store a compressed prefix in ONE write transaction (all or nothing).
+ * In: info->fingerprint, spec, ns, dtype, quality, pinned; the shape comes
+ * from kv and n_tokens from pd_kv_prefix_n_orig(kv) (== n). Out: info->id,
+ * kept_rows, created_at, last_used, bytes. An id already stored is left
+ * alone (*existed = true, info filled from the stored record). With
+ * max_bytes, least recently used unpinned prefixes are deleted in the same
+ * transaction to make room. A full map is PD_ERANGE with a message naming
+ * cache.map_size_mb; the store stays usable. */
+int pd_store_put(pd_store *s, pd_prefix_info *info, const pd_token *tokens, int64_t n, const pd_kv_prefix *kv,
+                 bool *existed, pd_error *err);
+
+/* A verified, readable prefix. Its kv borrows f32 rows from the map (kept
+ * valid by the handle's read transaction) or owns converted rows. */
+typedef struct pd_prefix_ref pd_prefix_ref;
+
+/* Every checksum (header and every page) is verified before returning.
+ * Missing: PD_ENOTFOUND. Corrupt: PD_EFORMAT with a message naming the
+ * record and page; corrupt data is never returned. The access is recorded
+ * for LRU in memory and written with the next write transaction. */
+int pd_store_get(pd_store *s, const pd_prefix_id *id, pd_prefix_ref **out, pd_error *err);
+const pd_prefix_info *pd_prefix_ref_info(const pd_prefix_ref *r);
+const pd_token *pd_prefix_ref_tokens(const pd_prefix_ref *r);
+const pd_kv_prefix *pd_prefix_ref_kv(const pd_prefix_ref *r);
+void pd_prefix_ref_release(pd_prefix_ref *r);
+
+/* Header only (checksum verified). */
+int pd_store_info(pd_store *s, const pd_prefix_id *id, pd_prefix_info *out, pd_error *err);
+int pd_store_delete(pd_store *s, const pd_prefix_id *id, pd_error *err);
+int pd_store_pin(pd_store *s, const pd_prefix_id *id, bool pinned, pd_error *err);
+
+/* Every record's header, in id order; a non-zero return from fn stops the
+ * walk and is returned. Records whose header is corrupt are reported with
+ * info == NULL and `why`. */
+typedef int (*pd_store_visit_fn)(void *ctx, const pd_prefix_id *id, const pd_prefix_info *info, const char *why);
+int pd_store_list(pd_store *s, pd_store_visit_fn fn, void *ctx, pd_error *err);
+
+typedef struct pd_store_verify_report {
+    int64_t checked, corrupt, deleted;
+} pd_store_verify_report;
+
+/* Check every header and page. Corrupt records go to fn (may be NULL) and
+ * are deleted when `repair`. Index entries without a record are removed
+ * when `repair` too. */
+int pd_store_verify(pd_store *s, bool repair, pd_store_visit_fn fn, void *ctx, pd_store_verify_report *out,
+                    pd_error *err);
+
+typedef struct pd_store_stats {
+    int64_t prefixes, pinned;
+    uint64_t bytes;            /* sum of records' bytes */
+    uint64_t map_size, map_used;
+    uint64_t max_bytes;
+    int64_t evicted;           /* by the size limit since open */
+} pd_store_stats;
+
+int pd_store_stats_get(pd_store *s, pd_store_stats *out, pd_error *err);
+
+/* The longest stored prefix, for this model fingerprint and namespace (and
+ * this spec when spec != NULL; otherwise ties go to the newest), that
+ * tokens[0..n) starts with (its length <= n). Cost: O(n) hashing (a chain
+ * of SHA-256 over blocks of PD_LOOKUP_BLOCK tokens) plus one index probe
+ * per block boundary, independent of how many prefixes are stored.
+ * PD_ENOTFOUND when none. */
+int pd_store_lookup(pd_store *s, const uint8_t fingerprint[PD_SHA256_LEN], const char *ns, const char *spec,
+                    const pd_token *tokens, int64_t n, pd_prefix_id *out, int32_t *matched, pd_error *err);
+
+/* ------------------------------------------------------------------------
+ * The hot tier: an in-memory, byte-bounded LRU of f32 copies of stored
+ * prefixes, reference-counted so an entry in use is never freed.
+ * ------------------------------------------------------------------------ */
+
+typedef struct pd_hot pd_hot;
+typedef struct pd_hot_entry pd_hot_entry;
+
+/* max_bytes: the bound on the entries' f32 bytes (K, V, positions, tokens). */
+int pd_hot_create(pd_store *s, uint64_t max_bytes, pd_hot **out, pd_error *err);
+/* Every entry must have been released. */
+void pd_hot_free(pd_hot *h);
+/* A hit returns the cached entry; a miss loads it with pd_store_get (errors
+ * pass through: PD_ENOTFOUND, PD_EFORMAT), copies it to f32 and inserts
+ * it, evicting least recently used entries nobody holds. An entry larger
+ * than max_bytes is returned uncached (freed on release). */
+int pd_hot_acquire(pd_hot *h, const pd_prefix_id *id, pd_hot_entry **out, pd_error *err);
+const pd_kv_prefix *pd_hot_entry_kv(const pd_hot_entry *e);
+const pd_prefix_info *pd_hot_entry_info(const pd_hot_entry *e);
+const pd_token *pd_hot_entry_tokens(const pd_hot_entry *e);
+void pd_hot_release(pd_hot *h, pd_hot_entry *e);
+/* Drop an id (after a delete): freed now, or when its last holder releases. */
+void pd_hot_invalidate(pd_hot *h, const pd_prefix_id *id);
+
+typedef struct pd_hot_stats {
+    uint64_t bytes, max_bytes;
+    int64_t entries, in_use, hits, misses, evictions;
+} pd_hot_stats;
+
+void pd_hot_stats_get(pd_hot *h, pd_hot_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,3 @@
+/* placeholder: filled in by its owner */
+#include "cache/cache.h"
+typedef int pd_placeholder_record;
