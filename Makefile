@@ -12,7 +12,7 @@ export PATH := $(PATH):/usr/local/cuda/bin
 
 DEFAULT_MODEL := $(if $(wildcard $(SHARED)/tinystories/stories260K.gguf),$(SHARED)/tinystories/stories260K.gguf,models/default.gguf)
 
-.PHONY: all deps build test test-asan run bench fuzz clean
+.PHONY: all deps build test test-asan run bench eval fuzz clean
 
 all: build
 
@@ -66,6 +66,12 @@ run: build $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/defaul
 bench: build
 	$(BUILD)/tools/prefix-bench --preset smollm2-135m --type q8_0 --n-vocab 32000 --threads 1,2 \
 	  --prompt 256 --gen 64 --reps 3
+
+# NLL ratio of every KV-cache policy at retention 0.5/0.25/0.1, and the hit
+# rate of context-calibrated compression, on stories sampled from the real
+# stories260K model (the tables in docs/policies.md).
+eval: build
+	$(BUILD)/tools/policy-eval $(SHARED)/tinystories/stories260K.gguf
 
 # libFuzzer on the GGUF reader and tokenizer loader (clang, ASan+UBSan).
 fuzz: deps

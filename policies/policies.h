@@ -235,8 +235,10 @@ void pd_policy_budgets(const pd_policy_spec *spec, int n_layer, int64_t n, int64
 
 /* Selection for one layer. Protected tokens (first `sink`, last `recent`,
  * whitelisted) are kept first and count against the budget; if they alone
- * exceed it, sinks and recent tokens are clipped (sinks first) and a
- * whitelist that does not fit is PD_ERANGE. The free budget then goes to
+ * exceed it, the whitelist is kept, then sinks, then recent tokens while
+ * room lasts (so the recent window is clipped first), and a whitelist that
+ * does not fit is PD_ERANGE. In global mode each head has budget/n_head_kv
+ * of room for them. The free budget then goes to
  * the best scores: per head (uniform/pyramid) or over all (token, head)
  * pairs (global); with chunk > 0 in whole chunks (chunk boundaries at
  * multiples of `chunk` from the range start, chunk score = sum of its free
@@ -265,6 +267,10 @@ typedef struct pd_select_args {
 } pd_select_args;
 
 int pd_policy_select(const pd_select_args *a, uint8_t *keep /* [n_head_kv][n] */, pd_error *err);
+/* The protected tokens of one head (the same in every head) as
+ * pd_policy_select chooses them: prot [n] gets 0/1. Returns how many, or -1
+ * when the whitelist alone does not fit. */
+int64_t pd_policy_protected(const pd_select_args *a, uint8_t *prot);
 
 /* Fair quotas for one selection group (one head, or the whole layer in
  * global mode): free = budget left after protection, free_len[s] = free
@@ -354,8 +360,12 @@ typedef struct pd_calib_result {
 
 /* Choose the retention for `spec` (its retention is ignored) on this
  * prefix: without a probe the last `holdout` of the tokens is the probe and
- * the rest the calibration prefix. Returns the spec with the chosen
- * retention in *chosen_spec. */
+ * the rest the calibration prefix. The retention the curve picks is then
+ * measured on the probe; when it misses tau, that point joins the fit and
+ * the retention rises (at most PD_CALIB_MAX_POINTS measurements, 1 as the
+ * last resort), so `measured` <= tau on the probe. The result is rounded up
+ * to a multiple of 1e-4. Returns the spec with the chosen retention in
+ * *chosen_spec. opts NULL = defaults. */
 int pd_calibrate(pd_model *m, const pd_token *tokens, int64_t n, const pd_policy_spec *spec,
                  const pd_layout *layout, const pd_calib_opts *opts, pd_calib_result *out,
                  pd_policy_spec *chosen_spec, pd_error *err);

@@ -358,6 +358,11 @@ static int64_t protect(const pd_select_args *a, int64_t room, uint8_t *prot, int
     return count;
 }
 
+int64_t pd_policy_protected(const pd_select_args *a, uint8_t *prot) {
+    int64_t n_white, room = a->mode == PD_BUDGET_GLOBAL ? a->budget / a->n_head_kv : a->budget;
+    return protect(a, room, prot, &n_white);
+}
+
 int pd_policy_select(const pd_select_args *a, uint8_t *keep, pd_error *err) {
     uint64_t total64 = 0;
     if (a->n >= 0 && a->n_head_kv >= 1 && (!pd_mul_ok((uint64_t)a->n, (uint64_t)a->n_head_kv, &total64) ||

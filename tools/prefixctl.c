@@ -5,11 +5,15 @@
  *   prefixctl detokenize --model FILE [--special] [--keep-leading-space] < ids
  *   prefixctl generate --model FILE --prompt TEXT [-n N] [--greedy | --temp T --seed S] [--ids]
  *   prefixctl nll --model FILE --context TEXT --text TEXT
+ *   prefixctl compress --model FILE --policy SPEC [--retention R | --quality TAU] --text FILE ...
+ *   prefixctl policies
+ *   prefixctl store --dir DIR list|show ID|verify [--repair]|delete ID|pin ID|unpin ID|stats
  *   prefixctl gen-model [options] -o OUT.gguf
  *   prefixctl cuda-info
  */
 #include <errno.h>
 #include <getopt.h>
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +22,7 @@
 
 #include "engine/engine.h"
 #include "kernels/kernels.h"
+#include "policies/policies.h"
 #include "tools/tools.h"
 #include "util/util.h"
 
@@ -41,6 +46,16 @@ static void usage(FILE *f) {
           "      [--threads N]             CPU threads (default: all)\n"
           "  nll --model FILE --context TEXT --text TEXT\n"
           "                                mean negative log-likelihood of TEXT after CONTEXT\n"
+          "  compress --model FILE --policy SPEC --text FILE\n"
+          "                                compress the text's KV cache with a policy and report it\n"
+          "      [--retention R]           fraction of tokens kept, in (0, 1] (overrides the spec's)\n"
+          "      [--quality TAU]           or choose the retention: NLL ratio at most TAU (> 1)\n"
+          "      [--holdout F]             --quality: fraction of the text held out as probe (default 0.2)\n"
+          "      [--spans FILE]            named spans and kept ranges (\"name start end [keep]\" lines)\n"
+          "      [--eval FILE]             mean NLL of this continuation, full vs compressed prefix\n"
+          "      [--threads N]             CPU threads (default: all)\n"
+          "  compress --list | policies    list the policies with their keys and defaults\n"
+          "  store --dir DIR ACTION        inspect and maintain a prefix store (--help for actions)\n"
           "  gen-model [options] -o OUT    write a seeded random GGUF model (--help for options)\n"
           "  cuda-info                     list CUDA devices and run a cuBLAS self-test\n",
           f);
@@ -375,6 +390,208 @@ static int cmd_nll(int argc, char **argv) {
     return rc ? fail(&err) : 0;
 }
 
+static int parse_double(const char *opt, const char *arg, double *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(arg, &end);
+    if (errno || end == arg || *end || !isfinite(v)) {
+        fprintf(stderr, "prefixctl: %s wants a number, got '%s'\n", opt, arg);
+        return 2;
+    }
+    *out = v;
+    return 0;
+}
+
+static int read_tokens(const pd_tokenizer *tok, const char *path, bool add_special, pd_token **ids, size_t *n,
+                       pd_error *err) {
+    char *text = NULL;
+    size_t len = 0;
+    int rc = pd_read_file(path, &text, &len, err);
+    if (rc) return rc;
+    pd_tokenize_opts o = {.add_special = add_special};
+    rc = pd_tokenize(tok, text, len, o, ids, n, err);
+    free(text);
+    if (rc) pd_error_prefix(err, "%s", path);
+    return rc;
+}
+
+/* A plain prefill of the whole text: the reference the compressed prefix is
+ * compared with. */
+static int full_prefix(pd_model *m, const pd_token *ids, int64_t n, pd_kv_prefix **out, pd_error *err) {
+    pd_seq *s = NULL;
+    int rc = pd_seq_create(m, 0, &s, err);
+    if (!rc) rc = pd_prefill(m, s, ids, n, NULL, NULL, err);
+    if (!rc) rc = pd_seq_to_prefix(s, out, err);
+    pd_seq_free(s);
+    return rc;
+}
+
+static void print_calibration(const pd_calib_result *r, const pd_calib_opts *o, size_t n) {
+    printf("calibration: tau %g, probe = the last %lld of the %zu tokens (holdout %g)\n", o->tau,
+           (long long)llround(o->holdout * (double)n), n, o->holdout);
+    printf("  probe NLL under the full prefix: %.6f\n", r->nll_full);
+    for (int i = 0; i < r->n_points; i++)
+        printf("  retention %-8g NLL ratio %.6f\n", r->retention[i], r->ratio[i]);
+    printf("  curve: f(r) = 1 + %.6g * (r^-%.6g - 1)\n", r->curve.a, r->curve.b);
+    printf("  chosen retention %.6g: predicted ratio %.6f, measured %.6f (on the probe)\n", r->chosen, r->predicted,
+           r->measured);
+}
+
+static int cmd_compress(int argc, char **argv) {
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'},   {"policy", required_argument, 0, 'p'},
+        {"retention", required_argument, 0, 'r'}, {"quality", required_argument, 0, 'q'},
+        {"holdout", required_argument, 0, 'H'}, {"text", required_argument, 0, 't'},
+        {"spans", required_argument, 0, 's'},   {"eval", required_argument, 0, 'e'},
+        {"threads", required_argument, 0, 'T'}, {"list", no_argument, 0, 'l'},
+        {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+    const char *model = NULL, *policy = NULL, *text_path = NULL, *spans_path = NULL, *eval_path = NULL;
+    double retention = 0, tau = 0;
+    bool have_retention = false, have_quality = false, have_holdout = false, list = false;
+    pd_calib_opts copts;
+    pd_calib_opts_default(&copts);
+    long threads = 0;
+    int c, rc;
+    while ((c = getopt_long(argc, argv, "m:p:h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model = optarg; break;
+        case 'p': policy = optarg; break;
+        case 'r': if ((rc = parse_double("--retention", optarg, &retention))) return rc; have_retention = true; break;
+        case 'q': if ((rc = parse_double("--quality", optarg, &tau))) return rc; have_quality = true; break;
+        case 'H': if ((rc = parse_double("--holdout", optarg, &copts.holdout))) return rc; have_holdout = true; break;
+        case 't': text_path = optarg; break;
+        case 's': spans_path = optarg; break;
+        case 'e': eval_path = optarg; break;
+        case 'T': if ((rc = parse_long("--threads", optarg, 0, 1024, &threads))) return rc; break;
+        case 'l': list = true; break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (optind != argc) {
+        fprintf(stderr, "prefixctl compress: unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    if (list) {
+        pd_policy_describe(stdout);
+        return 0;
+    }
+    if (!model || !policy || !text_path) {
+        fputs("prefixctl compress: --model FILE, --policy SPEC and --text FILE are required "
+              "(--list shows the policies)\n", stderr);
+        return 2;
+    }
+    if (have_retention && have_quality) {
+        fputs("prefixctl compress: give --retention R or --quality TAU, not both\n", stderr);
+        return 2;
+    }
+    if (have_retention && !(retention > 0 && retention <= 1)) {
+        fprintf(stderr, "prefixctl compress: --retention %g must be in (0, 1] (the fraction of tokens kept)\n",
+                retention);
+        return 2;
+    }
+    if (have_quality && !(tau > 1)) {
+        fprintf(stderr, "prefixctl compress: --quality %g must be above 1 (the allowed NLL ratio, e.g. 1.05)\n", tau);
+        return 2;
+    }
+    if (have_holdout && !have_quality) {
+        fputs("prefixctl compress: --holdout only applies with --quality TAU\n", stderr);
+        return 2;
+    }
+    if (!(copts.holdout > 0 && copts.holdout < 1)) {
+        fprintf(stderr, "prefixctl compress: --holdout %g must be a fraction in (0, 1)\n", copts.holdout);
+        return 2;
+    }
+    pd_error err = {0};
+    pd_policy_spec spec;
+    if (pd_policy_spec_parse(policy, &spec, &err)) {
+        fprintf(stderr, "prefixctl compress: --policy: %s\n", err.msg);
+        return 2;
+    }
+    if (have_retention) pd_policy_spec_set_retention(&spec, retention);
+
+    const double t0 = pd_now_seconds();
+    pd_model *m = NULL;
+    pd_model_params mp = {.n_threads = (int)threads};
+    if (pd_model_load(model, &mp, &m, &err)) return fail(&err);
+    const pd_hparams *hp = pd_model_hparams(m);
+    pd_token *ids = NULL, *eval_ids = NULL;
+    size_t n = 0, n_eval = 0;
+    char *spans_text = NULL, *layout_text = NULL;
+    pd_layout layout = {0};
+    bool have_layout = false;
+    pd_kv_prefix *prefix = NULL, *full = NULL;
+    pd_compress_stats st = {0};
+    rc = read_tokens(pd_model_tokenizer(m), text_path, true, &ids, &n, &err);
+    if (!rc && n == 0) rc = pd_errorf(&err, PD_EINVAL, "%s: the text is empty", text_path);
+    if (!rc && eval_path) rc = read_tokens(pd_model_tokenizer(m), eval_path, false, &eval_ids, &n_eval, &err);
+    if (!rc && eval_path && n_eval < 2)
+        rc = pd_errorf(&err, PD_EINVAL, "%s: the eval text has %zu tokens; at least 2 are needed (the first is only fed)",
+                       eval_path, n_eval);
+    if (!rc && spans_path) {
+        rc = pd_read_file(spans_path, &spans_text, NULL, &err);
+        if (!rc && (rc = pd_layout_parse(spans_text, &layout, &err)) == 0) have_layout = true;
+        if (!rc && (rc = pd_layout_validate(&layout, (int64_t)n, &err)) == 0) {
+            size_t need = pd_layout_print(&layout, NULL, 0) + 1;
+            if (!(layout_text = malloc(need))) rc = pd_errorf(&err, PD_ENOMEM, "out of memory");
+            else pd_layout_print(&layout, layout_text, need);
+        }
+        if (rc) pd_error_prefix(&err, "%s", spans_path);
+    }
+    const pd_layout *lay = have_layout ? &layout : NULL;
+    if (!rc && have_quality) {
+        pd_calib_result cr;
+        pd_policy_spec chosen;
+        copts.tau = tau;
+        rc = pd_calibrate(m, ids, (int64_t)n, &spec, lay, &copts, &cr, &chosen, &err);
+        if (!rc) {
+            print_calibration(&cr, &copts, n);
+            spec = chosen;
+        }
+    }
+    if (!rc) rc = pd_compress_prefix(m, ids, (int64_t)n, &spec, lay, &prefix, &st, &err);
+    if (!rc) {
+        char buf[PD_POLICY_SPEC_MAX];
+        pd_policy_spec_print(&spec, buf, sizeof buf);
+        printf("policy: %s\n", buf);
+        if (layout_text) printf("layout: %s\n", layout_text);
+        printf("prefix: %zu tokens, %d layers x %d kv heads\n", n, st.n_layer, st.n_head_kv);
+        const int64_t per_layer = (int64_t)n * st.n_head_kv;
+        for (int l = 0; l < st.n_layer; l++) {
+            int64_t kept = 0;
+            for (int h = 0; h < st.n_head_kv; h++) kept += st.kept[l * st.n_head_kv + h];
+            printf("  layer %2d: kept %6" PRId64 " of %" PRId64 " (%5.1f%%)  per head:", l, kept, per_layer,
+                   100.0 * (double)kept / (double)per_layer);
+            for (int h = 0; h < st.n_head_kv; h++) printf(" %" PRId64, st.kept[l * st.n_head_kv + h]);
+            putchar('\n');
+        }
+        const int64_t all = per_layer * st.n_layer;
+        printf("kept: %" PRId64 " of %" PRId64 " (layer, head, token) entries, fraction %.4f\n", st.kept_total, all,
+               (double)st.kept_total / (double)all);
+    }
+    if (!rc && eval_path) {
+        double nll_full = 0, nll_comp = 0;
+        rc = full_prefix(m, ids, (int64_t)n, &full, &err);
+        if (!rc) rc = pd_nll(m, full, NULL, 0, eval_ids, (int64_t)n_eval, &nll_full, &err);
+        if (!rc) rc = pd_nll(m, prefix, NULL, 0, eval_ids, (int64_t)n_eval, &nll_comp, &err);
+        if (!rc)
+            printf("eval: %zu tokens; mean NLL full prefix %.6f, compressed %.6f, ratio %.6f\n", n_eval, nll_full,
+                   nll_comp, nll_comp / nll_full);
+    }
+    if (!rc) printf("time: scoring and selection %.3f s, total %.3f s (%s)\n", st.score_seconds, pd_now_seconds() - t0,
+                    hp->arch_name);
+    free(st.kept);
+    pd_kv_prefix_free(prefix);
+    pd_kv_prefix_free(full);
+    if (have_layout) pd_layout_free(&layout);
+    free(layout_text);
+    free(spans_text);
+    free(eval_ids);
+    free(ids);
+    pd_model_free(m);
+    return rc ? fail(&err) : 0;
+}
+
 static int cmd_cuda_info(void) {
     printf("CUDA backend compiled in: %s\n", pd_cuda_compiled() ? "yes" : "no");
     int n = pd_cuda_device_count();
@@ -406,6 +623,16 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "detokenize") == 0) return cmd_detokenize(argc, argv);
     if (strcmp(cmd, "generate") == 0) return cmd_generate(argc, argv);
     if (strcmp(cmd, "nll") == 0) return cmd_nll(argc, argv);
+    if (strcmp(cmd, "compress") == 0) return cmd_compress(argc, argv);
+    if (strcmp(cmd, "policies") == 0) {
+        if (argc != 1) {
+            fputs("prefixctl policies: takes no arguments\n", stderr);
+            return 2;
+        }
+        pd_policy_describe(stdout);
+        return 0;
+    }
+    /* STORE_CLI_PENDING */
     if (strcmp(cmd, "gen-model") == 0) return pd_testmodel_cli(argc, argv);
     if (strcmp(cmd, "cuda-info") == 0) return cmd_cuda_info();
     if (strcmp(cmd, "-h") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "help") == 0) {
