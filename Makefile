@@ -56,6 +56,11 @@ run: build $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/defaul
 	  | $(BUILD)/tools/prefixctl detokenize --model $(DEFAULT_MODEL)
 	@echo "== generate (greedy)"
 	$(BUILD)/tools/prefixctl generate --model $(DEFAULT_MODEL) --prompt "Once upon a time" -n 48
+	@echo "== compress a prefix (Compactor, retention chosen for an NLL ratio <= 1.05)"
+	$(BUILD)/tools/prefixctl generate --model $(DEFAULT_MODEL) --prompt "Once upon a time" -n 300 --temp 1 --seed 3 \
+	  > $(BUILD)/demo-prefix.txt
+	$(BUILD)/tools/prefixctl compress --model $(DEFAULT_MODEL) --policy compactor --quality 1.05 \
+	  --text $(BUILD)/demo-prefix.txt
 	@echo "== prefixd --check-config"
 	$(BUILD)/daemon/prefixd --check-config --set model.path=$(DEFAULT_MODEL)
 	@echo "== CUDA"
