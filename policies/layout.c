@@ -4,7 +4,6 @@
  * item per line, '#' comments). pd_layout_parse reads both. */
 #include <ctype.h>
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -54,34 +53,19 @@ int pd_layout_validate(const pd_layout *layout, int64_t n, pd_error *err) {
     return PD_OK;
 }
 
-/* snprintf-style appending: len counts everything, buf holds what fits. */
-typedef struct writer {
-    char *buf;
-    size_t cap, len;
-} writer;
-
-__attribute__((format(printf, 2, 3))) static void wput(writer *w, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    char *dst = w->len < w->cap ? w->buf + w->len : NULL;
-    size_t room = w->len < w->cap ? w->cap - w->len : 0;
-    int n = vsnprintf(dst, room, fmt, ap);
-    va_end(ap);
-    if (n > 0) w->len += (size_t)n;
-}
 
 size_t pd_layout_print(const pd_layout *layout, char *buf, size_t cap) {
-    writer w = {buf, cap, 0};
+    pd_strbuf w = {buf, cap, 0};
     if (cap) buf[0] = '\0';
     if (!layout) return 0;
     for (int i = 0; i < layout->n_spans; i++) {
         const pd_span *s = &layout->spans[i];
-        wput(&w, "%s%.*s:%" PRId64 "-%" PRId64 "%s", i ? "," : "spans=", (int)sizeof s->name, s->name, s->start,
+        pd_strbuf_printf(&w, "%s%.*s:%" PRId64 "-%" PRId64 "%s", i ? "," : "spans=", (int)sizeof s->name, s->name, s->start,
              s->end, s->whitelist ? "!" : "");
     }
     for (int i = 0; i < layout->n_whitelist; i++) {
         const pd_range *r = &layout->whitelist[i];
-        wput(&w, "%s%" PRId64 "-%" PRId64, i ? "," : layout->n_spans > 0 ? ";keep=" : "keep=", r->start, r->end);
+        pd_strbuf_printf(&w, "%s%" PRId64 "-%" PRId64, i ? "," : layout->n_spans > 0 ? ";keep=" : "keep=", r->start, r->end);
     }
     return w.len;
 }

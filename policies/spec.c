@@ -9,7 +9,6 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -292,21 +291,6 @@ bool pd_policy_kind_from_name(const char *name, pd_policy_kind *out) {
  * Output helpers
  * ------------------------------------------------------------------------ */
 
-/* snprintf-style appending: len counts everything, buf holds what fits. */
-typedef struct writer {
-    char *buf;
-    size_t cap, len;
-} writer;
-
-__attribute__((format(printf, 2, 3))) static void wput(writer *w, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    char *dst = w->len < w->cap ? w->buf + w->len : NULL;
-    size_t room = w->len < w->cap ? w->cap - w->len : 0;
-    int n = vsnprintf(dst, room, fmt, ap);
-    va_end(ap);
-    if (n > 0) w->len += (size_t)n;
-}
 
 /* Shortest of %.15g, %.16g, %.17g that reads back as exactly v. */
 static void format_double(double v, char *buf, size_t cap) {
@@ -368,15 +352,15 @@ static void format_value(const pd_policy_spec *s, const key_desc *k, char *buf, 
 }
 
 size_t pd_policy_spec_print(const pd_policy_spec *spec, char *buf, size_t cap) {
-    writer w = {buf, cap, 0};
+    pd_strbuf w = {buf, cap, 0};
     if (cap) buf[0] = '\0';
-    wput(&w, "%s", pd_policy_kind_name(spec->kind));
+    pd_strbuf_printf(&w, "%s", pd_policy_kind_name(spec->kind));
     char sep = ':';
     for (int i = 0; i < N_KEYS; i++) {
         if (!key_used(spec, &keys[i])) continue;
         char val[64];
         format_value(spec, &keys[i], val, sizeof val);
-        wput(&w, "%c%s=%s", sep, keys[i].name, val);
+        pd_strbuf_printf(&w, "%c%s=%s", sep, keys[i].name, val);
         sep = ',';
     }
     return w.len;
@@ -384,19 +368,19 @@ size_t pd_policy_spec_print(const pd_policy_spec *spec, char *buf, size_t cap) {
 
 /* The keys a policy has (conditions ignored), comma-separated. */
 static void list_keys(const pd_policy_spec *s, char *buf, size_t cap) {
-    writer w = {buf, cap, 0};
+    pd_strbuf w = {buf, cap, 0};
     if (cap) buf[0] = '\0';
     for (int i = 0; i < N_KEYS; i++) {
         if (!key_exists(s, &keys[i])) continue;
-        wput(&w, "%s%s", w.len ? ", " : "", keys[i].name);
-        if (keys[i].cond != C_NONE) wput(&w, " (with %s)", cond_text(keys[i].cond));
+        pd_strbuf_printf(&w, "%s%s", w.len ? ", " : "", keys[i].name);
+        if (keys[i].cond != C_NONE) pd_strbuf_printf(&w, " (with %s)", cond_text(keys[i].cond));
     }
 }
 
 static void list_kinds(char *buf, size_t cap) {
-    writer w = {buf, cap, 0};
+    pd_strbuf w = {buf, cap, 0};
     if (cap) buf[0] = '\0';
-    for (int i = 0; i < PD_POLICY_COUNT; i++) wput(&w, "%s%s", i ? ", " : "", kind_names[i]);
+    for (int i = 0; i < PD_POLICY_COUNT; i++) pd_strbuf_printf(&w, "%s%s", i ? ", " : "", kind_names[i]);
 }
 
 /* User text, cut short and with control characters replaced, for messages. */

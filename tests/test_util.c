@@ -76,3 +76,18 @@ Test(util, map_and_read_files) {
     th_rmtree(dir);
     free(dir);
 }
+
+Test(util, strbuf_appends_counts_and_truncates) {
+    char buf[8];
+    pd_strbuf b = {buf, sizeof buf, 0};
+    pd_strbuf_printf(&b, "%s", "abc");
+    pd_strbuf_printf(&b, "%d", 1234);
+    cr_assert_str_eq(buf, "abc1234");
+    cr_assert_eq(b.len, 7);
+    pd_strbuf_printf(&b, "%s", "xyz"); /* does not fit: truncated, still counted */
+    cr_assert_str_eq(buf, "abc1234");
+    cr_assert_eq(b.len, 10);
+    pd_strbuf_printf(&b, "more");
+    cr_assert_eq(b.len, 14);
+    cr_assert_str_eq(buf, "abc1234");
+}

@@ -66,6 +66,15 @@ void pd_unmap_file(pd_mapped_file *m);
 int pd_read_stream(void *file /* FILE* */, char **out, size_t *len, pd_error *err);
 int pd_read_file(const char *path, char **out, size_t *len, pd_error *err);
 
+/* snprintf-style appending to a fixed buffer: len counts everything
+ * written (as snprintf's return value would), buf holds what fits and is
+ * always NUL-terminated when cap > 0. */
+typedef struct pd_strbuf {
+    char *buf;
+    size_t cap, len;
+} pd_strbuf;
+__attribute__((format(printf, 2, 3))) void pd_strbuf_printf(pd_strbuf *b, const char *fmt, ...);
+
 /* Seconds on the monotonic clock, for measuring elapsed time. */
 double pd_now_seconds(void);
 
