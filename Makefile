@@ -12,7 +12,7 @@ export PATH := $(PATH):/usr/local/cuda/bin
 
 DEFAULT_MODEL := $(if $(wildcard $(SHARED)/tinystories/stories260K.gguf),$(SHARED)/tinystories/stories260K.gguf,models/default.gguf)
 
-.PHONY: all deps build test test-asan run bench eval fuzz clean
+.PHONY: all deps build test test-asan run bench bench-store eval fuzz clean
 
 all: build
 
@@ -71,6 +71,11 @@ run: build $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/defaul
 bench: build
 	$(BUILD)/tools/prefix-bench --preset smollm2-135m --type q8_0 --n-vocab 32000 --threads 1,2 \
 	  --prompt 256 --gen 64 --reps 3
+
+# Prefix store throughput: write/read MB/s, hot tier, lookup time with 10k
+# stored prefixes (docs/store.md).
+bench-store: build
+	$(BUILD)/tools/store-bench --prefixes 10000
 
 # NLL ratio of every KV-cache policy at retention 0.5/0.25/0.1, and the hit
 # rate of context-calibrated compression, on stories sampled from the real

@@ -42,9 +42,10 @@ typedef struct pd_prefix_id {
 } pd_prefix_id;
 
 /* SHA-256 over (PD_STORE_FORMAT_VERSION, fingerprint, n, tokens, spec, ns),
- * each length-prefixed little-endian; ns NULL == "". */
-void pd_prefix_id_compute(const uint8_t fingerprint[PD_SHA256_LEN], const pd_token *tokens, int64_t n,
-                          const char *spec, const char *ns, pd_prefix_id *out);
+ * each length-prefixed little-endian; ns NULL == "". Returns PD_OK, or
+ * PD_ENOMEM (out zeroed) when OpenSSL cannot allocate a digest context. */
+int pd_prefix_id_compute(const uint8_t fingerprint[PD_SHA256_LEN], const pd_token *tokens, int64_t n,
+                         const char *spec, const char *ns, pd_prefix_id *out);
 void pd_prefix_id_hex(const pd_prefix_id *id, char out[PD_PREFIX_ID_HEX]);
 /* 64 hex digits (either case). */
 int pd_prefix_id_parse(const char *hex, pd_prefix_id *out, pd_error *err);

@@ -339,6 +339,8 @@ int pd_kv_prefix_set_borrowed(pd_kv_prefix *p, int layer, int kv_head, const int
                               const float *v, int64_t len, pd_error *err);
 void pd_kv_prefix_free(pd_kv_prefix *p);
 int32_t pd_kv_prefix_n_orig(const pd_kv_prefix *p);
+/* The shape the prefix was created for. */
+void pd_kv_prefix_shape(const pd_kv_prefix *p, int32_t *n_layer, int32_t *n_head_kv, int32_t *head_dim);
 /* Read access to one stream; rows are head_dim floats. */
 int64_t pd_kv_prefix_stream(const pd_kv_prefix *p, int layer, int kv_head, const int32_t **pos,
                             const float **k, const float **v);

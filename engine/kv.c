@@ -132,6 +132,12 @@ void pd_kv_prefix_free(pd_kv_prefix *p) {
 
 int32_t pd_kv_prefix_n_orig(const pd_kv_prefix *p) { return p->n_orig; }
 
+void pd_kv_prefix_shape(const pd_kv_prefix *p, int32_t *n_layer, int32_t *n_head_kv, int32_t *head_dim) {
+    *n_layer = p->n_layer;
+    *n_head_kv = p->n_head_kv;
+    *head_dim = p->head_dim;
+}
+
 int64_t pd_kv_prefix_stream(const pd_kv_prefix *p, int layer, int kv_head, const int32_t **pos, const float **k,
                             const float **v) {
     const kv_stream *s = &p->streams[(int64_t)layer * p->n_head_kv + kv_head];

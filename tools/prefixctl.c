@@ -632,7 +632,7 @@ int main(int argc, char **argv) {
         pd_policy_describe(stdout);
         return 0;
     }
-    /* STORE_CLI_PENDING */
+    if (strcmp(cmd, "store") == 0) return pd_store_cli(argc, argv);
     if (strcmp(cmd, "gen-model") == 0) return pd_testmodel_cli(argc, argv);
     if (strcmp(cmd, "cuda-info") == 0) return cmd_cuda_info();
     if (strcmp(cmd, "-h") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "help") == 0) {

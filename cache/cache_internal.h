@@ -1,0 +1,156 @@
+/* Private to cache/: the store handle, the record codec (record.c) and the
+ * lookup index (lookup.c). The byte layouts are documented in docs/store.md. */
+#ifndef PD_CACHE_INTERNAL_H
+#define PD_CACHE_INTERNAL_H
+
+#include <lmdb.h>
+#include <pthread.h>
+#include <string.h>
+
+#include "cache/cache.h"
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+/* Rows are stored little-endian and attended to in place. */
+#error "the prefix store supports little-endian hosts only"
+#endif
+
+/* ---- byte helpers (stored values are only 2-byte aligned: use memcpy) -- */
+
+static inline uint32_t cache_rd_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline uint64_t cache_rd_u64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void cache_wr_u32(uint8_t *p, uint32_t v) { memcpy(p, &v, sizeof v); }
+static inline void cache_wr_u64(uint8_t *p, uint64_t v) { memcpy(p, &v, sizeof v); }
+static inline void cache_wr_be32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (24 - 8 * i));
+}
+static inline void cache_wr_be64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (56 - 8 * i));
+}
+static inline uint64_t cache_rd_be64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+/* ---- record codec (record.c) ------------------------------------------ */
+
+#define CACHE_HEADER_MAGIC "PDKVHDR1"
+#define CACHE_STREAM_MAGIC "PDKVSTR1"
+#define CACHE_HEADER_FIXED 120u  /* bytes before the spec */
+#define CACHE_STREAM_FIXED 72u   /* bytes before the page checksum table */
+#define CACHE_ALIGN 64u          /* alignment of positions, K and V inside a stream value */
+#define CACHE_MAX_LAYERS 4096
+#define CACHE_MAX_HEADS 1024
+#define CACHE_MAX_HEAD_DIM 65536
+
+/* A decoded header. Pointers point into the stored value (unaligned). */
+typedef struct cache_header {
+    uint8_t fingerprint[PD_SHA256_LEN];
+    int32_t n_layer, n_head_kv, head_dim;
+    pd_kv_dtype dtype;
+    int32_t n_tokens, page_tokens;
+    pd_prefix_quality quality;
+    int64_t created_at;
+    const char *spec, *ns;   /* not NUL-terminated */
+    uint32_t spec_len, ns_len;
+    const uint8_t *kept;     /* u32 [n_layer][n_head_kv] */
+    const uint8_t *tokens;   /* i32 [n_tokens] */
+    size_t size;             /* whole value, checksum included */
+} cache_header;
+
+/* A decoded, verified stream. Pointers point into the stored value. */
+typedef struct cache_stream {
+    int32_t len;
+    const uint8_t *pos, *k, *v;
+    size_t size;
+} cache_stream;
+
+size_t cache_dtype_size(pd_kv_dtype t);
+
+/* Size of a header value; h->spec_len, ns_len, n_layer, n_head_kv, n_tokens
+ * are read. PD_ERANGE when it does not fit the format's u32 length. */
+int cache_header_size(const cache_header *h, size_t *out, pd_error *err);
+/* Write the header value (size from cache_header_size) into dst. */
+void cache_header_write(uint8_t *dst, size_t size, const cache_header *h, const pd_kv_prefix *kv,
+                        const pd_token *tokens);
+/* Decode and verify (checksum, every length against size, field ranges,
+ * and that the record's fields hash to *id when id != NULL). PD_EFORMAT
+ * with a message (without the id) when anything is wrong. */
+int cache_header_decode(const void *val, size_t size, const pd_prefix_id *id, cache_header *out, pd_error *err);
+/* The header's kept count of stream (layer, head) / token i. */
+uint32_t cache_header_kept(const cache_header *h, int32_t layer, int32_t head);
+pd_token cache_header_token(const cache_header *h, int64_t i);
+/* info fields that come from the header (not id, last_used, bytes, pinned). */
+void cache_header_to_info(const cache_header *h, pd_prefix_info *info);
+
+int cache_stream_size(int64_t len, int32_t head_dim, pd_kv_dtype dtype, int32_t page_tokens, size_t *out,
+                      pd_error *err);
+/* Encode stream (layer, head) of kv into dst (size from cache_stream_size),
+ * converting rows to dtype. */
+void cache_stream_write(uint8_t *dst, size_t size, const pd_kv_prefix *kv, int32_t layer, int32_t head,
+                        int32_t head_dim, pd_kv_dtype dtype, int32_t page_tokens);
+/* Decode and verify a stream against what the header says about it: its
+ * header checksum, then every page checksum. PD_EFORMAT naming the page. */
+int cache_stream_decode(const void *val, size_t size, const cache_header *h, int32_t layer, int32_t head,
+                        cache_stream *out, pd_error *err);
+
+/* ---- keys --------------------------------------------------------------- */
+
+#define CACHE_STREAM_KEY_LEN (PD_PREFIX_ID_LEN + 8)
+#define CACHE_LRU_KEY_LEN (8 + PD_PREFIX_ID_LEN)
+#define CACHE_META_LEN 64
+#define CACHE_STORE_KEY "prefixd-store"
+#define CACHE_STORE_VAL_LEN 40
+
+static inline void cache_stream_key(uint8_t key[CACHE_STREAM_KEY_LEN], const pd_prefix_id *id, int32_t layer,
+                                    int32_t head) {
+    memcpy(key, id->b, PD_PREFIX_ID_LEN);
+    cache_wr_be32(key + PD_PREFIX_ID_LEN, (uint32_t)layer);
+    cache_wr_be32(key + PD_PREFIX_ID_LEN + 4, (uint32_t)head);
+}
+
+/* ---- the store handle (store.c) ---------------------------------------- */
+
+typedef struct cache_access {
+    pd_prefix_id id;
+    uint64_t stamp;
+} cache_access;
+
+struct pd_store {
+    MDB_env *env;
+    MDB_dbi records, streams, index, lru, meta;
+    pd_store_opts opts;
+    char *dir;
+    pthread_mutex_t mu;      /* guards everything below */
+    cache_access *pending;   /* accesses not yet written to meta/lru */
+    size_t n_pending, cap_pending;
+    uint64_t last_stamp;     /* keeps access stamps strictly increasing */
+    int64_t evicted;
+};
+
+/* The last-use stamp (microseconds) of a record; 0 when unknown. */
+uint64_t cache_meta_stamp(pd_store *s, MDB_txn *txn, const pd_prefix_id *id);
+
+/* Map an LMDB failure to a status and a message that says what to do. */
+int cache_lmdb_error(const pd_store *s, int rc, const char *what, pd_error *err);
+
+/* ---- the lookup index (lookup.c) -------------------------------------- */
+
+/* The index key of a prefix: the hash chain at its last full block. */
+int cache_lookup_key(const uint8_t fingerprint[PD_SHA256_LEN], const char *ns, size_t ns_len, const pd_token *tokens,
+                     int64_t n, uint8_t out[PD_SHA256_LEN], pd_error *err);
+int cache_index_add(pd_store *s, MDB_txn *txn, const uint8_t key[PD_SHA256_LEN], const pd_prefix_id *id,
+                    pd_error *err);
+/* Removing an entry that is not there is not an error. */
+int cache_index_del(pd_store *s, MDB_txn *txn, const uint8_t key[PD_SHA256_LEN], const pd_prefix_id *id,
+                    pd_error *err);
+
+#endif
