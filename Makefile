@@ -60,7 +60,9 @@ run: build $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/defaul
 	$(BUILD)/tools/prefixctl generate --model $(DEFAULT_MODEL) --prompt "Once upon a time" -n 300 --temp 1 --seed 3 \
 	  > $(BUILD)/demo-prefix.txt
 	$(BUILD)/tools/prefixctl compress --model $(DEFAULT_MODEL) --policy compactor --quality 1.05 \
-	  --text $(BUILD)/demo-prefix.txt
+	  --text $(BUILD)/demo-prefix.txt --store var/prefixd
+	@echo "== the prefix store (var/prefixd, the default cache.path)"
+	$(BUILD)/tools/prefixctl store --dir var/prefixd list
 	@echo "== prefixd --check-config"
 	$(BUILD)/daemon/prefixd --check-config --set model.path=$(DEFAULT_MODEL)
 	@echo "== CUDA"

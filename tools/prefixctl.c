@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "cache/cache.h"
 #include "engine/engine.h"
 #include "kernels/kernels.h"
 #include "policies/policies.h"
@@ -54,6 +55,8 @@ static void usage(FILE *f) {
           "      [--spans FILE]            named spans and kept ranges (\"name start end [keep]\" lines)\n"
           "      [--eval FILE]             mean NLL of this continuation, full vs compressed prefix\n"
           "      [--threads N]             CPU threads (default: all)\n"
+          "      [--store DIR]             also write the compressed prefix into the store at DIR\n"
+          "      [--namespace NS] [--dtype f32|f16|bf16] [--pin]   how it is stored (default f32)\n"
           "  compress --list | policies    list the policies with their keys and defaults\n"
           "  store --dir DIR ACTION        inspect and maintain a prefix store (--help for actions)\n"
           "  gen-model [options] -o OUT    write a seeded random GGUF model (--help for options)\n"
@@ -437,6 +440,38 @@ static void print_calibration(const pd_calib_result *r, const pd_calib_opts *o, 
            r->measured);
 }
 
+/* Write a compressed prefix into the store at dir, keyed by its canonical
+ * spec (and layout: "SPEC|LAYOUT"), and print its id. */
+static int store_prefix(const pd_model *m, const char *dir, const pd_policy_spec *spec, const char *layout_text,
+                        const char *ns, pd_kv_dtype dtype, bool pin, const pd_prefix_quality *quality,
+                        const pd_token *ids, size_t n, const pd_kv_prefix *prefix, pd_error *err) {
+    pd_prefix_info info = {.dtype = dtype, .quality = *quality, .pinned = pin};
+    pd_model_fingerprint(m, info.fingerprint);
+    size_t len = pd_policy_spec_print(spec, info.spec, sizeof info.spec);
+    if (layout_text && *layout_text)
+        len += (size_t)snprintf(info.spec + len, len < sizeof info.spec ? sizeof info.spec - len : 0, "|%s", layout_text);
+    if (len >= sizeof info.spec)
+        return pd_errorf(err, PD_ERANGE, "the spec and layout take %zu bytes; the store keeps at most %d", len,
+                         PD_PREFIX_SPEC_MAX - 1);
+    snprintf(info.ns, sizeof info.ns, "%s", ns);
+    pd_store_opts o;
+    pd_store_opts_default(&o);
+    o.dir = dir;
+    pd_store *s = NULL;
+    bool existed = false;
+    int rc = pd_store_open(&o, &s, err);
+    if (!rc) rc = pd_store_put(s, &info, ids, (int64_t)n, prefix, &existed, err);
+    if (!rc) {
+        char hex[PD_PREFIX_ID_HEX];
+        pd_prefix_id_hex(&info.id, hex);
+        printf("stored: %s in %s (%s, %s, %.1f KiB%s%s%s)\n", hex, dir, existed ? "already there" : "new",
+               pd_kv_dtype_name(info.dtype), (double)info.bytes / 1024.0, info.pinned ? ", pinned" : "",
+               *info.ns ? ", namespace " : "", info.ns);
+    }
+    pd_store_close(s);
+    return rc;
+}
+
 static int cmd_compress(int argc, char **argv) {
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},   {"policy", required_argument, 0, 'p'},
@@ -444,8 +479,13 @@ static int cmd_compress(int argc, char **argv) {
         {"holdout", required_argument, 0, 'H'}, {"text", required_argument, 0, 't'},
         {"spans", required_argument, 0, 's'},   {"eval", required_argument, 0, 'e'},
         {"threads", required_argument, 0, 'T'}, {"list", no_argument, 0, 'l'},
+        {"store", required_argument, 0, 'S'},   {"namespace", required_argument, 0, 'N'},
+        {"dtype", required_argument, 0, 'D'},   {"pin", no_argument, 0, 'P'},
         {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     const char *model = NULL, *policy = NULL, *text_path = NULL, *spans_path = NULL, *eval_path = NULL;
+    const char *store_dir = NULL, *ns = "";
+    pd_kv_dtype dtype = PD_KV_F32;
+    bool pin = false;
     double retention = 0, tau = 0;
     bool have_retention = false, have_quality = false, have_holdout = false, list = false;
     pd_calib_opts copts;
@@ -464,6 +504,15 @@ static int cmd_compress(int argc, char **argv) {
         case 'e': eval_path = optarg; break;
         case 'T': if ((rc = parse_long("--threads", optarg, 0, 1024, &threads))) return rc; break;
         case 'l': list = true; break;
+        case 'S': store_dir = optarg; break;
+        case 'N': ns = optarg; break;
+        case 'D':
+            if (!pd_kv_dtype_from_name(optarg, &dtype)) {
+                fprintf(stderr, "prefixctl compress: --dtype '%s': use f32, f16 or bf16\n", optarg);
+                return 2;
+            }
+            break;
+        case 'P': pin = true; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -498,6 +547,14 @@ static int cmd_compress(int argc, char **argv) {
         fputs("prefixctl compress: --holdout only applies with --quality TAU\n", stderr);
         return 2;
     }
+    if (!store_dir && (pin || *ns)) {
+        fputs("prefixctl compress: --namespace and --pin only apply with --store DIR\n", stderr);
+        return 2;
+    }
+    if (strlen(ns) >= PD_PREFIX_NS_MAX) {
+        fprintf(stderr, "prefixctl compress: --namespace is longer than %d bytes\n", PD_PREFIX_NS_MAX - 1);
+        return 2;
+    }
     if (!(copts.holdout > 0 && copts.holdout < 1)) {
         fprintf(stderr, "prefixctl compress: --holdout %g must be a fraction in (0, 1)\n", copts.holdout);
         return 2;
@@ -522,6 +579,7 @@ static int cmd_compress(int argc, char **argv) {
     bool have_layout = false;
     pd_kv_prefix *prefix = NULL, *full = NULL;
     pd_compress_stats st = {0};
+    pd_prefix_quality quality = {.retention = NAN, .tau = have_quality ? tau : NAN, .nll_full = NAN, .nll_ratio = NAN};
     rc = read_tokens(pd_model_tokenizer(m), text_path, true, &ids, &n, &err);
     if (!rc && n == 0) rc = pd_errorf(&err, PD_EINVAL, "%s: the text is empty", text_path);
     if (!rc && eval_path) rc = read_tokens(pd_model_tokenizer(m), eval_path, false, &eval_ids, &n_eval, &err);
@@ -547,6 +605,8 @@ static int cmd_compress(int argc, char **argv) {
         if (!rc) {
             print_calibration(&cr, &copts, n);
             spec = chosen;
+            quality.nll_full = cr.nll_full;
+            quality.nll_ratio = cr.measured;
         }
     }
     if (!rc) rc = pd_compress_prefix(m, ids, (int64_t)n, &spec, lay, &prefix, &st, &err);
@@ -574,9 +634,16 @@ static int cmd_compress(int argc, char **argv) {
         rc = full_prefix(m, ids, (int64_t)n, &full, &err);
         if (!rc) rc = pd_nll(m, full, NULL, 0, eval_ids, (int64_t)n_eval, &nll_full, &err);
         if (!rc) rc = pd_nll(m, prefix, NULL, 0, eval_ids, (int64_t)n_eval, &nll_comp, &err);
-        if (!rc)
+        if (!rc) {
             printf("eval: %zu tokens; mean NLL full prefix %.6f, compressed %.6f, ratio %.6f\n", n_eval, nll_full,
                    nll_comp, nll_comp / nll_full);
+            quality.nll_full = nll_full;
+            quality.nll_ratio = nll_comp / nll_full;
+        }
+    }
+    if (!rc && store_dir) {
+        quality.retention = spec.retention;
+        rc = store_prefix(m, store_dir, &spec, layout_text, ns, dtype, pin, &quality, ids, n, prefix, &err);
     }
     if (!rc) printf("time: scoring and selection %.3f s, total %.3f s (%s)\n", st.score_seconds, pd_now_seconds() - t0,
                     hp->arch_name);
