@@ -1,0 +1,666 @@
+/* Chat templates: family detection from template text and from a model,
+ * the exact rendered format of every family (the strings below are the
+ * format contract, see docs/chat-templates.md), the system-prefix length,
+ * errors, and how rendered text tokenizes. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine.h"
+#include "helpers.h"
+#include "tools/tools.h"
+
+static char *tmpdir;
+
+static void setup(void) {
+    tmpdir = th_mkdtemp();
+    cr_assert_not_null(tmpdir);
+}
+
+static void teardown(void) {
+    th_rmtree(tmpdir);
+    free(tmpdir);
+    tmpdir = NULL;
+}
+
+TestSuite(chat, .init = setup, .fini = teardown);
+
+static const char *tpath(const char *name) {
+    static char buf[1024];
+    snprintf(buf, sizeof buf, "%s/%s", tmpdir, name);
+    return buf;
+}
+
+static pd_chat_family detect(const char *text) { return pd_chat_detect(text, strlen(text)); }
+
+/* Render and check success; the caller frees the text. */
+static char *render(pd_chat_family f, const pd_chat_message *m, size_t n, bool gen, size_t *len,
+                    size_t *sys_len) {
+    char *out = NULL;
+    pd_error err = {0};
+    size_t l = 0, s = 0;
+    int rc = pd_chat_render(f, m, n, gen, &out, &l, &s, &err);
+    cr_assert_eq(rc, PD_OK, "%s: %s", pd_chat_family_name(f), err.msg);
+    cr_assert_not_null(out);
+    cr_assert_eq(strlen(out), l, "%s: length matches the NUL-terminated text", pd_chat_family_name(f));
+    if (len) *len = l;
+    if (sys_len) *sys_len = s;
+    return out;
+}
+
+/* ---- names --------------------------------------------------------------- */
+
+Test(chat, family_names_round_trip) {
+    static const char *const names[PD_CHAT_FAMILY_COUNT] = {"none", "chatml", "llama3", "llama2",
+                                                            "mistral", "zephyr", "phi3"};
+    for (int f = 0; f < PD_CHAT_FAMILY_COUNT; f++) {
+        cr_expect_str_eq(pd_chat_family_name((pd_chat_family)f), names[f]);
+        pd_chat_family back = PD_CHAT_FAMILY_COUNT;
+        cr_expect(pd_chat_family_from_name(names[f], &back), "%s", names[f]);
+        cr_expect_eq(back, (pd_chat_family)f, "%s", names[f]);
+    }
+    pd_chat_family f = PD_CHAT_CHATML;
+    cr_expect(pd_chat_family_from_name("ChatML", &f), "names are case-insensitive");
+    cr_expect_eq(f, PD_CHAT_CHATML);
+    f = PD_CHAT_LLAMA3;
+    cr_expect_not(pd_chat_family_from_name("vicuna", &f));
+    cr_expect_not(pd_chat_family_from_name("chatml ", &f));
+    cr_expect_not(pd_chat_family_from_name("", &f));
+    cr_expect_not(pd_chat_family_from_name(NULL, &f));
+    cr_expect_eq(f, PD_CHAT_LLAMA3, "left untouched on failure");
+    cr_expect_str_eq(pd_chat_family_name(PD_CHAT_FAMILY_COUNT), "unknown");
+}
+
+/* ---- detection from template text --------------------------------------- */
+
+/* Minimal Jinja-like snippets, each carrying only its family's markers. */
+Test(chat, detect_families) {
+    cr_expect_eq(detect("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + "
+                        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                        "{{ '<|im_start|>assistant\\n' }}{% endif %}"),
+                 PD_CHAT_CHATML);
+    cr_expect_eq(detect("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m.role + "
+                        "'<|end_header_id|>\\n\\n' + m.content | trim + '<|eot_id|>' }}{% endfor %}"),
+                 PD_CHAT_LLAMA3);
+    cr_expect_eq(detect("{% if messages[0].role == 'system' %}{% set s = '<<SYS>>\\n' + messages[0].content + "
+                        "'\\n<</SYS>>\\n\\n' %}{% endif %}{% for m in loop_messages %}"
+                        "{{ bos_token + '[INST] ' + m.content + ' [/INST]' }}{% endfor %}"),
+                 PD_CHAT_LLAMA2);
+    cr_expect_eq(detect("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}"
+                        "{{ '[INST] ' + m.content + ' [/INST]' }}{% else %}{{ m.content + eos_token }}"
+                        "{% endif %}{% endfor %}"),
+                 PD_CHAT_MISTRAL);
+    cr_expect_eq(detect("{% for m in messages %}{% if m.role == 'user' %}{{ '<|user|>\\n' + m.content + "
+                        "eos_token }}{% elif m.role == 'system' %}{{ '<|system|>\\n' + m.content + eos_token }}"
+                        "{% else %}{{ '<|assistant|>\\n' + m.content + eos_token }}{% endif %}{% endfor %}"),
+                 PD_CHAT_ZEPHYR);
+    cr_expect_eq(detect("{% for m in messages %}{{ '<|user|>\\n' + m.content + '</s>\\n' }}{% endfor %}"),
+                 PD_CHAT_ZEPHYR, "a literal </s> marks Zephyr as well as eos_token");
+    cr_expect_eq(detect("{% for m in messages %}{% if m.role == 'user' %}{{ '<|user|>\\n' + m.content + "
+                        "'<|end|>\\n<|assistant|>\\n' }}{% else %}{{ m.content + '<|end|>\\n' }}{% endif %}"
+                        "{% endfor %}"),
+                 PD_CHAT_PHI3, "Phi-3 wins over Zephyr: <|end|> is checked first");
+}
+
+Test(chat, detect_mistral_variants) {
+    /* v1 (leading space) and v3 ([AVAILABLE_TOOLS]) are mapped to the classic renderer */
+    cr_expect_eq(detect("{{- ' [INST] ' + system_message + '\\n\\n' + m.content + ' [/INST]' }}"),
+                 PD_CHAT_MISTRAL);
+    cr_expect_eq(detect("{{- '[AVAILABLE_TOOLS] [' }}{{- '[INST] ' + m.content + '[/INST]' }}"),
+                 PD_CHAT_MISTRAL);
+    /* v7 has a native system prompt: refused rather than rendered wrongly */
+    cr_expect_eq(detect("{{ '[SYSTEM_PROMPT] ' + m.content + '[/SYSTEM_PROMPT]' }}{{ '[INST] ' + m.content + "
+                        "'[/INST]' }}"),
+                 PD_CHAT_NONE);
+}
+
+Test(chat, detect_unsupported_and_edge_cases) {
+    cr_expect_eq(pd_chat_detect(NULL, 10), PD_CHAT_NONE);
+    cr_expect_eq(pd_chat_detect("", 0), PD_CHAT_NONE);
+    cr_expect_eq(detect("{{ messages }}"), PD_CHAT_NONE);
+    /* Phi-4 and SmolVLM reuse <|im_start|> with another layout */
+    cr_expect_eq(detect("{{ '<|im_start|>' + m.role + '<|im_sep|>' + m.content + '<|im_end|>' }}"), PD_CHAT_NONE);
+    cr_expect_eq(detect("<|im_start|>{{ 'User: ' + m.content + '<end_of_utterance>\\n' }}"), PD_CHAT_NONE);
+    /* StableLM-Zephyr ends turns with <|endoftext|>, GLM-Edge with nothing */
+    cr_expect_eq(detect("{{ '<|user|>\\n' + m.content + '<|endoftext|>\\n' }}"), PD_CHAT_NONE);
+    cr_expect_eq(detect("{% if r == 'user' %}<|user|>\\n{{ c }}{% endif %}<|assistant|>"), PD_CHAT_NONE);
+    /* Gemma, Llama 4 */
+    cr_expect_eq(detect("{{ '<start_of_turn>' + role + '\\n' }}"), PD_CHAT_NONE);
+    cr_expect_eq(detect("{{ '<|header_start|>' + role + '<|header_end|>\\n\\n' }}"), PD_CHAT_NONE);
+    /* A bare family name, as a configured override */
+    cr_expect_eq(detect("chatml"), PD_CHAT_CHATML);
+    cr_expect_eq(detect("Llama2"), PD_CHAT_LLAMA2);
+    cr_expect_eq(detect("none"), PD_CHAT_NONE);
+    /* Only len bytes are read: the text need not be NUL-terminated */
+    static const char buf[] = {'<', '|', 'i', 'm', '_', 's', 't', 'a', 'r', 't', '|', '>'};
+    cr_expect_eq(pd_chat_detect(buf, sizeof buf), PD_CHAT_CHATML);
+    cr_expect_eq(pd_chat_detect(buf, 11), PD_CHAT_NONE, "marker cut by len is not seen");
+}
+
+/* The real phi-3 vocab carries Phi-3-mini's template (user/assistant, <|end|>). */
+Test(chat, detect_real_phi3_vocab) {
+    TH_REQUIRE_SHARED();
+    char path[1024];
+    cr_assert_not_null(th_shared_file("vocab/ggml-vocab-phi-3.gguf", path, sizeof path), "phi-3 vocab missing");
+    pd_gguf *g = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_gguf_open(path, &g, &err), PD_OK, "%s", err.msg);
+    pd_str tmpl = {0};
+    cr_assert_eq(pd_gguf_get_str(g, "tokenizer.chat_template", &tmpl, &err), PD_OK, "%s", err.msg);
+    cr_expect_eq(pd_chat_detect(tmpl.ptr, (size_t)tmpl.len), PD_CHAT_PHI3);
+    pd_gguf_close(g);
+}
+
+/* ---- rendering: the format contract ------------------------------------- */
+
+static const pd_chat_message conv4[] = {
+    {"system", "You are terse."},
+    {"user", "Hello"},
+    {"assistant", "Hi there"},
+    {"user", "Who are you?"},
+};
+
+typedef struct expected_render {
+    pd_chat_family f;
+    const char *text;   /* without the generation prompt */
+    const char *gen;    /* what add_generation_prompt appends */
+    const char *prefix; /* the part system_len covers */
+} expected_render;
+
+static const expected_render expected4[] = {
+    {PD_CHAT_CHATML,
+     "<|im_start|>system\nYou are terse.<|im_end|>\n"
+     "<|im_start|>user\nHello<|im_end|>\n"
+     "<|im_start|>assistant\nHi there<|im_end|>\n"
+     "<|im_start|>user\nWho are you?<|im_end|>\n",
+     "<|im_start|>assistant\n", "<|im_start|>system\nYou are terse.<|im_end|>\n"},
+    {PD_CHAT_LLAMA3,
+     "<|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>"
+     "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
+     "<|start_header_id|>assistant<|end_header_id|>\n\nHi there<|eot_id|>"
+     "<|start_header_id|>user<|end_header_id|>\n\nWho are you?<|eot_id|>",
+     "<|start_header_id|>assistant<|end_header_id|>\n\n",
+     "<|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>"},
+    {PD_CHAT_LLAMA2,
+     "[INST] <<SYS>>\nYou are terse.\n<</SYS>>\n\nHello [/INST]Hi there</s><s>[INST] Who are you? [/INST]", "",
+     "[INST] <<SYS>>\nYou are terse.\n<</SYS>>\n\n"},
+    {PD_CHAT_MISTRAL, "[INST] You are terse.\nHello [/INST]Hi there</s>[INST] Who are you? [/INST]", "",
+     "[INST] You are terse.\n"},
+    {PD_CHAT_ZEPHYR,
+     "<|system|>\nYou are terse.</s>\n"
+     "<|user|>\nHello</s>\n"
+     "<|assistant|>\nHi there</s>\n"
+     "<|user|>\nWho are you?</s>\n",
+     "<|assistant|>\n", "<|system|>\nYou are terse.</s>\n"},
+    {PD_CHAT_PHI3,
+     "<|system|>\nYou are terse.<|end|>\n"
+     "<|user|>\nHello<|end|>\n"
+     "<|assistant|>\nHi there<|end|>\n"
+     "<|user|>\nWho are you?<|end|>\n",
+     "<|assistant|>\n", "<|system|>\nYou are terse.<|end|>\n"},
+};
+
+Test(chat, render_every_family_exactly) {
+    size_t n_fam = sizeof expected4 / sizeof expected4[0];
+    cr_assert_eq(n_fam, (size_t)PD_CHAT_FAMILY_COUNT - 1, "every family has a case");
+    for (size_t k = 0; k < n_fam; k++) {
+        const expected_render *e = &expected4[k];
+        const char *name = pd_chat_family_name(e->f);
+        for (int gen = 0; gen <= 1; gen++) {
+            size_t len = 0, sys = 0;
+            char *got = render(e->f, conv4, 4, gen, &len, &sys);
+            char want[1024];
+            snprintf(want, sizeof want, "%s%s", e->text, gen ? e->gen : "");
+            cr_expect_str_eq(got, want, "%s gen=%d", name, gen);
+            cr_expect_eq(len, strlen(want), "%s gen=%d", name, gen);
+            cr_expect_eq(sys, strlen(e->prefix), "%s gen=%d system_len", name, gen);
+            cr_expect(strncmp(got, e->prefix, strlen(e->prefix)) == 0, "%s: text starts with the prefix", name);
+            free(got);
+        }
+    }
+}
+
+/* llama.cpp's own test conversation and its expected output for the
+ * templates of these families (tests/test-chat-template.cpp): a
+ * cross-check that we render as llama.cpp does, whitespace included. */
+Test(chat, render_matches_llama_cpp_vectors) {
+    static const pd_chat_message conv[] = {
+        {"system", "You are a helpful assistant"}, {"user", "Hello"},
+        {"assistant", "Hi there"},                 {"user", "Who are you"},
+        {"assistant", "   I am an assistant   "},  {"user", "Another question"},
+    };
+    static const struct {
+        pd_chat_family f;
+        const char *want;
+    } cases[] = {
+        {PD_CHAT_CHATML,
+         "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+         "<|im_start|>assistant\nHi there<|im_end|>\n<|im_start|>user\nWho are you<|im_end|>\n"
+         "<|im_start|>assistant\n   I am an assistant   <|im_end|>\n<|im_start|>user\nAnother question"
+         "<|im_end|>\n<|im_start|>assistant\n"},
+        {PD_CHAT_LLAMA3,
+         "<|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant<|eot_id|>"
+         "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|><|start_header_id|>assistant"
+         "<|end_header_id|>\n\nHi there<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWho are you"
+         "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nI am an assistant<|eot_id|>"
+         "<|start_header_id|>user<|end_header_id|>\n\nAnother question<|eot_id|><|start_header_id|>"
+         "assistant<|end_header_id|>\n\n"},
+        /* llama.cpp's "llama2-sys-bos" variant (BOS inside the history) */
+        {PD_CHAT_LLAMA2,
+         "[INST] <<SYS>>\nYou are a helpful assistant\n<</SYS>>\n\nHello [/INST]Hi there</s><s>[INST] Who are "
+         "you [/INST]   I am an assistant   </s><s>[INST] Another question [/INST]"},
+        /* Mistral-7B-Instruct-v0.2's template */
+        {PD_CHAT_MISTRAL,
+         "[INST] You are a helpful assistant\nHello [/INST]Hi there</s>[INST] Who are you [/INST]   I am an "
+         "assistant   </s>[INST] Another question [/INST]"},
+        {PD_CHAT_PHI3,
+         "<|system|>\nYou are a helpful assistant<|end|>\n<|user|>\nHello<|end|>\n<|assistant|>\nHi there"
+         "<|end|>\n<|user|>\nWho are you<|end|>\n<|assistant|>\n   I am an assistant   <|end|>\n<|user|>\n"
+         "Another question<|end|>\n<|assistant|>\n"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        char *got = render(cases[k].f, conv, 6, true, NULL, NULL);
+        cr_expect_str_eq(got, cases[k].want, "%s", pd_chat_family_name(cases[k].f));
+        free(got);
+    }
+}
+
+Test(chat, render_without_system) {
+    static const pd_chat_message conv[] = {{"user", "Hi"}};
+    static const struct {
+        pd_chat_family f;
+        const char *want;
+    } cases[] = {
+        {PD_CHAT_CHATML, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"},
+        {PD_CHAT_LLAMA3, "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+                         "<|start_header_id|>assistant<|end_header_id|>\n\n"},
+        {PD_CHAT_LLAMA2, "[INST] Hi [/INST]"},
+        {PD_CHAT_MISTRAL, "[INST] Hi [/INST]"},
+        {PD_CHAT_ZEPHYR, "<|user|>\nHi</s>\n<|assistant|>\n"},
+        {PD_CHAT_PHI3, "<|user|>\nHi<|end|>\n<|assistant|>\n"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        size_t sys = 99;
+        char *got = render(cases[k].f, conv, 1, true, NULL, &sys);
+        cr_expect_str_eq(got, cases[k].want, "%s", pd_chat_family_name(cases[k].f));
+        cr_expect_eq(sys, 0, "%s: no system message, no system prefix", pd_chat_family_name(cases[k].f));
+        free(got);
+    }
+}
+
+Test(chat, llama3_trims_content_others_keep_it) {
+    static const pd_chat_message conv[] = {{"system", " \tS \n"}, {"user", "\n  Hi  "}};
+    char *got = render(PD_CHAT_LLAMA3, conv, 2, false, NULL, NULL);
+    cr_expect_str_eq(got, "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
+                          "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>");
+    free(got);
+    got = render(PD_CHAT_CHATML, conv, 2, false, NULL, NULL);
+    cr_expect_str_eq(got, "<|im_start|>system\n \tS \n<|im_end|>\n<|im_start|>user\n\n  Hi  <|im_end|>\n");
+    free(got);
+    static const pd_chat_message blank[] = {{"user", "   "}, {"assistant", ""}};
+    got = render(PD_CHAT_LLAMA3, blank, 2, false, NULL, NULL);
+    cr_expect_str_eq(got, "<|start_header_id|>user<|end_header_id|>\n\n<|eot_id|>"
+                          "<|start_header_id|>assistant<|end_header_id|>\n\n<|eot_id|>");
+    free(got);
+}
+
+/* ---- system_len ------------------------------------------------------------ */
+
+/* The system prefix depends on the system message only: two conversations
+ * that share it render to texts sharing exactly that many leading bytes,
+ * and it equals the rendering of the system message on its own. */
+Test(chat, system_len_is_a_shared_prefix) {
+    static const pd_chat_message a[] = {{"system", "Answer in French."}, {"user", "first question"}};
+    static const pd_chat_message b[] = {{"system", "Answer in French."},
+                                        {"user", "something else entirely"},
+                                        {"assistant", "d'accord"},
+                                        {"user", "more"}};
+    static const pd_chat_message c[] = {{"system", "Answer in German."}, {"user", "first question"}};
+    static const pd_chat_message only[] = {{"system", "Answer in French."}};
+    for (int fi = 1; fi < PD_CHAT_FAMILY_COUNT; fi++) {
+        pd_chat_family f = (pd_chat_family)fi;
+        const char *name = pd_chat_family_name(f);
+        for (int gen = 0; gen <= 1; gen++) {
+            size_t la, lb, lc, lo, sa, sb, sc, so;
+            char *ta = render(f, a, 2, gen, &la, &sa);
+            char *tb = render(f, b, 4, gen, &lb, &sb);
+            char *tc = render(f, c, 2, gen, &lc, &sc);
+            char *to = render(f, only, 1, false, &lo, &so);
+            cr_expect_gt(sa, 0, "%s", name);
+            cr_expect_eq(sa, sb, "%s: same system message, same prefix length", name);
+            cr_expect(sa <= la && sb <= lb, "%s", name);
+            cr_expect(memcmp(ta, tb, sa) == 0, "%s: texts share the system prefix", name);
+            cr_expect(strstr(ta, "Answer in French.") && (size_t)(strstr(ta, "Answer in French.") - ta) +
+                                                                 strlen("Answer in French.") <= sa,
+                      "%s: the prefix holds the whole system text", name);
+            cr_expect(memcmp(ta, tc, sa) != 0, "%s: another system message gives another prefix", name);
+            cr_expect_eq(so, lo, "%s: a system-only conversation is all prefix", name);
+            cr_expect_eq(so, sa, "%s", name);
+            cr_expect(memcmp(to, ta, so) == 0, "%s: prefix = the system message rendered alone", name);
+            /* nothing after the prefix depends on the system text: the rest is
+             * what the same conversation without its system message renders to,
+             * for the families whose system turn is self-contained */
+            if (f != PD_CHAT_LLAMA2 && f != PD_CHAT_MISTRAL) {
+                size_t ln;
+                char *tn = render(f, a + 1, 1, gen, &ln, NULL);
+                cr_expect_eq(la - sa, ln, "%s", name);
+                cr_expect(memcmp(ta + sa, tn, ln) == 0, "%s: suffix = conversation without system", name);
+                free(tn);
+            }
+            free(ta);
+            free(tb);
+            free(tc);
+            free(to);
+        }
+    }
+}
+
+Test(chat, several_leading_system_messages) {
+    static const pd_chat_message conv[] = {{"system", "A"}, {"system", "B"}, {"user", "U"}};
+    static const struct {
+        pd_chat_family f;
+        const char *prefix;
+        const char *rest;
+    } cases[] = {
+        {PD_CHAT_CHATML, "<|im_start|>system\nA<|im_end|>\n<|im_start|>system\nB<|im_end|>\n",
+         "<|im_start|>user\nU<|im_end|>\n"},
+        {PD_CHAT_LLAMA3,
+         "<|start_header_id|>system<|end_header_id|>\n\nA<|eot_id|><|start_header_id|>system<|end_header_id|>"
+         "\n\nB<|eot_id|>",
+         "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"},
+        {PD_CHAT_LLAMA2, "[INST] <<SYS>>\nA\nB\n<</SYS>>\n\n", "U [/INST]"},
+        {PD_CHAT_MISTRAL, "[INST] A\nB\n", "U [/INST]"},
+        {PD_CHAT_ZEPHYR, "<|system|>\nA</s>\n<|system|>\nB</s>\n", "<|user|>\nU</s>\n"},
+        {PD_CHAT_PHI3, "<|system|>\nA<|end|>\n<|system|>\nB<|end|>\n", "<|user|>\nU<|end|>\n"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        size_t sys = 0;
+        char *got = render(cases[k].f, conv, 3, false, NULL, &sys);
+        char want[512];
+        snprintf(want, sizeof want, "%s%s", cases[k].prefix, cases[k].rest);
+        cr_expect_str_eq(got, want, "%s", pd_chat_family_name(cases[k].f));
+        cr_expect_eq(sys, strlen(cases[k].prefix), "%s", pd_chat_family_name(cases[k].f));
+        free(got);
+    }
+}
+
+Test(chat, later_system_message) {
+    static const pd_chat_message conv[] = {
+        {"user", "U1"}, {"assistant", "A1"}, {"system", "Now be brief."}, {"user", "U2"}};
+    /* a native system turn can go anywhere; it is not part of the prefix */
+    size_t sys = 99;
+    char *got = render(PD_CHAT_CHATML, conv, 4, false, NULL, &sys);
+    cr_expect_str_eq(got, "<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n"
+                          "<|im_start|>system\nNow be brief.<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n");
+    cr_expect_eq(sys, 0);
+    free(got);
+    static const pd_chat_message lead[] = {{"system", "S"}, {"user", "U1"}, {"system", "T"}};
+    got = render(PD_CHAT_PHI3, lead, 3, false, NULL, &sys);
+    cr_expect_str_eq(got, "<|system|>\nS<|end|>\n<|user|>\nU1<|end|>\n<|system|>\nT<|end|>\n");
+    cr_expect_eq(sys, strlen("<|system|>\nS<|end|>\n"), "only the leading system turn is the prefix");
+    free(got);
+    /* [INST] families cannot place it */
+    pd_chat_family inst[] = {PD_CHAT_LLAMA2, PD_CHAT_MISTRAL};
+    for (size_t k = 0; k < 2; k++) {
+        char *out = (char *)"sentinel";
+        size_t len = 7, sl = 7;
+        pd_error err = {0};
+        cr_expect_eq(pd_chat_render(inst[k], conv, 4, true, &out, &len, &sl, &err), PD_EINVAL);
+        cr_expect_null(out);
+        cr_expect_eq(len, 0);
+        cr_expect_eq(sl, 0);
+        cr_expect(strstr(err.msg, "message 2") && strstr(err.msg, pd_chat_family_name(inst[k])),
+                  "names the message and the template: %s", err.msg);
+    }
+}
+
+/* ---- errors ------------------------------------------------------------------ */
+
+Test(chat, errors) {
+    pd_error err = {0};
+    char *out = NULL;
+    size_t len, sys;
+    static const pd_chat_message ok[] = {{"user", "hi"}};
+
+    cr_expect_eq(pd_chat_render(PD_CHAT_CHATML, ok, 0, true, &out, &len, &sys, &err), PD_EINVAL);
+    cr_expect(strstr(err.msg, "no messages"), "%s", err.msg);
+    cr_expect_null(out);
+
+    cr_expect_eq(pd_chat_render(PD_CHAT_CHATML, NULL, 2, true, &out, &len, &sys, &err), PD_EINVAL);
+
+    static const pd_chat_message tool[] = {{"user", "hi"}, {"tool", "{}"}};
+    cr_expect_eq(pd_chat_render(PD_CHAT_CHATML, tool, 2, true, &out, &len, &sys, &err), PD_EINVAL);
+    cr_expect(strstr(err.msg, "\"tool\"") && strstr(err.msg, "message 1"), "names role and index: %s", err.msg);
+    cr_expect_null(out);
+
+    static const pd_chat_message upper[] = {{"User", "hi"}};
+    cr_expect_eq(pd_chat_render(PD_CHAT_PHI3, upper, 1, true, &out, &len, &sys, &err), PD_EINVAL,
+                 "roles are case-sensitive");
+
+    static const pd_chat_message norole[] = {{NULL, "hi"}};
+    cr_expect_eq(pd_chat_render(PD_CHAT_LLAMA3, norole, 1, true, &out, &len, &sys, &err), PD_EINVAL);
+    cr_expect(strstr(err.msg, "message 0"), "%s", err.msg);
+
+    static const pd_chat_message nocontent[] = {{"user", "hi"}, {"assistant", NULL}};
+    cr_expect_eq(pd_chat_render(PD_CHAT_ZEPHYR, nocontent, 2, true, &out, &len, &sys, &err), PD_EINVAL);
+    cr_expect(strstr(err.msg, "message 1"), "%s", err.msg);
+
+    cr_expect_eq(pd_chat_render(PD_CHAT_NONE, ok, 1, true, &out, &len, &sys, &err), PD_EINVAL);
+    cr_expect(strstr(err.msg, "chat_template"), "says why: %s", err.msg);
+    cr_expect_eq(pd_chat_render((pd_chat_family)42, ok, 1, true, &out, &len, &sys, &err), PD_EINVAL);
+    cr_expect_eq(pd_chat_render(PD_CHAT_CHATML, ok, 1, true, NULL, &len, &sys, &err), PD_EINVAL);
+    cr_expect_null(out);
+
+    /* len and system_len are optional */
+    cr_expect_eq(pd_chat_render(PD_CHAT_CHATML, ok, 1, true, &out, NULL, NULL, &err), PD_OK, "%s", err.msg);
+    cr_expect_str_eq(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    free(out);
+}
+
+/* Long messages: the buffer grows past its first size. */
+Test(chat, long_message) {
+    size_t n = 100000;
+    char *big = malloc(n + 1);
+    cr_assert_not_null(big);
+    memset(big, 'x', n);
+    big[n] = '\0';
+    pd_chat_message conv[] = {{"system", big}, {"user", big}};
+    size_t len = 0, sys = 0;
+    char *got = render(PD_CHAT_LLAMA2, conv, 2, true, &len, &sys);
+    cr_expect_eq(sys, strlen("[INST] <<SYS>>\n") + n + strlen("\n<</SYS>>\n\n"));
+    cr_expect_eq(len, sys + n + strlen(" [/INST]"));
+    free(got);
+    free(big);
+}
+
+/* ---- tokenization of rendered text ------------------------------------------ */
+
+static pd_tokenizer *load_vocab(const char *rel) {
+    char path[1024];
+    cr_assert_not_null(th_shared_file(rel, path, sizeof path), "%s missing", rel);
+    pd_gguf *g = NULL;
+    pd_tokenizer *t = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_gguf_open(path, &g, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_tokenizer_load(g, &t, &err), PD_OK, "%s", err.msg);
+    pd_gguf_close(g);
+    return t;
+}
+
+static size_t count_id(const pd_token *ids, size_t n, pd_token id) {
+    size_t c = 0;
+    for (size_t i = 0; i < n; i++) c += ids[i] == id;
+    return c;
+}
+
+/* The system prefix must tokenize to the leading tokens of the whole text,
+ * or a stored prefix could not be reused token for token. */
+static void expect_prefix_tokens(const pd_tokenizer *t, const char *text, size_t len, size_t sys_len,
+                                 const char *what) {
+    pd_tokenize_opts o = {.add_special = true, .parse_special = true};
+    pd_error err = {0};
+    pd_token *full = NULL, *pre = NULL;
+    size_t nf = 0, np = 0;
+    cr_assert_eq(pd_tokenize(t, text, len, o, &full, &nf, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_tokenize(t, text, sys_len, o, &pre, &np, &err), PD_OK, "%s", err.msg);
+    cr_expect(np > 1 && np < nf, "%s: %zu prefix tokens of %zu", what, np, nf);
+    cr_expect(np <= nf && memcmp(pre, full, np * sizeof *pre) == 0, "%s: prefix tokens lead the full text", what);
+    free(full);
+    free(pre);
+}
+
+static pd_token find_tok(const pd_tokenizer *t, const char *text) {
+    pd_token id = pd_tokenizer_find(t, text, strlen(text));
+    cr_assert_neq(id, PD_TOKEN_NULL, "%s is a token of the vocab", text);
+    return id;
+}
+
+/* Phi-3 text through the phi-3 vocab: with parse_special every marker is one
+ * control token; BOS comes from add_special, not from the text. */
+Test(chat, phi3_markers_are_single_tokens) {
+    TH_REQUIRE_SHARED();
+    pd_tokenizer *t = load_vocab("vocab/ggml-vocab-phi-3.gguf");
+    size_t len = 0, sys_len = 0;
+    char *text = render(PD_CHAT_PHI3, conv4, 4, true, &len, &sys_len);
+    expect_prefix_tokens(t, text, len, sys_len, "phi3");
+    pd_token sys = find_tok(t, "<|system|>"), user = find_tok(t, "<|user|>"),
+             asst = find_tok(t, "<|assistant|>"), end = find_tok(t, "<|end|>");
+    pd_error err = {0};
+    pd_token *ids = NULL;
+    size_t n = 0;
+    pd_tokenize_opts special = {.add_special = true, .parse_special = true};
+    cr_assert_eq(pd_tokenize(t, text, len, special, &ids, &n, &err), PD_OK, "%s", err.msg);
+    cr_assert_gt(n, 0);
+    cr_expect_eq(ids[0], pd_tokenizer_bos(t), "add_special puts BOS first");
+    cr_expect_eq(count_id(ids, n, pd_tokenizer_bos(t)), 1, "the text itself holds no BOS");
+    cr_expect_eq(ids[1], sys, "then <|system|>");
+    cr_expect_eq(count_id(ids, n, sys), 1);
+    cr_expect_eq(count_id(ids, n, user), 2);
+    cr_expect_eq(count_id(ids, n, asst), 2, "one turn and the generation prompt");
+    cr_expect_eq(count_id(ids, n, end), 4);
+    cr_expect_eq(ids[n - 1], asst, "ends with the assistant opening (its newline is absorbed by phi-3's rstrip)");
+    free(ids);
+    /* without parse_special the markers are plain text */
+    pd_tokenize_opts plain = {.add_special = false, .parse_special = false};
+    cr_assert_eq(pd_tokenize(t, text, len, plain, &ids, &n, &err), PD_OK, "%s", err.msg);
+    cr_expect_eq(count_id(ids, n, user) + count_id(ids, n, asst) + count_id(ids, n, end) + count_id(ids, n, sys), 0);
+    free(ids);
+    free(text);
+    pd_tokenizer_free(t);
+}
+
+/* Llama 2 text through the Llama 2 vocab: "</s>" and the "<s>" inside the
+ * history become EOS and BOS; "[INST]" stays ordinary text. (Mistral 7B's
+ * vocab is the same kind of SentencePiece vocab, so its prefix is checked
+ * here too.) */
+Test(chat, llama2_bos_eos_in_history) {
+    TH_REQUIRE_SHARED();
+    pd_tokenizer *t = load_vocab("vocab/ggml-vocab-llama-spm.gguf");
+    size_t len = 0, sys_len = 0;
+    char *text = render(PD_CHAT_LLAMA2, conv4, 4, true, &len, &sys_len);
+    expect_prefix_tokens(t, text, len, sys_len, "llama2");
+    char *mistral = render(PD_CHAT_MISTRAL, conv4, 4, true, &len, &sys_len);
+    expect_prefix_tokens(t, mistral, len, sys_len, "mistral");
+    free(mistral);
+    len = strlen(text);
+    pd_error err = {0};
+    pd_token *ids = NULL;
+    size_t n = 0;
+    pd_tokenize_opts special = {.add_special = true, .parse_special = true};
+    cr_assert_eq(pd_tokenize(t, text, len, special, &ids, &n, &err), PD_OK, "%s", err.msg);
+    pd_token bos = pd_tokenizer_bos(t), eos = pd_tokenizer_eos(t);
+    cr_expect_eq(ids[0], bos);
+    cr_expect_eq(count_id(ids, n, bos), 2, "added BOS + the one before the second [INST]");
+    cr_expect_eq(count_id(ids, n, eos), 1, "the assistant turn's </s>");
+    cr_expect_eq(pd_tokenizer_find(t, "[INST]", 6), PD_TOKEN_NULL, "[INST] is not a special token here");
+    free(ids);
+    free(text);
+    pd_tokenizer_free(t);
+}
+
+/* ---- pd_model_chat_family -------------------------------------------------- */
+
+/* A tiny generated model; vocab_from copies every tokenizer.* key, the chat
+ * template included. */
+static pd_model *gen_model(const char *vocab_from, const char *name) {
+    pd_testmodel_opts o;
+    pd_error err = {0};
+    cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
+    o.vocab_from = vocab_from;
+    o.wtype = PD_TYPE_Q8_0;
+    char path[1024];
+    snprintf(path, sizeof path, "%s", tpath(name));
+    cr_assert_eq(pd_testmodel_write(&o, path, NULL, &err), PD_OK, "%s", err.msg);
+    pd_model *m = NULL;
+    pd_model_params p = {.n_threads = 1};
+    cr_assert_eq(pd_model_load(path, &p, &m, &err), PD_OK, "%s: %s", path, err.msg);
+    return m;
+}
+
+/* A vocab-only GGUF: the tokenizer.* keys of `src` with another chat template. */
+static const char *vocab_with_template(const char *src, const char *tmpl, const char *name) {
+    pd_gguf *g = NULL;
+    pd_gguf_writer *w = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_gguf_open(src, &g, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_gguf_writer_new(&w, &err), PD_OK, "%s", err.msg);
+    for (size_t i = 0; i < pd_gguf_kv_count(g); i++) {
+        const pd_gguf_kv *kv = pd_gguf_kv_at(g, i);
+        if (strncmp(kv->key, "tokenizer.", 10) != 0 || strcmp(kv->key, "tokenizer.chat_template") == 0) continue;
+        cr_assert_eq(pd_gguf_writer_copy_kv(w, kv, &err), PD_OK, "%s", err.msg);
+    }
+    cr_assert_eq(pd_gguf_writer_set_str(w, "tokenizer.chat_template", tmpl, &err), PD_OK, "%s", err.msg);
+    static char path[1024];
+    snprintf(path, sizeof path, "%s", tpath(name));
+    cr_assert_eq(pd_gguf_writer_write(w, path, 0, &err), PD_OK, "%s", err.msg);
+    pd_gguf_writer_free(w);
+    pd_gguf_close(g);
+    return path;
+}
+
+Test(chat, model_without_template_is_none) {
+    pd_model *m = gen_model(NULL, "builtin.gguf");
+    cr_expect_null(pd_gguf_find(pd_model_gguf(m), "tokenizer.chat_template"));
+    cr_expect_eq(pd_model_chat_family(m), PD_CHAT_NONE);
+    pd_model_free(m);
+    cr_expect_eq(pd_model_chat_family(NULL), PD_CHAT_NONE);
+}
+
+Test(chat, model_with_phi3_vocab) {
+    TH_REQUIRE_SHARED();
+    char vpath[1024];
+    cr_assert_not_null(th_shared_file("vocab/ggml-vocab-phi-3.gguf", vpath, sizeof vpath));
+    pd_model *m = gen_model(vpath, "phi3.gguf");
+    cr_expect_eq(pd_model_chat_family(m), PD_CHAT_PHI3);
+    pd_model_free(m);
+}
+
+/* Templates set on a copy of the phi-3 vocab (which has <s>, </s> and the
+ * Phi-3 markers but no ChatML or Llama 3 tokens). */
+Test(chat, model_template_must_match_vocab) {
+    TH_REQUIRE_SHARED();
+    char vpath[1024];
+    cr_assert_not_null(th_shared_file("vocab/ggml-vocab-phi-3.gguf", vpath, sizeof vpath));
+    static const struct {
+        const char *tmpl;
+        pd_chat_family want;
+    } cases[] = {
+        {"{% for m in messages %}{{ '<|user|>\\n' + m.content + eos_token + '\\n' }}{% endfor %}", PD_CHAT_ZEPHYR},
+        {"{{ '[INST] <<SYS>>\\n' + s + '\\n<</SYS>>\\n\\n' }}", PD_CHAT_LLAMA2},
+        {"{{ '[INST] ' + m.content + ' [/INST]' }}", PD_CHAT_MISTRAL},
+        /* markers the vocab lacks: would render as plain text, so none */
+        {"{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}", PD_CHAT_NONE},
+        {"{{ '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}", PD_CHAT_NONE},
+        {"{{ messages }}", PD_CHAT_NONE},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        char vname[64], mname[64];
+        snprintf(vname, sizeof vname, "vocab%zu.gguf", k);
+        snprintf(mname, sizeof mname, "model%zu.gguf", k);
+        const char *vp = vocab_with_template(vpath, cases[k].tmpl, vname);
+        pd_model *m = gen_model(vp, mname);
+        cr_expect_eq(pd_model_chat_family(m), cases[k].want, "case %zu: %s", k, cases[k].tmpl);
+        pd_model_free(m);
+    }
+}
