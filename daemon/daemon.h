@@ -1,0 +1,180 @@
+/* daemon: the serving core under the HTTP layer — the scheduler (one engine
+ * thread running continuous batching over stored compressed prefixes) and
+ * the metrics registry. main.c composes them with api/ and the store.
+ *
+ * The stack: api -> daemon -> { policies, cache } -> engine -> kernels.
+ * This header is the folder's public contract. */
+#ifndef PD_DAEMON_H
+#define PD_DAEMON_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "cache/cache.h"
+#include "engine/engine.h"
+#include "util/util.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------
+ * Metrics registry (Prometheus text exposition format 0.0.4)
+ *
+ * Families are registered once at start-up (not thread-safe); updates are
+ * thread-safe and lock-free for counters and gauges. Label values are given
+ * at registration of a series, so the hot path never formats strings.
+ * ------------------------------------------------------------------------ */
+
+typedef struct pd_metrics pd_metrics;
+typedef struct pd_counter pd_counter;
+typedef struct pd_gauge pd_gauge;
+typedef struct pd_histogram pd_histogram;
+
+int pd_metrics_create(pd_metrics **out, pd_error *err);
+void pd_metrics_free(pd_metrics *m);
+
+/* name: [a-zA-Z_:][a-zA-Z0-9_:]*; help: one line. labels: NULL or
+ * "key=\"value\",key2=\"value2\"" exactly as it appears between braces
+ * (checked). Registering the same name + labels twice returns the same
+ * series; the same name with another type or help is PD_EINVAL. */
+int pd_metrics_counter(pd_metrics *m, const char *name, const char *help, const char *labels, pd_counter **out,
+                       pd_error *err);
+int pd_metrics_gauge(pd_metrics *m, const char *name, const char *help, const char *labels, pd_gauge **out,
+                     pd_error *err);
+/* bounds: n strictly increasing finite upper bounds (the +Inf bucket is implicit). */
+int pd_metrics_histogram(pd_metrics *m, const char *name, const char *help, const char *labels,
+                         const double *bounds, size_t n, pd_histogram **out, pd_error *err);
+
+void pd_counter_add(pd_counter *c, double v); /* v >= 0 */
+void pd_gauge_set(pd_gauge *g, double v);
+void pd_gauge_add(pd_gauge *g, double v);     /* may be negative */
+void pd_histogram_observe(pd_histogram *h, double v);
+double pd_counter_value(const pd_counter *c);
+double pd_gauge_value(const pd_gauge *g);
+
+/* The whole registry in text format: families in registration order, each
+ * with # HELP and # TYPE, histogram _bucket{le=...} (cumulative), _sum,
+ * _count. Returns a malloc'd NUL-terminated string. */
+int pd_metrics_render(pd_metrics *m, char **out, size_t *len, pd_error *err);
+
+/* ------------------------------------------------------------------------
+ * Scheduler
+ *
+ * One engine thread owns the model. Requests are queued by any thread; the
+ * engine thread admits them into the running batch between decode steps
+ * (continuous batching), prefills their prompts in chunks of at most
+ * `prefill_chunk` tokens per step so running sequences keep decoding, and
+ * decodes every running sequence together with pd_decode. A request whose
+ * prompt starts with a stored prefix attends to it read-only (shared by
+ * every request that uses it, through the hot tier) and prefills only the
+ * rest. Events reach the caller's sink on the engine thread, in order.
+ * ------------------------------------------------------------------------ */
+
+typedef struct pd_scheduler pd_scheduler;
+typedef struct pd_sched_request pd_sched_request;
+
+typedef struct pd_scheduler_opts {
+    int max_batch;           /* sequences decoded together (default 16) */
+    int max_queue;           /* requests waiting to start; more is PD_EBUSY-like PD_ERANGE (default 256) */
+    int32_t prefill_chunk;   /* prompt tokens prefilled per step (default 256) */
+    int32_t n_ctx;           /* per-sequence context; 0 = the model's trained context */
+    int32_t min_prefix_tokens; /* shorter stored prefixes are not used (default 1) */
+    pd_store *store;         /* optional: stored prefixes to look up (not owned) */
+    pd_hot *hot;             /* optional: hot tier over `store` (not owned) */
+    pd_metrics *metrics;     /* optional: the scheduler registers and updates its series */
+} pd_scheduler_opts;
+
+void pd_scheduler_opts_default(pd_scheduler_opts *o);
+
+/* Starts the engine thread. The model must outlive the scheduler and is used
+ * only by that thread from now on. */
+int pd_scheduler_create(pd_model *m, const pd_scheduler_opts *o, pd_scheduler **out, pd_error *err);
+/* Cancels what is queued or running (their sinks get PD_SCHED_ERROR with
+ * "shutting down" unless already done), joins the thread. */
+void pd_scheduler_free(pd_scheduler *s);
+
+typedef enum pd_cache_mode {
+    PD_CACHE_AUTO = 0, /* use the longest stored prefix the prompt starts with */
+    PD_CACHE_OFF,      /* never use a stored prefix */
+} pd_cache_mode;
+
+/* What a request asks for. Everything is copied by pd_scheduler_submit. */
+typedef struct pd_sched_params {
+    const pd_token *prompt;      /* BOS included as the caller wants it */
+    int64_t n_prompt;            /* >= 1 */
+    int n_choices;               /* >= 1 ("n"); choice i samples with seed + i */
+    pd_sampler_params sampling;  /* logit_bias array copied */
+    pd_generation_params gen;    /* stop strings copied */
+    pd_cache_mode cache;
+    bool has_prefix_id;          /* use exactly this stored prefix (error if the prompt does not start with its tokens) */
+    pd_prefix_id prefix_id;
+    const char *ns;              /* namespace for lookup ("" or NULL = none) */
+    const char *spec;            /* only prefixes compressed with this spec (NULL = any, newest first) */
+} pd_sched_params;
+
+typedef enum pd_sched_event_kind {
+    PD_SCHED_STARTED = 0, /* admitted; prefix (if any) resolved; once per request, first */
+    PD_SCHED_TOKEN,       /* one sampled token of one choice (text may be empty: held back by stop matching) */
+    PD_SCHED_CHOICE_DONE, /* one choice finished (finish reason) */
+    PD_SCHED_DONE,        /* every choice finished; the last event; usage filled */
+    PD_SCHED_ERROR,       /* the request failed or was cancelled; the last event */
+} pd_sched_event_kind;
+
+typedef struct pd_sched_usage {
+    int64_t prompt_tokens;
+    int64_t completion_tokens;   /* over all choices */
+    int64_t cached_tokens;       /* prompt tokens covered by a stored prefix (its original length) */
+    bool prefix_used;
+    pd_prefix_id prefix_id;
+    int64_t prefix_kept_rows;    /* kept (layer, head, token) rows of that prefix */
+    int64_t prefix_full_rows;    /* n_orig * n_layer * n_head_kv */
+    char prefix_spec[PD_PREFIX_SPEC_MAX];
+    double queue_seconds;        /* submit -> admitted */
+    double ttft_seconds;         /* submit -> first token of any choice */
+} pd_sched_usage;
+
+typedef struct pd_sched_event {
+    pd_sched_event_kind kind;
+    int choice;                  /* TOKEN, CHOICE_DONE */
+    const char *text;            /* TOKEN: bytes to emit (valid during the call) */
+    size_t len;
+    const pd_sample_result *sample; /* TOKEN: the token and its logprobs */
+    pd_finish_reason finish;     /* CHOICE_DONE */
+    const pd_sched_usage *usage; /* STARTED (prefix fields), DONE */
+    int error_code;              /* ERROR: PD_E*; message in error_msg */
+    const char *error_msg;
+} pd_sched_event;
+
+/* Called on the engine thread; must not block for long and must not call
+ * back into the scheduler except pd_sched_request_cancel. */
+typedef void (*pd_sched_sink)(void *ctx, const pd_sched_event *ev);
+
+/* Validate (prompt length vs context, sampler params, prefix id found and
+ * matching) and queue. On success *out is a handle the caller releases with
+ * pd_sched_request_release after the last event (DONE or ERROR) or to give
+ * up early (which cancels). Full queue: PD_ERANGE "queue is full". */
+int pd_scheduler_submit(pd_scheduler *s, const pd_sched_params *p, pd_sched_sink sink, void *ctx,
+                        pd_sched_request **out, pd_error *err);
+/* Ask to stop (client went away): its slot is freed at the next step, and
+ * the sink gets PD_SCHED_ERROR (PD_EINVAL, "cancelled") unless done. */
+void pd_sched_request_cancel(pd_sched_request *r);
+/* Cancel if still running, then drop the caller's reference; no event is
+ * delivered to the sink after this returns. */
+void pd_sched_request_release(pd_sched_request *r);
+
+typedef struct pd_scheduler_stats {
+    int64_t queued, running;
+    int64_t completed, failed, cancelled;
+    int64_t prefix_hits, prefix_misses;
+    int64_t kv_bytes;            /* own KV of running sequences (not the shared prefixes) */
+} pd_scheduler_stats;
+
+void pd_scheduler_stats_get(pd_scheduler *s, pd_scheduler_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
