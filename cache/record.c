@@ -379,6 +379,16 @@ int cache_stream_decode(const void *val, size_t size, const cache_header *h, int
         cache_rd_u64(p + 56) != L.off_v)
         return pd_errorf(err, PD_EFORMAT, "stream (layer %d, head %d) does not match the record's header", layer,
                          head);
+    /* The alignment gaps are written as zeros and no checksum covers them:
+     * anything else there is corruption too. */
+    const uint64_t gaps[3][2] = {{L.hdr_end, L.off_pos},
+                                 {L.off_pos + 4 * len, L.off_k},
+                                 {L.off_k + len * L.row_bytes, L.off_v}};
+    for (int g = 0; g < 3; g++)
+        for (uint64_t i = gaps[g][0]; i < gaps[g][1]; i++)
+            if (p[i])
+                return pd_errorf(err, PD_EFORMAT, "stream (layer %d, head %d) has non-zero padding at byte %" PRIu64,
+                                 layer, head, i);
     const uint8_t *pos = p + L.off_pos, *k = p + L.off_k, *v = p + L.off_v;
     for (uint64_t pg = 0; pg < L.n_pages; pg++) {
         uint64_t r0 = pg * (uint64_t)h->page_tokens, r1 = r0 + (uint64_t)h->page_tokens;

@@ -332,7 +332,7 @@ static void format_value(const pd_policy_spec *s, const key_desc *k, char *buf, 
         double v;
         memcpy(&v, field, sizeof v);
         if (k->type == T_LAMBDA && v < 0) snprintf(buf, cap, "auto");
-        else format_double(v, buf, cap);
+        else format_double(v + 0.0, buf, cap); /* -0 prints as 0, as parse stores it */
         return;
     }
     case T_BOOL: {
