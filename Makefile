@@ -64,7 +64,7 @@ run: build $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/defaul
 	@echo "== the prefix store (var/prefixd, the default cache.path)"
 	$(BUILD)/tools/prefixctl store --dir var/prefixd list
 	@echo "== prefixd --check-config"
-	$(BUILD)/daemon/prefixd --check-config --set model.path=$(DEFAULT_MODEL)
+	$(BUILD)/prefixd --check-config --set model.path=$(DEFAULT_MODEL)
 	@echo "== CUDA"
 	$(BUILD)/tools/prefixctl cuda-info
 

@@ -96,6 +96,7 @@ static const key_desc keys[] = {
     INT_KEY(server, threads, 0, 1024, "0"),
     I64_KEY(server, max_body_bytes, 1024, INT64_C(1) << 30, "8388608"),
     INT_KEY(server, request_timeout_s, 0, 86400, "600"),
+    INT_KEY(server, shutdown_grace_s, 0, 3600, "30"),
     STRING_KEY(server, api_key, check_secret, true, ""),
     BOOL_KEY(server, metrics, "true"),
 

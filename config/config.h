@@ -55,6 +55,7 @@ typedef struct pd_config {
         int threads;                    /* HTTP worker threads; 0 = number of CPUs */
         int64_t max_body_bytes;
         int request_timeout_s;          /* 0 = no limit */
+        int shutdown_grace_s;           /* SIGTERM: time in-flight requests get to finish */
         char api_key[PD_CONFIG_STR_CAP]; /* "" = no authentication */
         bool metrics;                   /* serve GET /metrics */
     } server;

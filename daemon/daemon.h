@@ -78,7 +78,7 @@ typedef struct pd_sched_request pd_sched_request;
 
 typedef struct pd_scheduler_opts {
     int max_batch;           /* sequences decoded together (default 16) */
-    int max_queue;           /* requests waiting to start; more is PD_EBUSY-like PD_ERANGE (default 256) */
+    int max_queue;           /* requests waiting to start (>= 1); more is PD_ERANGE "queue is full" (default 256) */
     int32_t prefill_chunk;   /* prompt tokens prefilled per step (default 256) */
     int32_t n_ctx;           /* per-sequence context; 0 = the model's trained context */
     int32_t min_prefix_tokens; /* shorter stored prefixes are not used (default 1) */
@@ -92,8 +92,10 @@ void pd_scheduler_opts_default(pd_scheduler_opts *o);
 /* Starts the engine thread. The model must outlive the scheduler and is used
  * only by that thread from now on. */
 int pd_scheduler_create(pd_model *m, const pd_scheduler_opts *o, pd_scheduler **out, pd_error *err);
-/* Cancels what is queued or running (their sinks get PD_SCHED_ERROR with
- * "shutting down" unless already done), joins the thread. */
+/* Cancels what is queued or running (their sinks get PD_SCHED_ERROR,
+ * PD_EIO, "shutting down" unless already done), joins the thread. Submits
+ * racing with it are refused (PD_EINVAL, "the scheduler is shutting
+ * down"); handles may still be released afterwards. */
 void pd_scheduler_free(pd_scheduler *s);
 
 typedef enum pd_cache_mode {
@@ -105,11 +107,13 @@ typedef enum pd_cache_mode {
 typedef struct pd_sched_params {
     const pd_token *prompt;      /* BOS included as the caller wants it */
     int64_t n_prompt;            /* >= 1 */
-    int n_choices;               /* >= 1 ("n"); choice i samples with seed + i */
+    int n_choices;               /* 1..16 and <= max_batch ("n"); choice i samples with seed + i (a random
+                                    seed stays random); n choices prefill the prompt separately */
     pd_sampler_params sampling;  /* logit_bias array copied */
     pd_generation_params gen;    /* stop strings copied */
     pd_cache_mode cache;
-    bool has_prefix_id;          /* use exactly this stored prefix (error if the prompt does not start with its tokens) */
+    bool has_prefix_id;          /* use exactly this stored prefix (error if the prompt does not start with its
+                                    tokens or is not longer; contradicts cache OFF); min_prefix_tokens ignored */
     pd_prefix_id prefix_id;
     const char *ns;              /* namespace for lookup ("" or NULL = none) */
     const char *spec;            /* only prefixes compressed with this spec (NULL = any, newest first) */
@@ -149,7 +153,9 @@ typedef struct pd_sched_event {
 } pd_sched_event;
 
 /* Called on the engine thread; must not block for long and must not call
- * back into the scheduler except pd_sched_request_cancel. */
+ * back into the scheduler except pd_sched_request_cancel (and
+ * pd_scheduler_stats_get). The stats include a request's end before its
+ * DONE or ERROR is delivered. */
 typedef void (*pd_sched_sink)(void *ctx, const pd_sched_event *ev);
 
 /* Validate (prompt length vs context, sampler params, prefix id found and
@@ -159,14 +165,17 @@ typedef void (*pd_sched_sink)(void *ctx, const pd_sched_event *ev);
 int pd_scheduler_submit(pd_scheduler *s, const pd_sched_params *p, pd_sched_sink sink, void *ctx,
                         pd_sched_request **out, pd_error *err);
 /* Ask to stop (client went away): its slot is freed at the next step, and
- * the sink gets PD_SCHED_ERROR (PD_EINVAL, "cancelled") unless done. */
+ * the sink gets PD_SCHED_ERROR (PD_EINVAL, "cancelled") unless done. Only
+ * sets a flag: safe from any thread, a sink included, at any time before
+ * release (also after pd_scheduler_free). */
 void pd_sched_request_cancel(pd_sched_request *r);
 /* Cancel if still running, then drop the caller's reference; no event is
  * delivered to the sink after this returns. */
 void pd_sched_request_release(pd_sched_request *r);
 
 typedef struct pd_scheduler_stats {
-    int64_t queued, running;
+    int64_t queued;              /* requests waiting */
+    int64_t running;             /* sequences (choices) holding a batch slot */
     int64_t completed, failed, cancelled;
     int64_t prefix_hits, prefix_misses;
     int64_t kv_bytes;            /* own KV of running sequences (not the shared prefixes) */

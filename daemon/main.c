@@ -2,11 +2,23 @@
  * overrides), validates it, and either prints it (--check-config) or runs
  * the daemon. */
 #include <getopt.h>
+#include <inttypes.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <string.h>
+#include <systemd/sd-daemon.h>
+#include <time.h>
+
+#include "api/api.h"
+#include "cache/cache.h"
 #include "config/config.h"
+#include "daemon/daemon.h"
+#include "engine/engine.h"
 #include "kernels/kernels.h"
 #include "util/util.h"
 
@@ -77,6 +89,128 @@ static int load_config(const options *opt, pd_config *cfg, pd_error *err) {
     return rc == PD_OK ? pd_config_validate(cfg, err) : rc;
 }
 
+/* Wait for SIGTERM/SIGINT (signals are blocked in every thread and taken
+ * here), pinging the systemd watchdog meanwhile. SIGHUP is accepted and
+ * logged: logs go to stderr (the journal), so there is nothing to reopen. */
+static void wait_for_stop(const sigset_t *set) {
+    uint64_t wd_usec = 0;
+    bool watchdog = sd_watchdog_enabled(0, &wd_usec) > 0 && wd_usec > 0;
+    for (;;) {
+        int sig;
+        if (watchdog) {
+            struct timespec ts = {.tv_sec = (time_t)(wd_usec / 2 / 1000000), .tv_nsec = (long)(wd_usec / 2 % 1000000) * 1000};
+            sig = sigtimedwait(set, NULL, &ts);
+            sd_notify(0, "WATCHDOG=1");
+            if (sig < 0) continue;
+        } else if (sigwait(set, &sig) != 0) {
+            continue;
+        }
+        if (sig == SIGHUP) {
+            fprintf(stderr, "prefixd: SIGHUP: logs go to stderr, nothing to reopen\n");
+            continue;
+        }
+        fprintf(stderr, "prefixd: %s: draining\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+        return;
+    }
+}
+
+/* Give in-flight requests up to grace seconds to finish. */
+static void drain(pd_scheduler *sched, int grace_s) {
+    double deadline = pd_now_seconds() + grace_s;
+    for (;;) {
+        pd_scheduler_stats st;
+        pd_scheduler_stats_get(sched, &st);
+        if (st.queued + st.running == 0) return;
+        if (pd_now_seconds() >= deadline) {
+            fprintf(stderr, "prefixd: grace period over: cancelling %" PRId64 " requests\n", st.queued + st.running);
+            return;
+        }
+        struct timespec ts = {.tv_sec = 0, .tv_nsec = 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static int run(const pd_config *cfg) {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGHUP);
+    /* Before any thread starts, so every thread inherits the mask. */
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    pd_error err = {0};
+    pd_metrics *metrics = NULL;
+    pd_server *server = NULL;
+    pd_model *model = NULL;
+    pd_store *store = NULL;
+    pd_hot *hot = NULL;
+    pd_scheduler *sched = NULL;
+    int rc = pd_metrics_create(&metrics, &err);
+
+    pd_server_opts so;
+    pd_server_opts_default(&so);
+    so.listen = cfg->server.listen;
+    so.port = cfg->server.port;
+    so.api_key = cfg->server.api_key;
+    so.request_timeout_s = cfg->server.request_timeout_s;
+    so.metrics = cfg->server.metrics;
+    so.limits.max_body_bytes = (size_t)cfg->server.max_body_bytes;
+    if (!rc) rc = pd_server_start(&so, metrics, &server, &err);
+    if (!rc) fprintf(stderr, "prefixd: listening on %s:%d, loading %s\n", so.listen, pd_server_port(server),
+                     cfg->model.path);
+    if (!rc && !cfg->model.path[0])
+        rc = pd_errorf(&err, PD_EINVAL, "model.path is not set: give a GGUF file (--set model.path=FILE)");
+    pd_model_params mp = {.n_threads = cfg->model.n_threads};
+    if (!rc) rc = pd_model_load(cfg->model.path, &mp, &model, &err);
+
+    pd_store_opts sto;
+    pd_store_opts_default(&sto);
+    sto.dir = cfg->cache.path;
+    sto.map_size = (uint64_t)cfg->cache.map_size_mb << 20;
+    sto.page_tokens = cfg->cache.page_tokens;
+    if (!rc) rc = pd_store_open(&sto, &store, &err);
+    if (!rc && cfg->cache.hot_tier_mb > 0) rc = pd_hot_create(store, (uint64_t)cfg->cache.hot_tier_mb << 20, &hot, &err);
+
+    pd_scheduler_opts sco;
+    pd_scheduler_opts_default(&sco);
+    sco.max_batch = cfg->scheduler.max_batch;
+    sco.max_queue = cfg->scheduler.max_queue;
+    sco.n_ctx = cfg->model.n_ctx;
+    sco.min_prefix_tokens = cfg->compression.min_prefix_tokens;
+    sco.store = store;
+    sco.hot = hot;
+    sco.metrics = metrics;
+    if (!rc) rc = pd_scheduler_create(model, &sco, &sched, &err);
+    if (!rc) {
+        pd_server_backend b = {.model = model, .sched = sched, .family = pd_model_chat_family(model),
+                               .created = (int64_t)time(NULL)};
+        const pd_hparams *hp = pd_model_hparams(model);
+        b.n_ctx = cfg->model.n_ctx > 0 && cfg->model.n_ctx < hp->n_ctx_train ? cfg->model.n_ctx : hp->n_ctx_train;
+        pd_api_model_id(pd_model_gguf(model), cfg->model.path, b.model_id, sizeof b.model_id);
+        pd_server_set_ready(server, &b);
+        fprintf(stderr, "prefixd: serving %s (%s, chat template: %s), prefix store %s\n", b.model_id,
+                hp->arch_name, pd_chat_family_name(b.family), cfg->cache.path);
+        sd_notify(0, "READY=1\nSTATUS=serving");
+        wait_for_stop(&set);
+        sd_notify(0, "STOPPING=1\nSTATUS=draining");
+        pd_server_quiesce(server);
+        pd_server_drain(server);
+        drain(sched, cfg->server.shutdown_grace_s);
+    }
+    if (rc) fprintf(stderr, "prefixd: %s\n", err.msg);
+    /* Cancel what is left (waiting clients get an error), then close the
+     * connections, then the store. */
+    pd_scheduler_free(sched);
+    pd_server_stop(server);
+    if (hot) pd_hot_free(hot);
+    pd_store_close(store);
+    pd_model_free(model);
+    pd_metrics_free(metrics);
+    return rc ? EXIT_FAILURE : EXIT_SUCCESS;
+}
+
 int main(int argc, char **argv) {
     pd_cpu_prepare_process(argv);
     /* Every --set needs its own argv slot, so argc bounds their number. */
@@ -104,10 +238,7 @@ int main(int argc, char **argv) {
         }
         goto done;
     }
-    fprintf(stderr, "prefixd: configuration is valid, but the serving daemon is not built yet; "
-                    "use --check-config to check a configuration, or prefixctl for offline "
-                    "work\n");
-    status = EXIT_FAILURE;
+    status = run(&cfg);
 done:
     free(opt.sets);
     return status;

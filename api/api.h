@@ -1,0 +1,274 @@
+/* api: the OpenAI-compatible request and response layer, as pure functions
+ * so the HTTP server (libmicrohttpd) stays thin:
+ *
+ *   body bytes --pd_api_parse_request--> pd_api_request (validated)
+ *              --pd_api_prompt_tokens--> prompt token ids (chat template)
+ *              --pd_api_sched_params---> pd_sched_params for the scheduler
+ *   scheduler events --pd_api_response_*--> JSON body or SSE chunks
+ *
+ * Every failure fills a pd_api_error: the HTTP status plus the OpenAI error
+ * object {"error":{"message","type","param","code"}}. docs/api.md lists the
+ * fields, their ranges and defaults, the extensions and the error shapes.
+ *
+ * Streaming and non-streaming share one accumulator (pd_api_response): the
+ * tokens of each choice are appended to it in both cases, and an SSE chunk
+ * renders what was appended since the previous chunk. So the concatenated
+ * deltas equal the non-streamed text by construction. */
+#ifndef PD_API_H
+#define PD_API_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cache/cache.h"
+#include "daemon/daemon.h"
+#include "engine/engine.h"
+#include "util/util.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------
+ * Errors
+ * ------------------------------------------------------------------------ */
+
+/* OpenAI error types (pd_api_error.type). */
+#define PD_API_ERR_INVALID "invalid_request_error"       /* 400 */
+#define PD_API_ERR_AUTH "authentication_error"           /* 401 */
+#define PD_API_ERR_NOT_FOUND "not_found_error"           /* 404 */
+#define PD_API_ERR_TOO_LARGE "request_too_large"         /* 413 */
+#define PD_API_ERR_RATE_LIMIT "rate_limit_error"         /* 429 */
+#define PD_API_ERR_OVERLOADED "overloaded_error"         /* 503 */
+#define PD_API_ERR_SERVER "server_error"                 /* 500 */
+
+typedef struct pd_api_error {
+    int http_status;   /* 400, 401, 404, 413, 429, 500, 503 */
+    char type[32];     /* one of PD_API_ERR_* */
+    char param[64];    /* the offending field ("messages[2].role"); "" = null */
+    char code[48];     /* machine-readable detail ("context_length_exceeded"); "" = null */
+    char message[512]; /* what is wrong and what to send instead */
+} pd_api_error;
+
+/* Fill e (if not NULL). param and code may be NULL (JSON null). Returns
+ * PD_EINVAL for 4xx statuses and PD_EIO for 5xx, so parsers can write
+ * `return pd_api_errorf(...)`. */
+int pd_api_errorf(pd_api_error *e, int http_status, const char *type, const char *param, const char *code,
+                  const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+/* Map a pd_error from a lower layer (pd_scheduler_submit, pd_tokenize, ...):
+ * PD_EINVAL/PD_ERANGE/PD_EUNSUPPORTED/PD_EFORMAT -> 400, PD_ENOTFOUND ->
+ * 404, PD_ENOMEM -> 503, anything else -> 500. The server maps "queue is
+ * full" to 429/503 itself (it knows it submitted). param may be NULL. */
+int pd_api_error_from(pd_api_error *e, const pd_error *err, const char *param);
+/* {"error":{"message":...,"type":...,"param":...|null,"code":...|null}};
+ * malloc'd, NUL-terminated. PD_ENOMEM only. */
+int pd_api_error_json(const pd_api_error *e, char **out, size_t *len);
+
+/* ------------------------------------------------------------------------
+ * Requests
+ * ------------------------------------------------------------------------ */
+
+typedef enum pd_api_kind {
+    PD_API_COMPLETION = 0, /* POST /v1/completions */
+    PD_API_CHAT = 1,       /* POST /v1/chat/completions */
+} pd_api_kind;
+
+#define PD_API_MAX_STOP 4                /* like OpenAI */
+#define PD_API_MAX_LOGIT_BIAS 1024       /* entries in logit_bias */
+#define PD_API_COMPLETION_MAX_TOKENS 16  /* OpenAI's default for /v1/completions */
+
+typedef struct pd_api_limits {
+    size_t max_body_bytes;      /* larger bodies: 413 (default 1 MiB) */
+    int max_depth;              /* JSON nesting deeper than this: 400 (default 16) */
+    int32_t default_max_tokens; /* chat default when max_tokens is absent; 0 = the
+                                   context remainder (default 0) */
+    int32_t max_tokens_limit;   /* largest max_tokens accepted (default 4096) */
+    int64_t max_prompt_tokens;  /* longest prompt after tokenization (default 32768) */
+    int max_n;                  /* largest n (default 8) */
+} pd_api_limits;
+
+void pd_api_limits_default(pd_api_limits *l);
+
+/* A parsed, range-checked request. Strings are owned (pd_api_request_free). */
+typedef struct pd_api_request {
+    pd_api_kind kind;
+    char *model;
+
+    /* completions: exactly one of text / tokens */
+    bool prompt_is_tokens;
+    char *prompt_text;           /* NUL-terminated (no NUL inside: JSON "\u0000" is refused) */
+    size_t prompt_len;
+    pd_token *prompt_tokens;
+    size_t n_prompt_tokens;
+
+    /* chat: roles are "system", "user" or "assistant" (static strings);
+     * array content parts are joined with "\n" */
+    pd_chat_message *messages;
+    size_t n_messages;
+
+    int32_t max_tokens;          /* 0 = not given (see pd_api_sched_params) */
+    int n;                       /* choices, default 1 */
+    char *stop[PD_API_MAX_STOP];
+    size_t n_stop;
+    bool has_seed;
+    pd_sampler_params sampling;  /* temperature, top_p, top_k, min_p, penalties, seed,
+                                    logprobs, n_logprobs; logit_bias -> the array below */
+    pd_logit_bias *logit_bias;
+    size_t n_logit_bias;
+    bool stream;
+    bool include_usage;          /* stream_options.include_usage */
+    char *user;                  /* NULL when absent; not used */
+    pd_cache_mode cache;         /* "cache": "auto" (default) | "off" */
+    bool has_prefix_id;          /* "prefix_id": 64 hex digits */
+    pd_prefix_id prefix_id;
+    char ns[PD_PREFIX_NS_MAX];   /* not from the body: the server fills it from the API key */
+} pd_api_request;
+
+/* Parse and validate a request body. Unknown fields are ignored; a known
+ * field of the wrong type or out of range is 400 with param naming it; null
+ * counts as absent. Bodies over max_body_bytes are 413. On failure *out is
+ * left empty (safe to free). lim may be NULL (defaults). */
+int pd_api_parse_request(pd_api_kind kind, const char *body, size_t len, const pd_api_limits *lim,
+                         pd_api_request *out, pd_api_error *e);
+void pd_api_request_free(pd_api_request *r);
+
+/* The prompt as token ids. Completions: token ids as given, or the text
+ * tokenized with the vocabulary's BOS (add_special) and control tokens NOT
+ * parsed. Chat: the messages rendered with `family` and a generation prompt,
+ * tokenized with add_special and parse_special. *system_bytes (may be NULL)
+ * is the rendered length of the leading system part (0 for completions).
+ * Errors: PD_CHAT_NONE for chat (400 "no chat template"), empty prompt,
+ * longer than lim->max_prompt_tokens (400 context_length_exceeded). *out is
+ * malloc'd. */
+int pd_api_prompt_tokens(const pd_api_request *r, const pd_tokenizer *tok, pd_chat_family family,
+                         const pd_api_limits *lim, pd_token **out, int64_t *n_out, size_t *system_bytes,
+                         pd_api_error *e);
+
+/* Fill the scheduler's parameters. Points into r and prompt (both must stay
+ * valid until pd_scheduler_submit returns; it copies). max_tokens: as given
+ * (then prompt + max_tokens must fit n_ctx, else 400
+ * context_length_exceeded), else 16 for completions and for chat
+ * lim->default_max_tokens or the context remainder, capped at
+ * lim->max_tokens_limit. Checks prompt ids and logit_bias ids against
+ * n_vocab and every sampler parameter (pd_sampler_params_validate). */
+int pd_api_sched_params(const pd_api_request *r, const pd_token *prompt, int64_t n_prompt, int32_t n_ctx,
+                        int32_t n_vocab, const pd_api_limits *lim, pd_sched_params *out, pd_api_error *e);
+
+/* ------------------------------------------------------------------------
+ * Responses
+ * ------------------------------------------------------------------------ */
+
+typedef struct pd_api_response pd_api_response;
+
+#define PD_API_ID_MAX 64
+
+/* id: NULL = "cmpl-"/"chatcmpl-" + 24 random characters; created: Unix
+ * seconds (0 = now); model: echoed as "model". logprobs and n_logprobs
+ * (alternatives) say whether choices carry logprobs (from r->sampling).
+ * tok (not owned, may be NULL) renders token strings for logprobs. */
+typedef struct pd_api_response_opts {
+    pd_api_kind kind;
+    const char *id;
+    int64_t created;
+    const char *model;
+    int n_choices;
+    bool logprobs;
+    int32_t n_logprobs;
+    bool include_usage;  /* streaming: usage: null in chunks, then a usage chunk */
+    const pd_tokenizer *tok;
+} pd_api_response_opts;
+
+/* The options a parsed request implies. */
+void pd_api_response_opts_from(const pd_api_request *r, const pd_tokenizer *tok, pd_api_response_opts *o);
+
+int pd_api_response_create(const pd_api_response_opts *o, pd_api_response **out, pd_error *err);
+void pd_api_response_free(pd_api_response *r);
+const char *pd_api_response_id(const pd_api_response *r);
+
+/* Append one token of one choice: the bytes the generation emitted for it
+ * (may be empty) and its sample (logprobs; may be NULL without logprobs). */
+int pd_api_response_token(pd_api_response *r, int choice, const char *text, size_t len,
+                          const pd_sample_result *sample, pd_error *err);
+int pd_api_response_finish(pd_api_response *r, int choice, pd_finish_reason reason, pd_error *err);
+/* Usage and prefix facts (from PD_SCHED_STARTED and PD_SCHED_DONE). */
+void pd_api_response_usage(pd_api_response *r, const pd_sched_usage *u);
+
+/* The non-streamed body: text_completion / chat.completion with choices,
+ * usage (prompt_tokens_details.cached_tokens) and, when a stored prefix was
+ * used, "prefix": {id, original_tokens, kept_tokens, kept_fraction, policy}.
+ * Invalid UTF-8 in text becomes U+FFFD. malloc'd. */
+int pd_api_response_json(const pd_api_response *r, char **out, size_t *len, pd_error *err);
+
+/* Streaming. Each returns one malloc'd "data: {json}\n\n" event, or
+ * *out = NULL and *len = 0 when there is nothing to send.
+ *  - chunk: what choice `choice` gained since its previous chunk (the
+ *    first chat chunk of a choice carries "role":"assistant" even when
+ *    empty); an incomplete UTF-8 character at the end waits for the next.
+ *  - finish: the rest of the choice plus its finish_reason (call after
+ *    pd_api_response_finish).
+ *  - usage: the include_usage chunk ("choices": [], usage, prefix); NULL
+ *    when include_usage is off. */
+int pd_api_response_sse_chunk(pd_api_response *r, int choice, char **out, size_t *len, pd_error *err);
+int pd_api_response_sse_finish(pd_api_response *r, int choice, char **out, size_t *len, pd_error *err);
+int pd_api_response_sse_usage(pd_api_response *r, char **out, size_t *len, pd_error *err);
+#define PD_API_SSE_DONE "data: [DONE]\n\n"
+
+/* ------------------------------------------------------------------------
+ * Models
+ * ------------------------------------------------------------------------ */
+
+/* The model's public id: general.name when present and non-empty, else the
+ * file name of path without directory and ".gguf". */
+void pd_api_model_id(const pd_gguf *g, const char *path, char *out, size_t cap);
+/* {"object":"list","data":[{"id","object":"model","created","owned_by":"prefixd"}]} */
+int pd_api_models_json(const char *model_id, int64_t created, char **out, size_t *len, pd_error *err);
+
+/* ------------------------------------------------------------------------
+ * HTTP server (libmicrohttpd, one thread per connection)
+ *
+ * Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
+ * GET /v1/models, GET /health (503 until ready), GET /metrics. The server
+ * starts listening before the model is loaded so /health can say so.
+ * ------------------------------------------------------------------------ */
+
+typedef struct pd_server pd_server;
+
+typedef struct pd_server_opts {
+    const char *listen;        /* IPv4 address (default 127.0.0.1) */
+    int port;                  /* 0 = any free port (see pd_server_port) */
+    const char *api_key;       /* NULL or "" = no authentication */
+    unsigned max_connections;  /* default 256 */
+    int request_timeout_s;     /* idle connection timeout; 0 = none */
+    bool metrics;              /* serve GET /metrics (default true) */
+    pd_api_limits limits;
+} pd_server_opts;
+
+/* What the routes serve once the model is loaded (not owned). */
+typedef struct pd_server_backend {
+    pd_model *model;
+    pd_scheduler *sched;
+    int32_t n_ctx;
+    pd_chat_family family;
+    char model_id[128];
+    int64_t created;           /* Unix seconds, for /v1/models */
+} pd_server_backend;
+
+void pd_server_opts_default(pd_server_opts *o);
+/* metrics may be NULL; the server registers its series in it. */
+int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **out, pd_error *err);
+/* From now on the API routes serve b, /health says ok. */
+void pd_server_set_ready(pd_server *s, const pd_server_backend *b);
+/* No new generation starts after this returns (503 "shutting down"); the
+ * ones already submitted run on. */
+void pd_server_drain(pd_server *s);
+int pd_server_port(const pd_server *s);
+/* Stop accepting connections (the listening socket closes). */
+void pd_server_quiesce(pd_server *s);
+/* Close every connection (releasing their scheduler requests) and free. */
+void pd_server_stop(pd_server *s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

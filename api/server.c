@@ -1,0 +1,437 @@
+/* The HTTP server: libmicrohttpd, one thread per connection (a streaming
+ * response blocks its own thread waiting for tokens, nobody else's), thin
+ * routing over the pure request/response functions of request.c and
+ * response.c, and the scheduler underneath. */
+#include <inttypes.h>
+#include <microhttpd.h>
+#include <openssl/crypto.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
+#include "api/api.h"
+
+struct pd_server {
+    struct MHD_Daemon *mhd;
+    pd_server_opts opts;
+    char api_key[256];
+    pd_metrics *metrics;
+    pd_counter *requests, *errors, *streams;
+    /* ready/backend: written by set_ready and drain, read by connection
+     * threads, which hold the read lock from the check through
+     * pd_scheduler_submit so that after drain nothing new is submitted. */
+    pthread_rwlock_t lock;
+    bool ready, draining;
+    pd_server_backend backend;
+};
+
+/* One HTTP request: its body, then (for generation) the scheduler request
+ * and what its events produced. Shared by the connection thread and, through
+ * the sink, the engine thread; `mu` guards everything below it. */
+typedef struct http_req {
+    pd_server *srv;
+    char *body;
+    size_t len, cap;
+    bool too_large;
+
+    pd_api_request areq;
+    pd_api_response *resp;
+    pd_sched_request *sreq;
+    bool stream;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done;           /* DONE or ERROR seen */
+    bool failed;
+    pd_api_error err;
+    char *q;             /* streaming: SSE bytes not yet sent */
+    size_t q_len, q_off, q_cap;
+} http_req;
+
+/* ---- small helpers -------------------------------------------------------- */
+
+static enum MHD_Result send_body(struct MHD_Connection *c, unsigned status, const char *type, char *body, size_t len) {
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+    enum MHD_Result ret = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+static enum MHD_Result send_json(struct MHD_Connection *c, unsigned status, char *body, size_t len) {
+    return send_body(c, status, "application/json", body, len);
+}
+
+static enum MHD_Result send_error(pd_server *s, struct MHD_Connection *c, const pd_api_error *e) {
+    char *body = NULL;
+    size_t len = 0;
+    if (s->errors) pd_counter_add(s->errors, 1);
+    if (pd_api_error_json(e, &body, &len) != PD_OK) return MHD_NO;
+    return send_json(c, (unsigned)e->http_status, body, len);
+}
+
+static enum MHD_Result send_errorf(pd_server *s, struct MHD_Connection *c, int status, const char *type,
+                                   const char *code, const char *msg) {
+    pd_api_error e;
+    pd_api_errorf(&e, status, type, NULL, code, "%s", msg);
+    return send_error(s, c, &e);
+}
+
+static bool append(char **buf, size_t *len, size_t *cap, const char *data, size_t n) {
+    if (*len + n + 1 > *cap) {
+        size_t nc = *cap ? *cap : 4096;
+        while (nc < *len + n + 1) nc *= 2;
+        char *nb = realloc(*buf, nc);
+        if (!nb) return false;
+        *buf = nb;
+        *cap = nc;
+    }
+    memcpy(*buf + *len, data, n);
+    *len += n;
+    (*buf)[*len] = '\0';
+    return true;
+}
+
+/* Constant-time comparison of the bearer token. */
+static bool authorized(const pd_server *s, struct MHD_Connection *c) {
+    if (!s->api_key[0]) return true;
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!h || strncmp(h, "Bearer ", 7) != 0) return false;
+    const char *tok = h + 7;
+    size_t a = strlen(tok), b = strlen(s->api_key);
+    return a == b && CRYPTO_memcmp(tok, s->api_key, a) == 0;
+}
+
+static bool get_backend(pd_server *s, pd_server_backend *out) {
+    pthread_rwlock_rdlock(&s->lock);
+    bool ready = s->ready;
+    if (ready) *out = s->backend;
+    pthread_rwlock_unlock(&s->lock);
+    return ready;
+}
+
+/* ---- the scheduler's events ------------------------------------------------ */
+
+static void queue_sse(http_req *r, char *chunk, size_t len) {
+    if (!chunk) return;
+    if (!append(&r->q, &r->q_len, &r->q_cap, chunk, len)) r->failed = true;
+    free(chunk);
+}
+
+/* Runs on the engine thread. */
+static void on_event(void *ctx, const pd_sched_event *ev) {
+    http_req *r = ctx;
+    pd_error err = {0};
+    char *chunk = NULL;
+    size_t len = 0;
+    pthread_mutex_lock(&r->mu);
+    switch (ev->kind) {
+    case PD_SCHED_STARTED:
+        if (ev->usage) pd_api_response_usage(r->resp, ev->usage);
+        break;
+    case PD_SCHED_TOKEN:
+        if (pd_api_response_token(r->resp, ev->choice, ev->text, ev->len, ev->sample, &err)) r->failed = true;
+        else if (r->stream && pd_api_response_sse_chunk(r->resp, ev->choice, &chunk, &len, &err) == PD_OK)
+            queue_sse(r, chunk, len);
+        break;
+    case PD_SCHED_CHOICE_DONE:
+        if (pd_api_response_finish(r->resp, ev->choice, ev->finish, &err)) r->failed = true;
+        else if (r->stream && pd_api_response_sse_finish(r->resp, ev->choice, &chunk, &len, &err) == PD_OK)
+            queue_sse(r, chunk, len);
+        break;
+    case PD_SCHED_DONE:
+        if (ev->usage) pd_api_response_usage(r->resp, ev->usage);
+        if (r->stream) {
+            if (pd_api_response_sse_usage(r->resp, &chunk, &len, &err) == PD_OK) queue_sse(r, chunk, len);
+            append(&r->q, &r->q_len, &r->q_cap, PD_API_SSE_DONE, strlen(PD_API_SSE_DONE));
+        }
+        r->done = true;
+        break;
+    case PD_SCHED_ERROR: {
+        pd_error e = {.code = ev->error_code};
+        snprintf(e.msg, sizeof e.msg, "%s", ev->error_msg ? ev->error_msg : "generation failed");
+        pd_api_error_from(&r->err, &e, NULL);
+        r->failed = true;
+        r->done = true;
+        if (r->stream && pd_api_error_json(&r->err, &chunk, &len) == PD_OK) {
+            /* Headers are gone already: the error travels as an event. */
+            append(&r->q, &r->q_len, &r->q_cap, "data: ", 6);
+            queue_sse(r, chunk, len);
+            append(&r->q, &r->q_len, &r->q_cap, "\n\n" PD_API_SSE_DONE, 2 + strlen(PD_API_SSE_DONE));
+        }
+        break;
+    }
+    }
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* Streaming body: hand out queued SSE bytes, blocking this connection's
+ * thread until the engine produces more or the request ends. */
+static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
+    (void)pos;
+    http_req *r = cls;
+    pthread_mutex_lock(&r->mu);
+    while (r->q_off == r->q_len && !r->done) pthread_cond_wait(&r->cv, &r->mu);
+    ssize_t n;
+    if (r->q_off < r->q_len) {
+        size_t k = r->q_len - r->q_off < max ? r->q_len - r->q_off : max;
+        memcpy(buf, r->q + r->q_off, k);
+        r->q_off += k;
+        n = (ssize_t)k;
+    } else {
+        n = MHD_CONTENT_READER_END_OF_STREAM;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return n;
+}
+
+/* ---- routes ---------------------------------------------------------------- */
+
+static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, http_req *r, pd_api_kind kind) {
+    pd_api_error e;
+    if (r->too_large) {
+        pd_api_errorf(&e, 413, PD_API_ERR_TOO_LARGE, NULL, NULL, "the request body is larger than %zu bytes "
+                      "(server.max_body_bytes)", s->opts.limits.max_body_bytes);
+        return send_error(s, c, &e);
+    }
+    if (pd_api_parse_request(kind, r->body ? r->body : "", r->len, &s->opts.limits, &r->areq, &e))
+        return send_error(s, c, &e);
+    pthread_rwlock_rdlock(&s->lock);
+    if (!s->ready) {
+        bool draining = s->draining;
+        pthread_rwlock_unlock(&s->lock);
+        return send_errorf(s, c, 503, PD_API_ERR_OVERLOADED, draining ? "shutting_down" : "loading",
+                           draining ? "the server is shutting down" : "the model is still loading; retry shortly");
+    }
+    const pd_server_backend b = s->backend;
+    pd_token *prompt = NULL;
+    int64_t n_prompt = 0;
+    const pd_tokenizer *tok = pd_model_tokenizer(b.model);
+    if (pd_api_prompt_tokens(&r->areq, tok, b.family, &s->opts.limits, &prompt, &n_prompt, NULL, &e)) {
+        pthread_rwlock_unlock(&s->lock);
+        return send_error(s, c, &e);
+    }
+    pd_sched_params sp;
+    const pd_hparams *hp = pd_model_hparams(b.model);
+    int rc = pd_api_sched_params(&r->areq, prompt, n_prompt, b.n_ctx, hp->n_vocab, &s->opts.limits, &sp, &e);
+    pd_api_response_opts ro;
+    pd_api_response_opts_from(&r->areq, tok, &ro);
+    ro.model = b.model_id;
+    pd_error err = {0};
+    if (!rc && pd_api_response_create(&ro, &r->resp, &err)) rc = pd_api_error_from(&e, &err, NULL);
+    r->stream = r->areq.stream;
+    if (!rc && pd_scheduler_submit(b.sched, &sp, on_event, r, &r->sreq, &err)) {
+        if (strstr(err.msg, "queue is full"))
+            pd_api_errorf(&e, 429, PD_API_ERR_RATE_LIMIT, NULL, "queue_full", "%s; retry shortly", err.msg);
+        else
+            pd_api_error_from(&e, &err, NULL);
+        rc = PD_EINVAL;
+    }
+    pthread_rwlock_unlock(&s->lock);
+    free(prompt);
+    if (rc) return send_error(s, c, &e);
+
+    if (r->stream) {
+        if (s->streams) pd_counter_add(s->streams, 1);
+        struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, read_stream, r, NULL);
+        if (!resp) return MHD_NO;
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+        enum MHD_Result ret = MHD_queue_response(c, MHD_HTTP_OK, resp);
+        MHD_destroy_response(resp);
+        return ret;
+    }
+    pthread_mutex_lock(&r->mu);
+    while (!r->done) pthread_cond_wait(&r->cv, &r->mu);
+    bool failed = r->failed;
+    e = r->err;
+    pthread_mutex_unlock(&r->mu);
+    if (failed) {
+        if (!e.http_status) pd_api_errorf(&e, 500, PD_API_ERR_SERVER, NULL, NULL, "generation failed");
+        return send_error(s, c, &e);
+    }
+    char *body = NULL;
+    size_t len = 0;
+    if (pd_api_response_json(r->resp, &body, &len, &err)) {
+        pd_api_error_from(&e, &err, NULL);
+        return send_error(s, c, &e);
+    }
+    return send_json(c, MHD_HTTP_OK, body, len);
+}
+
+static enum MHD_Result handle_get(pd_server *s, struct MHD_Connection *c, const char *url) {
+    pd_server_backend b;
+    bool ready = get_backend(s, &b);
+    pd_error err = {0};
+    if (strcmp(url, "/health") == 0) {
+        pthread_rwlock_rdlock(&s->lock);
+        bool draining = s->draining;
+        pthread_rwlock_unlock(&s->lock);
+        const char *msg = ready      ? "{\"status\":\"ok\"}"
+                          : draining ? "{\"status\":\"draining\"}"
+                                     : "{\"status\":\"loading\"}";
+        char *body = strdup(msg);
+        if (!body) return MHD_NO;
+        return send_json(c, ready ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE, body, strlen(body));
+    }
+    if (strcmp(url, "/metrics") == 0 && s->opts.metrics && s->metrics) {
+        char *text = NULL;
+        size_t len = 0;
+        if (pd_metrics_render(s->metrics, &text, &len, &err)) return MHD_NO;
+        return send_body(c, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", text, len);
+    }
+    if (strcmp(url, "/v1/models") == 0) {
+        if (!authorized(s, c))
+            return send_errorf(s, c, 401, PD_API_ERR_AUTH, "invalid_api_key", "missing or wrong API key "
+                               "(send Authorization: Bearer KEY)");
+        if (!ready)
+            return send_errorf(s, c, 503, PD_API_ERR_OVERLOADED, "loading", "the model is still loading");
+        char *body = NULL;
+        size_t len = 0;
+        if (pd_api_models_json(b.model_id, b.created, &body, &len, &err)) return MHD_NO;
+        return send_json(c, MHD_HTTP_OK, body, len);
+    }
+    return send_errorf(s, c, 404, PD_API_ERR_NOT_FOUND, NULL, "no such route");
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                                  const char *version, const char *upload, size_t *upload_size, void **con_cls) {
+    (void)version;
+    pd_server *s = cls;
+    http_req *r = *con_cls;
+    if (!r) {
+        if (!(r = calloc(1, sizeof *r))) return MHD_NO;
+        r->srv = s;
+        pthread_mutex_init(&r->mu, NULL);
+        pthread_cond_init(&r->cv, NULL);
+        *con_cls = r;
+        if (s->requests) pd_counter_add(s->requests, 1);
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        if (r->len + *upload_size > s->opts.limits.max_body_bytes) r->too_large = true;
+        else if (!append(&r->body, &r->len, &r->cap, upload, *upload_size)) return MHD_NO;
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (strcmp(method, "GET") == 0) return handle_get(s, c, url);
+    if (strcmp(method, "POST") != 0)
+        return send_errorf(s, c, 405, PD_API_ERR_INVALID, NULL, "use GET or POST");
+    bool chat = strcmp(url, "/v1/chat/completions") == 0, completion = strcmp(url, "/v1/completions") == 0;
+    if (!chat && !completion) return send_errorf(s, c, 404, PD_API_ERR_NOT_FOUND, NULL, "no such route");
+    if (!authorized(s, c))
+        return send_errorf(s, c, 401, PD_API_ERR_AUTH, "invalid_api_key",
+                           "missing or wrong API key (send Authorization: Bearer KEY)");
+    return handle_generate(s, c, r, chat ? PD_API_CHAT : PD_API_COMPLETION);
+}
+
+/* The request is over (sent, failed or the client went away): stop its
+ * generation before freeing what the sink writes to. */
+static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
+    (void)cls, (void)c, (void)toe;
+    http_req *r = *con_cls;
+    if (!r) return;
+    if (r->sreq) pd_sched_request_release(r->sreq);
+    pd_api_response_free(r->resp);
+    pd_api_request_free(&r->areq);
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+    free(r->q);
+    free(r->body);
+    free(r);
+    *con_cls = NULL;
+}
+
+/* ---- lifecycle --------------------------------------------------------------- */
+
+void pd_server_opts_default(pd_server_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->listen = "127.0.0.1";
+    o->port = 8080;
+    o->max_connections = 256;
+    o->metrics = true;
+    pd_api_limits_default(&o->limits);
+}
+
+int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **out, pd_error *err) {
+    *out = NULL;
+    if (o->api_key && strlen(o->api_key) >= sizeof((pd_server *)0)->api_key)
+        return pd_errorf(err, PD_EINVAL, "server.api_key is longer than 255 bytes");
+    pd_server *s = calloc(1, sizeof *s);
+    if (!s) return pd_errorf(err, PD_ENOMEM, "out of memory for the HTTP server");
+    s->opts = *o;
+    snprintf(s->api_key, sizeof s->api_key, "%s", o->api_key ? o->api_key : "");
+    s->metrics = metrics;
+    pthread_rwlock_init(&s->lock, NULL);
+    int rc = PD_OK;
+    if (metrics) {
+        rc = pd_metrics_counter(metrics, "prefixd_http_requests_total", "HTTP requests received.", NULL,
+                                &s->requests, err);
+        if (!rc)
+            rc = pd_metrics_counter(metrics, "prefixd_http_errors_total", "HTTP requests answered with an error.",
+                                    NULL, &s->errors, err);
+        if (!rc)
+            rc = pd_metrics_counter(metrics, "prefixd_http_streams_total", "Streaming responses started.", NULL,
+                                    &s->streams, err);
+    }
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)o->port)};
+    if (!rc && inet_pton(AF_INET, o->listen, &sa.sin_addr) != 1)
+        rc = pd_errorf(err, PD_EINVAL, "server.listen '%s' is not an IPv4 address", o->listen);
+    if (!rc) {
+        s->mhd = MHD_start_daemon(
+            MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG, 0,
+            NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_NOTIFY_COMPLETED,
+            on_completed, s, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections,
+            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)(o->request_timeout_s > 0 ? o->request_timeout_s : 0),
+            MHD_OPTION_END);
+        if (!s->mhd)
+            rc = pd_errorf(err, PD_EIO, "cannot listen on %s:%d (in use, or not allowed?)", o->listen, o->port);
+    }
+    if (rc) {
+        pthread_rwlock_destroy(&s->lock);
+        free(s);
+        return rc;
+    }
+    *out = s;
+    return PD_OK;
+}
+
+void pd_server_set_ready(pd_server *s, const pd_server_backend *b) {
+    pthread_rwlock_wrlock(&s->lock);
+    s->backend = *b;
+    s->ready = true;
+    pthread_rwlock_unlock(&s->lock);
+}
+
+void pd_server_drain(pd_server *s) {
+    pthread_rwlock_wrlock(&s->lock);
+    s->ready = false;
+    s->draining = true;
+    pthread_rwlock_unlock(&s->lock);
+}
+
+int pd_server_port(const pd_server *s) {
+    const union MHD_DaemonInfo *i = MHD_get_daemon_info(s->mhd, MHD_DAEMON_INFO_BIND_PORT);
+    return i ? (int)i->port : -1;
+}
+
+void pd_server_quiesce(pd_server *s) {
+    if (s && s->mhd) MHD_quiesce_daemon(s->mhd);
+}
+
+void pd_server_stop(pd_server *s) {
+    if (!s) return;
+    if (s->mhd) MHD_stop_daemon(s->mhd);
+    pthread_rwlock_destroy(&s->lock);
+    free(s);
+}

@@ -1,0 +1,303 @@
+/* The real daemon on a loopback port, driven by a real HTTP client (curl):
+ * completions and chat, streaming against non-streaming, a stored prefix
+ * used by a request, errors, concurrent streams, SIGTERM. */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "helpers.h"
+
+static char *tmpdir;
+static char model[1024];
+static pid_t daemon_pid;
+static int port;
+
+static void setup(void) {
+    tmpdir = th_mkdtemp();
+    cr_assert_not_null(tmpdir);
+    if (system("curl --version >/dev/null 2>&1") != 0) cr_skip_test("curl is not installed");
+}
+
+static void stop_daemon(int sig) {
+    if (daemon_pid <= 0) return;
+    kill(daemon_pid, sig);
+    int st;
+    waitpid(daemon_pid, &st, 0);
+    daemon_pid = 0;
+}
+
+static void teardown(void) {
+    stop_daemon(SIGKILL);
+    th_rmtree(tmpdir);
+    free(tmpdir);
+    tmpdir = NULL;
+}
+
+TestSuite(daemon, .init = setup, .fini = teardown, .timeout = 240);
+
+static int free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t l = sizeof a;
+    getsockname(fd, (struct sockaddr *)&a, &l);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+__attribute__((format(printf, 2, 3))) static int run(char **out, const char *fmt, ...) {
+    char cmd[8192];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    return th_run(cmd, out);
+}
+
+/* Start prefixd with extra --set arguments; wait until /health says ok. */
+static void start_daemon(const char *extra) {
+    TH_REQUIRE_SHARED();
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    port = free_port();
+    char args[4096];
+    snprintf(args, sizeof args, "--set model.path=%s --set server.port=%d --set cache.path=%s/store "
+             "--set cache.map_size_mb=64 --set model.n_threads=2 %s", model, port, tmpdir, extra ? extra : "");
+    char log[1200];
+    snprintf(log, sizeof log, "%s/prefixd.log", tmpdir);
+    daemon_pid = fork();
+    cr_assert_geq(daemon_pid, 0);
+    if (daemon_pid == 0) {
+        char cmd[8192];
+        snprintf(cmd, sizeof cmd, "exec %s %s 2>%s", getenv("PD_PREFIXD"), args, log);
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 600; i++) {
+        char *out = NULL;
+        int rc = run(&out, "curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:%d/health", port);
+        bool ok = rc == 0 && out && strcmp(out, "200") == 0;
+        free(out);
+        if (ok) return;
+        int st;
+        if (waitpid(daemon_pid, &st, WNOHANG) == daemon_pid) {
+            daemon_pid = 0;
+            char *l = NULL;
+            run(&l, "cat %s", log);
+            cr_assert_fail("prefixd exited early:\n%s", l ? l : "");
+        }
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    cr_assert_fail("prefixd did not become healthy");
+}
+
+/* POST a JSON body; returns the HTTP status, the body in *out. */
+static int post(const char *path, const char *json, const char *auth, char **out) {
+    char body_path[1200];
+    snprintf(body_path, sizeof body_path, "%s/body.json", tmpdir);
+    FILE *f = fopen(body_path, "w");
+    cr_assert_not_null(f);
+    fputs(json, f);
+    fclose(f);
+    char *raw = NULL;
+    run(&raw, "curl -s -N -w '\\n%%{http_code}' -H 'Content-Type: application/json' %s%s%s --data-binary @%s "
+        "http://127.0.0.1:%d%s",
+        auth ? "-H 'Authorization: Bearer " : "", auth ? auth : "", auth ? "'" : "", body_path, port, path);
+    cr_assert_not_null(raw);
+    char *nl = strrchr(raw, '\n');
+    cr_assert_not_null(nl, "%s", raw);
+    int status = atoi(nl + 1);
+    *nl = '\0';
+    *out = raw;
+    return status;
+}
+
+static json_t *parse(const char *text) {
+    json_error_t je;
+    json_t *j = json_loads(text, 0, &je);
+    cr_assert_not_null(j, "not JSON (%s): %s", je.text, text);
+    return j;
+}
+
+/* The text of choice 0 of a completion or chat completion. */
+static char *choice_text(json_t *j) {
+    json_t *c0 = json_array_get(json_object_get(j, "choices"), 0);
+    cr_assert_not_null(c0);
+    json_t *t = json_object_get(c0, "text");
+    if (!t) t = json_object_get(json_object_get(c0, "message"), "content");
+    cr_assert(json_is_string(t));
+    return strdup(json_string_value(t));
+}
+
+/* Concatenate the deltas of an SSE stream; checks it ends with [DONE]. */
+static char *stream_text(const char *sse) {
+    cr_assert(strstr(sse, "data: [DONE]"), "%s", sse);
+    size_t cap = strlen(sse) + 1, len = 0;
+    char *acc = calloc(cap, 1);
+    for (const char *p = strstr(sse, "data: "); p; p = strstr(p + 1, "data: ")) {
+        if (strncmp(p, "data: [DONE]", 12) == 0) break;
+        const char *end = strstr(p, "\n\n");
+        cr_assert_not_null(end);
+        char *one = strndup(p + 6, (size_t)(end - p - 6));
+        json_t *j = parse(one);
+        json_t *c0 = json_array_get(json_object_get(j, "choices"), 0);
+        json_t *t = c0 ? json_object_get(c0, "text") : NULL;
+        if (c0 && !t) t = json_object_get(json_object_get(c0, "delta"), "content");
+        if (t && json_is_string(t)) {
+            size_t n = strlen(json_string_value(t));
+            memcpy(acc + len, json_string_value(t), n);
+            len += n;
+        }
+        json_decref(j);
+        free(one);
+    }
+    return acc;
+}
+
+Test(daemon, health_models_and_greedy_completion_match_the_engine) {
+    start_daemon(NULL);
+    char *out = NULL;
+    cr_assert_eq(run(&out, "curl -s http://127.0.0.1:%d/v1/models", port), 0);
+    json_t *m = parse(out);
+    cr_assert_str_eq(json_string_value(json_object_get(json_array_get(json_object_get(m, "data"), 0), "object")),
+                     "model");
+    json_decref(m);
+    free(out);
+
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"Once upon a time\",\"max_tokens\":24,"
+                                         "\"temperature\":0}", NULL, &out), 200, "%s", out);
+    json_t *j = parse(out);
+    char *text = choice_text(j);
+    json_t *usage = json_object_get(j, "usage");
+    cr_assert_eq(json_integer_value(json_object_get(usage, "completion_tokens")), 24);
+    json_decref(j);
+    free(out);
+
+    /* The same greedy continuation from prefixctl generate (the engine). */
+    cr_assert_eq(run(&out, "%s generate --model %s --prompt 'Once upon a time' -n 24 --threads 2 2>/dev/null",
+                     getenv("PD_PREFIXCTL"), model), 0);
+    size_t n = strlen(out);
+    if (n && out[n - 1] == '\n') out[n - 1] = '\0'; /* prefixctl ends the text with a newline */
+    cr_assert_str_eq(text, out, "daemon: '%s'\nengine: '%s'", text, out);
+    free(out);
+    free(text);
+}
+
+Test(daemon, streamed_and_non_streamed_output_are_identical) {
+    start_daemon(NULL);
+    const char *req = "{\"model\":\"x\",\"prompt\":\"The little dog\",\"max_tokens\":40,\"temperature\":1,"
+                      "\"seed\":7%s}";
+    char body[512], *plain = NULL, *sse = NULL;
+    snprintf(body, sizeof body, req, "");
+    cr_assert_eq(post("/v1/completions", body, NULL, &plain), 200, "%s", plain);
+    snprintf(body, sizeof body, req, ",\"stream\":true");
+    cr_assert_eq(post("/v1/completions", body, NULL, &sse), 200, "%s", sse);
+    json_t *j = parse(plain);
+    char *a = choice_text(j), *b = stream_text(sse);
+    cr_assert_str_eq(a, b);
+    json_decref(j);
+    free(a), free(b), free(plain), free(sse);
+}
+
+Test(daemon, errors_are_openai_shaped) {
+    start_daemon("--set server.api_key=sekrit --set server.max_body_bytes=2048");
+    char *out = NULL;
+    const char *ok = "{\"model\":\"x\",\"prompt\":\"Hi\",\"max_tokens\":2}";
+    cr_assert_eq(post("/v1/completions", ok, NULL, &out), 401, "%s", out);
+    json_t *j = parse(out);
+    cr_assert(json_is_string(json_object_get(json_object_get(j, "error"), "message")));
+    json_decref(j);
+    free(out);
+    cr_assert_eq(post("/v1/completions", ok, "wrong", &out), 401, "%s", out);
+    free(out);
+    cr_assert_eq(post("/v1/completions", ok, "sekrit", &out), 200, "%s", out);
+    free(out);
+    cr_assert_eq(post("/v1/completions", "{not json", "sekrit", &out), 400, "%s", out);
+    free(out);
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"Hi\",\"temperature\":9}", "sekrit", &out), 400,
+                 "%s", out);
+    j = parse(out);
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(j, "error"), "param")), "temperature");
+    json_decref(j);
+    free(out);
+    cr_assert_eq(post("/v1/nothing", ok, "sekrit", &out), 404, "%s", out);
+    free(out);
+    char big[4096];
+    memset(big, ' ', sizeof big - 1);
+    big[sizeof big - 1] = '\0';
+    memcpy(big, "{\"model\":\"x\",\"prompt\":\"", 22);
+    memcpy(big + sizeof big - 3, "\"}", 2);
+    cr_assert_eq(post("/v1/completions", big, "sekrit", &out), 413, "%s", out);
+    free(out);
+}
+
+Test(daemon, concurrent_streams_all_complete_and_sigterm_exits_cleanly) {
+    start_daemon("--set scheduler.max_batch=8");
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd,
+             "for i in $(seq 1 16); do curl -s -N -H 'Content-Type: application/json' --data-binary "
+             "\"{\\\"model\\\":\\\"x\\\",\\\"prompt\\\":\\\"Tom had a ball $i\\\",\\\"max_tokens\\\":32,"
+             "\\\"stream\\\":true,\\\"seed\\\":$i}\" http://127.0.0.1:%d/v1/completions > %s/s$i.txt & done; wait",
+             port, tmpdir);
+    cr_assert_eq(run(NULL, "%s", cmd), 0);
+    for (int i = 1; i <= 16; i++) {
+        char *out = NULL;
+        cr_assert_eq(run(&out, "cat %s/s%d.txt", tmpdir, i), 0);
+        cr_assert(strstr(out, "\"finish_reason\"") && strstr(out, "data: [DONE]"), "stream %d: %s", i, out);
+        free(out);
+    }
+    kill(daemon_pid, SIGTERM);
+    int st;
+    cr_assert_eq(waitpid(daemon_pid, &st, 0), daemon_pid);
+    daemon_pid = 0;
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d", st);
+}
+
+Test(daemon, a_stored_prefix_is_used_and_exact_at_retention_1) {
+    TH_REQUIRE_SHARED();
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    /* A story prefix, stored uncompressed (retention 1). */
+    char text[1200];
+    snprintf(text, sizeof text, "%s/prefix.txt", tmpdir);
+    const char *story = "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+                        "sunshine. One day, she saw a big tree with a red ball in it. She wanted the ball very much.";
+    FILE *f = fopen(text, "w");
+    fputs(story, f);
+    fclose(f);
+    char *out = NULL;
+    cr_assert_eq(run(&out, "%s compress --model %s --policy knorm --retention 1 --text %s --store %s/store 2>&1",
+                     getenv("PD_PREFIXCTL"), model, text, tmpdir),
+                 0, "%s", out);
+    free(out);
+    start_daemon("--set compression.min_prefix_tokens=8");
+    char body[2048];
+    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":20,\"temperature\":0}", story);
+    cr_assert_eq(post("/v1/completions", body, NULL, &out), 200, "%s", out);
+    json_t *j = parse(out);
+    json_t *details = json_object_get(json_object_get(j, "usage"), "prompt_tokens_details");
+    cr_assert_gt(json_integer_value(json_object_get(details, "cached_tokens")), 30, "%s", out);
+    cr_assert(json_is_object(json_object_get(j, "prefix")), "%s", out);
+    char *with_prefix = choice_text(j);
+    json_decref(j);
+    free(out);
+    snprintf(body, sizeof body,
+             "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":20,\"temperature\":0,\"cache\":\"off\"}", story);
+    cr_assert_eq(post("/v1/completions", body, NULL, &out), 200, "%s", out);
+    j = parse(out);
+    details = json_object_get(json_object_get(j, "usage"), "prompt_tokens_details");
+    cr_assert_eq(json_integer_value(json_object_get(details, "cached_tokens")), 0, "%s", out);
+    char *without = choice_text(j);
+    cr_assert_str_eq(with_prefix, without);
+    json_decref(j);
+    free(out), free(with_prefix), free(without);
+}
