@@ -14,6 +14,7 @@
 
 #include "cache/cache.h"
 #include "engine/engine.h"
+#include "policies/policies.h"
 #include "util/util.h"
 
 #ifdef __cplusplus
@@ -182,6 +183,78 @@ typedef struct pd_scheduler_stats {
 } pd_scheduler_stats;
 
 void pd_scheduler_stats_get(pd_scheduler *s, pd_scheduler_stats *out);
+
+/* ------------------------------------------------------------------------
+ * Precompression jobs
+ *
+ * Registering a prefix (prefill with a policy, optional calibration, store
+ * write) runs on the jobs' own worker thread with its own pd_model instance
+ * loaded from the same file (the weights are mmap'd, so shared), so serving
+ * never waits for it. Jobs run one at a time, oldest first; finished jobs
+ * are remembered (up to max_jobs) so their status can be read.
+ * ------------------------------------------------------------------------ */
+
+typedef struct pd_jobs pd_jobs;
+
+typedef struct pd_jobs_opts {
+    const char *model_path;      /* the served GGUF (loaded again, lazily, by the worker) */
+    int n_threads;               /* the worker's compute threads (default 1) */
+    pd_store *store;             /* where prefixes go (not owned) */
+    pd_hot *hot;                 /* optional: invalidated on delete (not owned) */
+    int max_jobs;                /* jobs remembered, queued or finished (default 256) */
+    const char *default_policy;  /* spec when a job names none (default "compactor") */
+    pd_metrics *metrics;         /* optional */
+} pd_jobs_opts;
+
+void pd_jobs_opts_default(pd_jobs_opts *o);
+int pd_jobs_create(const pd_jobs_opts *o, pd_jobs **out, pd_error *err);
+/* Finishes the running job's current step, drops the queue, joins. */
+void pd_jobs_free(pd_jobs *j);
+
+/* What to register. Copied by pd_jobs_submit. */
+typedef struct pd_job_spec {
+    const pd_token *tokens;      /* the prefix, BOS included as requests will send it */
+    int64_t n;
+    const pd_layout *layout;     /* optional spans/whitelist (policies.h), copied */
+    const char *policy;          /* spec string; NULL = default_policy */
+    double retention;            /* > 0: overrides the spec's retention */
+    double quality;              /* > 1: choose the retention by calibration (tau) */
+    const char *ns;              /* namespace ("" or NULL = none) */
+    bool pin;
+    pd_kv_dtype dtype;
+} pd_job_spec;
+
+typedef enum pd_job_state {
+    PD_JOB_QUEUED = 0,
+    PD_JOB_RUNNING,
+    PD_JOB_DONE,
+    PD_JOB_FAILED,
+} pd_job_state;
+
+const char *pd_job_state_name(pd_job_state s); /* "queued", "running", "done", "failed" */
+
+typedef struct pd_job_status {
+    uint64_t id;                 /* 1, 2, ... */
+    pd_job_state state;
+    double progress;             /* 0..1 */
+    char phase[32];              /* "queued", "loading model", "calibrating", "compressing", "storing", "done" */
+    char error[512];             /* PD_JOB_FAILED */
+    int error_code;
+    pd_prefix_info info;         /* PD_JOB_DONE: the stored prefix (id, kept rows, quality, ...) */
+    bool existed;                /* PD_JOB_DONE: it was already stored */
+    double chosen_retention;     /* the retention used (calibrated or asked for) */
+    double created_at, started_at, finished_at; /* Unix seconds; 0 = not yet */
+} pd_job_status;
+
+/* Validates (non-empty tokens, the spec parses, the layout fits n, quality
+ * and retention ranges, n within the model's context once loaded) and
+ * queues. Full (max_jobs unfinished): PD_ERANGE. */
+int pd_jobs_submit(pd_jobs *j, const pd_job_spec *spec, uint64_t *job_id, pd_error *err);
+/* PD_ENOTFOUND for unknown or forgotten ids. */
+int pd_jobs_status(pd_jobs *j, uint64_t id, pd_job_status *out, pd_error *err);
+/* Wait until the job is DONE or FAILED, or timeout_s passes (then the
+ * current status, rc PD_OK; check out->state). */
+int pd_jobs_wait(pd_jobs *j, uint64_t id, double timeout_s, pd_job_status *out, pd_error *err);
 
 #ifdef __cplusplus
 }

@@ -100,6 +100,11 @@ int pd_testmodel_cli(int argc, char **argv);
  * (tools/store_cli.c): argv[0] is the subcommand name. Exit codes as above. */
 int pd_store_cli(int argc, char **argv);
 
+/* `prefixctl prefix [--url URL] [--token T] add|list|show ID|delete ID|job ID`
+ * (tools/prefix_cli.c): the daemon's admin API over HTTP. argv[0] is the
+ * subcommand name. Exit codes as above. */
+int pd_prefix_cli(int argc, char **argv);
+
 #ifdef __cplusplus
 }
 #endif
