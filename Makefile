@@ -12,7 +12,7 @@ export PATH := $(PATH):/usr/local/cuda/bin
 
 DEFAULT_MODEL := $(if $(wildcard $(SHARED)/tinystories/stories260K.gguf),$(SHARED)/tinystories/stories260K.gguf,models/default.gguf)
 
-.PHONY: all deps build test test-asan run bench bench-store eval fuzz clean
+.PHONY: all deps build test test-asan run bench bench-store eval fuzz clean bench-serve
 
 all: build
 
@@ -67,6 +67,11 @@ run: build $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/defaul
 	$(BUILD)/prefixd --check-config --set model.path=$(DEFAULT_MODEL)
 	@echo "== CUDA"
 	$(BUILD)/tools/prefixctl cuda-info
+	@$(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),echo "!! NO MODEL CONFIGURED: serving the GENERATED DEMO MODEL models/default.gguf (random weights, gibberish output); put ../shared/models beside the repo or run build/prefixd --set model.path=YOUR.gguf")
+	@echo "== prefixd on http://127.0.0.1:8080 (Ctrl-C stops it), store in var/prefixd"
+	@echo "   try: curl -s localhost:8080/v1/completions -H 'Content-Type: application/json' -d '{\"model\":\"m\",\"prompt\":\"Once upon a time\",\"max_tokens\":32}'"
+	$(BUILD)/prefixd --config deploy/prefixd.conf --set model.path=$(DEFAULT_MODEL) --set cache.path=var/prefixd \
+	  --set compression.min_prefix_tokens=16
 
 # Engine throughput on a generated SmolLM2-135M-shaped Q8_0 model (32000 vocab),
 # the shape of the llama.cpp reference numbers in the README.
@@ -91,3 +96,19 @@ fuzz: deps
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) build-fuzz
+
+# Serving benchmark against a real prefixd (tools/serve-bench.c): time to
+# first token with a stored ~400-token prefix at retention 1/0.5/0.25 vs no
+# prefix, and decode tokens/s with 1, 8 and 32 concurrent streams. First on
+# the real stories260K, then on a generated SmolLM2-135M-shaped Q8_0 model
+# with the Llama SentencePiece vocabulary (32000 tokens, all with text).
+BENCH_SERVE_MODEL := $(BUILD)/bench-smollm2-135m-q8_0.gguf
+
+$(BENCH_SERVE_MODEL): | build
+	$(BUILD)/tools/prefixctl gen-model --preset smollm2-135m --type q8_0 --seed 1 \
+	  $(if $(wildcard $(SHARED)/vocab/ggml-vocab-llama-spm.gguf),--vocab-from $(SHARED)/vocab/ggml-vocab-llama-spm.gguf,--n-vocab 32000) \
+	  -o $@
+
+bench-serve: build $(BENCH_SERVE_MODEL) $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/default.gguf)
+	$(BUILD)/tools/serve-bench --model $(DEFAULT_MODEL) --prefixctl $(BUILD)/tools/prefixctl --prefixd $(BUILD)/prefixd
+	$(BUILD)/tools/serve-bench --model $(BENCH_SERVE_MODEL) --prefixctl $(BUILD)/tools/prefixctl --prefixd $(BUILD)/prefixd

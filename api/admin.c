@@ -1,3 +1,488 @@
-/* placeholder: filled in by its owner */
+/* The admin API: register prefixes (precompression jobs), read job status,
+ * list, show and delete stored prefixes. Pure request -> JSON answer; the
+ * server does the HTTP and the authentication (server.c). */
+#include <inttypes.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include "api/api.h"
-typedef int pd_placeholder_admin;
+
+#define ADMIN_MAX_SEGMENTS 256
+#define JOBS_URL "/admin/v1/jobs/"
+#define PREFIXES_URL "/admin/v1/prefixes"
+
+#define BAD(e, param, ...) pd_api_errorf((e), 400, PD_API_ERR_INVALID, (param), NULL, __VA_ARGS__)
+
+/* ---- JSON answers ------------------------------------------------------------- */
+
+static json_t *num_or_null(double v) {
+    return isfinite(v) ? json_real(v) : json_null();
+}
+
+void *pd_admin_prefix_json(const pd_prefix_info *info) {
+    char hex[PD_PREFIX_ID_HEX];
+    pd_prefix_id_hex(&info->id, hex);
+    /* kept_fraction: kept rows over every (token, layer, kv head) row. */
+    double full = (double)info->n_tokens * (double)info->n_layer * (double)info->n_head_kv;
+    json_t *q = json_pack("{s:o,s:o,s:o,s:o}", "retention", num_or_null(info->quality.retention), "tau",
+                          num_or_null(info->quality.tau), "nll_full", num_or_null(info->quality.nll_full),
+                          "nll_ratio", num_or_null(info->quality.nll_ratio));
+    if (!q) return NULL;
+    return json_pack("{s:s,s:s,s:I,s:I,s:f,s:s,s:s,s:b,s:s,s:I,s:o,s:I,s:I}", "id", hex, "object", "prefix",
+                     "tokens", (json_int_t)info->n_tokens, "kept_rows", (json_int_t)info->kept_rows, "kept_fraction",
+                     full > 0 ? (double)info->kept_rows / full : 0.0, "policy", info->spec, "namespace", info->ns,
+                     "pinned", (int)info->pinned, "dtype", pd_kv_dtype_name(info->dtype), "bytes",
+                     (json_int_t)info->bytes, "quality", q, "created_at", (json_int_t)info->created_at, "last_used",
+                     (json_int_t)info->last_used);
+}
+
+static json_t *job_json(const pd_job_status *st) {
+    json_t *prefix = NULL;
+    if (st->state == PD_JOB_DONE && !(prefix = pd_admin_prefix_json(&st->info))) return NULL;
+    char url[64];
+    snprintf(url, sizeof url, JOBS_URL "%" PRIu64, st->id);
+    return json_pack("{s:I,s:s,s:s,s:s,s:f,s:o,s:o,s:b,s:o,s:o}", "id", (json_int_t)st->id, "object", "job", "state",
+                     pd_job_state_name(st->state), "phase", st->phase, "progress", st->progress, "error",
+                     st->state == PD_JOB_FAILED ? json_string(st->error) : json_null(), "prefix",
+                     prefix ? prefix : json_null(), "existed", (int)(st->state == PD_JOB_DONE && st->existed),
+                     "chosen_retention", st->state == PD_JOB_DONE ? num_or_null(st->chosen_retention) : json_null(),
+                     "status_url", json_string(url));
+}
+
+/* Takes j (may be NULL: out of memory). */
+static int reply(json_t *j, int status, pd_admin_reply *out, pd_api_error *e) {
+    char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    if (!s) return pd_api_errorf(e, 503, PD_API_ERR_OVERLOADED, NULL, "out_of_memory", "out of memory");
+    out->status = status;
+    out->body = s;
+    out->len = strlen(s);
+    return PD_OK;
+}
+
+/* ---- registration -------------------------------------------------------------- */
+
+/* What a registration body asks for, with what it owns. */
+typedef struct reg {
+    pd_token *tokens;
+    size_t n;
+    pd_span *spans;
+    int n_spans;
+} reg;
+
+static void reg_free(reg *r) {
+    free(r->tokens);
+    free(r->spans);
+}
+
+static int tokenize(const pd_admin_ctx *ctx, const char *text, size_t len, bool parse_special, pd_token **out,
+                    size_t *n, const char *param, pd_api_error *e) {
+    pd_error err = {0};
+    pd_tokenize_opts o = {.add_special = true, .parse_special = parse_special};
+    if (pd_tokenize(pd_model_tokenizer(ctx->model), text, len, o, out, n, &err))
+        return pd_api_error_from(e, &err, param);
+    return PD_OK;
+}
+
+/* Completions tokenize their text with BOS and without control tokens:
+ * the prefix must be tokenized the same way to match them. */
+static int reg_text(const pd_admin_ctx *ctx, json_t *v, reg *r, pd_api_error *e) {
+    if (!json_is_string(v)) return BAD(e, "text", "'text' must be a string");
+    size_t len = json_string_length(v);
+    const char *s = json_string_value(v);
+    if (len == 0) return BAD(e, "text", "'text' is empty: send the prefix text to store");
+    if (strlen(s) != len) return BAD(e, "text", "'text' contains a NUL character");
+    return tokenize(ctx, s, len, false, &r->tokens, &r->n, "text", e);
+}
+
+/* The leading system message(s) rendered with the model's chat template,
+ * tokenized as chat requests are (BOS, control tokens parsed). The
+ * scheduler finds a stored prefix only if its tokens begin the request's
+ * tokens, so that is checked on the conversation given (with a placeholder
+ * user turn when it holds only system messages). */
+static int reg_messages(const pd_admin_ctx *ctx, json_t *v, reg *r, pd_api_error *e) {
+    if (ctx->family == PD_CHAT_NONE)
+        return pd_api_errorf(e, 400, PD_API_ERR_INVALID, "messages", "no_chat_template",
+                             "the model has no chat template prefixd recognises (tokenizer.chat_template); "
+                             "register the prefix as 'text' instead");
+    if (!json_is_array(v) || json_array_size(v) == 0)
+        return BAD(e, "messages", "'messages' must be a non-empty array of {\"role\",\"content\"}");
+    json_t *first = json_array_get(v, 0);
+    json_t *role = json_is_object(first) ? json_object_get(first, "role") : NULL;
+    if (!json_is_string(role) || strcmp(json_string_value(role), "system") != 0)
+        return BAD(e, "messages[0].role", "the first message must be a system message: it becomes the prefix");
+    bool only_system = true;
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        json_t *ro = json_object_get(json_array_get(v, i), "role");
+        if (!json_is_string(ro) || strcmp(json_string_value(ro), "system") != 0) only_system = false;
+    }
+    /* Let the public request parser validate the messages (roles, content
+     * parts) so that both accept exactly the same conversations. */
+    json_t *wrap = json_pack("{s:s,s:O}", "model", "prefixd", "messages", v);
+    if (wrap && only_system) {
+        json_t *u = json_pack("{s:s,s:s}", "role", "user", "content", "Hello");
+        if (!u || json_array_append_new(json_object_get(wrap, "messages"), u)) {
+            json_decref(wrap);
+            wrap = NULL;
+        }
+    }
+    char *body = wrap ? json_dumps(wrap, JSON_COMPACT) : NULL;
+    json_decref(wrap);
+    if (!body) return pd_api_errorf(e, 503, PD_API_ERR_OVERLOADED, NULL, "out_of_memory", "out of memory");
+    pd_api_request areq;
+    pd_api_limits lim;
+    pd_api_limits_default(&lim);
+    lim.max_body_bytes = SIZE_MAX;
+    int rc = pd_api_parse_request(PD_API_CHAT, body, strlen(body), &lim, &areq, e);
+    free(body);
+    if (rc) return rc;
+    pd_token *full = NULL;
+    int64_t n_full = 0;
+    size_t sys = 0;
+    lim.max_prompt_tokens = INT64_MAX;
+    rc = pd_api_prompt_tokens(&areq, pd_model_tokenizer(ctx->model), ctx->family, &lim, &full, &n_full, &sys, e);
+    char *text = NULL;
+    pd_error err = {0};
+    if (!rc && sys == 0)
+        rc = BAD(e, "messages", "the %s chat template does not render the system message as a separate leading "
+                 "part, so it cannot be stored as a prefix", pd_chat_family_name(ctx->family));
+    if (!rc && pd_chat_render(ctx->family, areq.messages, areq.n_messages, true, &text, NULL, NULL, &err))
+        rc = pd_api_error_from(e, &err, "messages");
+    if (!rc) rc = tokenize(ctx, text, sys, true, &r->tokens, &r->n, "messages", e);
+    if (!rc && (r->n > (size_t)n_full || memcmp(r->tokens, full, r->n * sizeof *full) != 0))
+        rc = BAD(e, "messages", "the system part tokenizes differently alone than in the conversation, so chat "
+                 "requests would never match it; end the system message with whitespace or punctuation");
+    free(text);
+    free(full);
+    pd_api_request_free(&areq);
+    return rc;
+}
+
+/* Span names become part of the layout text in the cache key. */
+static bool good_span_name(const char *s) {
+    size_t n = strlen(s);
+    if (n == 0 || n >= sizeof((pd_span *)0)->name) return false;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-'))
+            return false;
+    }
+    return true;
+}
+
+/* Segments are concatenated and tokenized as one text (as completions will
+ * send it). A segment ends at the first token where the tokens of the text
+ * up to its end stop agreeing with the whole: a token straddling two
+ * segments belongs to the later one. */
+static int reg_segments(const pd_admin_ctx *ctx, json_t *v, reg *r, pd_api_error *e) {
+    size_t ns = json_is_array(v) ? json_array_size(v) : 0;
+    if (ns == 0 || ns > ADMIN_MAX_SEGMENTS)
+        return BAD(e, "segments", "'segments' must be an array of 1 to %d {\"name\",\"text\",\"keep\"} objects",
+                   ADMIN_MAX_SEGMENTS);
+    size_t *ends = calloc(ns, sizeof *ends);
+    r->spans = calloc(ns, sizeof *r->spans);
+    char *all = NULL;
+    size_t len = 0;
+    char param[64];
+    int rc = ends && r->spans ? PD_OK
+                              : pd_api_errorf(e, 503, PD_API_ERR_OVERLOADED, NULL, "out_of_memory", "out of memory");
+    for (size_t i = 0; !rc && i < ns; i++) {
+        json_t *s = json_array_get(v, i), *name = json_object_get(s, "name"), *text = json_object_get(s, "text"),
+               *keep = json_object_get(s, "keep");
+        snprintf(param, sizeof param, "segments[%zu]", i);
+        if (!json_is_object(s)) {
+            rc = BAD(e, param, "%s must be an object {\"name\",\"text\",\"keep\"}", param);
+        } else if (!json_is_string(name) || !good_span_name(json_string_value(name))) {
+            snprintf(param, sizeof param, "segments[%zu].name", i);
+            rc = BAD(e, param, "%s must be 1 to 31 letters, digits, '_' or '-'", param);
+        } else if (!json_is_string(text) || json_string_length(text) == 0 ||
+                   strlen(json_string_value(text)) != json_string_length(text)) {
+            snprintf(param, sizeof param, "segments[%zu].text", i);
+            rc = BAD(e, param, "%s must be a non-empty string without NUL characters", param);
+        } else if (keep && !json_is_boolean(keep) && !json_is_null(keep)) {
+            snprintf(param, sizeof param, "segments[%zu].keep", i);
+            rc = BAD(e, param, "%s must be true or false", param);
+        } else {
+            size_t n = json_string_length(text);
+            char *grown = n <= SIZE_MAX - len - 1 ? realloc(all, len + n + 1) : NULL;
+            if (!grown) {
+                rc = pd_api_errorf(e, 503, PD_API_ERR_OVERLOADED, NULL, "out_of_memory", "out of memory");
+                break;
+            }
+            all = grown;
+            memcpy(all + len, json_string_value(text), n);
+            len += n;
+            all[len] = '\0';
+            ends[i] = len;
+            snprintf(r->spans[i].name, sizeof r->spans[i].name, "%s", json_string_value(name));
+            r->spans[i].whitelist = json_is_true(keep);
+        }
+    }
+    if (!rc) rc = tokenize(ctx, all, len, false, &r->tokens, &r->n, "segments", e);
+    int64_t prev = 0;
+    for (size_t i = 0; !rc && i < ns; i++) {
+        size_t end = r->n;
+        if (i + 1 < ns) {
+            pd_token *part = NULL;
+            size_t np = 0;
+            rc = tokenize(ctx, all, ends[i], false, &part, &np, "segments", e);
+            end = 0;
+            while (!rc && end < np && end < r->n && part[end] == r->tokens[end]) end++;
+            free(part);
+        }
+        if (!rc && (int64_t)end <= prev) {
+            snprintf(param, sizeof param, "segments[%zu]", i);
+            rc = BAD(e, param, "%s ('%s') does not hold a token of its own; make it longer or merge it with its "
+                     "neighbour", param, r->spans[i].name);
+        }
+        if (!rc) {
+            r->spans[i].start = prev;
+            r->spans[i].end = (int64_t)end;
+            prev = (int64_t)end;
+        }
+    }
+    r->n_spans = (int)ns;
+    free(all);
+    free(ends);
+    return rc;
+}
+
+static bool opt_type(json_t *root, const char *key, json_t **out, json_type type, const char *what, pd_api_error *e,
+                     int *rc) {
+    json_t *v = json_object_get(root, key);
+    *out = NULL;
+    if (!v || json_is_null(v)) return false;
+    bool ok = type == JSON_TRUE ? json_is_boolean(v) : type == JSON_REAL ? json_is_number(v) : json_typeof(v) == type;
+    if (!ok) {
+        *rc = BAD(e, key, "'%s' must be %s", key, what);
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+static int wait_job(const pd_admin_ctx *ctx, uint64_t id, pd_job_status *st, pd_api_error *e) {
+    pd_error err = {0};
+    /* In slices, so a server shutting down does not wait for the job. */
+    for (double waited = 0; waited < PD_ADMIN_WAIT_S; waited += 1.0) {
+        if (pd_jobs_wait(ctx->jobs, id, 1.0, st, &err)) return pd_api_error_from(e, &err, NULL);
+        if (st->state == PD_JOB_DONE || st->state == PD_JOB_FAILED) break;
+        if (ctx->stopping && ctx->stopping(ctx->stopping_ctx)) break;
+    }
+    return PD_OK;
+}
+
+static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len, pd_admin_reply *out,
+                           pd_api_error *e) {
+    if (ctx->max_body_bytes && len > ctx->max_body_bytes)
+        return pd_api_errorf(e, 413, PD_API_ERR_TOO_LARGE, NULL, NULL, "the request body is larger than %zu bytes "
+                             "(server.max_body_bytes)", ctx->max_body_bytes);
+    json_error_t je;
+    json_t *root = json_loadb(body ? body : "", len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) return BAD(e, NULL, "the body is not valid JSON: %s (line %d, column %d)", je.text, je.line, je.column);
+    int rc = PD_OK;
+    reg r = {0};
+    pd_job_spec spec = {.dtype = PD_KV_F32};
+    json_t *text = NULL, *msgs = NULL, *segs = NULL, *v = NULL;
+    bool wait = false;
+    if (!json_is_object(root)) {
+        rc = BAD(e, NULL, "the body must be a JSON object");
+        goto done;
+    }
+    int given = 0;
+    if (opt_type(root, "text", &text, JSON_STRING, "a string", e, &rc)) given++;
+    if (!rc && opt_type(root, "messages", &msgs, JSON_ARRAY, "an array of messages", e, &rc)) given++;
+    if (!rc && opt_type(root, "segments", &segs, JSON_ARRAY, "an array of segments", e, &rc)) given++;
+    if (!rc && given != 1) {
+        rc = BAD(e, given ? "segments" : "text", "send exactly one of 'text', 'messages' or 'segments' (got %d)",
+                 given);
+        goto done;
+    }
+    if (!rc && opt_type(root, "policy", &v, JSON_STRING, "a policy spec string (docs/policies.md)", e, &rc)) {
+        spec.policy = json_string_value(v);
+        if (strlen(spec.policy) >= PD_PREFIX_SPEC_MAX) rc = BAD(e, "policy", "'policy' is too long");
+    }
+    bool has_retention = false, has_quality = false;
+    if (!rc && opt_type(root, "retention", &v, JSON_REAL, "a number in (0, 1]", e, &rc)) {
+        spec.retention = json_number_value(v);
+        has_retention = true;
+        if (!(spec.retention > 0 && spec.retention <= 1))
+            rc = BAD(e, "retention", "'retention' must be in (0, 1], the fraction of rows kept");
+    }
+    if (!rc && opt_type(root, "quality", &v, JSON_REAL, "a number >= 1", e, &rc)) {
+        spec.quality = json_number_value(v);
+        has_quality = true;
+        if (!(spec.quality >= 1 && spec.quality <= 1e6))
+            rc = BAD(e, "quality", "'quality' is the largest NLL ratio allowed (tau, >= 1), e.g. 1.05");
+    }
+    if (!rc && has_retention && has_quality)
+        rc = BAD(e, "quality", "send 'retention' or 'quality', not both: quality chooses the retention");
+    /* The configured quality budget applies when the request fixes nothing. */
+    if (!rc && !has_retention && !has_quality && ctx->quality_budget > 0) spec.quality = ctx->quality_budget;
+    if (!rc && !spec.policy) spec.policy = ctx->default_policy;
+    if (!rc && opt_type(root, "namespace", &v, JSON_STRING, "a string", e, &rc)) {
+        spec.ns = json_string_value(v);
+        if (strlen(spec.ns) >= PD_PREFIX_NS_MAX)
+            rc = BAD(e, "namespace", "'namespace' is longer than %d bytes", PD_PREFIX_NS_MAX - 1);
+    }
+    if (!rc && opt_type(root, "pin", &v, JSON_TRUE, "true or false", e, &rc)) spec.pin = json_is_true(v);
+    if (!rc && opt_type(root, "dtype", &v, JSON_STRING, "\"f32\", \"f16\" or \"bf16\"", e, &rc) &&
+        !pd_kv_dtype_from_name(json_string_value(v), &spec.dtype))
+        rc = BAD(e, "dtype", "'dtype' must be \"f32\", \"f16\" or \"bf16\"");
+    if (!rc && opt_type(root, "wait", &v, JSON_TRUE, "true or false", e, &rc)) wait = json_is_true(v);
+    if (rc) goto done;
+
+    rc = text ? reg_text(ctx, text, &r, e) : msgs ? reg_messages(ctx, msgs, &r, e) : reg_segments(ctx, segs, &r, e);
+    if (rc) goto done;
+    if (ctx->n_ctx > 0 && r.n >= (size_t)ctx->n_ctx) {
+        rc = pd_api_errorf(e, 400, PD_API_ERR_INVALID, text ? "text" : msgs ? "messages" : "segments",
+                           "context_length_exceeded", "the prefix is %zu tokens; it must be shorter than the "
+                           "context (%d tokens) to leave room for requests", r.n, (int)ctx->n_ctx);
+        goto done;
+    }
+    pd_layout layout = {.spans = r.spans, .n_spans = r.n_spans};
+    spec.tokens = r.tokens;
+    spec.n = (int64_t)r.n;
+    spec.layout = r.n_spans ? &layout : NULL;
+    uint64_t id = 0;
+    pd_error err = {0};
+    if (pd_jobs_submit(ctx->jobs, &spec, &id, &err)) {
+        if (err.code == PD_ERANGE && strstr(err.msg, "full"))
+            rc = pd_api_errorf(e, 429, PD_API_ERR_RATE_LIMIT, NULL, "queue_full", "%s; retry later", err.msg);
+        else
+            rc = pd_api_error_from(e, &err, NULL);
+        goto done;
+    }
+    pd_job_status st;
+    if (wait) {
+        if ((rc = wait_job(ctx, id, &st, e))) goto done;
+        if (st.state == PD_JOB_FAILED) {
+            pd_error jerr = {.code = st.error_code ? st.error_code : PD_EIO};
+            snprintf(jerr.msg, sizeof jerr.msg, "registration failed: %.400s", st.error);
+            rc = pd_api_error_from(e, &jerr, NULL);
+            goto done;
+        }
+        if (st.state == PD_JOB_DONE) {
+            rc = reply(job_json(&st), 201, out, e);
+            goto done;
+        }
+    } else if ((rc = pd_jobs_status(ctx->jobs, id, &st, &err))) {
+        rc = pd_api_error_from(e, &err, NULL);
+        goto done;
+    }
+    /* Not finished (or not waited for): where to ask. */
+    json_t *j = job_json(&st);
+    if (j && json_object_set_new(j, "job_id", json_integer((json_int_t)id))) {
+        json_decref(j);
+        j = NULL;
+    }
+    rc = reply(j, 202, out, e);
+done:
+    reg_free(&r);
+    json_decref(root);
+    return rc;
+}
+
+/* ---- the other routes ------------------------------------------------------------ */
+
+static int parse_id(const char *hex, pd_prefix_id *id, pd_api_error *e) {
+    pd_error err = {0};
+    if (strlen(hex) != 2 * PD_PREFIX_ID_LEN || pd_prefix_id_parse(hex, id, &err))
+        return pd_api_errorf(e, 404, PD_API_ERR_NOT_FOUND, NULL, "invalid_prefix_id",
+                             "'%.80s' is not a prefix id (64 hex digits, as listed by GET /admin/v1/prefixes)", hex);
+    return PD_OK;
+}
+
+typedef struct list_ctx {
+    json_t *data;
+    const char *ns;
+} list_ctx;
+
+static int list_one(void *vctx, const pd_prefix_id *id, const pd_prefix_info *info, const char *why) {
+    list_ctx *l = vctx;
+    json_t *j;
+    if (!info) {
+        char hex[PD_PREFIX_ID_HEX];
+        pd_prefix_id_hex(id, hex);
+        j = json_pack("{s:s,s:s,s:s}", "id", hex, "object", "prefix", "error", why ? why : "corrupt header");
+    } else {
+        if (l->ns && strcmp(l->ns, info->ns) != 0) return 0;
+        j = pd_admin_prefix_json(info);
+    }
+    return j && json_array_append_new(l->data, j) == 0 ? 0 : PD_ENOMEM;
+}
+
+static int handle_list(const pd_admin_ctx *ctx, const char *ns, pd_admin_reply *out, pd_api_error *e) {
+    list_ctx l = {.data = json_array(), .ns = ns};
+    if (!l.data) return reply(NULL, 0, out, e);
+    pd_error err = {0};
+    int rc = pd_store_list(ctx->store, list_one, &l, &err);
+    if (rc) {
+        json_decref(l.data);
+        if (rc == PD_ENOMEM && !err.msg[0]) return reply(NULL, 0, out, e);
+        return pd_api_error_from(e, &err, NULL);
+    }
+    return reply(json_pack("{s:s,s:o}", "object", "list", "data", l.data), 200, out, e);
+}
+
+static int handle_prefix(const pd_admin_ctx *ctx, const char *method, const char *hex, pd_admin_reply *out,
+                         pd_api_error *e) {
+    pd_prefix_id id;
+    int rc = parse_id(hex, &id, e);
+    if (rc) return rc;
+    pd_error err = {0};
+    if (strcmp(method, "GET") == 0) {
+        pd_prefix_info info;
+        if (pd_store_info(ctx->store, &id, &info, &err)) return pd_api_error_from(e, &err, NULL);
+        return reply(pd_admin_prefix_json(&info), 200, out, e);
+    }
+    if (strcmp(method, "DELETE") == 0) {
+        if (pd_store_delete(ctx->store, &id, &err)) return pd_api_error_from(e, &err, NULL);
+        /* Requests already attending to it keep their reference. */
+        if (ctx->hot) pd_hot_invalidate(ctx->hot, &id);
+        out->status = 204;
+        return PD_OK;
+    }
+    return pd_api_errorf(e, 405, PD_API_ERR_INVALID, NULL, "method_not_allowed", "use GET or DELETE on a prefix");
+}
+
+static int handle_job(const pd_admin_ctx *ctx, const char *idtext, pd_admin_reply *out, pd_api_error *e) {
+    char *end = NULL;
+    unsigned long long id = strtoull(idtext, &end, 10);
+    if (!idtext[0] || idtext[0] == '-' || *end || id == 0)
+        return pd_api_errorf(e, 404, PD_API_ERR_NOT_FOUND, NULL, "job_not_found", "'%.40s' is not a job id", idtext);
+    pd_job_status st;
+    pd_error err = {0};
+    if (pd_jobs_status(ctx->jobs, (uint64_t)id, &st, &err)) {
+        if (err.code == PD_ENOTFOUND)
+            return pd_api_errorf(e, 404, PD_API_ERR_NOT_FOUND, NULL, "job_not_found",
+                                 "no job %llu (unknown, or finished long ago and forgotten)", id);
+        return pd_api_error_from(e, &err, NULL);
+    }
+    return reply(job_json(&st), 200, out, e);
+}
+
+int pd_admin_handle(const pd_admin_ctx *ctx, const char *method, const char *url, const char *query_namespace,
+                    const char *body, size_t len, pd_admin_reply *out, pd_api_error *e) {
+    memset(out, 0, sizeof *out);
+    if (!ctx->jobs || !ctx->store || !ctx->model)
+        return pd_api_errorf(e, 503, PD_API_ERR_OVERLOADED, NULL, "admin_unavailable",
+                             "the admin API is not available (the model or the prefix store is not open)");
+    if (strcmp(url, PREFIXES_URL) == 0) {
+        if (strcmp(method, "POST") == 0) return handle_register(ctx, body, len, out, e);
+        if (strcmp(method, "GET") == 0) return handle_list(ctx, query_namespace, out, e);
+        return pd_api_errorf(e, 405, PD_API_ERR_INVALID, NULL, "method_not_allowed",
+                             "use POST (register) or GET (list) on " PREFIXES_URL);
+    }
+    if (strncmp(url, PREFIXES_URL "/", strlen(PREFIXES_URL "/")) == 0)
+        return handle_prefix(ctx, method, url + strlen(PREFIXES_URL "/"), out, e);
+    if (strncmp(url, JOBS_URL, strlen(JOBS_URL)) == 0) {
+        if (strcmp(method, "GET") != 0)
+            return pd_api_errorf(e, 405, PD_API_ERR_INVALID, NULL, "method_not_allowed", "use GET on a job");
+        return handle_job(ctx, url + strlen(JOBS_URL), out, e);
+    }
+    return pd_api_errorf(e, 404, PD_API_ERR_NOT_FOUND, NULL, NULL, "no such admin route: %.200s", url);
+}

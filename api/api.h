@@ -242,6 +242,13 @@ typedef struct pd_server_opts {
     int request_timeout_s;     /* idle connection timeout; 0 = none */
     bool metrics;              /* serve GET /metrics (default true) */
     pd_api_limits limits;
+    /* Admin API (/admin/v1/...): admin_token NULL or "" = disabled (404).
+     * admin_port != 0: a second listener on admin_listen:admin_port serves
+     * only the admin routes and the public one does not; admin_port 0: the
+     * public listener serves them too. */
+    const char *admin_token;
+    const char *admin_listen;  /* IPv4 address (default 127.0.0.1) */
+    int admin_port;
 } pd_server_opts;
 
 /* What the routes serve once the model is loaded (not owned). */
@@ -252,9 +259,17 @@ typedef struct pd_server_backend {
     pd_chat_family family;
     char model_id[128];
     int64_t created;           /* Unix seconds, for /v1/models */
+    /* Admin API (all optional; without jobs and store it answers 503). */
+    pd_jobs *jobs;
+    pd_store *store;
+    pd_hot *hot;
+    const char *default_policy; /* compression.policy (NULL = the jobs' default) */
+    double quality_budget;      /* compression.quality_budget; > 0: default "quality" */
 } pd_server_backend;
 
 void pd_server_opts_default(pd_server_opts *o);
+/* The admin listener's port (-1 when there is none). */
+int pd_server_admin_port(const pd_server *s);
 /* metrics may be NULL; the server registers its series in it. */
 int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **out, pd_error *err);
 /* From now on the API routes serve b, /health says ok. */
@@ -267,6 +282,60 @@ int pd_server_port(const pd_server *s);
 void pd_server_quiesce(pd_server *s);
 /* Close every connection (releasing their scheduler requests) and free. */
 void pd_server_stop(pd_server *s);
+
+/* ------------------------------------------------------------------------
+ * Admin API (api/admin.c): prefix registration, jobs, the stored prefixes.
+ * The server authenticates (Authorization: Bearer admin.token) and routes
+ * here; these functions only see the request and answer JSON.
+ *
+ *   POST   /admin/v1/prefixes        register (exactly one of text, messages,
+ *                                    segments); 201 when done (wait), else
+ *                                    202 {"job_id","status_url"}
+ *   GET    /admin/v1/jobs/{id}       job status (+ "prefix" when done)
+ *   GET    /admin/v1/prefixes        stored prefixes (?namespace=NS)
+ *   GET    /admin/v1/prefixes/{id}   one prefix
+ *   DELETE /admin/v1/prefixes/{id}   204 (also dropped from the hot tier)
+ *
+ * docs/api.md describes the bodies and answers.
+ * ------------------------------------------------------------------------ */
+
+#define PD_ADMIN_PREFIX "/admin/"   /* every admin route starts with this */
+#define PD_ADMIN_WAIT_S 600.0       /* longest a "wait": true registration blocks */
+
+/* What the admin routes work on (not owned). */
+typedef struct pd_admin_ctx {
+    pd_model *model;            /* the served model: tokenizer, fingerprint, context */
+    pd_chat_family family;
+    int32_t n_ctx;
+    pd_jobs *jobs;
+    pd_store *store;
+    pd_hot *hot;                /* may be NULL */
+    const char *default_policy; /* NULL = the jobs' default */
+    double quality_budget;      /* > 0: the default tau */
+    size_t max_body_bytes;
+    /* "wait": true polls this once a second and stops waiting (202) when it
+     * says the server is stopping. May be NULL. */
+    bool (*stopping)(void *stopping_ctx);
+    void *stopping_ctx;
+} pd_admin_ctx;
+
+typedef struct pd_admin_reply {
+    int status;                 /* 200, 201, 202, 204 */
+    char *body;                 /* malloc'd JSON (NULL for 204) */
+    size_t len;
+} pd_admin_reply;
+
+/* Serve one admin request. url is the path (no query); query_namespace is
+ * the ?namespace= argument or NULL. On success *out holds the answer; on
+ * failure e (status 400/404/405/413/500/503) and out->body is NULL. */
+int pd_admin_handle(const pd_admin_ctx *ctx, const char *method, const char *url, const char *query_namespace,
+                    const char *body, size_t len, pd_admin_reply *out, pd_api_error *e);
+
+/* The JSON object for a stored prefix (id, tokens, kept_rows, kept_fraction,
+ * policy, namespace, pinned, dtype, bytes, quality, created_at, last_used),
+ * as a jansson json_t * (returned as void * to keep jansson out of this
+ * header); NULL when out of memory. */
+void *pd_admin_prefix_json(const pd_prefix_info *info);
 
 #ifdef __cplusplus
 }

@@ -16,10 +16,18 @@
 
 #include "api/api.h"
 
+/* A listening socket: the public one, or the admin one (admin.port != 0). */
+typedef struct listener {
+    pd_server *srv;
+    bool admin; /* serves only the admin routes */
+} listener;
+
 struct pd_server {
-    struct MHD_Daemon *mhd;
+    struct MHD_Daemon *mhd, *admin_mhd;
+    listener pub, adm;
     pd_server_opts opts;
     char api_key[256];
+    char admin_token[256];
     pd_metrics *metrics;
     pd_counter *requests, *errors, *streams;
     /* ready/backend: written by set_ready and drain, read by connection
@@ -109,6 +117,14 @@ static bool authorized(const pd_server *s, struct MHD_Connection *c) {
     const char *tok = h + 7;
     size_t a = strlen(tok), b = strlen(s->api_key);
     return a == b && CRYPTO_memcmp(tok, s->api_key, a) == 0;
+}
+
+static bool admin_authorized(const pd_server *s, struct MHD_Connection *c) {
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!h || strncmp(h, "Bearer ", 7) != 0) return false;
+    const char *tok = h + 7;
+    size_t a = strlen(tok), b = strlen(s->admin_token);
+    return a == b && CRYPTO_memcmp(tok, s->admin_token, a) == 0;
 }
 
 static bool get_backend(pd_server *s, pd_server_backend *out) {
@@ -304,10 +320,56 @@ static enum MHD_Result handle_get(pd_server *s, struct MHD_Connection *c, const 
     return send_errorf(s, c, 404, PD_API_ERR_NOT_FOUND, NULL, "no such route");
 }
 
+static bool server_stopping(void *ctx) {
+    pd_server *s = ctx;
+    pthread_rwlock_rdlock(&s->lock);
+    bool d = s->draining;
+    pthread_rwlock_unlock(&s->lock);
+    return d;
+}
+
+/* /admin/...: authenticated with admin.token, then api/admin.c. The backend
+ * is copied and the lock not held: a registration may wait for its job, and
+ * the jobs outlive the server (daemon/main.c frees them after it). */
+static enum MHD_Result handle_admin(pd_server *s, struct MHD_Connection *c, http_req *r, const char *url,
+                                    const char *method) {
+    if (!admin_authorized(s, c))
+        return send_errorf(s, c, 401, PD_API_ERR_AUTH, "invalid_admin_token",
+                           "missing or wrong admin token (send Authorization: Bearer ADMIN_TOKEN, admin.token)");
+    pd_api_error e;
+    if (r->too_large) {
+        pd_api_errorf(&e, 413, PD_API_ERR_TOO_LARGE, NULL, NULL, "the request body is larger than %zu bytes "
+                      "(server.max_body_bytes)", s->opts.limits.max_body_bytes);
+        return send_error(s, c, &e);
+    }
+    pd_server_backend b;
+    if (!get_backend(s, &b)) {
+        bool draining = server_stopping(s);
+        return send_errorf(s, c, 503, PD_API_ERR_OVERLOADED, draining ? "shutting_down" : "loading",
+                           draining ? "the server is shutting down" : "the model is still loading; retry shortly");
+    }
+    pd_admin_ctx ctx = {.model = b.model, .family = b.family, .n_ctx = b.n_ctx, .jobs = b.jobs, .store = b.store,
+                        .hot = b.hot, .default_policy = b.default_policy, .quality_budget = b.quality_budget,
+                        .max_body_bytes = s->opts.limits.max_body_bytes, .stopping = server_stopping,
+                        .stopping_ctx = s};
+    const char *ns = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "namespace");
+    pd_admin_reply rep;
+    if (pd_admin_handle(&ctx, method, url, ns, r->body, r->len, &rep, &e)) return send_error(s, c, &e);
+    if (!rep.body) {
+        struct MHD_Response *resp = MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT);
+        if (!resp) return MHD_NO;
+        enum MHD_Result ret = MHD_queue_response(c, (unsigned)rep.status, resp);
+        MHD_destroy_response(resp);
+        return ret;
+    }
+    return send_json(c, (unsigned)rep.status, rep.body, rep.len);
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                                   const char *version, const char *upload, size_t *upload_size, void **con_cls) {
     (void)version;
-    pd_server *s = cls;
+    const listener *li = cls;
+    pd_server *s = li->srv;
     http_req *r = *con_cls;
     if (!r) {
         if (!(r = calloc(1, sizeof *r))) return MHD_NO;
@@ -324,6 +386,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         *upload_size = 0;
         return MHD_YES;
     }
+    /* The admin routes live on the admin listener when there is one, else
+     * on the public one; with no admin token they do not exist. */
+    bool admin_url = strncmp(url, PD_ADMIN_PREFIX, strlen(PD_ADMIN_PREFIX)) == 0 ||
+                     strcmp(url, "/admin") == 0;
+    bool admin_here = s->admin_token[0] && (li->admin || !s->admin_mhd);
+    if (admin_url && admin_here) return handle_admin(s, c, r, url, method);
+    if (li->admin || admin_url) return send_errorf(s, c, 404, PD_API_ERR_NOT_FOUND, NULL, "no such route");
     if (strcmp(method, "GET") == 0) return handle_get(s, c, url);
     if (strcmp(method, "POST") != 0)
         return send_errorf(s, c, 405, PD_API_ERR_INVALID, NULL, "use GET or POST");
@@ -361,16 +430,30 @@ void pd_server_opts_default(pd_server_opts *o) {
     o->max_connections = 256;
     o->metrics = true;
     pd_api_limits_default(&o->limits);
+    o->admin_listen = "127.0.0.1";
+}
+
+static struct MHD_Daemon *start_mhd(const pd_server_opts *o, struct sockaddr_in *sa, listener *li) {
+    return MHD_start_daemon(
+        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG, 0, NULL,
+        NULL, on_request, li, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
+        li->srv, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections, MHD_OPTION_CONNECTION_TIMEOUT,
+        (unsigned)(o->request_timeout_s > 0 ? o->request_timeout_s : 0), MHD_OPTION_END);
 }
 
 int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **out, pd_error *err) {
     *out = NULL;
     if (o->api_key && strlen(o->api_key) >= sizeof((pd_server *)0)->api_key)
         return pd_errorf(err, PD_EINVAL, "server.api_key is longer than 255 bytes");
+    if (o->admin_token && strlen(o->admin_token) >= sizeof((pd_server *)0)->admin_token)
+        return pd_errorf(err, PD_EINVAL, "admin.token is longer than 255 bytes");
     pd_server *s = calloc(1, sizeof *s);
     if (!s) return pd_errorf(err, PD_ENOMEM, "out of memory for the HTTP server");
     s->opts = *o;
     snprintf(s->api_key, sizeof s->api_key, "%s", o->api_key ? o->api_key : "");
+    snprintf(s->admin_token, sizeof s->admin_token, "%s", o->admin_token ? o->admin_token : "");
+    s->pub = (listener){.srv = s, .admin = false};
+    s->adm = (listener){.srv = s, .admin = true};
     s->metrics = metrics;
     pthread_rwlock_init(&s->lock, NULL);
     int rc = PD_OK;
@@ -388,16 +471,24 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
     if (!rc && inet_pton(AF_INET, o->listen, &sa.sin_addr) != 1)
         rc = pd_errorf(err, PD_EINVAL, "server.listen '%s' is not an IPv4 address", o->listen);
     if (!rc) {
-        s->mhd = MHD_start_daemon(
-            MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG, 0,
-            NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_NOTIFY_COMPLETED,
-            on_completed, s, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections,
-            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)(o->request_timeout_s > 0 ? o->request_timeout_s : 0),
-            MHD_OPTION_END);
+        s->mhd = start_mhd(o, &sa, &s->pub);
         if (!s->mhd)
             rc = pd_errorf(err, PD_EIO, "cannot listen on %s:%d (in use, or not allowed?)", o->listen, o->port);
     }
+    /* The admin listener exists only when the admin API is enabled. */
+    if (!rc && s->admin_token[0] && o->admin_port != 0) {
+        const char *al = o->admin_listen && o->admin_listen[0] ? o->admin_listen : "127.0.0.1";
+        struct sockaddr_in asa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)o->admin_port)};
+        if (o->admin_port < 0 || o->admin_port > 65535)
+            rc = pd_errorf(err, PD_EINVAL, "admin.port %d is out of range (1..65535)", o->admin_port);
+        else if (inet_pton(AF_INET, al, &asa.sin_addr) != 1)
+            rc = pd_errorf(err, PD_EINVAL, "admin.listen '%s' is not an IPv4 address", al);
+        else if (!(s->admin_mhd = start_mhd(o, &asa, &s->adm)))
+            rc = pd_errorf(err, PD_EIO, "cannot listen on %s:%d for the admin API (in use, or not allowed?)", al,
+                           o->admin_port);
+    }
     if (rc) {
+        if (s->mhd) MHD_stop_daemon(s->mhd);
         pthread_rwlock_destroy(&s->lock);
         free(s);
         return rc;
@@ -425,12 +516,20 @@ int pd_server_port(const pd_server *s) {
     return i ? (int)i->port : -1;
 }
 
+int pd_server_admin_port(const pd_server *s) {
+    if (!s->admin_mhd) return -1;
+    const union MHD_DaemonInfo *i = MHD_get_daemon_info(s->admin_mhd, MHD_DAEMON_INFO_BIND_PORT);
+    return i ? (int)i->port : -1;
+}
+
 void pd_server_quiesce(pd_server *s) {
     if (s && s->mhd) MHD_quiesce_daemon(s->mhd);
+    if (s && s->admin_mhd) MHD_quiesce_daemon(s->admin_mhd);
 }
 
 void pd_server_stop(pd_server *s) {
     if (!s) return;
+    if (s->admin_mhd) MHD_stop_daemon(s->admin_mhd);
     if (s->mhd) MHD_stop_daemon(s->mhd);
     pthread_rwlock_destroy(&s->lock);
     free(s);

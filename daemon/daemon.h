@@ -203,13 +203,21 @@ typedef struct pd_jobs_opts {
     pd_hot *hot;                 /* optional: invalidated on delete (not owned) */
     int max_jobs;                /* jobs remembered, queued or finished (default 256) */
     const char *default_policy;  /* spec when a job names none (default "compactor") */
-    pd_metrics *metrics;         /* optional */
+    pd_metrics *metrics;         /* optional: prefixd_prefix_jobs_total{state="done"|"failed"} and
+                                    prefixd_prefix_jobs_queued */
+    bool start_paused;           /* the worker starts no job until pd_jobs_set_paused(j, false) */
 } pd_jobs_opts;
 
 void pd_jobs_opts_default(pd_jobs_opts *o);
 int pd_jobs_create(const pd_jobs_opts *o, pd_jobs **out, pd_error *err);
-/* Finishes the running job's current step, drops the queue, joins. */
+/* Finishes the running job's current step (a calibration, one layer of the
+ * compressing prefill, or the store write) and abandons it after that step,
+ * drops the queue, joins the worker, frees everything. Must not race with
+ * other calls on j. */
 void pd_jobs_free(pd_jobs *j);
+/* Paused, the worker starts no new job (the running one continues); queued
+ * jobs stay queued. For maintenance and deterministic tests. */
+void pd_jobs_set_paused(pd_jobs *j, bool paused);
 
 /* What to register. Copied by pd_jobs_submit. */
 typedef struct pd_job_spec {
@@ -248,12 +256,19 @@ typedef struct pd_job_status {
 
 /* Validates (non-empty tokens, the spec parses, the layout fits n, quality
  * and retention ranges, n within the model's context once loaded) and
- * queues. Full (max_jobs unfinished): PD_ERANGE. */
+ * queues. Full (max_jobs unfinished): PD_ERANGE. When the table is full the
+ * oldest finished job is forgotten to make room. retention: 0 = the
+ * policy's own, else (0, 1]; quality: 0 = none, else > 1 (not both). A job
+ * whose prefix turns out longer than the model's context when the worker
+ * loads it fails with PD_ERANGE. The stored spec (the cache key) is the
+ * canonical spec, then "|" and the canonical layout text when there is a
+ * layout, as `prefixctl compress --store` writes it. */
 int pd_jobs_submit(pd_jobs *j, const pd_job_spec *spec, uint64_t *job_id, pd_error *err);
 /* PD_ENOTFOUND for unknown or forgotten ids. */
 int pd_jobs_status(pd_jobs *j, uint64_t id, pd_job_status *out, pd_error *err);
 /* Wait until the job is DONE or FAILED, or timeout_s passes (then the
- * current status, rc PD_OK; check out->state). */
+ * current status, rc PD_OK; check out->state). timeout_s <= 0: no wait;
+ * INFINITY: no limit; NaN: PD_EINVAL. */
 int pd_jobs_wait(pd_jobs *j, uint64_t id, double timeout_s, pd_job_status *out, pd_error *err);
 
 #ifdef __cplusplus

@@ -13,6 +13,7 @@
 #include <string.h>
 #include <systemd/sd-daemon.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "api/api.h"
 #include "cache/cache.h"
@@ -147,6 +148,7 @@ static int run(const pd_config *cfg) {
     pd_store *store = NULL;
     pd_hot *hot = NULL;
     pd_scheduler *sched = NULL;
+    pd_jobs *jobs = NULL;
     int rc = pd_metrics_create(&metrics, &err);
 
     pd_server_opts so;
@@ -157,9 +159,15 @@ static int run(const pd_config *cfg) {
     so.request_timeout_s = cfg->server.request_timeout_s;
     so.metrics = cfg->server.metrics;
     so.limits.max_body_bytes = (size_t)cfg->server.max_body_bytes;
+    so.admin_token = cfg->admin.token;
+    so.admin_listen = cfg->admin.listen;
+    so.admin_port = cfg->admin.port;
     if (!rc) rc = pd_server_start(&so, metrics, &server, &err);
     if (!rc) fprintf(stderr, "prefixd: listening on %s:%d, loading %s\n", so.listen, pd_server_port(server),
                      cfg->model.path);
+    if (!rc && cfg->admin.token[0])
+        fprintf(stderr, "prefixd: admin API on %s:%d\n", cfg->admin.port ? so.admin_listen : so.listen,
+                cfg->admin.port ? pd_server_admin_port(server) : pd_server_port(server));
     if (!rc && !cfg->model.path[0])
         rc = pd_errorf(&err, PD_EINVAL, "model.path is not set: give a GGUF file (--set model.path=FILE)");
     pd_model_params mp = {.n_threads = cfg->model.n_threads};
@@ -183,9 +191,22 @@ static int run(const pd_config *cfg) {
     sco.hot = hot;
     sco.metrics = metrics;
     if (!rc) rc = pd_scheduler_create(model, &sco, &sched, &err);
+    /* Precompression jobs only serve the admin API: without a token there is
+     * no way to submit one. The worker loads its own model lazily. */
+    pd_jobs_opts jo;
+    pd_jobs_opts_default(&jo);
+    jo.model_path = cfg->model.path;
+    jo.n_threads = cfg->model.n_threads > 0 ? cfg->model.n_threads : 1;
+    jo.store = store;
+    jo.hot = hot;
+    jo.default_policy = cfg->compression.policy;
+    jo.metrics = metrics;
+    if (!rc && cfg->admin.token[0]) rc = pd_jobs_create(&jo, &jobs, &err);
     if (!rc) {
         pd_server_backend b = {.model = model, .sched = sched, .family = pd_model_chat_family(model),
-                               .created = (int64_t)time(NULL)};
+                               .created = (int64_t)time(NULL), .jobs = jobs, .store = store, .hot = hot,
+                               .default_policy = cfg->compression.policy,
+                               .quality_budget = cfg->compression.quality_budget};
         const pd_hparams *hp = pd_model_hparams(model);
         b.n_ctx = cfg->model.n_ctx > 0 && cfg->model.n_ctx < hp->n_ctx_train ? cfg->model.n_ctx : hp->n_ctx_train;
         pd_api_model_id(pd_model_gguf(model), cfg->model.path, b.model_id, sizeof b.model_id);
@@ -204,6 +225,8 @@ static int run(const pd_config *cfg) {
      * connections, then the store. */
     pd_scheduler_free(sched);
     pd_server_stop(server);
+    /* After the server: no connection can reach the jobs any more. */
+    pd_jobs_free(jobs);
     if (hot) pd_hot_free(hot);
     pd_store_close(store);
     pd_model_free(model);
@@ -236,6 +259,14 @@ int main(int argc, char **argv) {
         } else {
             status = EXIT_SUCCESS;
         }
+        goto done;
+    }
+    /* Checked before anything listens, so a wrong path fails fast. */
+    if (!cfg.model.path[0] || access(cfg.model.path, R_OK) != 0) {
+        fprintf(stderr, "prefixd: model.path '%s': %s; give a GGUF file (--set model.path=FILE, or "
+                        "[model] path = FILE in the config)\n",
+                cfg.model.path, cfg.model.path[0] ? strerror(errno) : "not set");
+        status = EXIT_USAGE;
         goto done;
     }
     status = run(&cfg);

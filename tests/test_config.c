@@ -738,13 +738,13 @@ Test(config_cli, file_then_set, .init = setup_dir, .fini = teardown_dir) {
     free(path);
 }
 
-Test(config_cli, without_check_config_says_daemon_is_not_built) {
+Test(config_cli, without_a_model_file_prefixd_says_how_to_give_one) {
     char cmd[4096];
-    snprintf(cmd, sizeof cmd, "'%s' 2>&1", prefixd_path());
+    snprintf(cmd, sizeof cmd, "'%s' --set model.path=/nonexistent/m.gguf 2>&1", prefixd_path());
     char *out = NULL;
     int status = th_run(cmd, &out);
-    cr_assert_eq(status, 1, "status %d, output:\n%s", status, out ? out : "");
-    cr_assert(contains(out, "not built yet") && contains(out, "--check-config"), "%s", out);
+    cr_assert_eq(status, 2, "status %d, output:\n%s", status, out ? out : "");
+    cr_assert(contains(out, "model.path '/nonexistent/m.gguf'") && contains(out, "--set model.path="), "%s", out);
     free(out);
     /* The config is still validated first. */
     snprintf(cmd, sizeof cmd, "'%s' --set log.level=loud 2>&1", prefixd_path());

@@ -11,11 +11,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/engine.h"
 #include "helpers.h"
+#include "tools/tools.h"
 
 static char *tmpdir;
 static char model[1024];
@@ -64,14 +67,13 @@ __attribute__((format(printf, 2, 3))) static int run(char **out, const char *fmt
     return th_run(cmd, out);
 }
 
-/* Start prefixd with extra --set arguments; wait until /health says ok. */
-static void start_daemon(const char *extra) {
-    TH_REQUIRE_SHARED();
-    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+/* Start prefixd serving model_path with extra --set arguments; wait until
+ * /health says ok. */
+static void start_daemon_model(const char *model_path, const char *extra) {
     port = free_port();
     char args[4096];
     snprintf(args, sizeof args, "--set model.path=%s --set server.port=%d --set cache.path=%s/store "
-             "--set cache.map_size_mb=64 --set model.n_threads=2 %s", model, port, tmpdir, extra ? extra : "");
+             "--set cache.map_size_mb=64 --set model.n_threads=2 %s", model_path, port, tmpdir, extra ? extra : "");
     char log[1200];
     snprintf(log, sizeof log, "%s/prefixd.log", tmpdir);
     daemon_pid = fork();
@@ -99,6 +101,13 @@ static void start_daemon(const char *extra) {
         nanosleep(&ts, NULL);
     }
     cr_assert_fail("prefixd did not become healthy");
+}
+
+/* The same with stories260K (the shared model). */
+static void start_daemon(const char *extra) {
+    TH_REQUIRE_SHARED();
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    start_daemon_model(model, extra);
 }
 
 /* POST a JSON body; returns the HTTP status, the body in *out. */
@@ -241,16 +250,18 @@ Test(daemon, errors_are_openai_shaped) {
     free(out);
 }
 
+/* 64 clients at once (the issue's number), more than the batch holds: the
+ * rest queue and join between decode steps. */
 Test(daemon, concurrent_streams_all_complete_and_sigterm_exits_cleanly) {
-    start_daemon("--set scheduler.max_batch=8");
+    start_daemon("--set scheduler.max_batch=16");
     char cmd[4096];
     snprintf(cmd, sizeof cmd,
-             "for i in $(seq 1 16); do curl -s -N -H 'Content-Type: application/json' --data-binary "
+             "for i in $(seq 1 64); do curl -s -N -H 'Content-Type: application/json' --data-binary "
              "\"{\\\"model\\\":\\\"x\\\",\\\"prompt\\\":\\\"Tom had a ball $i\\\",\\\"max_tokens\\\":32,"
              "\\\"stream\\\":true,\\\"seed\\\":$i}\" http://127.0.0.1:%d/v1/completions > %s/s$i.txt & done; wait",
              port, tmpdir);
     cr_assert_eq(run(NULL, "%s", cmd), 0);
-    for (int i = 1; i <= 16; i++) {
+    for (int i = 1; i <= 64; i++) {
         char *out = NULL;
         cr_assert_eq(run(&out, "cat %s/s%d.txt", tmpdir, i), 0);
         cr_assert(strstr(out, "\"finish_reason\"") && strstr(out, "data: [DONE]"), "stream %d: %s", i, out);
@@ -300,4 +311,272 @@ Test(daemon, a_stored_prefix_is_used_and_exact_at_retention_1) {
     cr_assert_str_eq(with_prefix, without);
     json_decref(j);
     free(out), free(with_prefix), free(without);
+}
+
+/* ---- helpers for the tests below ------------------------------------------ */
+
+/* GET path; returns the HTTP status, the body in *out. */
+static int get(const char *path, char **out) {
+    char *raw = NULL;
+    run(&raw, "curl -s -w '\\n%%{http_code}' http://127.0.0.1:%d%s", port, path);
+    cr_assert_not_null(raw);
+    char *nl = strrchr(raw, '\n');
+    cr_assert_not_null(nl, "%s", raw);
+    int status = atoi(nl + 1);
+    *nl = '\0';
+    *out = raw;
+    return status;
+}
+
+/* The value of one series in Prometheus text ("name{labels} value" lines);
+ * -1 when the series is absent. */
+static double metric(const char *text, const char *series) {
+    size_t n = strlen(series);
+    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+        if (strncmp(p, series, n) == 0 && p[n] == ' ') return strtod(p + n + 1, NULL);
+    return -1;
+}
+
+static const char *story = "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+                           "sunshine. One day, she saw a big tree with a red ball in it. She wanted the ball very much.";
+
+/* Store `story` as a prefix with the knorm policy at `retention`. */
+static void store_story_prefix(double retention) {
+    char text[1200];
+    snprintf(text, sizeof text, "%s/prefix.txt", tmpdir);
+    FILE *f = fopen(text, "w");
+    cr_assert_not_null(f);
+    fputs(story, f);
+    fclose(f);
+    char *out = NULL;
+    cr_assert_eq(run(&out, "%s compress --model %s --policy knorm --retention %g --text %s --store %s/store 2>&1",
+                     getenv("PD_PREFIXCTL"), model, retention, text, tmpdir),
+                 0, "%s", out);
+    free(out);
+}
+
+/* A tiny generated model carrying the real Phi-3 vocabulary and chat
+ * template (vocab_from copies every tokenizer.* key). */
+static void phi3_model(char *path, size_t cap) {
+    char vpath[1024];
+    cr_assert_not_null(th_shared_file("vocab/ggml-vocab-phi-3.gguf", vpath, sizeof vpath));
+    pd_testmodel_opts o;
+    pd_error err = {0};
+    cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
+    o.vocab_from = vpath;
+    o.wtype = PD_TYPE_Q8_0;
+    snprintf(path, cap, "%s/phi3.gguf", tmpdir);
+    cr_assert_eq(pd_testmodel_write(&o, path, NULL, &err), PD_OK, "%s", err.msg);
+}
+
+/* ---- chat ------------------------------------------------------------------- */
+
+Test(daemon, chat_without_a_template_is_a_400_naming_the_problem) {
+    start_daemon(NULL);
+    char *out = NULL;
+    cr_assert_eq(get("/v1/models", &out), 200, "%s", out);
+    free(out);
+    cr_assert_eq(post("/v1/chat/completions",
+                      "{\"model\":\"x\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":4}", NULL,
+                      &out),
+                 400, "%s", out);
+    json_t *j = parse(out);
+    json_t *e = json_object_get(j, "error");
+    cr_assert_str_eq(json_string_value(json_object_get(e, "type")), "invalid_request_error", "%s", out);
+    cr_assert_str_eq(json_string_value(json_object_get(e, "code")), "no_chat_template", "%s", out);
+    cr_assert_str_eq(json_string_value(json_object_get(e, "param")), "messages", "%s", out);
+    cr_assert(strstr(json_string_value(json_object_get(e, "message")), "chat template"), "%s", out);
+    json_decref(j);
+    free(out);
+    /* The server is still fine afterwards. */
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"Hi\",\"max_tokens\":2}", NULL, &out), 200,
+                 "%s", out);
+    free(out);
+}
+
+Test(daemon, chat_on_a_phi3_vocab_model_streamed_and_not_are_identical) {
+    TH_REQUIRE_SHARED();
+    char path[1200];
+    phi3_model(path, sizeof path);
+    start_daemon_model(path, NULL);
+    const char *req = "{\"model\":\"x\",\"messages\":[{\"role\":\"system\",\"content\":\"You are a helpful "
+                      "assistant.\"},{\"role\":\"user\",\"content\":\"Tell me a story.\"}],\"max_tokens\":16,"
+                      "\"temperature\":1,\"seed\":11%s}";
+    char body[1024], *plain = NULL, *sse = NULL;
+    snprintf(body, sizeof body, req, "");
+    cr_assert_eq(post("/v1/chat/completions", body, NULL, &plain), 200, "%s", plain);
+    snprintf(body, sizeof body, req, ",\"stream\":true");
+    cr_assert_eq(post("/v1/chat/completions", body, NULL, &sse), 200, "%s", sse);
+    json_t *j = parse(plain);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "object")), "chat.completion", "%s", plain);
+    json_t *msg = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "message");
+    cr_assert_str_eq(json_string_value(json_object_get(msg, "role")), "assistant", "%s", plain);
+    cr_assert(strstr(sse, "\"role\":\"assistant\""), "the first chunk names the role: %s", sse);
+    cr_assert(strstr(sse, "chat.completion.chunk"), "%s", sse);
+    char *a = choice_text(j), *b = stream_text(sse);
+    cr_assert_str_eq(a, b);
+
+    /* prompt_tokens: the messages rendered with the Phi-3 template and
+     * tokenized with the model's own tokenizer, computed here. */
+    pd_model *m = NULL;
+    pd_error err = {0};
+    pd_model_params mp = {.n_threads = 1};
+    cr_assert_eq(pd_model_load(path, &mp, &m, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_model_chat_family(m), PD_CHAT_PHI3);
+    pd_chat_message msgs[2] = {{.role = "system", .content = "You are a helpful assistant."},
+                               {.role = "user", .content = "Tell me a story."}};
+    char *text = NULL;
+    size_t len = 0, sys = 0;
+    cr_assert_eq(pd_chat_render(PD_CHAT_PHI3, msgs, 2, true, &text, &len, &sys, &err), PD_OK, "%s", err.msg);
+    pd_token *ids = NULL;
+    size_t n_ids = 0;
+    pd_tokenize_opts to = {.add_special = true, .parse_special = true};
+    cr_assert_eq(pd_tokenize(pd_model_tokenizer(m), text, len, to, &ids, &n_ids, &err), PD_OK, "%s", err.msg);
+    json_t *usage = json_object_get(j, "usage");
+    cr_assert_eq(json_integer_value(json_object_get(usage, "prompt_tokens")), (json_int_t)n_ids, "%s", plain);
+    cr_assert_leq(json_integer_value(json_object_get(usage, "completion_tokens")), 16);
+    free(ids);
+    free(text);
+    pd_model_free(m);
+    json_decref(j);
+    free(a), free(b), free(plain), free(sse);
+}
+
+/* ---- cancellation ------------------------------------------------------------ */
+
+/* Open a streaming request on a raw socket, read until the first SSE event
+ * arrives, then close the connection: the client went away mid-stream. */
+static void stream_then_disconnect(const char *json) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    struct timeval tv = {.tv_sec = 60};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv); /* a bound, not a timing assertion */
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    char req[4096];
+    int n = snprintf(req, sizeof req,
+                     "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     "Content-Length: %zu\r\n\r\n%s", strlen(json), json);
+    cr_assert(n > 0 && (size_t)n < sizeof req);
+    cr_assert_eq(send(fd, req, (size_t)n, 0), n);
+    char buf[8192];
+    size_t got = 0;
+    while (got + 1 < sizeof buf) {
+        ssize_t k = recv(fd, buf + got, sizeof buf - 1 - got, 0);
+        cr_assert_gt(k, 0, "the stream ended or stalled before its first event");
+        got += (size_t)k;
+        buf[got] = '\0';
+        if (strstr(buf, "data: {")) break;
+    }
+    cr_assert(strstr(buf, "HTTP/1.1 200"), "%s", buf);
+    close(fd);
+}
+
+Test(daemon, a_client_gone_mid_stream_frees_its_slot) {
+    start_daemon("--set scheduler.max_batch=1");
+    /* Long enough that it cannot finish on its own first: EOS is banned. */
+    stream_then_disconnect("{\"model\":\"x\",\"prompt\":\"Once upon a time\",\"max_tokens\":1900,\"stream\":true,"
+                           "\"seed\":1,\"logit_bias\":{\"2\":-100}}");
+    /* With one slot this runs only once the first request left the batch. */
+    char *out = NULL;
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"The cat\",\"max_tokens\":8,\"temperature\":0}",
+                      NULL, &out),
+                 200, "%s", out);
+    json_t *j = parse(out);
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(j, "usage"), "completion_tokens")), 8);
+    json_decref(j);
+    free(out);
+    cr_assert_eq(get("/metrics", &out), 200, "%s", out);
+    cr_assert_geq(metric(out, "prefixd_requests_total{outcome=\"cancelled\"}"), 1, "%s", out);
+    cr_assert_geq(metric(out, "prefixd_requests_total{outcome=\"completed\"}"), 1, "%s", out);
+    /* The abandoned request stopped early: far fewer than its 1900 tokens. */
+    cr_assert_lt(metric(out, "prefixd_generated_tokens_total"), 1900 + 8, "%s", out);
+    cr_assert_eq(metric(out, "prefixd_running_sequences"), 0, "%s", out);
+    free(out);
+}
+
+/* ---- prefixes and metrics ------------------------------------------------------- */
+
+Test(daemon, a_prefix_at_retention_half_is_used_and_reported) {
+    TH_REQUIRE_SHARED();
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    store_story_prefix(0.5);
+    start_daemon("--set compression.min_prefix_tokens=8");
+    char body[2048], *out = NULL;
+    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":20,\"temperature\":0}", story);
+    cr_assert_eq(post("/v1/completions", body, NULL, &out), 200, "%s", out);
+    json_t *j = parse(out);
+    json_t *usage = json_object_get(j, "usage");
+    cr_assert_eq(json_integer_value(json_object_get(usage, "completion_tokens")), 20, "%s", out);
+    json_int_t cached = json_integer_value(json_object_get(json_object_get(usage, "prompt_tokens_details"),
+                                                           "cached_tokens"));
+    cr_assert_gt(cached, 30, "%s", out);
+    cr_assert_lt(cached, json_integer_value(json_object_get(usage, "prompt_tokens")), "%s", out);
+    json_t *p = json_object_get(j, "prefix");
+    cr_assert(json_is_object(p), "%s", out);
+    cr_assert_eq(strlen(json_string_value(json_object_get(p, "id"))), 64, "%s", out);
+    cr_assert_eq(json_integer_value(json_object_get(p, "original_tokens")), cached, "%s", out);
+    double frac = json_number_value(json_object_get(p, "kept_fraction"));
+    cr_assert(frac > 0.45 && frac < 0.55, "kept_fraction %g: %s", frac, out);
+    json_int_t kept = json_integer_value(json_object_get(p, "kept_tokens"));
+    cr_assert(kept >= cached * 2 / 5 && kept <= cached * 3 / 5, "%s", out);
+    cr_assert(strstr(json_string_value(json_object_get(p, "policy")), "knorm"), "%s", out);
+    json_decref(j);
+    free(out);
+    cr_assert_eq(get("/metrics", &out), 200, "%s", out);
+    cr_assert_geq(metric(out, "prefixd_prefix_hits_total"), 1, "%s", out);
+    free(out);
+}
+
+Test(daemon, metrics_expose_the_scheduler_series_after_a_request) {
+    start_daemon(NULL);
+    char *out = NULL;
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"Tom\",\"max_tokens\":10,\"temperature\":0,"
+                                         "\"stream\":true}", NULL, &out),
+                 200, "%s", out);
+    free(out);
+    cr_assert_eq(get("/metrics", &out), 200, "%s", out);
+    cr_assert(strstr(out, "# TYPE prefixd_time_to_first_token_seconds histogram"), "%s", out);
+    cr_assert_geq(metric(out, "prefixd_time_to_first_token_seconds_count"), 1, "%s", out);
+    cr_assert_geq(metric(out, "prefixd_time_to_first_token_seconds_bucket{le=\"+Inf\"}"), 1, "%s", out);
+    cr_assert_geq(metric(out, "prefixd_generated_tokens_total"), 10, "%s", out);
+    cr_assert_gt(metric(out, "prefixd_prompt_tokens_total"), 0, "%s", out);
+    cr_assert_geq(metric(out, "prefixd_requests_total{outcome=\"completed\"}"), 1, "%s", out);
+    cr_assert_geq(metric(out, "prefixd_http_streams_total"), 1, "%s", out);
+    cr_assert_geq(metric(out, "prefixd_queue_depth"), 0, "%s", out);
+    free(out);
+}
+
+/* ---- the official openai client ------------------------------------------------ */
+
+/* tests/openai/check.mjs with the `openai` npm package, unmodified: models,
+ * completions and chat, streamed (for await) and not, and a typed error.
+ * Skipped when node/npm are missing or the package cannot be installed (no
+ * network). */
+Test(daemon, the_official_openai_npm_client_works_against_the_server, .timeout = 280) {
+    TH_REQUIRE_SHARED();
+    if (system("node -e 'process.exit(+process.versions.node.split(\".\")[0] >= 18 ? 0 : 1)' >/dev/null 2>&1") != 0 ||
+        system("npm --version >/dev/null 2>&1") != 0)
+        cr_skip_test("node >= 18 and npm are needed (apt-get install nodejs npm)");
+    const char *src = getenv("PD_SOURCE_ROOT");
+    cr_assert_not_null(src, "PD_SOURCE_ROOT is set by meson");
+    char *out = NULL;
+    cr_assert_eq(run(&out, "mkdir -p %s/openai && cp %s/tests/openai/package.json %s/tests/openai/check.mjs %s/openai/ "
+                     "2>&1", tmpdir, src, src, tmpdir),
+                 0, "%s", out);
+    free(out);
+    if (run(&out, "cd %s/openai && timeout 90 npm install --no-audit --no-fund --fetch-retries=1 2>&1", tmpdir) != 0) {
+        fprintf(stderr, "npm install openai failed:\n%s\n", out ? out : "");
+        free(out);
+        cr_skip_test("could not install the openai npm package (no network?)");
+    }
+    free(out);
+    char path[1200];
+    phi3_model(path, sizeof path);
+    start_daemon_model(path, NULL);
+    int rc = run(&out, "cd %s/openai && node check.mjs %d 2>&1", tmpdir, port);
+    cr_assert_eq(rc, 0, "check.mjs failed:\n%s", out ? out : "");
+    cr_assert(out && strstr(out, "openai client checks passed"), "%s", out ? out : "");
+    free(out);
 }

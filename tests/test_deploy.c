@@ -194,7 +194,7 @@ Test(deploy, configured_unit_has_no_placeholders) {
     const char *prefixd = env_or_skip("PD_PREFIXD");
     char buf[PATH_CAP], path[PATH_CAP];
     join(buf, sizeof buf, prefixd, "");
-    char *build_root = dirname(dirname(buf)); /* <build>/prefixd */
+    char *build_root = dirname(buf); /* <build>/prefixd */
     join(path, sizeof path, build_root, "/deploy/prefixd.service");
     if (access(path, R_OK) != 0) cr_skip_test("%s was not generated (deploy/ is not in the build)", path);
     char *unit = read_all(path);

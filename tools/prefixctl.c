@@ -8,6 +8,7 @@
  *   prefixctl compress --model FILE --policy SPEC [--retention R | --quality TAU] --text FILE ...
  *   prefixctl policies
  *   prefixctl store --dir DIR list|show ID|verify [--repair]|delete ID|pin ID|unpin ID|stats
+ *   prefixctl prefix [--url URL] [--token T] add|list|show ID|delete ID|job ID
  *   prefixctl gen-model [options] -o OUT.gguf
  *   prefixctl cuda-info
  */
@@ -59,6 +60,8 @@ static void usage(FILE *f) {
           "      [--namespace NS] [--dtype f32|f16|bf16] [--pin]   how it is stored (default f32)\n"
           "  compress --list | policies    list the policies with their keys and defaults\n"
           "  store --dir DIR ACTION        inspect and maintain a prefix store (--help for actions)\n"
+          "  prefix ACTION                 register and manage prefixes through a running prefixd's\n"
+          "                                admin API (--help for actions)\n"
           "  gen-model [options] -o OUT    write a seeded random GGUF model (--help for options)\n"
           "  cuda-info                     list CUDA devices and run a cuBLAS self-test\n",
           f);
@@ -700,6 +703,7 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (strcmp(cmd, "store") == 0) return pd_store_cli(argc, argv);
+    if (strcmp(cmd, "prefix") == 0) return pd_prefix_cli(argc, argv);
     if (strcmp(cmd, "gen-model") == 0) return pd_testmodel_cli(argc, argv);
     if (strcmp(cmd, "cuda-info") == 0) return cmd_cuda_info();
     if (strcmp(cmd, "-h") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "help") == 0) {

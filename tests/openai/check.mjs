@@ -1,0 +1,79 @@
+// The official `openai` client, unmodified, against a running prefixd:
+//   node check.mjs PORT
+// The model must have a chat template (test_daemon.c serves a generated
+// model carrying the Phi-3 vocabulary). Exits 0 when every check passes;
+// otherwise prints what differed and exits 1.
+import OpenAI from 'openai';
+
+const port = process.argv[2];
+if (!port) {
+  console.error('usage: node check.mjs PORT');
+  process.exit(2);
+}
+const client = new OpenAI({ baseURL: `http://127.0.0.1:${port}/v1`, apiKey: 'x', maxRetries: 0, timeout: 120000 });
+
+function check(cond, what) {
+  if (!cond) throw new Error(`check failed: ${what}`);
+}
+
+const models = await client.models.list();
+check(models.data.length === 1 && models.data[0].object === 'model', `models.list: ${JSON.stringify(models.data)}`);
+const model = models.data[0].id;
+
+// Completions: non-streamed, then streamed with the same seed.
+const creq = { model, prompt: 'Once upon a time', max_tokens: 12, temperature: 1, seed: 3 };
+const c = await client.completions.create(creq);
+check(c.object === 'text_completion', `completion object: ${c.object}`);
+check(c.choices.length === 1 && typeof c.choices[0].text === 'string', 'completion choice');
+check(c.usage.completion_tokens >= 1 && c.usage.completion_tokens <= 12, `completion usage ${JSON.stringify(c.usage)}`);
+let streamed = '';
+let finish = null;
+for await (const chunk of await client.completions.create({ ...creq, stream: true })) {
+  for (const ch of chunk.choices) {
+    streamed += ch.text ?? '';
+    if (ch.finish_reason) finish = ch.finish_reason;
+  }
+}
+check(streamed === c.choices[0].text, `streamed completion ${JSON.stringify(streamed)} != ${JSON.stringify(c.choices[0].text)}`);
+check(finish === c.choices[0].finish_reason, `completion finish_reason ${finish}`);
+
+// Chat: non-streamed, then streamed (with usage) with the same seed.
+const messages = [
+  { role: 'system', content: 'You are a helpful assistant.' },
+  { role: 'user', content: 'Tell me a story.' },
+];
+const qreq = { model, messages, max_tokens: 12, temperature: 1, seed: 5 };
+const q = await client.chat.completions.create(qreq);
+check(q.object === 'chat.completion', `chat object: ${q.object}`);
+check(q.choices[0].message.role === 'assistant', `chat role ${q.choices[0].message.role}`);
+check(typeof q.choices[0].message.content === 'string', 'chat content');
+check(q.usage.prompt_tokens > 0 && q.usage.completion_tokens >= 1, `chat usage ${JSON.stringify(q.usage)}`);
+let text = '';
+let role = null;
+let usage = null;
+for await (const chunk of await client.chat.completions.create({
+  ...qreq,
+  stream: true,
+  stream_options: { include_usage: true },
+})) {
+  if (chunk.usage) usage = chunk.usage;
+  for (const ch of chunk.choices) {
+    if (ch.delta.role) role = ch.delta.role;
+    text += ch.delta.content ?? '';
+  }
+}
+check(role === 'assistant', `streamed chat role ${role}`);
+check(text === q.choices[0].message.content, `streamed chat ${JSON.stringify(text)} != ${JSON.stringify(q.choices[0].message.content)}`);
+check(usage && usage.completion_tokens === q.usage.completion_tokens, `streamed chat usage ${JSON.stringify(usage)}`);
+
+// An invalid request surfaces as the client's typed error with the status.
+let err = null;
+try {
+  await client.completions.create({ model, prompt: 'Hi', temperature: 9 });
+} catch (e) {
+  err = e;
+}
+check(err instanceof OpenAI.BadRequestError && err.status === 400, `bad request: ${err}`);
+check(err.error?.param === 'temperature' || err.param === 'temperature', `error param: ${JSON.stringify(err.error)}`);
+
+console.log('openai client checks passed');

@@ -1,0 +1,522 @@
+/* The admin API on the real daemon, driven by curl: registering prefixes
+ * (text, chat messages, segments; waiting and asynchronous), using them from
+ * completions, list/show/delete, authentication, errors, a separate admin
+ * listener, persistence across a restart, and `prefixctl prefix`. */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "helpers.h"
+#include "tools/tools.h"
+
+#define TOKEN "adm1n-t0ken"
+
+static char *tmpdir;
+static char model[1024];
+static pid_t daemon_pid;
+static int port, admin_port;
+
+static const char *story = "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+                           "sunshine. One day, she saw a big tree with a red ball in it. She wanted the ball very much.";
+
+static void setup(void) {
+    tmpdir = th_mkdtemp();
+    cr_assert_not_null(tmpdir);
+    if (system("curl --version >/dev/null 2>&1") != 0) cr_skip_test("curl is not installed");
+}
+
+static void stop_daemon(int sig) {
+    if (daemon_pid <= 0) return;
+    kill(daemon_pid, sig);
+    int st;
+    waitpid(daemon_pid, &st, 0);
+    daemon_pid = 0;
+}
+
+static void teardown(void) {
+    stop_daemon(SIGKILL);
+    th_rmtree(tmpdir);
+    free(tmpdir);
+    tmpdir = NULL;
+}
+
+TestSuite(admin, .init = setup, .fini = teardown, .timeout = 240);
+
+static int free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t l = sizeof a;
+    getsockname(fd, (struct sockaddr *)&a, &l);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+__attribute__((format(printf, 2, 3))) static int run(char **out, const char *fmt, ...) {
+    char cmd[8192];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    return th_run(cmd, out);
+}
+
+/* Start prefixd on model_path (NULL: stories260K) with extra --set
+ * arguments and the store in tmpdir/store; wait until /health says ok. */
+static void start_daemon_on(const char *model_path, const char *extra) {
+    if (!model_path) {
+        TH_REQUIRE_SHARED();
+        cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+        model_path = model;
+    }
+    port = free_port();
+    char args[4096];
+    snprintf(args, sizeof args, "--set model.path=%s --set server.port=%d --set cache.path=%s/store "
+             "--set cache.map_size_mb=64 --set model.n_threads=2 --set compression.min_prefix_tokens=8 %s",
+             model_path, port, tmpdir, extra ? extra : "");
+    char log[1200];
+    snprintf(log, sizeof log, "%s/prefixd.log", tmpdir);
+    daemon_pid = fork();
+    cr_assert_geq(daemon_pid, 0);
+    if (daemon_pid == 0) {
+        char cmd[8192];
+        snprintf(cmd, sizeof cmd, "exec %s %s 2>>%s", getenv("PD_PREFIXD"), args, log);
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 600; i++) {
+        char *out = NULL;
+        int rc = run(&out, "curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:%d/health", port);
+        bool ok = rc == 0 && out && strcmp(out, "200") == 0;
+        free(out);
+        if (ok) return;
+        int st;
+        if (waitpid(daemon_pid, &st, WNOHANG) == daemon_pid) {
+            daemon_pid = 0;
+            char *l = NULL;
+            run(&l, "cat %s", log);
+            cr_assert_fail("prefixd exited early:\n%s", l ? l : "");
+        }
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    cr_assert_fail("prefixd did not become healthy");
+}
+
+static void start_daemon(const char *extra) {
+    start_daemon_on(NULL, extra);
+}
+
+/* An HTTP request on port p; json may be NULL (no body). Returns the
+ * status, the body in *out. */
+static int req_on(int p, const char *method, const char *path, const char *json, const char *auth, char **out) {
+    char body_path[1200], data[1300] = "";
+    if (json) {
+        snprintf(body_path, sizeof body_path, "%s/body.json", tmpdir);
+        FILE *f = fopen(body_path, "w");
+        cr_assert_not_null(f);
+        fputs(json, f);
+        fclose(f);
+        snprintf(data, sizeof data, "-H 'Content-Type: application/json' --data-binary @%s", body_path);
+    }
+    char *raw = NULL;
+    run(&raw, "curl -s -X %s -w '\\n%%{http_code}' %s%s%s %s 'http://127.0.0.1:%d%s'", method,
+        auth ? "-H 'Authorization: Bearer " : "", auth ? auth : "", auth ? "'" : "", data, p, path);
+    cr_assert_not_null(raw);
+    char *nl = strrchr(raw, '\n');
+    cr_assert_not_null(nl, "%s", raw);
+    int status = atoi(nl + 1);
+    *nl = '\0';
+    *out = raw;
+    return status;
+}
+
+static int req(const char *method, const char *path, const char *json, const char *auth, char **out) {
+    return req_on(port, method, path, json, auth, out);
+}
+
+static json_t *parse(const char *text) {
+    json_error_t je;
+    json_t *j = json_loads(text, 0, &je);
+    cr_assert_not_null(j, "not JSON (%s): %s", je.text, text);
+    return j;
+}
+
+static json_int_t int_at(json_t *j, const char *a, const char *b) {
+    json_t *v = json_object_get(j, a);
+    if (b) v = json_object_get(v, b);
+    cr_assert(json_is_integer(v), "%s.%s is not an integer", a, b ? b : "");
+    return json_integer_value(v);
+}
+
+/* cached_tokens of a greedy completion of story + " Then". */
+static json_int_t completion_cached(const char *path, const char *body) {
+    char *out = NULL;
+    cr_assert_eq(req("POST", path, body, NULL, &out), 200, "%s", out);
+    json_t *j = parse(out);
+    json_int_t c = int_at(json_object_get(j, "usage"), "prompt_tokens_details", "cached_tokens");
+    json_decref(j);
+    free(out);
+    return c;
+}
+
+static json_int_t story_cached(void) {
+    char body[2048];
+    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":4,\"temperature\":0}", story);
+    return completion_cached("/v1/completions", body);
+}
+
+/* Register story as text; returns the parsed 201 answer. */
+static json_t *register_story(const char *extra) {
+    char body[2048], *out = NULL;
+    snprintf(body, sizeof body, "{\"text\":\"%s\",\"policy\":\"knorm\",\"retention\":0.5,\"wait\":true%s}", story,
+             extra ? extra : "");
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 201, "%s", out);
+    json_t *j = parse(out);
+    free(out);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "state")), "done");
+    return j;
+}
+
+/* The number of story tokens as completions see them (BOS included). */
+static json_int_t story_tokens(void) {
+    char body[2048];
+    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s\",\"max_tokens\":1,\"cache\":\"off\"}", story);
+    char *out = NULL;
+    cr_assert_eq(req("POST", "/v1/completions", body, NULL, &out), 200, "%s", out);
+    json_t *j = parse(out);
+    json_int_t n = int_at(j, "usage", "prompt_tokens");
+    json_decref(j);
+    free(out);
+    return n;
+}
+
+Test(admin, text_registration_is_used_listed_shown_and_deleted) {
+    start_daemon("--set admin.token=" TOKEN);
+    cr_assert_eq(story_cached(), 0, "nothing is stored yet");
+    json_t *job = register_story(NULL);
+    json_t *p = json_object_get(job, "prefix");
+    json_int_t n = story_tokens();
+    cr_assert_eq(int_at(p, "tokens", NULL), n, "the prefix is the story's tokens, BOS included");
+    /* stories260K: 5 layers x 4 kv heads; knorm keeps half of each head's rows. */
+    json_int_t full = n * 5 * 4, kept = int_at(p, "kept_rows", NULL);
+    cr_assert(kept > 0 && kept <= full, "kept %lld of %lld", (long long)kept, (long long)full);
+    double frac = json_real_value(json_object_get(p, "kept_fraction"));
+    cr_assert_float_eq(frac, (double)kept / (double)full, 1e-9);
+    cr_assert(frac >= 0.4 && frac <= 0.6, "retention 0.5 kept %.3f", frac);
+    cr_assert(strstr(json_string_value(json_object_get(p, "policy")), "retention=0.5"));
+    char id[80];
+    snprintf(id, sizeof id, "%s", json_string_value(json_object_get(p, "id")));
+    cr_assert_eq(strlen(id), 64);
+    json_decref(job);
+
+    cr_assert_eq(story_cached(), n, "the completion attends to the stored prefix");
+
+    char *out = NULL, path[200];
+    cr_assert_eq(req("GET", "/admin/v1/prefixes", NULL, TOKEN, &out), 200, "%s", out);
+    json_t *l = parse(out);
+    cr_assert_eq(json_array_size(json_object_get(l, "data")), 1, "%s", out);
+    cr_assert_str_eq(json_string_value(json_object_get(json_array_get(json_object_get(l, "data"), 0), "id")), id);
+    json_decref(l);
+    free(out);
+    cr_assert_eq(req("GET", "/admin/v1/prefixes?namespace=other", NULL, TOKEN, &out), 200, "%s", out);
+    l = parse(out);
+    cr_assert_eq(json_array_size(json_object_get(l, "data")), 0, "%s", out);
+    json_decref(l);
+    free(out);
+
+    snprintf(path, sizeof path, "/admin/v1/prefixes/%s", id);
+    cr_assert_eq(req("GET", path, NULL, TOKEN, &out), 200, "%s", out);
+    json_t *s = parse(out);
+    cr_assert_str_eq(json_string_value(json_object_get(s, "id")), id);
+    cr_assert_eq(int_at(s, "kept_rows", NULL), kept);
+    json_decref(s);
+    free(out);
+
+    cr_assert_eq(req("DELETE", path, NULL, TOKEN, &out), 204, "%s", out);
+    free(out);
+    cr_assert_eq(req("GET", path, NULL, TOKEN, &out), 404, "%s", out);
+    free(out);
+    cr_assert_eq(req("DELETE", path, NULL, TOKEN, &out), 404, "%s", out);
+    free(out);
+    cr_assert_eq(story_cached(), 0, "a deleted prefix is not used");
+}
+
+Test(admin, async_registration_polls_to_done) {
+    start_daemon("--set admin.token=" TOKEN);
+    char body[2048], *out = NULL;
+    /* No policy: the configured default (compression.policy). */
+    snprintf(body, sizeof body, "{\"text\":\"%s\"}", story);
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 202, "%s", out);
+    json_t *j = parse(out);
+    free(out);
+    json_int_t id = int_at(j, "job_id", NULL);
+    char status_url[200];
+    snprintf(status_url, sizeof status_url, "%s", json_string_value(json_object_get(j, "status_url")));
+    json_decref(j);
+    char expect[64];
+    snprintf(expect, sizeof expect, "/admin/v1/jobs/%lld", (long long)id);
+    cr_assert_str_eq(status_url, expect);
+    json_t *st = NULL;
+    for (int i = 0; i < 2400; i++) {
+        cr_assert_eq(req("GET", status_url, NULL, TOKEN, &out), 200, "%s", out);
+        st = parse(out);
+        free(out);
+        const char *state = json_string_value(json_object_get(st, "state"));
+        cr_assert(strcmp(state, "failed") != 0, "job failed: %s", json_string_value(json_object_get(st, "error")));
+        if (strcmp(state, "done") == 0) break;
+        json_decref(st);
+        st = NULL;
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    cr_assert_not_null(st, "the job did not finish");
+    cr_assert_float_eq(json_real_value(json_object_get(st, "progress")), 1.0, 1e-9);
+    cr_assert(strncmp(json_string_value(json_object_get(json_object_get(st, "prefix"), "policy")), "compactor", 9) == 0,
+              "the default policy is compression.policy");
+    json_decref(st);
+    cr_assert_eq(story_cached(), story_tokens());
+}
+
+Test(admin, auth_and_bad_input_errors) {
+    start_daemon("--set admin.token=" TOKEN);
+    char *out = NULL, body[2048];
+    snprintf(body, sizeof body, "{\"text\":\"%s\",\"wait\":true}", story);
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", body, NULL, &out), 401, "%s", out);
+    json_t *j = parse(out);
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(j, "error"), "type")), "authentication_error");
+    json_decref(j);
+    free(out);
+    cr_assert_eq(req("GET", "/admin/v1/prefixes", NULL, "wrong", &out), 401, "%s", out);
+    free(out);
+    const struct {
+        const char *body, *param;
+    } bad[] = {
+        {"{not json", NULL},
+        {"[1,2]", NULL},
+        {"{}", "text"},
+        {"{\"text\":\"a\",\"segments\":[{\"name\":\"a\",\"text\":\"b\"}]}", "segments"},
+        {"{\"text\":42}", "text"},
+        {"{\"text\":\"\"}", "text"},
+        {"{\"text\":\"Hi\",\"retention\":2}", "retention"},
+        {"{\"text\":\"Hi\",\"retention\":0.5,\"quality\":1.1}", "quality"},
+        {"{\"text\":\"Hi\",\"quality\":0.5}", "quality"},
+        {"{\"text\":\"Hi\",\"dtype\":\"f8\"}", "dtype"},
+        {"{\"text\":\"Hi\",\"pin\":\"yes\"}", "pin"},
+        {"{\"text\":\"Hi\",\"policy\":\"nosuchpolicy\"}", NULL},
+        {"{\"segments\":[{\"name\":\"a b\",\"text\":\"x\"}]}", "segments[0].name"},
+        {"{\"segments\":[{\"name\":\"a\",\"text\":\"\"}]}", "segments[0].text"},
+        /* stories260K has no chat template */
+        {"{\"messages\":[{\"role\":\"system\",\"content\":\"Be nice.\"}]}", "messages"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        cr_assert_eq(req("POST", "/admin/v1/prefixes", bad[i].body, TOKEN, &out), 400, "%s: %s", bad[i].body, out);
+        j = parse(out);
+        json_t *e = json_object_get(j, "error");
+        cr_assert(json_is_string(json_object_get(e, "message")), "%s", out);
+        cr_assert_str_eq(json_string_value(json_object_get(e, "type")), "invalid_request_error");
+        if (bad[i].param)
+            cr_assert_str_eq(json_string_value(json_object_get(e, "param")), bad[i].param, "%s: %s", bad[i].body,
+                             out);
+        json_decref(j);
+        free(out);
+    }
+    cr_assert_eq(req("GET", "/admin/v1/jobs/999", NULL, TOKEN, &out), 404, "%s", out);
+    free(out);
+    cr_assert_eq(req("GET", "/admin/v1/jobs/abc", NULL, TOKEN, &out), 404, "%s", out);
+    free(out);
+    cr_assert_eq(req("GET", "/admin/v1/prefixes/zz", NULL, TOKEN, &out), 404, "%s", out);
+    free(out);
+    cr_assert_eq(req("GET", "/admin/v1/prefixes/"
+                            "0000000000000000000000000000000000000000000000000000000000000000",
+                     NULL, TOKEN, &out),
+                 404, "%s", out);
+    free(out);
+    cr_assert_eq(req("PUT", "/admin/v1/prefixes", "{}", TOKEN, &out), 405, "%s", out);
+    free(out);
+    cr_assert_eq(req("GET", "/admin/v1/nothing", NULL, TOKEN, &out), 404, "%s", out);
+    free(out);
+    /* Nothing was stored by any of that. */
+    cr_assert_eq(req("GET", "/admin/v1/prefixes", NULL, TOKEN, &out), 200, "%s", out);
+    j = parse(out);
+    cr_assert_eq(json_array_size(json_object_get(j, "data")), 0, "%s", out);
+    json_decref(j);
+    free(out);
+}
+
+Test(admin, disabled_without_a_token) {
+    start_daemon(NULL);
+    char *out = NULL;
+    cr_assert_eq(req("GET", "/admin/v1/prefixes", NULL, NULL, &out), 404, "%s", out);
+    free(out);
+    cr_assert_eq(req("GET", "/admin/v1/prefixes", NULL, "anything", &out), 404, "%s", out);
+    free(out);
+}
+
+Test(admin, separate_listener_serves_only_admin_routes) {
+    admin_port = free_port();
+    char extra[256];
+    snprintf(extra, sizeof extra, "--set admin.token=" TOKEN " --set admin.port=%d", admin_port);
+    start_daemon(extra);
+    char *out = NULL;
+    cr_assert_eq(req("GET", "/admin/v1/prefixes", NULL, TOKEN, &out), 404, "the public listener: %s", out);
+    free(out);
+    cr_assert_eq(req_on(admin_port, "GET", "/admin/v1/prefixes", NULL, TOKEN, &out), 200, "%s", out);
+    free(out);
+    cr_assert_eq(req_on(admin_port, "GET", "/admin/v1/prefixes", NULL, NULL, &out), 401, "%s", out);
+    free(out);
+    cr_assert_eq(req_on(admin_port, "GET", "/v1/models", NULL, NULL, &out), 404, "%s", out);
+    free(out);
+}
+
+Test(admin, a_restart_keeps_the_prefix) {
+    start_daemon("--set admin.token=" TOKEN);
+    json_t *job = register_story(",\"pin\":true,\"dtype\":\"f16\"");
+    json_t *p = json_object_get(job, "prefix");
+    cr_assert(json_is_true(json_object_get(p, "pinned")));
+    cr_assert_str_eq(json_string_value(json_object_get(p, "dtype")), "f16");
+    json_decref(job);
+    json_int_t n = story_tokens();
+    cr_assert_eq(story_cached(), n);
+    kill(daemon_pid, SIGTERM);
+    int st;
+    cr_assert_eq(waitpid(daemon_pid, &st, 0), daemon_pid);
+    daemon_pid = 0;
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d", st);
+    start_daemon("--set admin.token=" TOKEN);
+    cr_assert_eq(story_cached(), n, "the prefix survived the restart");
+}
+
+Test(admin, segments_with_a_kept_span) {
+    start_daemon("--set admin.token=" TOKEN);
+    /* story = "Once upon a time," + " there was ..." */
+    const char *cut = strstr(story, " there");
+    cr_assert_not_null(cut);
+    char body[2048], *out = NULL, ids[2][80];
+    json_int_t n = story_tokens();
+    for (int keep = 1; keep >= 0; keep--) {
+        snprintf(body, sizeof body, "{\"segments\":[{\"name\":\"intro\",\"text\":\"%.*s\",\"keep\":%s},"
+                 "{\"name\":\"rest\",\"text\":\"%s\"}],\"policy\":\"knorm\",\"retention\":0.5,\"wait\":true}",
+                 (int)(cut - story), story, keep ? "true" : "false", cut);
+        cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 201, "%s", out);
+        json_t *j = parse(out);
+        free(out);
+        json_t *p = json_object_get(j, "prefix");
+        const char *policy = json_string_value(json_object_get(p, "policy"));
+        /* The layout is part of the key: "spans=intro:0-K[!],rest:K-n". */
+        const char *intro = strstr(policy, "intro:0-");
+        cr_assert_not_null(intro, "%s", policy);
+        char *after = NULL;
+        long k = strtol(intro + 8, &after, 10);
+        cr_assert(k > 1 && k < 10, "the intro is a few tokens (BOS included): %s", policy);
+        cr_assert_eq(*after == '!', keep, "%s", policy);
+        char rest[64];
+        snprintf(rest, sizeof rest, "rest:%ld-%lld", k, (long long)n);
+        cr_assert(strstr(policy, rest), "%s lacks %s", policy, rest);
+        cr_assert_eq(int_at(p, "tokens", NULL), n, "segments tokenize as their concatenation");
+        snprintf(ids[keep], sizeof ids[keep], "%s", json_string_value(json_object_get(p, "id")));
+        json_decref(j);
+        cr_assert_eq(story_cached(), n);
+    }
+    cr_assert_str_neq(ids[0], ids[1], "keeping a span is another prefix");
+    /* A segment too short to hold a token of its own. */
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", "{\"segments\":[{\"name\":\"a\",\"text\":\"O\"},"
+                     "{\"name\":\"b\",\"text\":\"n\"},{\"name\":\"c\",\"text\":\"ce upon a time\"}]}", TOKEN, &out), 400, "%s", out);
+    free(out);
+}
+
+/* A generated model carrying the phi-3 vocabulary and chat template. */
+Test(admin, chat_messages_register_the_system_prompt) {
+    TH_REQUIRE_SHARED();
+    char vpath[1024], mpath[1200];
+    cr_assert_not_null(th_shared_file("vocab/ggml-vocab-phi-3.gguf", vpath, sizeof vpath));
+    pd_testmodel_opts o;
+    pd_error err = {0};
+    cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
+    o.vocab_from = vpath;
+    o.wtype = PD_TYPE_Q8_0;
+    snprintf(mpath, sizeof mpath, "%s/phi3.gguf", tmpdir);
+    cr_assert_eq(pd_testmodel_write(&o, mpath, NULL, &err), PD_OK, "%s", err.msg);
+    start_daemon_on(mpath, "--set admin.token=" TOKEN);
+    const char *sys = "You are a friendly storyteller. Tell short, happy stories about animals for children.";
+    char body[2048], *out = NULL;
+    snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"system\",\"content\":\"%s\"}],\"policy\":\"knorm\","
+             "\"retention\":0.5,\"wait\":true}", sys);
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 201, "%s", out);
+    json_t *j = parse(out);
+    json_int_t n = int_at(json_object_get(j, "prefix"), "tokens", NULL);
+    json_decref(j);
+    free(out);
+    cr_assert_gt(n, 10);
+    snprintf(body, sizeof body, "{\"model\":\"x\",\"messages\":[{\"role\":\"system\",\"content\":\"%s\"},"
+             "{\"role\":\"user\",\"content\":\"A story about a cat.\"}],\"max_tokens\":4,\"temperature\":0}", sys);
+    cr_assert_eq(completion_cached("/v1/chat/completions", body), n, "the chat request used the system prefix");
+    /* Another system prompt does not match. */
+    snprintf(body, sizeof body, "{\"model\":\"x\",\"messages\":[{\"role\":\"system\",\"content\":\"Be terse.\"},"
+             "{\"role\":\"user\",\"content\":\"A story about a cat.\"}],\"max_tokens\":4,\"temperature\":0}");
+    cr_assert_eq(completion_cached("/v1/chat/completions", body), 0);
+    /* A conversation without a leading system message has no prefix. */
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}", TOKEN,
+                     &out),
+                 400, "%s", out);
+    free(out);
+}
+
+Test(admin, prefixctl_prefix_end_to_end) {
+    char *out = NULL;
+    if (run(&out, "%s prefix --help >/dev/null 2>&1", getenv("PD_PREFIXCTL")) != 0) {
+        free(out);
+        cr_skip_test("prefixctl has no 'prefix' command yet (tools/prefixctl.c wires pd_prefix_cli)");
+    }
+    free(out);
+    start_daemon("--set admin.token=" TOKEN);
+    char text[1200];
+    snprintf(text, sizeof text, "%s/prefix.txt", tmpdir);
+    FILE *f = fopen(text, "w");
+    cr_assert_not_null(f);
+    fputs(story, f);
+    fclose(f);
+    const char *ctl = getenv("PD_PREFIXCTL");
+    char url[64];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d", port);
+    /* Without a token: refused, exit 1. */
+    cr_assert_eq(run(&out, "env -u PREFIXD_ADMIN_TOKEN %s prefix --url %s list 2>&1", ctl, url), 1, "%s", out);
+    free(out);
+    cr_assert_eq(run(&out, "%s prefix --url %s --token %s add --text %s --policy knorm --retention 0.5 2>/dev/null",
+                     ctl, url, TOKEN, text),
+                 0, "%s", out);
+    json_t *j = parse(out);
+    free(out);
+    char id[80];
+    snprintf(id, sizeof id, "%s", json_string_value(json_object_get(j, "id")));
+    cr_assert_eq(strlen(id), 64);
+    json_decref(j);
+    cr_assert_eq(story_cached(), story_tokens());
+    /* The token from the environment. */
+    cr_assert_eq(run(&out, "PREFIXD_ADMIN_TOKEN=%s %s prefix --url %s list", TOKEN, ctl, url), 0, "%s", out);
+    cr_assert(strstr(out, id), "%s", out);
+    free(out);
+    cr_assert_eq(run(&out, "%s prefix --url %s --token %s show %s", ctl, url, TOKEN, id), 0, "%s", out);
+    j = parse(out);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "id")), id);
+    json_decref(j);
+    free(out);
+    cr_assert_eq(run(&out, "%s prefix --url %s --token %s job 1", ctl, url, TOKEN), 0, "%s", out);
+    cr_assert(strstr(out, "\"done\""), "%s", out);
+    free(out);
+    cr_assert_eq(run(&out, "%s prefix --url %s --token %s delete %s", ctl, url, TOKEN, id), 0, "%s", out);
+    free(out);
+    cr_assert_eq(run(&out, "%s prefix --url %s --token %s show %s 2>&1", ctl, url, TOKEN, id), 1, "%s", out);
+    free(out);
+    cr_assert_eq(story_cached(), 0);
+}
