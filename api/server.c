@@ -30,6 +30,7 @@ struct pd_server {
     char admin_token[256];
     pd_metrics *metrics;
     pd_counter *requests, *errors, *streams;
+    pd_gauge *store_bytes, *store_prefixes, *hot_bytes; /* refreshed on each scrape */
     /* ready/backend: written by set_ready and drain, read by connection
      * threads, which hold the read lock from the check through
      * pd_scheduler_submit so that after drain nothing new is submitted. */
@@ -301,6 +302,18 @@ static enum MHD_Result handle_get(pd_server *s, struct MHD_Connection *c, const 
         return send_json(c, ready ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE, body, strlen(body));
     }
     if (strcmp(url, "/metrics") == 0 && s->opts.metrics && s->metrics) {
+        if (ready && b.store) {
+            pd_store_stats st;
+            if (pd_store_stats_get(b.store, &st, &err) == PD_OK) {
+                pd_gauge_set(s->store_bytes, (double)st.bytes);
+                pd_gauge_set(s->store_prefixes, (double)st.prefixes);
+            }
+        }
+        if (ready && b.hot) {
+            pd_hot_stats hs;
+            pd_hot_stats_get(b.hot, &hs);
+            pd_gauge_set(s->hot_bytes, (double)hs.bytes);
+        }
         char *text = NULL;
         size_t len = 0;
         if (pd_metrics_render(s->metrics, &text, &len, &err)) return MHD_NO;
@@ -466,6 +479,15 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
         if (!rc)
             rc = pd_metrics_counter(metrics, "prefixd_http_streams_total", "Streaming responses started.", NULL,
                                     &s->streams, err);
+        if (!rc)
+            rc = pd_metrics_gauge(metrics, "prefixd_store_bytes", "Bytes of stored compressed prefixes.", NULL,
+                                  &s->store_bytes, err);
+        if (!rc)
+            rc = pd_metrics_gauge(metrics, "prefixd_store_prefixes", "Compressed prefixes in the store.", NULL,
+                                  &s->store_prefixes, err);
+        if (!rc)
+            rc = pd_metrics_gauge(metrics, "prefixd_hot_tier_bytes", "Bytes of prefixes held in the in-memory tier.",
+                                  NULL, &s->hot_bytes, err);
     }
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)o->port)};
     if (!rc && inet_pton(AF_INET, o->listen, &sa.sin_addr) != 1)

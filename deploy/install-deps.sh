@@ -8,13 +8,19 @@ packages=(
   build-essential pkg-config meson ninja-build clang libclang-rt-14-dev
   libmicrohttpd-dev libjansson-dev liblmdb-dev lmdb-utils libxxhash-dev libcriterion-dev
   libopenblas-dev liblapacke-dev libssl-dev libinih-dev libsystemd-dev
-  libpcre2-dev libutf8proc-dev curl python3
+  libpcre2-dev libutf8proc-dev curl python3 systemd
 )
 
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Node and npm run the official openai client test; any install that puts
+# npm on PATH will do (Debian's packages, or NodeSource's nodejs, which
+# bundles npm and conflicts with Debian's npm package).
+if ! command -v npm >/dev/null 2>&1; then
+  missing+=(nodejs npm)
+fi
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#packages[@]} packages present"
   exit 0

@@ -235,6 +235,14 @@ Test(admin, text_registration_is_used_listed_shown_and_deleted) {
     json_decref(l);
     free(out);
 
+    /* /metrics reports the store and the scheduler's prefix hit. */
+    cr_assert_eq(req("GET", "/metrics", NULL, NULL, &out), 200, "%s", out);
+    cr_assert(strstr(out, "\nprefixd_store_prefixes 1\n"), "%s", out);
+    cr_assert(strstr(out, "\nprefixd_prefix_hits_total 1\n"), "%s", out);
+    const char *sb = strstr(out, "\nprefixd_store_bytes ");
+    cr_assert(sb && atof(sb + 21) > 0, "%s", out);
+    free(out);
+
     snprintf(path, sizeof path, "/admin/v1/prefixes/%s", id);
     cr_assert_eq(req("GET", path, NULL, TOKEN, &out), 200, "%s", out);
     json_t *s = parse(out);
