@@ -2,6 +2,7 @@
  * response blocks its own thread waiting for tokens, nobody else's), thin
  * routing over the pure request/response functions of request.c and
  * response.c, and the scheduler underneath. */
+#include <errno.h>
 #include <inttypes.h>
 #include <microhttpd.h>
 #include <openssl/crypto.h>
@@ -56,6 +57,8 @@ typedef struct http_req {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool done;           /* DONE or ERROR seen */
+    bool has_deadline, timed_out;
+    struct timespec deadline; /* CLOCK_REALTIME, as pthread_cond_timedwait wants */
     bool failed;
     pd_api_error err;
     char *q;             /* streaming: SSE bytes not yet sent */
@@ -176,7 +179,13 @@ static void on_event(void *ctx, const pd_sched_event *ev) {
     case PD_SCHED_ERROR: {
         pd_error e = {.code = ev->error_code};
         snprintf(e.msg, sizeof e.msg, "%s", ev->error_msg ? ev->error_msg : "generation failed");
-        pd_api_error_from(&r->err, &e, NULL);
+        if (r->timed_out)
+            pd_api_errorf(&r->err, 504, PD_API_ERR_SERVER, NULL, "timeout",
+                          "the request ran longer than server.request_timeout_s (%d s) and was cancelled; ask for "
+                          "fewer tokens or raise the limit",
+                          r->srv->opts.request_timeout_s);
+        else
+            pd_api_error_from(&r->err, &e, NULL);
         r->failed = true;
         r->done = true;
         if (r->stream && pd_api_error_json(&r->err, &chunk, &len) == PD_OK) {
@@ -192,13 +201,26 @@ static void on_event(void *ctx, const pd_sched_event *ev) {
     pthread_mutex_unlock(&r->mu);
 }
 
+/* Wait for the sink (r->mu held). Past the request's deadline, cancel it
+ * once; the scheduler then ends it with an error event. */
+static void wait_or_expire(http_req *r) {
+    if (!r->has_deadline || r->timed_out) {
+        pthread_cond_wait(&r->cv, &r->mu);
+        return;
+    }
+    if (pthread_cond_timedwait(&r->cv, &r->mu, &r->deadline) == ETIMEDOUT && !r->done) {
+        r->timed_out = true;
+        pd_sched_request_cancel(r->sreq);
+    }
+}
+
 /* Streaming body: hand out queued SSE bytes, blocking this connection's
  * thread until the engine produces more or the request ends. */
 static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
     (void)pos;
     http_req *r = cls;
     pthread_mutex_lock(&r->mu);
-    while (r->q_off == r->q_len && !r->done) pthread_cond_wait(&r->cv, &r->mu);
+    while (r->q_off == r->q_len && !r->done) wait_or_expire(r);
     ssize_t n;
     if (r->q_off < r->q_len) {
         size_t k = r->q_len - r->q_off < max ? r->q_len - r->q_off : max;
@@ -247,6 +269,11 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
     pd_error err = {0};
     if (!rc && pd_api_response_create(&ro, &r->resp, &err)) rc = pd_api_error_from(&e, &err, NULL);
     r->stream = r->areq.stream;
+    if (s->opts.request_timeout_s > 0) {
+        clock_gettime(CLOCK_REALTIME, &r->deadline);
+        r->deadline.tv_sec += s->opts.request_timeout_s;
+        r->has_deadline = true;
+    }
     if (!rc && pd_scheduler_submit(b.sched, &sp, on_event, r, &r->sreq, &err)) {
         if (strstr(err.msg, "queue is full"))
             pd_api_errorf(&e, 429, PD_API_ERR_RATE_LIMIT, NULL, "queue_full", "%s; retry shortly", err.msg);
@@ -269,7 +296,7 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
         return ret;
     }
     pthread_mutex_lock(&r->mu);
-    while (!r->done) pthread_cond_wait(&r->cv, &r->mu);
+    while (!r->done) wait_or_expire(r);
     bool failed = r->failed;
     e = r->err;
     pthread_mutex_unlock(&r->mu);
