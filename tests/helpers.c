@@ -1,6 +1,14 @@
 #include "helpers.h"
 
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
+#include <sys/socket.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -88,4 +96,88 @@ void th_buf_free(th_buf *b) {
     free(b->data);
     b->data = NULL;
     b->len = b->cap = 0;
+}
+
+int th_free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t l = sizeof a;
+    getsockname(fd, (struct sockaddr *)&a, &l);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+__attribute__((format(printf, 2, 3))) static int run_fmt(char **out, const char *fmt, ...) {
+    char cmd[8192];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    return th_run(cmd, out);
+}
+
+pid_t th_daemon_start(const char *args, const char *log, int *port) {
+    const char *prefixd = getenv("PD_PREFIXD");
+    cr_assert_not_null(prefixd, "PD_PREFIXD is not set (run through meson test)");
+    *port = th_free_port();
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        char cmd[8192];
+        snprintf(cmd, sizeof cmd, "exec %s %s --set server.port=%d 2>>%s", prefixd, args, *port, log);
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    /* Loading takes a moment; poll readiness (a bound, not a timing check). */
+    for (int i = 0; i < 600; i++) {
+        char *out = NULL;
+        int rc = run_fmt(&out, "curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:%d/health", *port);
+        bool ok = rc == 0 && out && strcmp(out, "200") == 0;
+        free(out);
+        if (ok) return pid;
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid) {
+            char *l = NULL;
+            run_fmt(&l, "cat %s", log);
+            cr_assert_fail("prefixd exited early:\n%s", l ? l : "");
+        }
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    cr_assert_fail("prefixd did not become healthy");
+    return -1;
+}
+
+int th_daemon_stop(pid_t *pid, int sig) {
+    if (*pid <= 0) return -1;
+    kill(*pid, sig);
+    int st = -1;
+    waitpid(*pid, &st, 0);
+    *pid = 0;
+    return st;
+}
+
+int th_http(int port, const char *method, const char *path, const char *json, const char *auth,
+            const char *body_file, char **out) {
+    char data[1300] = "";
+    if (json) {
+        FILE *f = fopen(body_file, "w");
+        cr_assert_not_null(f, "%s", body_file);
+        fputs(json, f);
+        fclose(f);
+        snprintf(data, sizeof data, "-H 'Content-Type: application/json' --data-binary @%s", body_file);
+    }
+    char *raw = NULL;
+    run_fmt(&raw, "curl -s -N -X %s -w '\\n%%{http_code}' %s%s%s %s 'http://127.0.0.1:%d%s'", method,
+            auth ? "-H 'Authorization: Bearer " : "", auth ? auth : "", auth ? "'" : "", data, port, path);
+    cr_assert_not_null(raw);
+    char *nl = strrchr(raw, '\n');
+    cr_assert_not_null(nl, "%s", raw);
+    int status = atoi(nl + 1);
+    *nl = '\0';
+    *out = raw;
+    return status;
 }

@@ -24,6 +24,25 @@ int th_run(const char *cmd, char **out);
 
 
 
+/* ---- the real daemon, for integration tests --------------------------------- */
+#include <sys/types.h>
+
+/* A free TCP port on the loopback interface. */
+int th_free_port(void);
+/* Start $PD_PREFIXD with `args` plus --set server.port=<a free port>, its
+ * stderr appended to `log`; wait until GET /health is 200. Fails the test
+ * when prefixd exits first (showing its log) or never becomes healthy.
+ * Returns the pid; *port gets the port. */
+pid_t th_daemon_start(const char *args, const char *log, int *port);
+/* Send sig to a started daemon (pid > 0) and wait; returns the wait status,
+ * or -1 when pid is not running. *pid becomes 0. */
+int th_daemon_stop(pid_t *pid, int sig);
+/* An HTTP request with curl to 127.0.0.1:port. json (may be NULL) is sent
+ * as the body, written to `body_file` first; auth (may be NULL) as a bearer
+ * token. Returns the HTTP status; the body in *out (malloc'd). */
+int th_http(int port, const char *method, const char *path, const char *json, const char *auth,
+            const char *body_file, char **out);
+
 /* A growable byte buffer for hand-building binary files (GGUF images). */
 #include <stdint.h>
 typedef struct th_buf {

@@ -35,13 +35,7 @@ static void setup(void) {
     if (system("curl --version >/dev/null 2>&1") != 0) cr_skip_test("curl is not installed");
 }
 
-static void stop_daemon(int sig) {
-    if (daemon_pid <= 0) return;
-    kill(daemon_pid, sig);
-    int st;
-    waitpid(daemon_pid, &st, 0);
-    daemon_pid = 0;
-}
+static void stop_daemon(int sig) { th_daemon_stop(&daemon_pid, sig); }
 
 static void teardown(void) {
     stop_daemon(SIGKILL);
@@ -51,16 +45,6 @@ static void teardown(void) {
 }
 
 TestSuite(admin, .init = setup, .fini = teardown, .timeout = 240);
-
-static int free_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-    socklen_t l = sizeof a;
-    getsockname(fd, (struct sockaddr *)&a, &l);
-    close(fd);
-    return ntohs(a.sin_port);
-}
 
 __attribute__((format(printf, 2, 3))) static int run(char **out, const char *fmt, ...) {
     char cmd[8192];
@@ -79,38 +63,12 @@ static void start_daemon_on(const char *model_path, const char *extra) {
         cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
         model_path = model;
     }
-    port = free_port();
-    char args[4096];
-    snprintf(args, sizeof args, "--set model.path=%s --set server.port=%d --set cache.path=%s/store "
-             "--set cache.map_size_mb=64 --set model.n_threads=2 --set compression.min_prefix_tokens=8 %s",
-             model_path, port, tmpdir, extra ? extra : "");
-    char log[1200];
+    char args[4096], log[1200];
+    snprintf(args, sizeof args, "--set model.path=%s --set cache.path=%s/store --set cache.map_size_mb=64 "
+             "--set model.n_threads=2 --set compression.min_prefix_tokens=8 %s",
+             model_path, tmpdir, extra ? extra : "");
     snprintf(log, sizeof log, "%s/prefixd.log", tmpdir);
-    daemon_pid = fork();
-    cr_assert_geq(daemon_pid, 0);
-    if (daemon_pid == 0) {
-        char cmd[8192];
-        snprintf(cmd, sizeof cmd, "exec %s %s 2>>%s", getenv("PD_PREFIXD"), args, log);
-        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-        _exit(127);
-    }
-    for (int i = 0; i < 600; i++) {
-        char *out = NULL;
-        int rc = run(&out, "curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:%d/health", port);
-        bool ok = rc == 0 && out && strcmp(out, "200") == 0;
-        free(out);
-        if (ok) return;
-        int st;
-        if (waitpid(daemon_pid, &st, WNOHANG) == daemon_pid) {
-            daemon_pid = 0;
-            char *l = NULL;
-            run(&l, "cat %s", log);
-            cr_assert_fail("prefixd exited early:\n%s", l ? l : "");
-        }
-        struct timespec ts = {0, 50 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-    }
-    cr_assert_fail("prefixd did not become healthy");
+    daemon_pid = th_daemon_start(args, log, &port);
 }
 
 static void start_daemon(const char *extra) {
@@ -120,25 +78,9 @@ static void start_daemon(const char *extra) {
 /* An HTTP request on port p; json may be NULL (no body). Returns the
  * status, the body in *out. */
 static int req_on(int p, const char *method, const char *path, const char *json, const char *auth, char **out) {
-    char body_path[1200], data[1300] = "";
-    if (json) {
-        snprintf(body_path, sizeof body_path, "%s/body.json", tmpdir);
-        FILE *f = fopen(body_path, "w");
-        cr_assert_not_null(f);
-        fputs(json, f);
-        fclose(f);
-        snprintf(data, sizeof data, "-H 'Content-Type: application/json' --data-binary @%s", body_path);
-    }
-    char *raw = NULL;
-    run(&raw, "curl -s -X %s -w '\\n%%{http_code}' %s%s%s %s 'http://127.0.0.1:%d%s'", method,
-        auth ? "-H 'Authorization: Bearer " : "", auth ? auth : "", auth ? "'" : "", data, p, path);
-    cr_assert_not_null(raw);
-    char *nl = strrchr(raw, '\n');
-    cr_assert_not_null(nl, "%s", raw);
-    int status = atoi(nl + 1);
-    *nl = '\0';
-    *out = raw;
-    return status;
+    char body_path[1200];
+    snprintf(body_path, sizeof body_path, "%s/body.json", tmpdir);
+    return th_http(p, method, path, json, auth, body_path, out);
 }
 
 static int req(const char *method, const char *path, const char *json, const char *auth, char **out) {
@@ -372,7 +314,7 @@ Test(admin, disabled_without_a_token) {
 }
 
 Test(admin, separate_listener_serves_only_admin_routes) {
-    admin_port = free_port();
+    admin_port = th_free_port();
     char extra[256];
     snprintf(extra, sizeof extra, "--set admin.token=" TOKEN " --set admin.port=%d", admin_port);
     start_daemon(extra);

@@ -31,13 +31,7 @@ static void setup(void) {
     if (system("curl --version >/dev/null 2>&1") != 0) cr_skip_test("curl is not installed");
 }
 
-static void stop_daemon(int sig) {
-    if (daemon_pid <= 0) return;
-    kill(daemon_pid, sig);
-    int st;
-    waitpid(daemon_pid, &st, 0);
-    daemon_pid = 0;
-}
+static void stop_daemon(int sig) { th_daemon_stop(&daemon_pid, sig); }
 
 static void teardown(void) {
     stop_daemon(SIGKILL);
@@ -47,16 +41,6 @@ static void teardown(void) {
 }
 
 TestSuite(daemon, .init = setup, .fini = teardown, .timeout = 240);
-
-static int free_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-    socklen_t l = sizeof a;
-    getsockname(fd, (struct sockaddr *)&a, &l);
-    close(fd);
-    return ntohs(a.sin_port);
-}
 
 __attribute__((format(printf, 2, 3))) static int run(char **out, const char *fmt, ...) {
     char cmd[8192];
@@ -70,37 +54,11 @@ __attribute__((format(printf, 2, 3))) static int run(char **out, const char *fmt
 /* Start prefixd serving model_path with extra --set arguments; wait until
  * /health says ok. */
 static void start_daemon_model(const char *model_path, const char *extra) {
-    port = free_port();
-    char args[4096];
-    snprintf(args, sizeof args, "--set model.path=%s --set server.port=%d --set cache.path=%s/store "
-             "--set cache.map_size_mb=64 --set model.n_threads=2 %s", model_path, port, tmpdir, extra ? extra : "");
-    char log[1200];
+    char args[4096], log[1200];
+    snprintf(args, sizeof args, "--set model.path=%s --set cache.path=%s/store --set cache.map_size_mb=64 "
+             "--set model.n_threads=2 %s", model_path, tmpdir, extra ? extra : "");
     snprintf(log, sizeof log, "%s/prefixd.log", tmpdir);
-    daemon_pid = fork();
-    cr_assert_geq(daemon_pid, 0);
-    if (daemon_pid == 0) {
-        char cmd[8192];
-        snprintf(cmd, sizeof cmd, "exec %s %s 2>%s", getenv("PD_PREFIXD"), args, log);
-        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-        _exit(127);
-    }
-    for (int i = 0; i < 600; i++) {
-        char *out = NULL;
-        int rc = run(&out, "curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:%d/health", port);
-        bool ok = rc == 0 && out && strcmp(out, "200") == 0;
-        free(out);
-        if (ok) return;
-        int st;
-        if (waitpid(daemon_pid, &st, WNOHANG) == daemon_pid) {
-            daemon_pid = 0;
-            char *l = NULL;
-            run(&l, "cat %s", log);
-            cr_assert_fail("prefixd exited early:\n%s", l ? l : "");
-        }
-        struct timespec ts = {0, 50 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-    }
-    cr_assert_fail("prefixd did not become healthy");
+    daemon_pid = th_daemon_start(args, log, &port);
 }
 
 /* The same with stories260K (the shared model). */
@@ -114,21 +72,7 @@ static void start_daemon(const char *extra) {
 static int post(const char *path, const char *json, const char *auth, char **out) {
     char body_path[1200];
     snprintf(body_path, sizeof body_path, "%s/body.json", tmpdir);
-    FILE *f = fopen(body_path, "w");
-    cr_assert_not_null(f);
-    fputs(json, f);
-    fclose(f);
-    char *raw = NULL;
-    run(&raw, "curl -s -N -w '\\n%%{http_code}' -H 'Content-Type: application/json' %s%s%s --data-binary @%s "
-        "http://127.0.0.1:%d%s",
-        auth ? "-H 'Authorization: Bearer " : "", auth ? auth : "", auth ? "'" : "", body_path, port, path);
-    cr_assert_not_null(raw);
-    char *nl = strrchr(raw, '\n');
-    cr_assert_not_null(nl, "%s", raw);
-    int status = atoi(nl + 1);
-    *nl = '\0';
-    *out = raw;
-    return status;
+    return th_http(port, "POST", path, json, auth, body_path, out);
 }
 
 static json_t *parse(const char *text) {
@@ -316,17 +260,7 @@ Test(daemon, a_stored_prefix_is_used_and_exact_at_retention_1) {
 /* ---- helpers for the tests below ------------------------------------------ */
 
 /* GET path; returns the HTTP status, the body in *out. */
-static int get(const char *path, char **out) {
-    char *raw = NULL;
-    run(&raw, "curl -s -w '\\n%%{http_code}' http://127.0.0.1:%d%s", port, path);
-    cr_assert_not_null(raw);
-    char *nl = strrchr(raw, '\n');
-    cr_assert_not_null(nl, "%s", raw);
-    int status = atoi(nl + 1);
-    *nl = '\0';
-    *out = raw;
-    return status;
-}
+static int get(const char *path, char **out) { return th_http(port, "GET", path, NULL, NULL, NULL, out); }
 
 /* The value of one series in Prometheus text ("name{labels} value" lines);
  * -1 when the series is absent. */
