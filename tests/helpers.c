@@ -108,7 +108,7 @@ int th_free_port(void) {
     return ntohs(a.sin_port);
 }
 
-__attribute__((format(printf, 2, 3))) static int run_fmt(char **out, const char *fmt, ...) {
+int th_runf(char **out, const char *fmt, ...) {
     char cmd[8192];
     va_list ap;
     va_start(ap, fmt);
@@ -132,14 +132,14 @@ pid_t th_daemon_start(const char *args, const char *log, int *port) {
     /* Loading takes a moment; poll readiness (a bound, not a timing check). */
     for (int i = 0; i < 600; i++) {
         char *out = NULL;
-        int rc = run_fmt(&out, "curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:%d/health", *port);
+        int rc = th_runf(&out, "curl -s -o /dev/null -w '%%{http_code}' http://127.0.0.1:%d/health", *port);
         bool ok = rc == 0 && out && strcmp(out, "200") == 0;
         free(out);
         if (ok) return pid;
         int st;
         if (waitpid(pid, &st, WNOHANG) == pid) {
             char *l = NULL;
-            run_fmt(&l, "cat %s", log);
+            th_runf(&l, "cat %s", log);
             cr_assert_fail("prefixd exited early:\n%s", l ? l : "");
         }
         struct timespec ts = {0, 50 * 1000 * 1000};
@@ -171,7 +171,7 @@ int th_http(int port, const char *method, const char *path, const char *json, co
         snprintf(data, sizeof data, "-H 'Content-Type: application/json' --data-binary @%s", body_file);
     }
     char *raw = NULL;
-    run_fmt(&raw, "curl -s -N -X %s -w '\\n%%{http_code}' %s%s%s %s 'http://127.0.0.1:%d%s'", method,
+    th_runf(&raw, "curl -s -N -X %s -w '\\n%%{http_code}' %s%s%s %s 'http://127.0.0.1:%d%s'", method,
             auth ? "-H 'Authorization: Bearer " : "", auth ? auth : "", auth ? "'" : "", data, port, path);
     cr_assert_not_null(raw);
     char *nl = strrchr(raw, '\n');

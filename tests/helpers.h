@@ -15,6 +15,8 @@ char *th_mkdtemp(void);
 void th_rmtree(const char *dir);
 /* Run a shell command, capturing stdout (malloc'd) and the exit status. */
 int th_run(const char *cmd, char **out);
+/* The same with a printf-style command line (at most 8 KiB). */
+__attribute__((format(printf, 2, 3))) int th_runf(char **out, const char *fmt, ...);
 /* Skip the running test with a message when the shared models are absent. */
 #define TH_REQUIRE_SHARED()                                                                   \
     do {                                                                                      \

@@ -7,7 +7,6 @@
 #include <jansson.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,15 +44,6 @@ static void teardown(void) {
 }
 
 TestSuite(admin, .init = setup, .fini = teardown, .timeout = 240);
-
-__attribute__((format(printf, 2, 3))) static int run(char **out, const char *fmt, ...) {
-    char cmd[8192];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(cmd, sizeof cmd, fmt, ap);
-    va_end(ap);
-    return th_run(cmd, out);
-}
 
 /* Start prefixd on model_path (NULL: stories260K) with extra --set
  * arguments and the store in tmpdir/store; wait until /health says ok. */
@@ -424,7 +414,7 @@ Test(admin, chat_messages_register_the_system_prompt) {
 
 Test(admin, prefixctl_prefix_end_to_end) {
     char *out = NULL;
-    if (run(&out, "%s prefix --help >/dev/null 2>&1", getenv("PD_PREFIXCTL")) != 0) {
+    if (th_runf(&out, "%s prefix --help >/dev/null 2>&1", getenv("PD_PREFIXCTL")) != 0) {
         free(out);
         cr_skip_test("prefixctl has no 'prefix' command yet (tools/prefixctl.c wires pd_prefix_cli)");
     }
@@ -440,9 +430,9 @@ Test(admin, prefixctl_prefix_end_to_end) {
     char url[64];
     snprintf(url, sizeof url, "http://127.0.0.1:%d", port);
     /* Without a token: refused, exit 1. */
-    cr_assert_eq(run(&out, "env -u PREFIXD_ADMIN_TOKEN %s prefix --url %s list 2>&1", ctl, url), 1, "%s", out);
+    cr_assert_eq(th_runf(&out, "env -u PREFIXD_ADMIN_TOKEN %s prefix --url %s list 2>&1", ctl, url), 1, "%s", out);
     free(out);
-    cr_assert_eq(run(&out, "%s prefix --url %s --token %s add --text %s --policy knorm --retention 0.5 2>/dev/null",
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s add --text %s --policy knorm --retention 0.5 2>/dev/null",
                      ctl, url, TOKEN, text),
                  0, "%s", out);
     json_t *j = parse(out);
@@ -453,20 +443,20 @@ Test(admin, prefixctl_prefix_end_to_end) {
     json_decref(j);
     cr_assert_eq(story_cached(), story_tokens());
     /* The token from the environment. */
-    cr_assert_eq(run(&out, "PREFIXD_ADMIN_TOKEN=%s %s prefix --url %s list", TOKEN, ctl, url), 0, "%s", out);
+    cr_assert_eq(th_runf(&out, "PREFIXD_ADMIN_TOKEN=%s %s prefix --url %s list", TOKEN, ctl, url), 0, "%s", out);
     cr_assert(strstr(out, id), "%s", out);
     free(out);
-    cr_assert_eq(run(&out, "%s prefix --url %s --token %s show %s", ctl, url, TOKEN, id), 0, "%s", out);
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s show %s", ctl, url, TOKEN, id), 0, "%s", out);
     j = parse(out);
     cr_assert_str_eq(json_string_value(json_object_get(j, "id")), id);
     json_decref(j);
     free(out);
-    cr_assert_eq(run(&out, "%s prefix --url %s --token %s job 1", ctl, url, TOKEN), 0, "%s", out);
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s job 1", ctl, url, TOKEN), 0, "%s", out);
     cr_assert(strstr(out, "\"done\""), "%s", out);
     free(out);
-    cr_assert_eq(run(&out, "%s prefix --url %s --token %s delete %s", ctl, url, TOKEN, id), 0, "%s", out);
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s delete %s", ctl, url, TOKEN, id), 0, "%s", out);
     free(out);
-    cr_assert_eq(run(&out, "%s prefix --url %s --token %s show %s 2>&1", ctl, url, TOKEN, id), 1, "%s", out);
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s show %s 2>&1", ctl, url, TOKEN, id), 1, "%s", out);
     free(out);
     cr_assert_eq(story_cached(), 0);
 }

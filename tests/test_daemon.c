@@ -6,7 +6,6 @@
 #include <jansson.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,15 +40,6 @@ static void teardown(void) {
 }
 
 TestSuite(daemon, .init = setup, .fini = teardown, .timeout = 240);
-
-__attribute__((format(printf, 2, 3))) static int run(char **out, const char *fmt, ...) {
-    char cmd[8192];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(cmd, sizeof cmd, fmt, ap);
-    va_end(ap);
-    return th_run(cmd, out);
-}
 
 /* Start prefixd serving model_path with extra --set arguments; wait until
  * /health says ok. */
@@ -120,7 +110,7 @@ static char *stream_text(const char *sse) {
 Test(daemon, health_models_and_greedy_completion_match_the_engine) {
     start_daemon(NULL);
     char *out = NULL;
-    cr_assert_eq(run(&out, "curl -s http://127.0.0.1:%d/v1/models", port), 0);
+    cr_assert_eq(th_runf(&out, "curl -s http://127.0.0.1:%d/v1/models", port), 0);
     json_t *m = parse(out);
     cr_assert_str_eq(json_string_value(json_object_get(json_array_get(json_object_get(m, "data"), 0), "object")),
                      "model");
@@ -137,7 +127,7 @@ Test(daemon, health_models_and_greedy_completion_match_the_engine) {
     free(out);
 
     /* The same greedy continuation from prefixctl generate (the engine). */
-    cr_assert_eq(run(&out, "%s generate --model %s --prompt 'Once upon a time' -n 24 --threads 2 2>/dev/null",
+    cr_assert_eq(th_runf(&out, "%s generate --model %s --prompt 'Once upon a time' -n 24 --threads 2 2>/dev/null",
                      getenv("PD_PREFIXCTL"), model), 0);
     size_t n = strlen(out);
     if (n && out[n - 1] == '\n') out[n - 1] = '\0'; /* prefixctl ends the text with a newline */
@@ -204,10 +194,10 @@ Test(daemon, concurrent_streams_all_complete_and_sigterm_exits_cleanly) {
              "\"{\\\"model\\\":\\\"x\\\",\\\"prompt\\\":\\\"Tom had a ball $i\\\",\\\"max_tokens\\\":32,"
              "\\\"stream\\\":true,\\\"seed\\\":$i}\" http://127.0.0.1:%d/v1/completions > %s/s$i.txt & done; wait",
              port, tmpdir);
-    cr_assert_eq(run(NULL, "%s", cmd), 0);
+    cr_assert_eq(th_runf(NULL, "%s", cmd), 0);
     for (int i = 1; i <= 64; i++) {
         char *out = NULL;
-        cr_assert_eq(run(&out, "cat %s/s%d.txt", tmpdir, i), 0);
+        cr_assert_eq(th_runf(&out, "cat %s/s%d.txt", tmpdir, i), 0);
         cr_assert(strstr(out, "\"finish_reason\"") && strstr(out, "data: [DONE]"), "stream %d: %s", i, out);
         free(out);
     }
@@ -230,7 +220,7 @@ Test(daemon, a_stored_prefix_is_used_and_exact_at_retention_1) {
     fputs(story, f);
     fclose(f);
     char *out = NULL;
-    cr_assert_eq(run(&out, "%s compress --model %s --policy knorm --retention 1 --text %s --store %s/store 2>&1",
+    cr_assert_eq(th_runf(&out, "%s compress --model %s --policy knorm --retention 1 --text %s --store %s/store 2>&1",
                      getenv("PD_PREFIXCTL"), model, text, tmpdir),
                  0, "%s", out);
     free(out);
@@ -283,7 +273,7 @@ static void store_story_prefix(double retention) {
     fputs(story, f);
     fclose(f);
     char *out = NULL;
-    cr_assert_eq(run(&out, "%s compress --model %s --policy knorm --retention %g --text %s --store %s/store 2>&1",
+    cr_assert_eq(th_runf(&out, "%s compress --model %s --policy knorm --retention %g --text %s --store %s/store 2>&1",
                      getenv("PD_PREFIXCTL"), model, retention, text, tmpdir),
                  0, "%s", out);
     free(out);
@@ -496,11 +486,11 @@ Test(daemon, the_official_openai_npm_client_works_against_the_server, .timeout =
     const char *src = getenv("PD_SOURCE_ROOT");
     cr_assert_not_null(src, "PD_SOURCE_ROOT is set by meson");
     char *out = NULL;
-    cr_assert_eq(run(&out, "mkdir -p %s/openai && cp %s/tests/openai/package.json %s/tests/openai/check.mjs %s/openai/ "
+    cr_assert_eq(th_runf(&out, "mkdir -p %s/openai && cp %s/tests/openai/package.json %s/tests/openai/check.mjs %s/openai/ "
                      "2>&1", tmpdir, src, src, tmpdir),
                  0, "%s", out);
     free(out);
-    if (run(&out, "cd %s/openai && timeout 90 npm install --no-audit --no-fund --fetch-retries=1 2>&1", tmpdir) != 0) {
+    if (th_runf(&out, "cd %s/openai && timeout 90 npm install --no-audit --no-fund --fetch-retries=1 2>&1", tmpdir) != 0) {
         fprintf(stderr, "npm install openai failed:\n%s\n", out ? out : "");
         free(out);
         cr_skip_test("could not install the openai npm package (no network?)");
@@ -509,7 +499,7 @@ Test(daemon, the_official_openai_npm_client_works_against_the_server, .timeout =
     char path[1200];
     phi3_model(path, sizeof path);
     start_daemon_model(path, NULL);
-    int rc = run(&out, "cd %s/openai && node check.mjs %d 2>&1", tmpdir, port);
+    int rc = th_runf(&out, "cd %s/openai && node check.mjs %d 2>&1", tmpdir, port);
     cr_assert_eq(rc, 0, "check.mjs failed:\n%s", out ? out : "");
     cr_assert(out && strstr(out, "openai client checks passed"), "%s", out ? out : "");
     free(out);
@@ -524,7 +514,7 @@ Test(daemon, a_request_past_its_timeout_is_cancelled) {
     /* A SmolLM2-shaped model: slow enough that 1500 tokens take several seconds. */
     snprintf(slow, sizeof slow, "%s/slow.gguf", tmpdir);
     char *out = NULL;
-    cr_assert_eq(run(&out, "%s gen-model --preset smollm2-135m --n-layer 6 --type q8_0 --seed 1 --vocab-from %s -o %s "
+    cr_assert_eq(th_runf(&out, "%s gen-model --preset smollm2-135m --n-layer 6 --type q8_0 --seed 1 --vocab-from %s -o %s "
                            "2>&1", getenv("PD_PREFIXCTL"), vocab, slow),
                  0, "%s", out);
     free(out);
