@@ -61,13 +61,6 @@ struct pd_sampler {
 
 /* ---- random numbers ------------------------------------------------------ */
 
-static uint64_t splitmix64(uint64_t *x) {
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static inline uint64_t rotl64(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
 /* xoshiro256** 1.0 (Blackman & Vigna). */
@@ -90,7 +83,7 @@ static double rng_double(pd_sampler *s) {
 
 static void rng_seed(pd_sampler *s) {
     uint64_t x = s->seed;
-    for (int i = 0; i < 4; i++) s->rng[i] = splitmix64(&x);
+    for (int i = 0; i < 4; i++) s->rng[i] = pd_splitmix64(&x);
 }
 
 static uint64_t random_seed(void) {
@@ -100,7 +93,7 @@ static uint64_t random_seed(void) {
         clock_gettime(CLOCK_REALTIME, &ts);
         uint64_t x = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
         x ^= (uint64_t)(uintptr_t)&v;
-        v = splitmix64(&x);
+        v = pd_splitmix64(&x);
     }
     if (v == PD_SAMPLER_SEED_RANDOM) v = 0; /* keep the sentinel out of reported seeds */
     return v;

@@ -19,15 +19,6 @@
 
 /* ---- building blocks -------------------------------------------------- */
 
-/* splitmix64 (Vigna): a tiny, well-mixed generator whose whole state is
- * the seed, so the sketch is reproducible on every platform. */
-static uint64_t splitmix64_next(uint64_t *state) {
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
 /* Box-Muller in double: two uniforms with 53-bit mantissas give two
  * independent N(0, 1) draws, filled row-major into phi[d][sketch]. */
 void pd_gaussian_sketch(uint64_t seed, int d, int sketch, float *phi) {
@@ -36,8 +27,8 @@ void pd_gaussian_sketch(uint64_t seed, int d, int sketch, float *phi) {
     double sd = 1.0 / sqrt((double)sketch);
     size_t total = (size_t)d * (size_t)sketch;
     for (size_t i = 0; i < total; i += 2) {
-        double u1 = (double)((splitmix64_next(&state) >> 11) + 1) * 0x1p-53; /* (0, 1]: log is finite */
-        double u2 = (double)(splitmix64_next(&state) >> 11) * 0x1p-53;       /* [0, 1) */
+        double u1 = (double)((pd_splitmix64(&state) >> 11) + 1) * 0x1p-53; /* (0, 1]: log is finite */
+        double u2 = (double)(pd_splitmix64(&state) >> 11) * 0x1p-53;       /* [0, 1) */
         double r = sqrt(-2.0 * log(u1)), t = 2.0 * M_PI * u2;
         phi[i] = (float)(r * cos(t) * sd);
         if (i + 1 < total) phi[i + 1] = (float)(r * sin(t) * sd);
@@ -334,11 +325,12 @@ static void lev_work_free(lev_work *w) {
     free(w->jpvt);
 }
 
-/* malloc of a * b elements of `size` bytes, NULL on overflow. */
+/* a * b elements of `size` bytes, NULL on overflow or OOM (callers say
+ * what they were allocating). */
 static void *alloc_array(uint64_t a, uint64_t b, size_t size) {
-    uint64_t n, bytes;
-    if (!pd_mul_ok(a, b, &n) || !pd_mul_ok(n, size, &bytes) || bytes > SIZE_MAX) return NULL;
-    return malloc(bytes ? (size_t)bytes : 1);
+    uint64_t n;
+    if (!pd_mul_ok(a, b, &n) || n > INT64_MAX) return NULL;
+    return pd_scorer_alloc((int64_t)n, size, NULL, NULL);
 }
 
 int pd_leverage_scores(const float *rows, int64_t n, int d, int64_t stride, const float *phi, int sketch,

@@ -43,17 +43,9 @@
 
 #include "policies/scorers.h"
 
-/* One splitmix64 step (increment, then finaliser), used as a hash. */
-static uint64_t mix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ULL;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-}
-
 /* Each layer draws its own hyperplanes from (spec seed, layer). */
 static uint64_t laserkv_layer_seed(uint64_t seed, int layer) {
-    return mix64(seed ^ mix64((uint64_t)(uint32_t)layer));
+    return pd_mix64(seed ^ pd_mix64((uint64_t)(uint32_t)layer));
 }
 
 /* The hyperplanes and what hashing needs besides the vectors. */

@@ -5,15 +5,6 @@
 
 #include "policies/scorers.h"
 
-/* splitmix64's output function: a bijective 64-bit mixer, so distinct
- * inputs never collide before the final truncation. */
-static uint64_t mix64(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ULL;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
-}
-
 int pd_score_random(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t lo, int64_t hi, float *scores,
                     pd_error *err) {
     (void)err;
@@ -21,9 +12,9 @@ int pd_score_random(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t l
     /* Keyed by the absolute position, not the row, so scoring a span alone
      * gives the same numbers as scoring the whole prefix. */
     for (int h = 0; h < kv->n_head_kv; h++) {
-        uint64_t base = mix64(mix64(mix64(spec->seed) ^ (uint64_t)(uint32_t)kv->layer) ^ (uint64_t)(uint32_t)h);
+        uint64_t base = pd_mix64(pd_mix64(pd_mix64(spec->seed) ^ (uint64_t)(uint32_t)kv->layer) ^ (uint64_t)(uint32_t)h);
         for (int64_t i = 0; i < n; i++) {
-            uint64_t x = mix64(base ^ (uint64_t)(uint32_t)kv->pos[lo + i]);
+            uint64_t x = pd_mix64(base ^ (uint64_t)(uint32_t)kv->pos[lo + i]);
             /* Top 24 bits: exactly representable in a float, so < 1. */
             scores[(int64_t)h * n + i] = (float)(x >> 40) * 0x1p-24f;
         }

@@ -39,7 +39,8 @@ int pd_score_obcache(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t 
  * `logits`, the scaled logits too (0 where masked). ld >= q0 + nq - lo. */
 void pd_attention_rows(const pd_layer_kv *kv, int64_t lo, int a, int64_t q0, int64_t nq, float *out, int64_t ld,
                        float *logits);
-/* n elements of `size` bytes; NULL with err filled on overflow or OOM. */
+/* n elements of `size` bytes; NULL on overflow or OOM, with err (may be
+ * NULL) filled. */
 void *pd_scorer_alloc(int64_t n, size_t size, const char *name, pd_error *err);
 
 /* score_laserkv.c: two criteria (exact attention, LSH collisions) */

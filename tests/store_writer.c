@@ -25,16 +25,8 @@
 
 #include "cache/cache.h"
 
-static uint64_t next_rand(uint64_t *s) {
-    /* splitmix64 */
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
 static int64_t rand_range(uint64_t *s, int64_t lo, int64_t hi) { /* [lo, hi] */
-    return lo + (int64_t)(next_rand(s) % (uint64_t)(hi - lo + 1));
+    return lo + (int64_t)(pd_splitmix64(s) % (uint64_t)(hi - lo + 1));
 }
 
 static void hash_i32(XXH3_state_t *st, int32_t v) { XXH3_64bits_update(st, &v, sizeof v); }

@@ -63,13 +63,6 @@ static void teardown(void) {
 
 TestSuite(cache_crash, .init = setup, .fini = teardown);
 
-static uint64_t next_rand(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
 static expect *find(world *w, const pd_prefix_id *id) {
     for (size_t i = 0; i < w->n; i++)
         if (memcmp(w->ids[i].id.b, id->b, PD_PREFIX_ID_LEN) == 0) return &w->ids[i];
@@ -300,7 +293,7 @@ Test(cache_crash, sigkill_at_random_moments_leaves_a_clean_store, .timeout = 280
     cr_assert_not_null(w.ids);
     uint64_t rng = 20240505;
     for (int round = 0; round < ROUNDS; round++) {
-        int delay_ms = 5 + (int)(next_rand(&rng) % 300);
+        int delay_ms = 5 + (int)(pd_splitmix64(&rng) % 300);
         run_writer_and_kill(&w, writer, dir, 1000 + (uint64_t)round, delay_ms, 0);
         check_store(&w, dir);
     }
@@ -325,7 +318,7 @@ Test(cache_crash, prefix_cut_off_mid_put_is_absent_or_whole, .timeout = 200) {
     int64_t cut = 0;
     for (int round = 0; round < 15; round++) {
         size_t before = w.n;
-        int nth = 1 + (int)(next_rand(&rng) % 8);
+        int nth = 1 + (int)(pd_splitmix64(&rng) % 8);
         run_writer_and_kill(&w, writer, dir, 5000 + (uint64_t)round, 5000, nth);
         for (size_t i = before; i < w.n; i++)
             if (w.ids[i].state == ST_BEGUN) cut++;

@@ -26,13 +26,6 @@ static void teardown(void) {
 
 TestSuite(cache_hot, .init = setup, .fini = teardown);
 
-static uint64_t next_rand(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
 static const uint8_t fingerprint[PD_SHA256_LEN] = {1, 2, 3, 4, 5, 6, 7, 8};
 
 /* A prefix generated from a seed: every stream keeps `kept` of the n
@@ -56,7 +49,7 @@ static void gen_make(gen *g, uint64_t seed, int32_t n_layer, int32_t n_head_kv, 
     int32_t *pos = malloc((size_t)kept * sizeof *pos);
     cr_assert(g->tokens && k && v && pos);
     uint64_t rng = seed * 7919 + 1;
-    for (int32_t i = 0; i < n; i++) g->tokens[i] = (pd_token)(next_rand(&rng) % 32000);
+    for (int32_t i = 0; i < n; i++) g->tokens[i] = (pd_token)(pd_splitmix64(&rng) % 32000);
     pd_hparams hp;
     memset(&hp, 0, sizeof hp);
     hp.n_layer = n_layer;
@@ -68,8 +61,8 @@ static void gen_make(gen *g, uint64_t seed, int32_t n_layer, int32_t n_head_kv, 
     for (int l = 0; l < n_layer; l++)
         for (int h = 0; h < n_head_kv; h++) {
             for (int64_t j = 0; j < (int64_t)kept * head_dim; j++) {
-                k[j] = (float)((int64_t)(next_rand(&rng) % 2001) - 1000) / 512.0f;
-                v[j] = (float)((int64_t)(next_rand(&rng) % 2001) - 1000) / 512.0f;
+                k[j] = (float)((int64_t)(pd_splitmix64(&rng) % 2001) - 1000) / 512.0f;
+                v[j] = (float)((int64_t)(pd_splitmix64(&rng) % 2001) - 1000) / 512.0f;
             }
             cr_assert_eq(pd_kv_prefix_set(g->kv, l, h, pos, k, v, kept, &err), PD_OK, "%s", err.msg);
         }
@@ -555,8 +548,8 @@ static void *conc_main(void *arg) {
     pd_hot_entry *keep = NULL; /* sometimes hold one across iterations */
     int keep_i = 0;
     for (int it = 0; it < CONC_ITERS; it++) {
-        int i = (int)(next_rand(&rng) % CONC_IDS);
-        if (c->thread == 0 && next_rand(&rng) % 8 == 0) pd_hot_invalidate(c->h, &c->id[i]);
+        int i = (int)(pd_splitmix64(&rng) % CONC_IDS);
+        if (c->thread == 0 && pd_splitmix64(&rng) % 8 == 0) pd_hot_invalidate(c->h, &c->id[i]);
         pd_hot_entry *e = NULL;
         pd_error err = {0};
         if (pd_hot_acquire(c->h, &c->id[i], &e, &err) != PD_OK) {
@@ -565,13 +558,13 @@ static void *conc_main(void *arg) {
         }
         c->acquires++;
         if (!same_data(e, &c->g[i])) c->bad++;
-        if (!keep && next_rand(&rng) % 4 == 0) {
+        if (!keep && pd_splitmix64(&rng) % 4 == 0) {
             keep = e;
             keep_i = i;
             continue;
         }
         pd_hot_release(c->h, e);
-        if (keep && next_rand(&rng) % 3 == 0) {
+        if (keep && pd_splitmix64(&rng) % 3 == 0) {
             if (!same_data(keep, &c->g[keep_i])) c->bad++;
             pd_hot_release(c->h, keep);
             keep = NULL;

@@ -17,12 +17,7 @@
 
 /* The test's own generator (independent of the sampler's). */
 static uint64_t trng_state;
-static uint64_t trng(void) {
-    uint64_t z = (trng_state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+static uint64_t trng(void) { return pd_splitmix64(&trng_state); }
 static double trng_u(void) { return (double)(trng() >> 11) * 0x1.0p-53; }
 static float trng_normal(void) {
     double u1 = trng_u(), u2 = trng_u();

@@ -68,12 +68,6 @@ typedef struct reply {
     bool prefix_used;
 } reply;
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static int free_port(void) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0) return -1;
@@ -125,7 +119,7 @@ static int http(int port, const char *method, const char *path, const char *json
     int hn = snprintf(head, sizeof head,
                       "%s %s HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       "Content-Length: %zu\r\n\r\n", method, path, jlen);
-    r->t_start = now_s();
+    r->t_start = pd_now_seconds();
     if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0 || hn < 0 || (size_t)hn >= sizeof head ||
         !send_all(fd, head, (size_t)hn) || (jlen && !send_all(fd, json, jlen))) {
         close(fd);
@@ -163,11 +157,11 @@ static int http(int port, const char *method, const char *path, const char *json
         buf[len] = '\0';
         if (r->t_first == 0) {
             /* Look from a little before the previous end: the marker may straddle two reads. */
-            if (strstr(buf + scan, "data: {")) r->t_first = now_s();
+            if (strstr(buf + scan, "data: {")) r->t_first = pd_now_seconds();
             scan = len > 8 ? len - 8 : 0;
         }
     }
-    r->t_end = now_s();
+    r->t_end = pd_now_seconds();
     close(fd);
     if (rc) {
         free(buf);
@@ -370,14 +364,14 @@ static int bench_decode(bench *b, int n_clients) {
                      NULL) || w.status != 200))
         rc = -1;
     int started = 0;
-    double t0 = now_s();
+    double t0 = pd_now_seconds();
     for (int i = 0; !rc && i < n_clients; i++) {
         cl[i] = (client){.port = s.port, .id = i, .b = b};
         if (pthread_create(&th[i], NULL, client_main, &cl[i]) != 0) rc = -1;
         else started++;
     }
     for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
-    double t1 = now_s();
+    double t1 = pd_now_seconds();
     stop_server(&s);
     long total = 0;
     double per_sum = 0, per_min = 1e30, ttft_sum = 0;

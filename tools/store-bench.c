@@ -47,14 +47,6 @@ static void usage(FILE *f) {
           f);
 }
 
-static uint64_t next_rand(uint64_t *s) {
-    /* splitmix64 */
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
 static int parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
     char *end = NULL;
     errno = 0;
@@ -151,7 +143,7 @@ static int cmp_double(const void *a, const void *b) {
 /* Prefix i's token ids: its own seeded sequence. */
 static void prefix_tokens(int64_t i, pd_token *t, int32_t n) {
     uint64_t rng = (uint64_t)i * 0x2545f4914f6cdd1dULL + 12345;
-    for (int32_t j = 0; j < n; j++) t[j] = (pd_token)(next_rand(&rng) % 32000);
+    for (int32_t j = 0; j < n; j++) t[j] = (pd_token)(pd_splitmix64(&rng) % 32000);
 }
 
 static double mb(uint64_t bytes) { return (double)bytes / 1e6; }
@@ -191,8 +183,8 @@ static int run(const bench_opts *o, const char *dir) {
     for (int l = 0; l < o->n_layer; l++)
         for (int h = 0; h < o->n_head_kv; h++) {
             for (size_t j = 0; j < rowf; j++) {
-                k[j] = (float)((double)(next_rand(&rng) % 20001) / 10000.0 - 1.0);
-                v[j] = (float)((double)(next_rand(&rng) % 20001) / 10000.0 - 1.0);
+                k[j] = (float)((double)(pd_splitmix64(&rng) % 20001) / 10000.0 - 1.0);
+                v[j] = (float)((double)(pd_splitmix64(&rng) % 20001) / 10000.0 - 1.0);
             }
             if (pd_kv_prefix_set(kv, l, h, pos, k, v, o->kept, &err) != PD_OK) goto fail;
         }
@@ -244,7 +236,7 @@ static int run(const bench_opts *o, const char *dir) {
     }
     for (int64_t i = 0; i < n; i++) order[i] = i;
     for (int64_t i = n - 1; i > 0; i--) {
-        int64_t j = (int64_t)(next_rand(&rng) % (uint64_t)(i + 1));
+        int64_t j = (int64_t)(pd_splitmix64(&rng) % (uint64_t)(i + 1));
         int64_t t = order[i];
         order[i] = order[j];
         order[j] = t;
@@ -305,9 +297,9 @@ static int run(const bench_opts *o, const char *dir) {
     double sum = 0;
     int64_t found_all = 0;
     for (int64_t i = 0; i < o->lookups; i++) {
-        int64_t which = (int64_t)(next_rand(&rng) % (uint64_t)n);
+        int64_t which = (int64_t)(pd_splitmix64(&rng) % (uint64_t)n);
         prefix_tokens(which, tok, o->tokens);
-        for (int32_t j = o->tokens; j < req_len; j++) tok[j] = (pd_token)(next_rand(&rng) % 32000);
+        for (int32_t j = o->tokens; j < req_len; j++) tok[j] = (pd_token)(pd_splitmix64(&rng) % 32000);
         pd_prefix_id got;
         int32_t matched = 0;
         double a = pd_now_seconds();
@@ -325,7 +317,7 @@ static int run(const bench_opts *o, const char *dir) {
            sum / (double)o->lookups * 1e6, p50 * 1e6, p99 * 1e6, req_len, n, found_all, o->lookups);
     sum = 0;
     for (int64_t i = 0; i < o->lookups; i++) {
-        for (int32_t j = 0; j < req_len; j++) tok[j] = (pd_token)(next_rand(&rng) % 32000);
+        for (int32_t j = 0; j < req_len; j++) tok[j] = (pd_token)(pd_splitmix64(&rng) % 32000);
         pd_prefix_id got;
         int32_t matched = 0;
         double a = pd_now_seconds();

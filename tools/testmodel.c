@@ -277,13 +277,6 @@ static int copy_tokenizer(pd_gguf_writer *w, const pd_gguf *g, pd_error *err) {
  * deterministic weights
  * ------------------------------------------------------------------------ */
 
-static inline uint64_t splitmix64(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static uint64_t name_hash(const char *name) {
     uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a */
     for (const unsigned char *p = (const unsigned char *)name; *p; p++) {
@@ -295,9 +288,9 @@ static uint64_t name_hash(const char *name) {
 
 static uint64_t tensor_rng_init(uint64_t seed, const char *name) {
     uint64_t s = seed ^ 0x5bd1e9955bd1e995ull;
-    uint64_t a = splitmix64(&s);
+    uint64_t a = pd_splitmix64(&s);
     uint64_t t = a ^ name_hash(name);
-    (void)splitmix64(&t);
+    (void)pd_splitmix64(&t);
     return t;
 }
 
@@ -308,7 +301,7 @@ static uint64_t tensor_rng_init(uint64_t seed, const char *name) {
 static inline double approx_normal(uint64_t *s) {
     uint32_t sum = 0;
     for (int k = 0; k < 3; k++) {
-        const uint64_t r = splitmix64(s);
+        const uint64_t r = pd_splitmix64(s);
         sum += (uint32_t)(r & 0xffffu) + (uint32_t)((r >> 16) & 0xffffu) + (uint32_t)((r >> 32) & 0xffffu) +
                (uint32_t)(r >> 48);
     }

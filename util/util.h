@@ -78,6 +78,19 @@ __attribute__((format(printf, 2, 3))) void pd_strbuf_printf(pd_strbuf *b, const 
 /* Seconds on the monotonic clock, for measuring elapsed time. */
 double pd_now_seconds(void);
 
+/* splitmix64 (Vigna): advances *state and returns 64 well-mixed bits. Tiny,
+ * seedable and the same on every platform, which is what seeded scores,
+ * sketches and test data need (not a cryptographic generator). */
+static inline uint64_t pd_splitmix64(uint64_t *state) {
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* One splitmix64 step from x, as a hash: a bijection of 64-bit values. */
+static inline uint64_t pd_mix64(uint64_t x) { return pd_splitmix64(&x); }
+
 /* Overflow-checked size arithmetic: return 0 on overflow. */
 static inline int pd_mul_ok(uint64_t a, uint64_t b, uint64_t *out) {
     return !__builtin_mul_overflow(a, b, out);
