@@ -106,24 +106,19 @@ static void queued_gauge_add(pd_jobs *j, double v) {
 
 /* ---- the worker ----------------------------------------------------------- */
 
-/* Hook context: the compressor plus what is needed to report progress per
- * layer and to abandon the prefill when pd_jobs_free asks to stop. */
-typedef struct hook_ctx {
+/* Progress and cancellation between layers of the compressing prefill. */
+typedef struct layer_ctx {
     pd_jobs *j;
     job *jb;
-    pd_compressor *c;
     double base, span;           /* progress = base + span * layers done / n_layer */
-    int n_layer;
-} hook_ctx;
+} layer_ctx;
 
-static int progress_hook(void *ctx, const pd_layer_kv *layer, uint8_t *keep, pd_error *err) {
-    hook_ctx *h = ctx;
-    int rc = pd_compressor_hook(h->c, layer, keep, err);
-    if (rc) return rc;
+static int on_layer(void *ctx, int layer, int n_layer, pd_error *err) {
+    layer_ctx *h = ctx;
     pd_jobs *j = h->j;
     pthread_mutex_lock(&j->mu);
     const bool stop = j->stop;
-    set_progress(h->jb, h->base + h->span * (double)(layer->layer + 1) / (double)h->n_layer);
+    set_progress(h->jb, h->base + h->span * (double)(layer + 1) / (double)(n_layer > 0 ? n_layer : 1));
     pthread_cond_broadcast(&j->cv);
     pthread_mutex_unlock(&j->mu);
     if (stop) return pd_errorf(err, PD_EIO, "the jobs service is shutting down; the job was abandoned");
@@ -142,20 +137,9 @@ static bool enter_phase(pd_jobs *j, job *jb, const char *phase, double progress)
     return !stop;
 }
 
-/* The cache key's spec: canonical spec, then "|" and the canonical layout
- * when there is one — the convention of `prefixctl compress --store`, so
- * both give the same ids for the same prefix. */
+/* The store key (pd_policy_key_print), which must fit the store's field. */
 static int key_spec(const pd_policy_spec *spec, const pd_layout *layout, char *out, size_t cap, pd_error *err) {
-    size_t len = pd_policy_spec_print(spec, out, cap);
-    if (layout && len < cap) {
-        const size_t room = cap - len;
-        if (room > 1) {
-            out[len] = '|';
-            len += 1 + pd_layout_print(layout, out + len + 1, room - 1);
-        } else {
-            len += 1 + pd_layout_print(layout, NULL, 0);
-        }
-    }
+    const size_t len = pd_policy_key_print(spec, layout, out, cap);
     if (len >= cap)
         return pd_errorf(err, PD_ERANGE, "the spec and layout take %zu bytes; the store keeps at most %zu (use fewer "
                                          "or shorter span names)",
@@ -214,17 +198,10 @@ static int run_job(pd_jobs *j, job *jb, pd_prefix_info *info, bool *existed, dou
     *chosen = spec.retention;
 
     if (!enter_phase(j, jb, "compressing", base)) return abandoned(err);
-    hook_ctx h = {.j = j, .jb = jb, .base = base, .span = 0.95 - base, .n_layer = hp->n_layer > 0 ? hp->n_layer : 1};
-    pd_seq *s = NULL;
+    layer_ctx h = {.j = j, .jb = jb, .base = base, .span = 0.95 - base};
     pd_kv_prefix *prefix = NULL;
-    rc = pd_compressor_create(&spec, lay, hp, jb->n, &h.c, err);
-    if (!rc) rc = pd_seq_create(j->model, 0, &s, err);
-    pd_prefill_opts po = {.hook = progress_hook, .hook_ctx = &h};
-    if (!rc) rc = pd_prefill(j->model, s, jb->tokens, jb->n, &po, NULL, err);
-    if (!rc) rc = pd_seq_to_prefix(s, &prefix, err);
-    pd_seq_free(s);
-    pd_compressor_free(h.c);
-    if (rc) return rc;
+    if ((rc = pd_compress_prefix_observed(j->model, jb->tokens, jb->n, &spec, lay, on_layer, &h, &prefix, NULL, err)))
+        return rc;
 
     if (!enter_phase(j, jb, "storing", 0.95)) {
         pd_kv_prefix_free(prefix);

@@ -272,8 +272,27 @@ int pd_compressor_hook(void *compressor, const pd_layer_kv *kv, uint8_t *keep, p
     return PD_OK;
 }
 
+/* The prefill hook of pd_compress_prefix_observed: select, then report. */
+typedef struct observed {
+    pd_compressor *c;
+    pd_compress_layer_fn on_layer;
+    void *ctx;
+} observed;
+
+static int observed_hook(void *ctx, const pd_layer_kv *kv, uint8_t *keep, pd_error *err) {
+    observed *o = ctx;
+    int rc = pd_compressor_hook(o->c, kv, keep, err);
+    return rc ? rc : o->on_layer(o->ctx, kv->layer, o->c->n_layer, err);
+}
+
 int pd_compress_prefix(pd_model *m, const pd_token *tokens, int64_t n, const pd_policy_spec *spec,
                        const pd_layout *layout, pd_kv_prefix **out, pd_compress_stats *stats, pd_error *err) {
+    return pd_compress_prefix_observed(m, tokens, n, spec, layout, NULL, NULL, out, stats, err);
+}
+
+int pd_compress_prefix_observed(pd_model *m, const pd_token *tokens, int64_t n, const pd_policy_spec *spec,
+                                const pd_layout *layout, pd_compress_layer_fn on_layer, void *ctx,
+                                pd_kv_prefix **out, pd_compress_stats *stats, pd_error *err) {
     *out = NULL;
     const pd_hparams *hp = pd_model_hparams(m);
     if (n <= 0) return pd_errorf(err, PD_EINVAL, "the prefix is empty: nothing to compress");
@@ -284,7 +303,9 @@ int pd_compress_prefix(pd_model *m, const pd_token *tokens, int64_t n, const pd_
     pd_seq *s = NULL;
     int rc = pd_compressor_create(spec, layout, hp, n, &c, err);
     if (!rc) rc = pd_seq_create(m, 0, &s, err);
-    pd_prefill_opts o = {.hook = pd_compressor_hook, .hook_ctx = c};
+    observed ob = {.c = c, .on_layer = on_layer, .ctx = ctx};
+    pd_prefill_opts o = on_layer ? (pd_prefill_opts){.hook = observed_hook, .hook_ctx = &ob}
+                                 : (pd_prefill_opts){.hook = pd_compressor_hook, .hook_ctx = c};
     if (!rc) rc = pd_prefill(m, s, tokens, n, &o, NULL, err);
     if (!rc) rc = pd_seq_to_prefix(s, out, err);
     pd_seq_free(s);

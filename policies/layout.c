@@ -70,6 +70,17 @@ size_t pd_layout_print(const pd_layout *layout, char *buf, size_t cap) {
     return w.len;
 }
 
+size_t pd_policy_key_print(const pd_policy_spec *spec, const pd_layout *layout, char *buf, size_t cap) {
+    size_t len = pd_policy_spec_print(spec, buf, cap);
+    const size_t layout_len = pd_layout_print(layout, NULL, 0);
+    if (!layout_len) return len;
+    if (len + 1 < cap) {
+        buf[len] = '|';
+        pd_layout_print(layout, buf + len + 1, cap - len - 1);
+    }
+    return len + 1 + layout_len;
+}
+
 void pd_layout_free(pd_layout *layout) {
     if (!layout) return;
     /* The header's arrays are const for users; parse malloc'd them. */

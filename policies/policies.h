@@ -175,6 +175,10 @@ int pd_layout_validate(const pd_layout *layout, int64_t n, pd_error *err);
  * "spans=defense:0-120,directive:120-200!,docs:200-400;keep=5-9", where '!'
  * marks a whitelisted span. It belongs in the cache key next to the spec. */
 size_t pd_layout_print(const pd_layout *layout, char *buf, size_t cap);
+/* The text a compressed prefix is keyed by (pd_prefix_info.spec): the
+ * canonical spec, then '|' and the canonical layout when the layout is not
+ * NULL and not empty. snprintf-style: returns the full length. */
+size_t pd_policy_key_print(const pd_policy_spec *spec, const pd_layout *layout, char *buf, size_t cap);
 /* Parse the canonical text or the --spans file format: one span per line,
  * "name start end [keep]", '#' comments; "keep start end" lines add
  * whitelisted ranges. Arrays are malloc'd into *out (free with
@@ -310,6 +314,13 @@ const pd_compress_stats *pd_compressor_stats(const pd_compressor *c);
  * its `kept` array is malloc'd (free it). */
 int pd_compress_prefix(pd_model *m, const pd_token *tokens, int64_t n, const pd_policy_spec *spec,
                        const pd_layout *layout, pd_kv_prefix **out, pd_compress_stats *stats, pd_error *err);
+/* The same, calling on_layer(ctx, layer, n_layer, err) after each layer's
+ * selection (progress reports, cancellation): a non-zero return stops the
+ * prefill and is returned, with err filled by the callback. */
+typedef int (*pd_compress_layer_fn)(void *ctx, int layer, int n_layer, pd_error *err);
+int pd_compress_prefix_observed(pd_model *m, const pd_token *tokens, int64_t n, const pd_policy_spec *spec,
+                                const pd_layout *layout, pd_compress_layer_fn on_layer, void *ctx,
+                                pd_kv_prefix **out, pd_compress_stats *stats, pd_error *err);
 
 /* ------------------------------------------------------------------------
  * Context-calibrated compression

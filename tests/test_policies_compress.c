@@ -1240,3 +1240,51 @@ Test(compress, prefixctl_compress_rejects_bad_input) {
     cr_assert_eq(run(&out, "%s policies extra 2>&1", px), 2);
     free(out);
 }
+
+/* pd_compress_prefix_observed reports every layer in order, gives the same
+ * prefix as pd_compress_prefix, and stops when the callback says so. */
+typedef struct layer_log {
+    int calls, last, stop_at;
+    bool in_order;
+} layer_log;
+
+static int log_layer(void *ctx, int layer, int n_layer, pd_error *err) {
+    layer_log *l = ctx;
+    l->in_order = l->in_order && layer == l->last + 1 && n_layer == 4;
+    l->last = layer;
+    l->calls++;
+    return layer == l->stop_at ? pd_errorf(err, PD_EIO, "stopped at layer %d", layer) : PD_OK;
+}
+
+Test(compress, observed_compression_reports_each_layer_and_can_stop) {
+    pd_model *m = load(model_path);
+    pd_token *t = random_tokens(120, pd_model_hparams(m)->n_vocab, 5);
+    pd_policy_spec spec;
+    pd_error err = {0};
+    cr_assert_eq(pd_policy_spec_parse("snapkv:retention=0.25", &spec, &err), PD_OK, "%s", err.msg);
+    pd_kv_prefix *a = NULL, *b = NULL;
+    layer_log log = {.last = -1, .stop_at = -1, .in_order = true};
+    cr_assert_eq(pd_compress_prefix_observed(m, t, 120, &spec, NULL, log_layer, &log, &a, NULL, &err), PD_OK, "%s",
+                 err.msg);
+    cr_assert(log.in_order && log.calls == pd_model_hparams(m)->n_layer, "calls %d", log.calls);
+    cr_assert_eq(pd_compress_prefix(m, t, 120, &spec, NULL, &b, NULL, &err), PD_OK, "%s", err.msg);
+    for (int l = 0; l < 4; l++)
+        for (int h = 0; h < 2; h++) {
+            const int32_t *pa, *pb;
+            const float *ka, *kb;
+            int64_t na = pd_kv_prefix_stream(a, l, h, &pa, &ka, NULL), nb = pd_kv_prefix_stream(b, l, h, &pb, &kb, NULL);
+            cr_assert_eq(na, nb);
+            cr_assert_eq(memcmp(pa, pb, sizeof *pa * (size_t)na), 0);
+            cr_assert_eq(memcmp(ka, kb, sizeof *ka * (size_t)na * (size_t)pd_model_hparams(m)->head_dim), 0);
+        }
+    pd_kv_prefix_free(a);
+    pd_kv_prefix_free(b);
+    pd_kv_prefix *c = NULL;
+    layer_log stop = {.last = -1, .stop_at = 1, .in_order = true};
+    cr_assert_eq(pd_compress_prefix_observed(m, t, 120, &spec, NULL, log_layer, &stop, &c, NULL, &err), PD_EIO);
+    cr_assert_null(c);
+    cr_assert_eq(stop.calls, 2);
+    cr_assert(strstr(err.msg, "stopped at layer 1"), "%s", err.msg);
+    free(t);
+    pd_model_free(m);
+}

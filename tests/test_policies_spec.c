@@ -796,3 +796,29 @@ Test(layout, parse_errors) {
     expect_parse_error("keep 1 2 3\n", "line 1", NULL);
     expect_parse_error("bad/name 0 5\n", "line 1", "'bad/name'");
 }
+
+/* The store key: the canonical spec, then '|' and the layout when there is one. */
+Test(layout, key_is_spec_then_layout) {
+    pd_policy_spec s;
+    pd_error err = {0};
+    cr_assert_eq(pd_policy_spec_parse("knorm:retention=0.25", &s, &err), PD_OK, "%s", err.msg);
+    char spec[PD_POLICY_SPEC_MAX], key[PD_POLICY_SPEC_MAX + 128], lay_text[128];
+    pd_policy_spec_print(&s, spec, sizeof spec);
+    cr_assert_eq(pd_policy_key_print(&s, NULL, key, sizeof key), strlen(spec));
+    cr_assert_str_eq(key, spec);
+    const pd_layout empty = {0};
+    cr_assert_eq(pd_policy_key_print(&s, &empty, key, sizeof key), strlen(spec));
+    cr_assert_str_eq(key, spec);
+    const pd_span spans[2] = {{.name = "sys", .start = 0, .end = 4, .whitelist = true}, {.name = "doc", .start = 4, .end = 9}};
+    const pd_layout lay = {.spans = spans, .n_spans = 2};
+    pd_layout_print(&lay, lay_text, sizeof lay_text);
+    char want[PD_POLICY_SPEC_MAX + 128];
+    snprintf(want, sizeof want, "%s|%s", spec, lay_text);
+    cr_assert_eq(pd_policy_key_print(&s, &lay, key, sizeof key), strlen(want));
+    cr_assert_str_eq(key, want);
+    /* Too small: the full length is still reported and the text is cut, terminated. */
+    char small[8];
+    cr_assert_eq(pd_policy_key_print(&s, &lay, small, sizeof small), strlen(want));
+    cr_assert_eq(strlen(small), sizeof small - 1);
+    cr_assert_eq(strncmp(small, want, sizeof small - 1), 0);
+}

@@ -445,14 +445,12 @@ static void print_calibration(const pd_calib_result *r, const pd_calib_opts *o, 
 
 /* Write a compressed prefix into the store at dir, keyed by its canonical
  * spec (and layout: "SPEC|LAYOUT"), and print its id. */
-static int store_prefix(const pd_model *m, const char *dir, const pd_policy_spec *spec, const char *layout_text,
+static int store_prefix(const pd_model *m, const char *dir, const pd_policy_spec *spec, const pd_layout *layout,
                         const char *ns, pd_kv_dtype dtype, bool pin, const pd_prefix_quality *quality,
                         const pd_token *ids, size_t n, const pd_kv_prefix *prefix, pd_error *err) {
     pd_prefix_info info = {.dtype = dtype, .quality = *quality, .pinned = pin};
     pd_model_fingerprint(m, info.fingerprint);
-    size_t len = pd_policy_spec_print(spec, info.spec, sizeof info.spec);
-    if (layout_text && *layout_text)
-        len += (size_t)snprintf(info.spec + len, len < sizeof info.spec ? sizeof info.spec - len : 0, "|%s", layout_text);
+    const size_t len = pd_policy_key_print(spec, layout, info.spec, sizeof info.spec);
     if (len >= sizeof info.spec)
         return pd_errorf(err, PD_ERANGE, "the spec and layout take %zu bytes; the store keeps at most %d", len,
                          PD_PREFIX_SPEC_MAX - 1);
@@ -646,7 +644,7 @@ static int cmd_compress(int argc, char **argv) {
     }
     if (!rc && store_dir) {
         quality.retention = spec.retention;
-        rc = store_prefix(m, store_dir, &spec, layout_text, ns, dtype, pin, &quality, ids, n, prefix, &err);
+        rc = store_prefix(m, store_dir, &spec, lay, ns, dtype, pin, &quality, ids, n, prefix, &err);
     }
     if (!rc) printf("time: scoring and selection %.3f s, total %.3f s (%s)\n", st.score_seconds, pd_now_seconds() - t0,
                     hp->arch_name);
