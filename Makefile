@@ -12,7 +12,7 @@ export PATH := $(PATH):/usr/local/cuda/bin
 
 DEFAULT_MODEL := $(if $(wildcard $(SHARED)/tinystories/stories260K.gguf),$(SHARED)/tinystories/stories260K.gguf,models/default.gguf)
 
-.PHONY: all deps build test test-asan run bench bench-store eval fuzz clean bench-serve
+.PHONY: all deps build test test-asan run bench bench-gpu bench-store eval fuzz clean bench-serve
 
 all: build
 
@@ -78,6 +78,14 @@ run: build $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/defaul
 bench: build
 	$(BUILD)/tools/prefix-bench --preset smollm2-135m --type q8_0 --n-vocab 32000 --threads 1,2 \
 	  --prompt 256 --gen 64 --reps 3
+
+# The CUDA backend on a generated Llama-3.2-1B-shaped BF16 model (~2.5 GB in
+# $TMPDIR, written once): prefill/decode, then Compactor compression, time to
+# first token and decode with 4096- and 16384-token compressed prefixes, and
+# decode against the memory-bandwidth bound (docs/gpu.md).
+bench-gpu: build
+	$(BUILD)/tools/prefix-bench --preset llama-3.2-1b --type bf16 --device cuda:0 --prefix 4096,16384 \
+	  --gen 64 --reps 2
 
 # Prefix store throughput: write/read MB/s, hot tier, lookup time with 10k
 # stored prefixes (docs/store.md).

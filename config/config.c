@@ -35,6 +35,7 @@ typedef enum key_kind {
     KIND_ENUM,   /* an int-sized enum; choices[i] names value i */
     KIND_DOUBLE, /* double */
     KIND_STRING, /* char[PD_CONFIG_STR_CAP] */
+    KIND_DEVICE, /* pd_backend_kind at offset, its int index at index_offset */
 } key_kind;
 
 typedef struct key_desc {
@@ -42,6 +43,7 @@ typedef struct key_desc {
     const char *name;
     key_kind kind;
     size_t offset;
+    size_t index_offset;                      /* KIND_DEVICE */
     int64_t min, max;                         /* KIND_INT, KIND_I64 */
     const char *const *choices;               /* KIND_ENUM, NULL-terminated */
     const char *(*check_string)(const char *); /* KIND_STRING: problem or NULL */
@@ -74,11 +76,29 @@ typedef struct key_desc {
 #define DOUBLE_KEY(sec, key, check, def) \
     { .section = #sec, .name = #key, .kind = KIND_DOUBLE, .offset = FIELD(sec.key, double), \
       .check_double = (check), .default_text = (def) }
+#define DEVICE_KEY(sec, key, def) \
+    { .section = #sec, .name = #key, .kind = KIND_DEVICE, .offset = FIELD(sec.key, pd_backend_kind), \
+      .index_offset = FIELD(sec.key##_index, int), .default_text = (def) }
 #define STRING_KEY(sec, key, check, is_secret, def) \
     { .section = #sec, .name = #key, .kind = KIND_STRING, .offset = FIELD(sec.key, char *), \
       .check_string = (check), .secret = (is_secret), .default_text = (def) }
 
 static const char *const backend_names[] = {"cpu", "cuda", "auto", NULL};
+/* model.device: the forms and the wording of pd_device_parse (kernels/device.c). */
+#define DEVICE_INDEX_MAX 255
+#define DEVICE_FORMS "cpu, cuda, cuda:N (N = 0..255) or auto"
+
+/* Keys that were removed, and what to write instead: an old config gets
+ * this rather than "unknown key". */
+typedef struct retired_key {
+    const char *section, *name, *advice;
+} retired_key;
+static const retired_key retired_keys[] = {
+    {"model", "backend", "model.backend was replaced by model.device (cpu, cuda, cuda:N or auto)"},
+    {"model", "gpu_device",
+     "model.gpu_device was replaced by model.device (cpu, cuda, cuda:N or auto): write "
+     "device = cuda:N"},
+};
 static const char *const log_level_names[] = {"error", "warn", "info", "debug", NULL};
 static const char *const log_format_names[] = {"text", "json", NULL};
 
@@ -106,9 +126,8 @@ static const key_desc keys[] = {
 
     STRING_KEY(model, path, check_not_empty, false, "models/default.gguf"),
     INT_KEY(model, n_ctx, 0, 16777216, "0"),
-    ENUM_KEY(model, backend, backend_names, "auto"),
+    DEVICE_KEY(model, device, "auto"),
     INT_KEY(model, n_threads, 0, 1024, "0"),
-    INT_KEY(model, gpu_device, 0, 255, "0"),
 
     STRING_KEY(cache, path, check_not_empty, false, "var/prefixd"),
     I64_KEY(cache, map_size_mb, 16, INT64_C(16777216), "4096"),
@@ -241,6 +260,9 @@ static int unknown_section_error(pd_error *err, const char *where, const char *s
 
 static int unknown_key_error(pd_error *err, const char *where, const char *section,
                              const char *name) {
+    for (size_t i = 0; i < sizeof retired_keys / sizeof retired_keys[0]; i++)
+        if (strcmp(retired_keys[i].section, section) == 0 && strcmp(retired_keys[i].name, name) == 0)
+            return located_error(err, PD_EINVAL, where, "%s", retired_keys[i].advice);
     char shown[ECHO_MAX + 8], valid[200];
     echo_text(name, strlen(name), shown, sizeof shown);
     list_keys(section, valid, sizeof valid);
@@ -316,6 +338,26 @@ static void choices_text(const char *const *choices, char *buf, size_t cap) {
     }
 }
 
+/* "cpu", "auto", "cuda" or "cuda:N" (case-insensitive, N decimal 0..255,
+ * no sign or spaces), as pd_device_parse reads them. */
+static bool parse_device(const char *s, pd_backend_kind *kind, int *index) {
+    *index = 0;
+    if (strcasecmp(s, "cpu") == 0) *kind = PD_BACKEND_CPU;
+    else if (strcasecmp(s, "auto") == 0) *kind = PD_BACKEND_AUTO;
+    else if (strcasecmp(s, "cuda") == 0) *kind = PD_BACKEND_CUDA;
+    else if (strncasecmp(s, "cuda:", 5) == 0) {
+        const char *digits = s + 5;
+        size_t len = strlen(digits);
+        if (len == 0 || len > 3 || strspn(digits, "0123456789") != len) return false;
+        int v = 0;
+        for (size_t i = 0; i < len; i++) v = v * 10 + (digits[i] - '0');
+        if (v > DEVICE_INDEX_MAX) return false;
+        *kind = PD_BACKEND_CUDA;
+        *index = v;
+    } else return false;
+    return true;
+}
+
 /* Parse `value` for key k and store it in c. On failure c is untouched and
  * err says "<where>: section.key = value <problem>". */
 static int apply_value(pd_config *c, const key_desc *k, const char *value, const char *where,
@@ -362,6 +404,15 @@ static int apply_value(pd_config *c, const key_desc *k, const char *value, const
         if (!problem && k->check_double) problem = k->check_double(v);
         if (problem) return value_error(err, where, k, value, "%s", problem);
         *(double *)field = v;
+        return PD_OK;
+    }
+    case KIND_DEVICE: {
+        pd_backend_kind kind;
+        int index;
+        if (!parse_device(value, &kind, &index))
+            return value_error(err, where, k, value, "is not one of " DEVICE_FORMS);
+        memcpy(field, &kind, sizeof kind);
+        memcpy((char *)c + k->index_offset, &index, sizeof index);
         return PD_OK;
     }
     case KIND_STRING: {
@@ -416,6 +467,18 @@ static void format_value(const pd_config *c, const key_desc *k, char *buf, size_
     }
     case KIND_DOUBLE: format_double(*(const double *)field, buf, cap); return;
     case KIND_STRING: snprintf(buf, cap, "%.*s", PD_CONFIG_STR_CAP - 1, (const char *)field); return;
+    case KIND_DEVICE: {
+        int kind, index;
+        memcpy(&kind, field, sizeof kind);
+        memcpy(&index, (const char *)c + k->index_offset, sizeof index);
+        /* Invalid values print as something the parser refuses, so
+         * validation names them. */
+        if (kind == PD_BACKEND_CUDA) snprintf(buf, cap, "cuda:%d", index);
+        else if (kind == PD_BACKEND_CPU || kind == PD_BACKEND_AUTO)
+            snprintf(buf, cap, "%s", backend_names[kind]);
+        else snprintf(buf, cap, "%d", kind);
+        return;
+    }
     }
     buf[0] = '\0';
 }
@@ -518,6 +581,14 @@ bool pd_config_equal(const pd_config *a, const pd_config *b) {
         case KIND_ENUM: same = memcmp(fa, fb, sizeof(int)) == 0; break;
         case KIND_DOUBLE: same = *(const double *)fa == *(const double *)fb; break;
         case KIND_STRING: same = strncmp(fa, fb, PD_CONFIG_STR_CAP) == 0; break;
+        case KIND_DEVICE: {
+            /* As printed: the index only counts for cuda. */
+            char ta[32], tb[32]; /* room for invalid values too ("cuda:-2147483648") */
+            format_value(a, k, ta, sizeof ta);
+            format_value(b, k, tb, sizeof tb);
+            same = strcmp(ta, tb) == 0;
+            break;
+        }
         default: same = false; break;
         }
         if (!same) return false;
@@ -527,6 +598,11 @@ bool pd_config_equal(const pd_config *a, const pd_config *b) {
 
 const char *pd_backend_kind_name(pd_backend_kind b) {
     return (unsigned)b < 3 ? backend_names[b] : "unknown";
+}
+void pd_config_device_text(const pd_config *c, char *buf, size_t cap) {
+    const key_desc *k = find_key("model", "device");
+    if (k && k->kind == KIND_DEVICE) format_value(c, k, buf, cap);
+    else if (cap) buf[0] = '\0';
 }
 const char *pd_log_level_name(pd_log_level l) {
     return (unsigned)l < 4 ? log_level_names[l] : "unknown";

@@ -29,11 +29,17 @@ extern "C" {
 /* Capacity of every string field, terminator included. */
 #define PD_CONFIG_STR_CAP (PD_CONFIG_LINE_MAX + 1)
 
+/* Where the model computes (model.device). The values equal pd_device_kind's
+ * in kernels/kernels.h; config does not depend on kernels/, so the daemon
+ * converts between the two. */
 typedef enum pd_backend_kind {
     PD_BACKEND_CPU = 0,
     PD_BACKEND_CUDA = 1,
-    PD_BACKEND_AUTO = 2, /* CUDA when a device is present, else CPU */
+    PD_BACKEND_AUTO = 2, /* CUDA device 0 when the build has CUDA and one is present, else CPU */
 } pd_backend_kind;
+
+/* The longest text of a model.device value ("cuda:255"), terminator included. */
+#define PD_CONFIG_DEVICE_TEXT_CAP 16
 
 typedef enum pd_log_level {
     PD_LOG_ERROR = 0,
@@ -67,9 +73,12 @@ typedef struct pd_config {
     struct {
         char path[PD_CONFIG_STR_CAP];   /* GGUF file */
         int n_ctx;                      /* 0 = the model's trained context */
-        pd_backend_kind backend;
+        /* model.device: "cpu", "cuda" (= cuda:0), "cuda:N" or "auto", read
+         * into a kind and, for cuda, the device index N (0..255; 0 for cpu
+         * and auto, and ignored there). */
+        pd_backend_kind device;
+        int device_index;
         int n_threads;                  /* compute threads; 0 = number of CPUs */
-        int gpu_device;
     } model;
     struct {
         char path[PD_CONFIG_STR_CAP];   /* LMDB environment directory */
@@ -118,8 +127,12 @@ int pd_config_print(const pd_config *c, FILE *f, pd_error *err);
 /* Field-by-field equality (strings compared as strings). */
 bool pd_config_equal(const pd_config *a, const pd_config *b);
 
-/* Canonical names, as written in the config file. */
+/* Canonical names, as written in the config file. pd_backend_kind_name
+ * gives the kind alone ("cpu", "cuda", "auto"); pd_config_device_text the
+ * whole model.device value ("cpu", "cuda:1", "auto") into buf (at least
+ * PD_CONFIG_DEVICE_TEXT_CAP bytes). */
 const char *pd_backend_kind_name(pd_backend_kind b);
+void pd_config_device_text(const pd_config *c, char *buf, size_t cap);
 const char *pd_log_level_name(pd_log_level l);
 const char *pd_log_format_name(pd_log_format f);
 

@@ -199,6 +199,8 @@ typedef struct pd_jobs pd_jobs;
 typedef struct pd_jobs_opts {
     const char *model_path;      /* the served GGUF (loaded again, lazily, by the worker) */
     int n_threads;               /* the worker's compute threads (default 1) */
+    pd_device device;            /* where the worker computes (default cpu); on a GPU it keeps its
+                                    own copy of the weights and scores on the device */
     pd_store *store;             /* where prefixes go (not owned) */
     pd_hot *hot;                 /* optional: invalidated on delete (not owned) */
     int max_jobs;                /* jobs remembered, queued or finished (default 256) */

@@ -53,6 +53,8 @@ struct pd_jobs {
     pthread_t thread;
 
     pd_model *model;             /* the worker's; only the worker touches it */
+    pd_backend *backend;         /* the worker model's */
+    pd_device device;
 
     pd_counter *m_done, *m_failed;
     pd_gauge *m_queued;
@@ -153,7 +155,11 @@ static int abandoned(pd_error *err) {
 
 static int load_model(pd_jobs *j, pd_error *err) {
     if (j->model) return PD_OK;
-    pd_model_params mp = {.n_threads = j->n_threads};
+    if (!j->backend) {
+        int rc = pd_backend_create(&j->device, j->n_threads, &j->backend, err);
+        if (rc) return pd_error_prefix(err, "the compute backend for precompression");
+    }
+    pd_model_params mp = {.n_threads = j->n_threads, .backend = j->backend};
     int rc = pd_model_load(j->model_path, &mp, &j->model, err);
     if (rc) return pd_error_prefix(err, "loading the model for precompression");
     pthread_mutex_lock(&j->mu);
@@ -299,6 +305,7 @@ int pd_jobs_create(const pd_jobs_opts *o, pd_jobs **out, pd_error *err) {
     pd_jobs *j = calloc(1, sizeof *j);
     if (!j) return pd_errorf(err, PD_ENOMEM, "out of memory for the jobs service");
     j->n_threads = o->n_threads;
+    j->device = o->device;
     j->store = o->store;
     j->max_jobs = o->max_jobs;
     j->next_id = 1;
@@ -361,6 +368,7 @@ void pd_jobs_free(pd_jobs *j) {
     }
     free(j->table);
     pd_model_free(j->model);
+    pd_backend_free(j->backend);
     pthread_mutex_destroy(&j->mu);
     pthread_cond_destroy(&j->cv);
     free(j->model_path);

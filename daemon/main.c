@@ -131,6 +131,40 @@ static void drain(pd_scheduler *sched, int grace_s) {
     }
 }
 
+/* model.device as the kernels' pd_device (config keeps its own enum so that
+ * it does not depend on kernels/). */
+static pd_device config_device(const pd_config *cfg) {
+    pd_device d = {.kind = PD_DEVICE_AUTO, .index = 0};
+    switch (cfg->model.device) {
+    case PD_BACKEND_CPU: d.kind = PD_DEVICE_CPU; break;
+    case PD_BACKEND_CUDA: d.kind = PD_DEVICE_CUDA; d.index = cfg->model.device_index; break;
+    case PD_BACKEND_AUTO: d.kind = PD_DEVICE_AUTO; break;
+    }
+    return d;
+}
+
+/* "prefixd: compute: cuda:0 (NVIDIA H100 ..., 79.1 GiB)" or
+ * "prefixd: compute: cpu (avx2, 16 threads)": which backend `auto` chose, and
+ * the line to look for after a driver or config change. */
+static void log_compute(const pd_backend *be, const pd_device *d, int n_threads) {
+    if (be->ops->host_memory) {
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        int threads = n_threads > 0 ? n_threads : (online > 0 ? (int)online : 1);
+        fprintf(stderr, "prefixd: compute: cpu (%s, %d threads)\n", pd_cpu_simd_name(), threads);
+        return;
+    }
+    /* A device backend: pd_backend_create picks d->index for cuda and auto. */
+    pd_cuda_device_info info;
+    pd_error err = {0};
+    if (pd_cuda_device_info_get(d->index, &info, &err) == PD_OK)
+        fprintf(stderr, "prefixd: compute: cuda:%d (%s, compute capability %d.%d, %.1f GiB, %d SMs)\n", d->index,
+                info.name, info.cc_major, info.cc_minor, (double)info.total_mem / (1024.0 * 1024 * 1024),
+                info.sm_count);
+    else
+        fprintf(stderr, "prefixd: compute: cuda:%d (%s backend; no device details: %s)\n", d->index, be->ops->name,
+                err.msg);
+}
+
 static int run(const pd_config *cfg) {
     sigset_t set;
     sigemptyset(&set);
@@ -144,12 +178,18 @@ static int run(const pd_config *cfg) {
     pd_error err = {0};
     pd_metrics *metrics = NULL;
     pd_server *server = NULL;
+    pd_backend *backend = NULL;
     pd_model *model = NULL;
     pd_store *store = NULL;
     pd_hot *hot = NULL;
     pd_scheduler *sched = NULL;
     pd_jobs *jobs = NULL;
     int rc = pd_metrics_create(&metrics, &err);
+    /* The backend first, so a device that cannot be used fails before the
+     * port is opened or the model read. */
+    pd_device device = config_device(cfg);
+    if (!rc) rc = pd_backend_create(&device, cfg->model.n_threads, &backend, &err);
+    if (!rc) log_compute(backend, &device, cfg->model.n_threads);
 
     pd_server_opts so;
     pd_server_opts_default(&so);
@@ -170,7 +210,7 @@ static int run(const pd_config *cfg) {
                 cfg->admin.port ? pd_server_admin_port(server) : pd_server_port(server));
     if (!rc && !cfg->model.path[0])
         rc = pd_errorf(&err, PD_EINVAL, "model.path is not set: give a GGUF file (--set model.path=FILE)");
-    pd_model_params mp = {.n_threads = cfg->model.n_threads};
+    pd_model_params mp = {.n_threads = cfg->model.n_threads, .backend = backend};
     if (!rc) rc = pd_model_load(cfg->model.path, &mp, &model, &err);
 
     pd_store_opts sto;
@@ -197,6 +237,9 @@ static int run(const pd_config *cfg) {
     pd_jobs_opts_default(&jo);
     jo.model_path = cfg->model.path;
     jo.n_threads = cfg->model.n_threads > 0 ? cfg->model.n_threads : 1;
+    /* Precompression computes where serving does (auto resolved already). */
+    jo.device = backend && !backend->ops->host_memory ? (pd_device){PD_DEVICE_CUDA, device.index}
+                                                       : (pd_device){PD_DEVICE_CPU, 0};
     jo.store = store;
     jo.hot = hot;
     jo.default_policy = cfg->compression.policy;
@@ -230,6 +273,8 @@ static int run(const pd_config *cfg) {
     if (hot) pd_hot_free(hot);
     pd_store_close(store);
     pd_model_free(model);
+    /* After the model, which borrows it. */
+    pd_backend_free(backend);
     pd_metrics_free(metrics);
     return rc ? EXIT_FAILURE : EXIT_SUCCESS;
 }

@@ -313,7 +313,8 @@ typedef struct pd_model pd_model;
 
 typedef struct pd_model_params {
     int n_threads;         /* CPU threads; <= 0 = all CPUs */
-    pd_backend *backend;   /* use this backend (not owned); NULL = create a CPU backend */
+    pd_backend *backend;   /* use this backend (not owned; it must outlive the model and every
+                              prefix attached to the model's sequences); NULL = a CPU backend */
 } pd_model_params;
 
 int pd_model_load(const char *path, const pd_model_params *params, pd_model **out, pd_error *err);
@@ -321,6 +322,8 @@ void pd_model_free(pd_model *m);
 const pd_hparams *pd_model_hparams(const pd_model *m);
 const pd_tokenizer *pd_model_tokenizer(const pd_model *m);
 const pd_gguf *pd_model_gguf(const pd_model *m);
+/* The backend the model computes on (CPU, or a CUDA device). */
+pd_backend *pd_model_backend(const pd_model *m);
 /* SHA-256 model fingerprint (see pd_gguf_fingerprint). */
 void pd_model_fingerprint(const pd_model *m, uint8_t out[PD_SHA256_LEN]);
 
@@ -378,6 +381,12 @@ typedef struct pd_layer_kv {
     const float *q;           /* [n_tokens][n_head][head_dim], after RoPE */
     const float *k;           /* [n_tokens][n_head_kv][head_dim], after RoPE */
     const float *v;           /* [n_tokens][n_head_kv][head_dim] */
+    /* The same four arrays in the model's backend memory (equal to the host
+     * pointers on a host-memory backend), for scorers that run on the
+     * backend (ops->compactor_scores). With pd_prefill_opts.hook_device_only
+     * on a device backend, the host arrays above are NULL (pos stays). */
+    pd_backend *backend;
+    const float *dev_k_pre_rope, *dev_q, *dev_k, *dev_v;
 } pd_layer_kv;
 
 /* Called once per layer after that layer's attention has run over all of the
@@ -391,6 +400,9 @@ typedef struct pd_prefill_opts {
     bool logits_all;          /* logits for every token, not only the last */
     pd_prefill_hook_fn hook;  /* optional */
     void *hook_ctx;
+    /* The hook reads only the dev_* arrays: skip copying the layer's
+     * q/k/v to the host on a device backend. */
+    bool hook_device_only;
 } pd_prefill_opts;
 
 /* Run n tokens of one sequence. logits: n_vocab floats (the last token) or

@@ -15,7 +15,8 @@
 
 #include "engine/model_internal.h"
 
-#define ROW_CHUNK 256 /* rows per projection/FFN chunk */
+#define ROW_CHUNK 256  /* rows per projection/FFN chunk */
+#define LOGIT_CHUNK 32 /* rows per output-projection chunk (a [rows][n_vocab] buffer) */
 
 typedef struct fwd_entry {
     pd_seq *seq;
@@ -23,9 +24,10 @@ typedef struct fwd_entry {
     int64_t n;
     int64_t row0;    /* first row of this entry in the batch */
     int64_t n_out;   /* rows whose logits are wanted (1 or n) */
-    int64_t out0;    /* first logits row of this entry */
+    int64_t out0;    /* logits row of the first wanted row */
 } fwd_entry;
 
+/* Activations in backend memory, plus what the host needs. */
 typedef struct fwd_bufs {
     float *x;       /* [R][d] residual stream */
     float *q;       /* [R][q_dim] */
@@ -33,145 +35,282 @@ typedef struct fwd_bufs {
     float *v;       /* [R][kv_dim] */
     float *k_pre;   /* [R][kv_dim], only with a hook */
     int32_t *pos;   /* [R] */
-    uint8_t *keep;  /* [n_head_kv][R], only with a hook */
     float *h;       /* [C][max(d, q_dim)] */
     float *attn;    /* [C][q_dim] */
     float *gate;    /* [C][ff] */
     float *up;      /* [C][ff] */
+    float *logits;  /* [LOGIT_CHUNK][n_vocab] */
+    /* host */
+    int32_t *hpos;  /* [R] */
+    uint8_t *keep;  /* [n_head_kv][R], only with a hook */
+    float *hq, *hk, *hv, *hk_pre; /* host copies for the hook on a device backend */
+    int32_t *idx;   /* [max(R, LOGIT_CHUNK)] row indices */
+    pd_copy2d *copies; /* [3 * n_head_kv * n_entries] */
 } fwd_bufs;
 
-static size_t align_up(size_t n) { return (n + 63) & ~(size_t)63; }
+static size_t align_up(size_t n) { return (n + 255) & ~(size_t)255; }
 
-static int scratch_get(pd_model *m, size_t bytes, void **out, pd_error *err) {
-    if (bytes > m->scratch.bytes) {
-        free(m->scratch.block);
-        m->scratch.block = malloc(bytes);
-        m->scratch.bytes = m->scratch.block ? bytes : 0;
-        if (!m->scratch.block)
-            return pd_errorf(err, PD_ENOMEM, "out of memory: the forward pass needs %zu MiB of scratch", bytes >> 20);
+static bool host_backend(const pd_model *m) { return m->backend->ops->host_memory; }
+
+/* A model-owned 1-D tensor as the backend reads it. */
+static const float *on_backend(const pd_model *m, const float *host) {
+    return host ? m->dev_norms + (host - m->norms) : NULL;
+}
+
+static int scratch_grow(pd_model *m, bool dev, size_t bytes, void **out, pd_error *err) {
+    pd_backend *be = m->backend;
+    void **block = dev ? &m->scratch.dev : &m->scratch.host;
+    size_t *have = dev ? &m->scratch.dev_bytes : &m->scratch.host_bytes;
+    if (bytes > *have) {
+        if (dev) {
+            be->ops->release(be, *block);
+            *block = be->ops->alloc(be, bytes, err);
+        } else {
+            free(*block);
+            *block = malloc(bytes);
+        }
+        *have = *block ? bytes : 0;
+        if (!*block)
+            return dev ? pd_error_prefix(err, "the forward pass needs %zu MiB of %s scratch", bytes >> 20, be->ops->name)
+                       : pd_errorf(err, PD_ENOMEM, "out of memory: the forward pass needs %zu MiB of scratch", bytes >> 20);
     }
-    *out = m->scratch.block;
+    *out = *block;
     return PD_OK;
 }
 
-static int alloc_bufs(pd_model *m, int64_t R, bool with_hook, fwd_bufs *b, pd_error *err) {
-    const pd_hparams *hp = &m->hp;
-    const size_t d = (size_t)hp->n_embd, qd = (size_t)hp->n_head * hp->head_dim,
-                 kvd = (size_t)hp->n_head_kv * hp->head_dim, ff = (size_t)hp->n_ff, r = (size_t)R;
-    const size_t c = (size_t)(R < ROW_CHUNK ? R : ROW_CHUNK), hw = d > qd ? d : qd;
-    size_t sizes[] = {
-        r * d * 4, r * qd * 4, r * kvd * 4, r * kvd * 4, with_hook ? r * kvd * 4 : 0, r * 4,
-        with_hook ? r * (size_t)hp->n_head_kv : 0, c * hw * 4, c * qd * 4, c * ff * 4, c * ff * 4,
-    };
+/* Carve `n` regions of sizes[i] bytes out of one scratch block. */
+static int carve(pd_model *m, bool dev, const size_t *sizes, void ***slots, size_t n, pd_error *err) {
     size_t total = 0;
-    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += align_up(sizes[i]);
+    for (size_t i = 0; i < n; i++) total += align_up(sizes[i]);
     void *block = NULL;
-    int rc = scratch_get(m, total, &block, err);
+    int rc = scratch_grow(m, dev, total ? total : 1, &block, err);
     if (rc) return rc;
     char *p = block;
-    void **slots[] = {(void **)&b->x,    (void **)&b->q,    (void **)&b->k,    (void **)&b->v,
-                      (void **)&b->k_pre, (void **)&b->pos, (void **)&b->keep, (void **)&b->h,
-                      (void **)&b->attn, (void **)&b->gate, (void **)&b->up};
-    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+    for (size_t i = 0; i < n; i++) {
         *slots[i] = sizes[i] ? p : NULL;
         p += align_up(sizes[i]);
     }
     return PD_OK;
 }
 
-static void add_bias(float *y, const float *bias, int64_t rows, int64_t width) {
-    if (!bias) return;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < width; i++) y[r * width + i] += bias[i];
+static int alloc_bufs(pd_model *m, int64_t R, int n_es, bool want_logits, const pd_prefill_opts *opts, fwd_bufs *b,
+                      pd_error *err) {
+    const pd_hparams *hp = &m->hp;
+    const bool hook = opts && opts->hook, host = host_backend(m);
+    const bool hook_copies = hook && !host && !opts->hook_device_only;
+    const size_t d = (size_t)hp->n_embd, qd = (size_t)hp->n_head * hp->head_dim,
+                 kvd = (size_t)hp->n_head_kv * hp->head_dim, ff = (size_t)hp->n_ff, r = (size_t)R;
+    const size_t c = (size_t)(R < ROW_CHUNK ? R : ROW_CHUNK), hw = d > qd ? d : qd;
+    const size_t lc = (size_t)(R < LOGIT_CHUNK ? R : LOGIT_CHUNK);
+    size_t dev_sizes[] = {
+        r * d * 4, r * qd * 4, r * kvd * 4, r * kvd * 4, hook ? r * kvd * 4 : 0, r * 4,
+        c * hw * 4, c * qd * 4, c * ff * 4, c * ff * 4, want_logits ? lc * (size_t)hp->n_vocab * 4 : 0,
+    };
+    void **dev_slots[] = {(void **)&b->x,    (void **)&b->q,    (void **)&b->k,    (void **)&b->v,
+                          (void **)&b->k_pre, (void **)&b->pos, (void **)&b->h,    (void **)&b->attn,
+                          (void **)&b->gate, (void **)&b->up,   (void **)&b->logits};
+    int rc = carve(m, true, dev_sizes, dev_slots, sizeof dev_sizes / sizeof *dev_sizes, err);
+    if (rc) return rc;
+    size_t host_sizes[] = {
+        r * 4, hook ? r * (size_t)hp->n_head_kv : 0, hook_copies ? r * qd * 4 : 0, hook_copies ? r * kvd * 4 : 0,
+        hook_copies ? r * kvd * 4 : 0, hook_copies ? r * kvd * 4 : 0, (r > lc ? r : lc) * 4,
+        3 * (size_t)hp->n_head_kv * (size_t)n_es * sizeof(pd_copy2d),
+    };
+    void **host_slots[] = {(void **)&b->hpos, (void **)&b->keep,   (void **)&b->hq,  (void **)&b->hk,
+                           (void **)&b->hv,   (void **)&b->hk_pre, (void **)&b->idx, (void **)&b->copies};
+    return carve(m, false, host_sizes, host_slots, sizeof host_sizes / sizeof *host_sizes, err);
 }
 
 static kv_stream *seq_stream(pd_seq *s, int layer, int head) {
     return &s->streams[(int64_t)layer * s->model->hp.n_head_kv + head];
 }
 
-/* Append this entry's new K/V rows of one layer to the sequence's streams. */
-static int append_kv(pd_model *m, const fwd_entry *e, int layer, const fwd_bufs *b, pd_error *err) {
+/* Append every entry's new K/V rows of one layer to its sequence's streams:
+ * one batch of 2-D copies ([row][kv head][dim] -> [kv head][row][dim]). */
+static int append_kv(pd_model *m, const fwd_entry *es, int n_es, int layer, const fwd_bufs *b, pd_error *err) {
     const pd_hparams *hp = &m->hp;
+    pd_backend *be = m->backend;
     const int hd = hp->head_dim, nkv = hp->n_head_kv;
-    for (int h = 0; h < nkv; h++) {
-        kv_stream *st = seq_stream(e->seq, layer, h);
-        int rc = kv_stream_reserve(st, st->len + e->n, hd, err);
-        if (rc) return rc;
-        for (int64_t i = 0; i < e->n; i++) {
-            const int64_t row = e->row0 + i;
-            memcpy(st->k + (st->len + i) * hd, b->k + (row * nkv + h) * hd, sizeof(float) * (size_t)hd);
-            memcpy(st->v + (st->len + i) * hd, b->v + (row * nkv + h) * hd, sizeof(float) * (size_t)hd);
-            st->pos[st->len + i] = b->pos[row];
-            if (st->keep) st->keep[st->len + i] = 1;
+    const size_t row = (size_t)hd * sizeof(float), src_pitch = (size_t)nkv * row;
+    int64_t n_copies = 0;
+    for (int i = 0; i < n_es; i++) {
+        const fwd_entry *e = &es[i];
+        for (int h = 0; h < nkv; h++) {
+            kv_stream *st = seq_stream(e->seq, layer, h);
+            int rc = kv_stream_reserve(st, be, st->len + e->n, hd, err);
+            if (rc) return rc;
+            const int64_t first = (e->row0 * nkv + h) * hd;
+            b->copies[n_copies++] = (pd_copy2d){st->k + st->len * hd, b->k + first, row, src_pitch, row, (size_t)e->n};
+            b->copies[n_copies++] = (pd_copy2d){st->v + st->len * hd, b->v + first, row, src_pitch, row, (size_t)e->n};
+            if (st->dpos)
+                b->copies[n_copies++] = (pd_copy2d){st->dpos + st->len, b->pos + e->row0, sizeof(int32_t),
+                                                    sizeof(int32_t), (size_t)e->n * sizeof(int32_t), 1};
         }
-        st->len += e->n;
+    }
+    int rc = be->ops->copy2d_batch(be, b->copies, n_copies, err);
+    if (rc) return rc;
+    /* Only now that the copies are queued do the lengths grow. */
+    for (int i = 0; i < n_es; i++) {
+        const fwd_entry *e = &es[i];
+        for (int h = 0; h < nkv; h++) {
+            kv_stream *st = seq_stream(e->seq, layer, h);
+            memcpy(st->pos + st->len, b->hpos + e->row0, sizeof(int32_t) * (size_t)e->n);
+            if (st->keep) memset(st->keep + st->len, 1, (size_t)e->n);
+            st->len += e->n;
+        }
     }
     return PD_OK;
 }
 
 /* Keep only the rows the hook left marked, in order. */
-static void compact_kv(pd_model *m, const fwd_entry *e, int layer, const uint8_t *keep) {
+static int compact_kv(pd_model *m, const fwd_entry *e, int layer, const uint8_t *keep, fwd_bufs *b, pd_error *err) {
     const pd_hparams *hp = &m->hp;
+    pd_backend *be = m->backend;
     const int hd = hp->head_dim;
+    const size_t row = (size_t)hd * sizeof(float);
     for (int h = 0; h < hp->n_head_kv; h++) {
         kv_stream *st = seq_stream(e->seq, layer, h);
         const uint8_t *kh = keep + (int64_t)h * e->n;
-        int64_t base = st->len - e->n, out = base;
-        for (int64_t i = 0; i < e->n; i++) {
-            if (!kh[i]) continue;
-            const int64_t src = base + i;
-            if (out != src) {
-                memmove(st->k + out * hd, st->k + src * hd, sizeof(float) * (size_t)hd);
-                memmove(st->v + out * hd, st->v + src * hd, sizeof(float) * (size_t)hd);
-                st->pos[out] = st->pos[src];
-                if (st->keep) st->keep[out] = st->keep[src];
+        const int64_t base = st->len - e->n;
+        int64_t n_kept = 0;
+        for (int64_t i = 0; i < e->n; i++)
+            if (kh[i]) b->idx[n_kept++] = (int32_t)i;
+        if (n_kept == e->n) continue;
+        if (host_backend(m)) {
+            for (int64_t j = 0; j < n_kept; j++) {
+                const int64_t src = base + b->idx[j], dst = base + j;
+                memmove(st->k + dst * hd, st->k + src * hd, row);
+                memmove(st->v + dst * hd, st->v + src * hd, row);
+                if (st->keep) st->keep[dst] = st->keep[src];
             }
-            out++;
+        } else {
+            /* Gather into the activation buffers (free by now), then back. */
+            int rc;
+            if ((rc = be->ops->gather(be, b->q, st->k + base * hd, b->idx, n_kept, row, err)) ||
+                (rc = be->ops->copy(be, st->k + base * hd, b->q, (size_t)n_kept * row, err)) ||
+                (rc = be->ops->gather(be, b->q, st->v + base * hd, b->idx, n_kept, row, err)) ||
+                (rc = be->ops->copy(be, st->v + base * hd, b->q, (size_t)n_kept * row, err)))
+                return rc;
         }
-        st->len = out;
+        for (int64_t j = 0; j < n_kept; j++) st->pos[base + j] = st->pos[base + b->idx[j]];
+        if (st->dpos) {
+            int rc = be->ops->upload(be, st->dpos + base, st->pos + base, (size_t)n_kept * sizeof(int32_t), err);
+            if (rc) return rc;
+        }
+        st->len = base + n_kept;
+    }
+    return PD_OK;
+}
+
+/* Views of one stream array as the backend reads it. */
+static void stream_views(const kv_stream *streams, int nkv, int layer, pd_kv_view *out) {
+    for (int h = 0; h < nkv; h++) {
+        const kv_stream *st = &streams[(int64_t)layer * nkv + h];
+        out[h] = (pd_kv_view){.k = st->k, .v = st->v, .pos = kv_stream_dpos(st), .keep = st->keep, .len = st->len};
     }
 }
 
-static int attend_entry(pd_model *m, const fwd_entry *e, int layer, const fwd_bufs *b, int64_t r0, int64_t r1,
-                        pd_error *err) {
+/* Attention for entries [i0, i1) (consecutive rows [r0, r1) of the batch,
+ * all continuing the same prefix or none): the prefix is the shared
+ * segment, each entry's own cache its private one. */
+static int attend(pd_model *m, const fwd_entry *es, int i0, int i1, int64_t r0, int64_t r1, int layer,
+                  const fwd_bufs *b, pd_error *err) {
     const pd_hparams *hp = &m->hp;
-    pd_kv_view views[2 * 64];
-    pd_kv_view *kv = views;
-    const int nkv = hp->n_head_kv;
-    int n_seg = e->seq->prefix ? 2 : 1;
-    if ((size_t)(n_seg * nkv) > sizeof views / sizeof *views) {
-        kv = malloc(sizeof *kv * (size_t)(n_seg * nkv));
-        if (!kv) return pd_errorf(err, PD_ENOMEM, "out of memory for attention views");
+    const int nkv = hp->n_head_kv, n_groups = i1 - i0;
+    const pd_kv_prefix *prefix = es[i0].seq->prefix;
+    pd_kv_view shared_small[64], own_small[4 * 64], *shared = shared_small, *own = own_small;
+    int64_t starts_small[65], *starts = starts_small;
+    int rc = PD_OK;
+    if (nkv > 64) shared = malloc(sizeof *shared * (size_t)nkv);
+    if ((int64_t)n_groups * nkv > 4 * 64) own = malloc(sizeof *own * (size_t)n_groups * (size_t)nkv);
+    if (n_groups + 1 > 65) starts = malloc(sizeof *starts * (size_t)(n_groups + 1));
+    if (!shared || !own || !starts) {
+        rc = pd_errorf(err, PD_ENOMEM, "out of memory for attention views");
+        goto done;
     }
-    int seg = 0;
-    if (e->seq->prefix) {
-        const pd_kv_prefix *p = e->seq->prefix;
-        for (int h = 0; h < nkv; h++) {
-            const kv_stream *st = &p->streams[(int64_t)layer * nkv + h];
-            kv[h] = (pd_kv_view){.k = st->k, .v = st->v, .pos = st->pos, .keep = st->keep, .len = st->len};
-        }
-        seg = 1;
+    if (prefix) {
+        const kv_stream *ps;
+        if ((rc = kv_prefix_streams_for(prefix, m->backend, &ps, err))) goto done;
+        stream_views(ps, nkv, layer, shared);
     }
-    for (int h = 0; h < nkv; h++) {
-        const kv_stream *st = seq_stream(e->seq, layer, h);
-        kv[seg * nkv + h] = (pd_kv_view){.k = st->k, .v = st->v, .pos = st->pos, .keep = st->keep, .len = st->len};
+    for (int g = 0; g < n_groups; g++) {
+        const fwd_entry *e = &es[i0 + g];
+        stream_views(e->seq->streams, nkv, layer, own + (int64_t)g * nkv);
+        /* A chunk of one long entry is one group; entries of one token each
+         * are one group each. */
+        int64_t a = e->row0 > r0 ? e->row0 : r0;
+        starts[g] = a - r0;
     }
-    pd_attn_args a = {
-        .q = b->q + r0 * (int64_t)hp->n_head * hp->head_dim,
+    starts[n_groups] = r1 - r0;
+    const int64_t qd = (int64_t)hp->n_head * hp->head_dim;
+    pd_attn_args args = {
+        .q = b->q + r0 * qd,
         .q_pos = b->pos + r0,
         .n_tokens = r1 - r0,
         .n_head = hp->n_head,
         .n_head_kv = nkv,
         .head_dim = hp->head_dim,
-        .n_segments = n_seg,
-        .kv = kv,
+        .n_segments = 1,
+        .kv = own,
+        .n_shared = prefix ? 1 : 0,
+        .shared = prefix ? shared : NULL,
+        .n_groups = n_groups,
+        .group_start = starts,
         .scale = 1.0f / sqrtf((float)hp->head_dim),
         .causal = true,
         .out = b->attn,
     };
-    int rc = m->backend->ops->attention(m->backend, &a, err);
-    if (kv != views) free(kv);
+    rc = m->backend->ops->attention(m->backend, &args, err);
+done:
+    if (shared != shared_small) free(shared);
+    if (own != own_small) free(own);
+    if (starts != starts_small) free(starts);
     return rc;
+}
+
+/* The hook's view of this layer; on a device backend the host arrays are
+ * copies made here unless the hook asked for device arrays only. */
+static int run_hook(pd_model *m, const fwd_entry *e, int layer, const pd_prefill_opts *opts, fwd_bufs *b,
+                    pd_error *err) {
+    const pd_hparams *hp = &m->hp;
+    pd_backend *be = m->backend;
+    const size_t n = (size_t)e->n, qd = (size_t)hp->n_head * hp->head_dim, kvd = (size_t)hp->n_head_kv * hp->head_dim;
+    pd_layer_kv view = {
+        .layer = layer,
+        .n_tokens = e->n,
+        .n_head = hp->n_head,
+        .n_head_kv = hp->n_head_kv,
+        .head_dim = hp->head_dim,
+        .pos = b->hpos,
+        .backend = be,
+        .dev_k_pre_rope = b->k_pre,
+        .dev_q = b->q,
+        .dev_k = b->k,
+        .dev_v = b->v,
+    };
+    int rc;
+    if (host_backend(m)) {
+        view.k_pre_rope = b->k_pre, view.q = b->q, view.k = b->k, view.v = b->v;
+    } else if (!opts->hook_device_only) {
+        if ((rc = be->ops->download(be, b->hq, b->q, n * qd * 4, err)) ||
+            (rc = be->ops->download(be, b->hk, b->k, n * kvd * 4, err)) ||
+            (rc = be->ops->download(be, b->hv, b->v, n * kvd * 4, err)) ||
+            (rc = be->ops->download(be, b->hk_pre, b->k_pre, n * kvd * 4, err)))
+            return rc;
+        view.k_pre_rope = b->hk_pre, view.q = b->hq, view.k = b->hk, view.v = b->hv;
+    }
+    memset(b->keep, 1, (size_t)hp->n_head_kv * n);
+    if ((rc = opts->hook(opts->hook_ctx, &view, b->keep, err))) return rc;
+    return compact_kv(m, e, layer, b->keep, b, err);
+}
+
+/* Entries [i, j) that can share one attention call: runs of one-token
+ * entries continuing the same prefix (a decode batch), at most ROW_CHUNK. */
+static int decode_run_end(const fwd_entry *es, int n_es, int i) {
+    int j = i + 1;
+    if (es[i].n != 1) return j;
+    while (j < n_es && j - i < ROW_CHUNK && es[j].n == 1 && es[j].seq->prefix == es[i].seq->prefix) j++;
+    return j;
 }
 
 static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer, const pd_prefill_opts *opts,
@@ -187,71 +326,89 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
     /* Q, K, V for every row. */
     for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
         const int64_t n = R - r0 < ROW_CHUNK ? R - r0 : ROW_CHUNK;
-        ops->rmsnorm(be, b->x + r0 * d, L->attn_norm, n, d, hp->rms_eps, b->h);
-        if ((rc = ops->matmul(be, &L->wq, b->h, n, b->q + r0 * qd, err)) ||
+        if ((rc = ops->rmsnorm(be, b->x + r0 * d, on_backend(m, L->attn_norm), n, d, hp->rms_eps, b->h, err)) ||
+            (rc = ops->matmul(be, &L->wq, b->h, n, b->q + r0 * qd, err)) ||
             (rc = ops->matmul(be, &L->wk, b->h, n, b->k + r0 * kvd, err)) ||
             (rc = ops->matmul(be, &L->wv, b->h, n, b->v + r0 * kvd, err)))
             return rc;
-        add_bias(b->q + r0 * qd, L->bq, n, qd);
-        add_bias(b->k + r0 * kvd, L->bk, n, kvd);
-        add_bias(b->v + r0 * kvd, L->bv, n, kvd);
+        if ((L->bq && (rc = ops->add(be, b->q + r0 * qd, on_backend(m, L->bq), n, qd, 0, err))) ||
+            (L->bk && (rc = ops->add(be, b->k + r0 * kvd, on_backend(m, L->bk), n, kvd, 0, err))) ||
+            (L->bv && (rc = ops->add(be, b->v + r0 * kvd, on_backend(m, L->bv), n, kvd, 0, err))))
+            return rc;
     }
-    if (b->k_pre) memcpy(b->k_pre, b->k, sizeof(float) * (size_t)(R * kvd));
-    ops->rope(be, b->q, b->pos, R, hp->n_head, hp->head_dim, &hp->rope);
-    ops->rope(be, b->k, b->pos, R, hp->n_head_kv, hp->head_dim, &hp->rope);
-    for (int i = 0; i < n_es; i++)
-        if ((rc = append_kv(m, &es[i], layer, b, err))) return rc;
+    if (b->k_pre && (rc = ops->copy(be, b->k_pre, b->k, sizeof(float) * (size_t)(R * kvd), err))) return rc;
+    if ((rc = ops->rope(be, b->q, b->pos, R, hp->n_head, hp->head_dim, &hp->rope, err)) ||
+        (rc = ops->rope(be, b->k, b->pos, R, hp->n_head_kv, hp->head_dim, &hp->rope, err)) ||
+        (rc = append_kv(m, es, n_es, layer, b, err)))
+        return rc;
 
-    /* Attention and output projection, chunk by chunk within each entry. */
-    for (int i = 0; i < n_es; i++) {
-        const fwd_entry *e = &es[i];
-        for (int64_t r0 = e->row0; r0 < e->row0 + e->n; r0 += ROW_CHUNK) {
-            const int64_t r1 = e->row0 + e->n - r0 < ROW_CHUNK ? e->row0 + e->n : r0 + ROW_CHUNK;
-            if ((rc = attend_entry(m, e, layer, b, r0, r1, err))) return rc;
-            if ((rc = ops->matmul(be, &L->wo, b->attn, r1 - r0, b->h, err))) return rc;
-            float *x = b->x + r0 * d;
-            for (int64_t j = 0; j < (r1 - r0) * d; j++) x[j] += b->h[j];
+    /* Attention and output projection: a long entry chunk by chunk, a run
+     * of decode entries together. */
+    for (int i = 0; i < n_es;) {
+        const int j = decode_run_end(es, n_es, i);
+        const int64_t end = es[j - 1].row0 + es[j - 1].n;
+        for (int64_t r0 = es[i].row0; r0 < end; r0 += ROW_CHUNK) {
+            const int64_t r1 = end - r0 < ROW_CHUNK ? end : r0 + ROW_CHUNK;
+            if ((rc = attend(m, es, i, j, r0, r1, layer, b, err)) ||
+                (rc = ops->matmul(be, &L->wo, b->attn, r1 - r0, b->h, err)) ||
+                (rc = ops->add(be, b->x + r0 * d, b->h, r1 - r0, d, d, err)))
+                return rc;
         }
+        i = j;
     }
 
     /* The hook sees the layer after its attention ran over the full K/V. */
-    if (opts && opts->hook) {
-        const fwd_entry *e = &es[0];
-        memset(b->keep, 1, (size_t)(hp->n_head_kv * e->n));
-        pd_layer_kv view = {
-            .layer = layer,
-            .n_tokens = e->n,
-            .n_head = hp->n_head,
-            .n_head_kv = hp->n_head_kv,
-            .head_dim = hp->head_dim,
-            .pos = b->pos,
-            .k_pre_rope = b->k_pre,
-            .q = b->q,
-            .k = b->k,
-            .v = b->v,
-        };
-        if ((rc = opts->hook(opts->hook_ctx, &view, b->keep, err))) return rc;
-        compact_kv(m, e, layer, b->keep);
-    }
+    if (opts && opts->hook && (rc = run_hook(m, &es[0], layer, opts, b, err))) return rc;
 
     /* Feed-forward. */
     for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
         const int64_t n = R - r0 < ROW_CHUNK ? R - r0 : ROW_CHUNK;
-        ops->rmsnorm(be, b->x + r0 * d, L->ffn_norm, n, d, hp->rms_eps, b->h);
-        if ((rc = ops->matmul(be, &L->w_gate, b->h, n, b->gate, err)) ||
-            (rc = ops->matmul(be, &L->w_up, b->h, n, b->up, err)))
+        if ((rc = ops->rmsnorm(be, b->x + r0 * d, on_backend(m, L->ffn_norm), n, d, hp->rms_eps, b->h, err)) ||
+            (rc = ops->matmul(be, &L->w_gate, b->h, n, b->gate, err)) ||
+            (rc = ops->matmul(be, &L->w_up, b->h, n, b->up, err)) ||
+            (rc = ops->swiglu(be, b->gate, b->up, n * ff, b->gate, err)) ||
+            (rc = ops->matmul(be, &L->w_down, b->gate, n, b->h, err)) ||
+            (rc = ops->add(be, b->x + r0 * d, b->h, n, d, d, err)))
             return rc;
-        ops->swiglu(be, b->gate, b->up, n * ff, b->gate);
-        if ((rc = ops->matmul(be, &L->w_down, b->gate, n, b->h, err))) return rc;
-        float *x = b->x + r0 * d;
-        for (int64_t j = 0; j < n * d; j++) x[j] += b->h[j];
     }
     return PD_OK;
 }
 
+/* Final norm and output projection of the wanted rows, LOGIT_CHUNK at a
+ * time: gather them, project, and copy each row to its logits slot. */
+static int output_logits(pd_model *m, const fwd_entry *es, int n_es, fwd_bufs *b, float *logits, pd_error *err) {
+    const pd_hparams *hp = &m->hp;
+    pd_backend *be = m->backend;
+    const pd_backend_ops *ops = be->ops;
+    const int64_t d = hp->n_embd, V = hp->n_vocab;
+    int64_t n = 0, out_of[LOGIT_CHUNK];
+    int rc = PD_OK;
+    for (int i = 0; i < n_es && !rc; i++) {
+        const fwd_entry *e = &es[i];
+        for (int64_t t = 0; t < e->n_out && !rc; t++) {
+            b->idx[n] = (int32_t)(e->row0 + e->n - e->n_out + t);
+            out_of[n++] = e->out0 + t;
+            const bool last = i == n_es - 1 && t == e->n_out - 1;
+            if (n < LOGIT_CHUNK && !last) continue;
+            bool consecutive = true;
+            for (int64_t r = 1; r < n; r++) consecutive &= out_of[r] == out_of[0] + r;
+            /* On the host, consecutive slots are written in place. */
+            float *dst = host_backend(m) && consecutive ? logits + out_of[0] * V : b->logits;
+            if ((rc = ops->gather(be, b->h, b->x, b->idx, n, (size_t)d * sizeof(float), err)) ||
+                (rc = ops->rmsnorm(be, b->h, on_backend(m, m->output_norm), n, d, hp->rms_eps, b->h, err)) ||
+                (rc = ops->matmul(be, &m->output, b->h, n, dst, err)))
+                break;
+            for (int64_t r = 0; r < n && !rc && dst == b->logits; r++)
+                rc = ops->download(be, logits + out_of[r] * V, b->logits + r * V, (size_t)V * sizeof(float), err);
+            n = 0;
+        }
+    }
+    return rc;
+}
+
 static int forward(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_opts *opts, float *logits, pd_error *err) {
     const pd_hparams *hp = &m->hp;
-    int64_t R = 0, n_out = 0;
+    int64_t R = 0;
     for (int i = 0; i < n_es; i++) {
         fwd_entry *e = &es[i];
         if (e->n <= 0) return pd_errorf(err, PD_EINVAL, "entry %d has no tokens", i);
@@ -265,20 +422,20 @@ static int forward(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_opts *
                 return pd_errorf(err, PD_EINVAL, "token id %d at position %" PRId64 " is outside the vocabulary (0..%d)",
                                  e->tokens[t], t, hp->n_vocab - 1);
         e->row0 = R;
-        e->out0 = n_out;
         R += e->n;
-        n_out += e->n_out;
     }
     fwd_bufs b;
-    int rc = alloc_bufs(m, R, opts && opts->hook, &b, err);
+    int rc = alloc_bufs(m, R, n_es, logits != NULL, opts, &b, err);
     if (rc) return rc;
 
-    const pd_backend_ops *ops = m->backend->ops;
+    pd_backend *be = m->backend;
+    const pd_backend_ops *ops = be->ops;
     for (int i = 0; i < n_es; i++) {
         const fwd_entry *e = &es[i];
-        if ((rc = ops->get_rows(m->backend, &m->tok_embd, e->tokens, e->n, b.x + e->row0 * hp->n_embd, err))) return rc;
-        for (int64_t t = 0; t < e->n; t++) b.pos[e->row0 + t] = e->seq->next_pos + (int32_t)t;
+        if ((rc = ops->get_rows(be, &m->tok_embd, e->tokens, e->n, b.x + e->row0 * hp->n_embd, err))) return rc;
+        for (int64_t t = 0; t < e->n; t++) b.hpos[e->row0 + t] = e->seq->next_pos + (int32_t)t;
     }
+    if ((rc = ops->upload(be, b.pos, b.hpos, sizeof(int32_t) * (size_t)R, err))) return rc;
 
     for (int l = 0; l < hp->n_layer; l++) {
         if ((rc = run_layer(m, es, n_es, R, l, opts, &b, err))) {
@@ -292,30 +449,25 @@ static int forward(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_opts *
             return pd_error_prefix(err, "layer %d", l);
         }
     }
+    /* A device backend reports late failures here rather than in the next call. */
+    if (!logits && (rc = ops->sync(be, err))) return rc;
     for (int i = 0; i < n_es; i++) es[i].seq->next_pos += (int32_t)es[i].n;
-    if (!logits) return PD_OK;
-
-    /* Final norm and output projection, only for the rows whose logits are wanted. */
-    const int64_t d = hp->n_embd;
-    for (int i = 0; i < n_es; i++) {
-        const fwd_entry *e = &es[i];
-        const int64_t first = e->row0 + e->n - e->n_out;
-        for (int64_t r0 = 0; r0 < e->n_out; r0 += ROW_CHUNK) {
-            const int64_t n = e->n_out - r0 < ROW_CHUNK ? e->n_out - r0 : ROW_CHUNK;
-            ops->rmsnorm(m->backend, b.x + (first + r0) * d, m->output_norm, n, d, hp->rms_eps, b.h);
-            if ((rc = ops->matmul(m->backend, &m->output, b.h, n, logits + (e->out0 + r0) * (int64_t)hp->n_vocab, err)))
-                return rc;
-        }
-    }
-    return PD_OK;
+    return logits ? output_logits(m, es, n_es, &b, logits, err) : PD_OK;
 }
 
 int pd_prefill(pd_model *m, pd_seq *s, const pd_token *tokens, int64_t n, const pd_prefill_opts *opts, float *logits,
                pd_error *err) {
     if (s->model != m) return pd_errorf(err, PD_EINVAL, "the sequence belongs to another model");
     if (n == 0) return pd_errorf(err, PD_EINVAL, "nothing to prefill: no tokens");
-    fwd_entry e = {.seq = s, .tokens = tokens, .n = n, .n_out = opts && opts->logits_all ? n : 1};
+    fwd_entry e = {.seq = s, .tokens = tokens, .n = n, .n_out = opts && opts->logits_all ? n : 1, .out0 = 0};
     return forward(m, &e, 1, opts, logits, err);
+}
+
+static int by_prefix(const void *pa, const void *pb) {
+    const fwd_entry *a = pa, *b = pb;
+    uintptr_t x = (uintptr_t)a->seq->prefix, y = (uintptr_t)b->seq->prefix;
+    if (x != y) return x < y ? -1 : 1;
+    return (a->out0 > b->out0) - (a->out0 < b->out0); /* stable: keep the caller's order */
 }
 
 int pd_decode(pd_model *m, pd_seq *const *seqs, const pd_token *tokens, int n_seqs, float *logits, pd_error *err) {
@@ -328,8 +480,11 @@ int pd_decode(pd_model *m, pd_seq *const *seqs, const pd_token *tokens, int n_se
             if (es != small) free(es);
             return pd_errorf(err, PD_EINVAL, "sequence %d belongs to another model", i);
         }
-        es[i] = (fwd_entry){.seq = seqs[i], .tokens = &tokens[i], .n = 1, .n_out = 1};
+        es[i] = (fwd_entry){.seq = seqs[i], .tokens = &tokens[i], .n = 1, .n_out = 1, .out0 = i};
     }
+    /* Sequences that continue the same prefix side by side: their attention
+     * is one call that reads the prefix once. Logits keep the caller's order. */
+    qsort(es, (size_t)n_seqs, sizeof *es, by_prefix);
     int rc = forward(m, es, n_seqs, NULL, logits, err);
     if (es != small) free(es);
     return rc;

@@ -6,10 +6,46 @@
 
 #include "engine/model_internal.h"
 
-int kv_stream_reserve(kv_stream *s, int64_t cap, int head_dim, pd_error *err) {
+static bool on_device(const pd_backend *be) { return be && !be->ops->host_memory; }
+
+/* Device streams grow by allocate, copy, release: backend memory has no realloc. */
+static int reserve_device(kv_stream *s, pd_backend *be, int64_t new_cap, int head_dim, pd_error *err) {
+    const size_t row = (size_t)head_dim * sizeof(float), rows = (size_t)new_cap;
+    const pd_backend_ops *ops = be->ops;
+    int32_t *pos = realloc(s->pos, rows * sizeof *pos);
+    if (!pos) return pd_errorf(err, PD_ENOMEM, "out of memory growing the KV cache to %" PRId64 " rows", new_cap);
+    s->pos = pos;
+    float *k = ops->alloc(be, rows * row, err);
+    float *v = k ? ops->alloc(be, rows * row, err) : NULL;
+    int32_t *dpos = v ? ops->alloc(be, rows * sizeof *dpos, err) : NULL;
+    int rc = dpos ? PD_OK : PD_ENOMEM;
+    if (!rc && s->len > 0 && !(rc = ops->copy(be, k, s->k, (size_t)s->len * row, err)) &&
+        !(rc = ops->copy(be, v, s->v, (size_t)s->len * row, err)))
+        rc = ops->copy(be, dpos, s->dpos, (size_t)s->len * sizeof *dpos, err);
+    if (rc) {
+        ops->release(be, k);
+        ops->release(be, v);
+        ops->release(be, dpos);
+        return pd_error_prefix(err, "growing the KV cache to %" PRId64 " rows", new_cap);
+    }
+    ops->release(be, s->k);
+    ops->release(be, s->v);
+    ops->release(be, s->dpos);
+    s->k = k;
+    s->v = v;
+    s->dpos = dpos;
+    s->cap = new_cap;
+    return PD_OK;
+}
+
+int kv_stream_reserve(kv_stream *s, pd_backend *be, int64_t cap, int head_dim, pd_error *err) {
     if (cap <= s->cap) return PD_OK;
     int64_t new_cap = s->cap ? s->cap : 64;
     while (new_cap < cap) new_cap *= 2;
+    if (on_device(be)) {
+        if (s->keep) return pd_errorf(err, PD_EUNSUPPORTED, "attention masks are a host-backend feature");
+        return reserve_device(s, be, new_cap, head_dim, err);
+    }
     size_t rows = (size_t)new_cap, hd = (size_t)head_dim;
     /* Each array is grown in turn; one that failed leaves the others larger
      * but valid, and cap unchanged, so the stream stays consistent. */
@@ -34,8 +70,13 @@ oom:
     return pd_errorf(err, PD_ENOMEM, "out of memory growing the KV cache to %" PRId64 " rows", new_cap);
 }
 
-void kv_stream_free(kv_stream *s) {
-    if (!s->borrowed) {
+void kv_stream_free(kv_stream *s, pd_backend *be) {
+    if (on_device(be)) {
+        be->ops->release(be, s->k);
+        be->ops->release(be, s->v);
+        be->ops->release(be, s->dpos);
+        free(s->pos);
+    } else if (!s->borrowed) {
         free(s->k);
         free(s->v);
         free(s->pos);
@@ -49,9 +90,9 @@ static int streams_alloc(int32_t n_layer, int32_t n_head_kv, kv_stream **out, pd
     return *out ? PD_OK : pd_errorf(err, PD_ENOMEM, "out of memory for KV streams");
 }
 
-static void streams_free(kv_stream *s, int64_t n) {
+static void streams_free(kv_stream *s, int64_t n, pd_backend *be) {
     if (!s) return;
-    for (int64_t i = 0; i < n; i++) kv_stream_free(&s[i]);
+    for (int64_t i = 0; i < n; i++) kv_stream_free(&s[i], be);
     free(s);
 }
 
@@ -67,6 +108,10 @@ int pd_kv_prefix_create(const pd_hparams *hp, int32_t n_orig, pd_kv_prefix **out
     p->head_dim = hp->head_dim;
     p->n_orig = n_orig;
     int rc = streams_alloc(p->n_layer, p->n_head_kv, &p->streams, err);
+    if (!rc && pthread_mutex_init(&p->dev_lock, NULL) != 0) {
+        free(p->streams);
+        rc = pd_errorf(err, PD_ENOMEM, "out of resources for a KV prefix lock");
+    }
     if (rc) {
         free(p);
         return rc;
@@ -99,7 +144,7 @@ int pd_kv_prefix_set(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos
     if (rc) return rc;
     kv_stream *s = &p->streams[(int64_t)layer * p->n_head_kv + kv_head];
     if (s->borrowed) memset(s, 0, sizeof *s);
-    if ((rc = kv_stream_reserve(s, len, p->head_dim, err))) return rc;
+    if ((rc = kv_stream_reserve(s, NULL, len, p->head_dim, err))) return rc;
     size_t row = (size_t)p->head_dim * sizeof(float);
     if (len) {
         memcpy(s->k, k, (size_t)len * row);
@@ -118,7 +163,7 @@ int pd_kv_prefix_set_borrowed(pd_kv_prefix *p, int layer, int kv_head, const int
         return pd_errorf(err, PD_EINVAL, "prefix stream (layer %d, kv head %d): rows are not 4-byte aligned", layer,
                          kv_head);
     kv_stream *s = &p->streams[(int64_t)layer * p->n_head_kv + kv_head];
-    kv_stream_free(s);
+    kv_stream_free(s, NULL);
     /* The engine only reads prefix streams, so dropping const is safe. */
     *s = (kv_stream){.k = (float *)k, .v = (float *)v, .pos = (int32_t *)pos, .len = len, .cap = len, .borrowed = true};
     return PD_OK;
@@ -126,8 +171,73 @@ int pd_kv_prefix_set_borrowed(pd_kv_prefix *p, int layer, int kv_head, const int
 
 void pd_kv_prefix_free(pd_kv_prefix *p) {
     if (!p) return;
-    streams_free(p->streams, (int64_t)p->n_layer * p->n_head_kv);
+    streams_free(p->streams, (int64_t)p->n_layer * p->n_head_kv, NULL);
+    if (p->dev_backend) p->dev_backend->ops->release(p->dev_backend, p->dev_block);
+    free(p->dev_streams);
+    pthread_mutex_destroy(&p->dev_lock);
     free(p);
+}
+
+/* One allocation for the whole prefix, filled stream by stream through the
+ * backend's upload (which stages through pinned memory, so rows borrowed
+ * from the store's map go straight from the page cache to the device). */
+static int upload_prefix(pd_kv_prefix *p, pd_backend *be, pd_error *err) {
+    const int64_t n = (int64_t)p->n_layer * p->n_head_kv;
+    const size_t row = (size_t)p->head_dim * sizeof(float);
+    size_t bytes = 0;
+    for (int64_t i = 0; i < n; i++) bytes += (size_t)p->streams[i].len * (2 * row + sizeof(int32_t)) + 3 * 256;
+    kv_stream *ds = calloc((size_t)n, sizeof *ds);
+    char *block = ds ? be->ops->alloc(be, bytes ? bytes : 1, err) : NULL;
+    if (!block) {
+        free(ds);
+        return ds ? pd_error_prefix(err, "uploading a KV prefix of %zu MiB", bytes >> 20)
+                  : pd_errorf(err, PD_ENOMEM, "out of memory for KV prefix views");
+    }
+    char *at = block;
+    int rc = PD_OK;
+    for (int64_t i = 0; i < n && !rc; i++) {
+        const kv_stream *hs = &p->streams[i];
+        const size_t len = (size_t)hs->len;
+        kv_stream *d = &ds[i];
+        d->k = (float *)at, at += (len * row + 255) & ~(size_t)255;
+        d->v = (float *)at, at += (len * row + 255) & ~(size_t)255;
+        d->dpos = (int32_t *)at, at += (len * sizeof(int32_t) + 255) & ~(size_t)255;
+        d->pos = hs->pos;
+        d->len = d->cap = hs->len;
+        d->borrowed = true;
+        if (len && ((rc = be->ops->upload(be, d->k, hs->k, len * row, err)) ||
+                    (rc = be->ops->upload(be, d->v, hs->v, len * row, err)) ||
+                    (rc = be->ops->upload(be, d->dpos, hs->pos, len * sizeof(int32_t), err))))
+            pd_error_prefix(err, "uploading a KV prefix");
+    }
+    if (rc) {
+        be->ops->release(be, block);
+        free(ds);
+        return rc;
+    }
+    p->dev_backend = be;
+    p->dev_block = block;
+    p->dev_streams = ds;
+    return PD_OK;
+}
+
+int kv_prefix_streams_for(const pd_kv_prefix *cp, pd_backend *be, const kv_stream **out, pd_error *err) {
+    if (!on_device(be)) {
+        *out = cp->streams;
+        return PD_OK;
+    }
+    /* The device copy is a cache of immutable data: filling it does not
+     * change what the prefix holds, hence the cast. */
+    pd_kv_prefix *p = (pd_kv_prefix *)cp;
+    pthread_mutex_lock(&p->dev_lock);
+    int rc = PD_OK;
+    if (p->dev_backend && p->dev_backend != be)
+        rc = pd_errorf(err, PD_EUNSUPPORTED, "this KV prefix is already on another device; load it once per model");
+    else if (!p->dev_backend)
+        rc = upload_prefix(p, be, err);
+    pthread_mutex_unlock(&p->dev_lock);
+    *out = rc ? NULL : p->dev_streams;
+    return rc;
 }
 
 int32_t pd_kv_prefix_n_orig(const pd_kv_prefix *p) { return p->n_orig; }
@@ -173,7 +283,7 @@ int pd_seq_create(pd_model *m, int32_t n_ctx, pd_seq **out, pd_error *err) {
 
 void pd_seq_free(pd_seq *s) {
     if (!s) return;
-    streams_free(s->streams, (int64_t)s->model->hp.n_layer * s->model->hp.n_head_kv);
+    streams_free(s->streams, (int64_t)s->model->hp.n_layer * s->model->hp.n_head_kv, s->model->backend);
     free(s);
 }
 
@@ -186,6 +296,9 @@ int pd_seq_attach_prefix(pd_seq *s, const pd_kv_prefix *p, pd_error *err) {
                          p->n_layer, p->n_head_kv, p->head_dim, hp->n_layer, hp->n_head_kv, hp->head_dim);
     if (p->n_orig >= s->n_ctx)
         return pd_errorf(err, PD_ERANGE, "prefix of %d tokens leaves no room in a context of %d", p->n_orig, s->n_ctx);
+    const kv_stream *streams;
+    int rc = kv_prefix_streams_for(p, s->model->backend, &streams, err);
+    if (rc) return rc;
     s->prefix = p;
     s->next_pos = p->n_orig;
     return PD_OK;
@@ -204,10 +317,24 @@ int pd_seq_to_prefix(const pd_seq *s, pd_kv_prefix **out, pd_error *err) {
     pd_kv_prefix *p;
     int rc = pd_kv_prefix_create(hp, s->next_pos, &p, err);
     if (rc) return rc;
+    pd_backend *be = s->model->backend;
+    const size_t row = (size_t)hp->head_dim * sizeof(float);
     for (int l = 0; l < hp->n_layer && !rc; l++)
         for (int h = 0; h < hp->n_head_kv && !rc; h++) {
             const kv_stream *st = &s->streams[(int64_t)l * hp->n_head_kv + h];
-            rc = pd_kv_prefix_set(p, l, h, st->pos, st->k, st->v, st->len, err);
+            if (!on_device(be)) {
+                rc = pd_kv_prefix_set(p, l, h, st->pos, st->k, st->v, st->len, err);
+                continue;
+            }
+            /* Download straight into the prefix's own rows: the positions
+             * came from the engine, so the checks of _set are not needed. */
+            kv_stream *d = &p->streams[(int64_t)l * hp->n_head_kv + h];
+            if ((rc = kv_stream_reserve(d, NULL, st->len, hp->head_dim, err))) break;
+            if (st->len && ((rc = be->ops->download(be, d->k, st->k, (size_t)st->len * row, err)) ||
+                            (rc = be->ops->download(be, d->v, st->v, (size_t)st->len * row, err))))
+                break;
+            if (st->len) memcpy(d->pos, st->pos, (size_t)st->len * sizeof *d->pos);
+            d->len = st->len;
         }
     if (rc) {
         pd_kv_prefix_free(p);
@@ -222,6 +349,8 @@ int pd_seq_set_mask(pd_seq *s, int layer, int kv_head, const uint8_t *keep, int6
     if (layer < 0 || layer >= hp->n_layer || kv_head < 0 || kv_head >= hp->n_head_kv)
         return pd_errorf(err, PD_EINVAL, "stream (layer %d, kv head %d) is out of range", layer, kv_head);
     kv_stream *st = &s->streams[(int64_t)layer * hp->n_head_kv + kv_head];
+    if (!s->model->backend->ops->host_memory)
+        return pd_errorf(err, PD_EUNSUPPORTED, "attention masks are a host-backend feature (model.device = cpu)");
     if (!keep) {
         free(st->keep);
         st->keep = NULL;

@@ -184,7 +184,8 @@ static int load_weights(pd_model *m, pd_error *err) {
     /* All 1-D tensors in one allocation: output norm, then per layer
      * attn_norm, ffn_norm, bq, bk, bv. */
     const int64_t per_layer = 2 * d + q_dim + 2 * kv_dim;
-    m->norms = malloc(sizeof(float) * (size_t)(d + per_layer * hp->n_layer));
+    m->norms_len = (size_t)(d + per_layer * hp->n_layer);
+    m->norms = malloc(sizeof(float) * m->norms_len);
     m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
     if (!m->norms || !m->layers) return pd_errorf(err, PD_ENOMEM, "out of memory for model weights");
     float *f = m->norms;
@@ -236,6 +237,29 @@ static int load_weights(pd_model *m, pd_error *err) {
     return PD_OK;
 }
 
+/* A device backend gets its copy of every matrix now, so upload time and
+ * running out of device memory show at load, and of the 1-D tensors. */
+static int place_on_backend(pd_model *m, pd_error *err) {
+    pd_backend *be = m->backend;
+    if (be->ops->host_memory) {
+        m->dev_norms = m->norms;
+        return PD_OK;
+    }
+    const size_t bytes = m->norms_len * sizeof(float);
+    if (!(m->dev_norms = be->ops->alloc(be, bytes, err))) return PD_ENOMEM;
+    int rc = be->ops->upload(be, m->dev_norms, m->norms, bytes, err);
+    if (rc || !be->ops->prepare_weight) return rc;
+    if ((rc = be->ops->prepare_weight(be, &m->tok_embd, err))) return rc;
+    if (!m->hp.tied_output && (rc = be->ops->prepare_weight(be, &m->output, err))) return rc;
+    for (int l = 0; l < m->hp.n_layer; l++) {
+        const layer_weights *L = &m->layers[l];
+        const pd_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t i = 0; i < sizeof ws / sizeof *ws; i++)
+            if ((rc = be->ops->prepare_weight(be, ws[i], err))) return pd_error_prefix(err, "layer %d", l);
+    }
+    return be->ops->sync(be, err);
+}
+
 int pd_model_load(const char *path, const pd_model_params *params, pd_model **out, pd_error *err) {
     *out = NULL;
     pd_model *m = calloc(1, sizeof *m);
@@ -252,6 +276,7 @@ int pd_model_load(const char *path, const pd_model_params *params, pd_model **ou
             m->owns_backend = rc == PD_OK;
         }
     }
+    if (!rc && (rc = place_on_backend(m, err))) pd_error_prefix(err, "%s: %s backend", path, m->backend->ops->name);
     if (rc) {
         pd_model_free(m);
         return rc;
@@ -262,8 +287,12 @@ int pd_model_load(const char *path, const pd_model_params *params, pd_model **ou
 
 void pd_model_free(pd_model *m) {
     if (!m) return;
+    if (m->backend) {
+        if (m->dev_norms != m->norms) m->backend->ops->release(m->backend, m->dev_norms);
+        m->backend->ops->release(m->backend, m->scratch.dev);
+    }
+    free(m->scratch.host);
     if (m->owns_backend) pd_backend_free(m->backend);
-    free(m->scratch.block);
     free(m->layers);
     free(m->norms);
     free(m->rope_freqs);
@@ -275,4 +304,5 @@ void pd_model_free(pd_model *m) {
 const pd_hparams *pd_model_hparams(const pd_model *m) { return &m->hp; }
 const pd_tokenizer *pd_model_tokenizer(const pd_model *m) { return m->tok; }
 const pd_gguf *pd_model_gguf(const pd_model *m) { return m->gguf; }
+pd_backend *pd_model_backend(const pd_model *m) { return m->backend; }
 void pd_model_fingerprint(const pd_model *m, uint8_t out[PD_SHA256_LEN]) { pd_gguf_fingerprint(m->gguf, out); }

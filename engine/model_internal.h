@@ -2,6 +2,8 @@
 #ifndef PD_MODEL_INTERNAL_H
 #define PD_MODEL_INTERNAL_H
 
+#include <pthread.h>
+
 #include "engine/engine.h"
 
 typedef struct layer_weights {
@@ -12,10 +14,13 @@ typedef struct layer_weights {
     pd_weight w_gate, w_up, w_down;
 } layer_weights;
 
-/* Scratch for one forward call, grown on demand and reused. */
+/* Scratch for one forward call, grown on demand and reused: `dev` in
+ * backend memory, `host` in host memory (the same kind on the CPU). */
 typedef struct fwd_scratch {
-    void *block;
-    size_t bytes;
+    void *dev;
+    size_t dev_bytes;
+    void *host;
+    size_t host_bytes;
 } fwd_scratch;
 
 struct pd_model {
@@ -29,23 +34,38 @@ struct pd_model {
     const float *output_norm;
     layer_weights *layers;
     float *norms; /* owned f32 copies of every 1-D tensor */
+    size_t norms_len;
+    float *dev_norms; /* the same in backend memory (== norms on a host backend) */
     float *rope_freqs;
     fwd_scratch scratch;
 };
 
-/* One (layer, kv_head) stream of cached rows. */
+/* One (layer, kv_head) stream of cached rows. A sequence's streams live in
+ * its model's backend memory (k, v, dpos); positions are also kept on the
+ * host (pos), where the engine reads them. */
 typedef struct kv_stream {
     float *k, *v;    /* [cap][head_dim] */
-    int32_t *pos;    /* [cap] */
-    uint8_t *keep;   /* NULL, or [cap] attention mask */
+    int32_t *pos;    /* [cap], host */
+    int32_t *dpos;   /* [cap] in backend memory; NULL on a host backend (pos serves) */
+    uint8_t *keep;   /* NULL, or [cap] attention mask (host backends only) */
     int64_t len, cap;
     bool borrowed;   /* k, v, pos point into memory the stream does not own (a store's map) */
 } kv_stream;
 
+/* Positions as the backend reads them. */
+static inline const int32_t *kv_stream_dpos(const kv_stream *s) { return s->dpos ? s->dpos : s->pos; }
+
 struct pd_kv_prefix {
     int32_t n_layer, n_head_kv, head_dim;
     int32_t n_orig;
-    kv_stream *streams; /* [n_layer][n_head_kv] */
+    kv_stream *streams; /* [n_layer][n_head_kv], host memory */
+    /* A copy on a device backend, made when the prefix is first attached to
+     * a sequence of a model on that backend, and shared by every sequence
+     * after that. The backend must outlive the prefix. */
+    pthread_mutex_t dev_lock;
+    pd_backend *dev_backend;
+    void *dev_block;        /* one allocation: k, v and positions of every stream */
+    kv_stream *dev_streams; /* views into dev_block (pos is the host stream's) */
 };
 
 struct pd_seq {
@@ -56,8 +76,12 @@ struct pd_seq {
     kv_stream *streams; /* [n_layer][n_head_kv] */
 };
 
-/* kv.c */
-int kv_stream_reserve(kv_stream *s, int64_t cap, int head_dim, pd_error *err);
-void kv_stream_free(kv_stream *s);
+/* kv.c. `be` is the backend whose memory holds k, v and dpos; NULL or a
+ * host backend means plain heap memory. */
+int kv_stream_reserve(kv_stream *s, pd_backend *be, int64_t cap, int head_dim, pd_error *err);
+void kv_stream_free(kv_stream *s, pd_backend *be);
+/* The prefix's streams as the model's backend reads them (uploading the
+ * prefix on first use on a device backend). */
+int kv_prefix_streams_for(const pd_kv_prefix *p, pd_backend *be, const kv_stream **out, pd_error *err);
 
 #endif

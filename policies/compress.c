@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "policies/policies.h"
+#include "policies/scorers.h"
 
 struct pd_compressor {
     pd_policy_spec spec;
@@ -306,6 +307,8 @@ int pd_compress_prefix_observed(pd_model *m, const pd_token *tokens, int64_t n, 
     observed ob = {.c = c, .on_layer = on_layer, .ctx = ctx};
     pd_prefill_opts o = on_layer ? (pd_prefill_opts){.hook = observed_hook, .hook_ctx = &ob}
                                  : (pd_prefill_opts){.hook = pd_compressor_hook, .hook_ctx = c};
+    /* Scoring on the GPU: the layer's Q/K/V never travel to the host. */
+    o.hook_device_only = pd_scorer_runs_on_backend(spec, pd_model_backend(m));
     if (!rc) rc = pd_prefill(m, s, tokens, n, &o, NULL, err);
     if (!rc) rc = pd_seq_to_prefix(s, out, err);
     pd_seq_free(s);

@@ -68,16 +68,18 @@ int pd_policy_score(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t l
                          "%s: token range [%" PRId64 ", %" PRId64 ") of layer %d must satisfy 0 <= lo < hi <= %" PRId64
                          " (the layer's token count)",
                          name, lo, hi, kv->layer, kv->n_tokens);
+    /* A scorer that runs on the model's backend reads the backend's arrays. */
+    const bool dev = pd_scorer_runs_on_backend(spec, kv->backend);
     struct {
         unsigned bit;
         const void *ptr;
         const char *what;
     } arrays[] = {
         {NEED_POS, kv->pos, "positions (pos)"},
-        {NEED_KPRE, kv->k_pre_rope, "pre-RoPE keys (k_pre_rope)"},
-        {NEED_Q, kv->q, "queries (q)"},
-        {NEED_K, kv->k, "keys (k)"},
-        {NEED_V, kv->v, "values (v)"},
+        {NEED_KPRE, dev ? kv->dev_k_pre_rope : kv->k_pre_rope, "pre-RoPE keys (k_pre_rope)"},
+        {NEED_Q, dev ? kv->dev_q : kv->q, "queries (q)"},
+        {NEED_K, dev ? kv->dev_k : kv->k, "keys (k)"},
+        {NEED_V, dev ? kv->dev_v : kv->v, "values (v)"},
     };
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++)
         if ((e.needs & arrays[i].bit) && !arrays[i].ptr)

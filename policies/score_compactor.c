@@ -418,9 +418,99 @@ static int check_spec(const pd_policy_spec *spec, bool lev, bool attn, pd_error 
     return PD_OK;
 }
 
+/* ---- the backend path --------------------------------------------------- */
+
+/* Which halves the backend can score for this layer: it has
+ * compactor_scores, the arrays it reads are in its memory, and leverage is
+ * approx (exact leverage, a pivoted QR, stays on the host). */
+static bool on_backend(const pd_policy_spec *spec, const pd_layer_kv *kv, bool lev, bool attn) {
+    const pd_backend *be = kv->backend;
+    if (!be || !be->ops || !be->ops->compactor_scores) return false;
+    if (lev && (spec->leverage != PD_LEVERAGE_APPROX || !kv->dev_k_pre_rope)) return false;
+    if (attn && (!kv->dev_q || !kv->dev_k || (spec->vnorm && !kv->dev_v))) return false;
+    return true;
+}
+
+bool pd_scorer_runs_on_backend(const pd_policy_spec *spec, const pd_backend *be) {
+    if (!spec || !be || !be->ops || !be->ops->compactor_scores) return false;
+    switch (spec->scorer) {
+    case PD_POLICY_COMPACTOR:
+    case PD_POLICY_LEVERAGE: return spec->leverage == PD_LEVERAGE_APPROX;
+    case PD_POLICY_NONCAUSAL: return true;
+    default: return false;
+    }
+}
+
+/* The backend names the kv head ("kv head 1: rows [...): ..."); the CPU
+ * path says "layer 3, kv head 1: ...", so join the two the same way. */
+static void prefix_layer(pd_error *err, int layer) {
+    if (!err) return;
+    bool head_first = strncmp(err->msg, "kv head ", 8) == 0;
+    pd_error_prefix(err, "layer %d", layer);
+    char *colon = head_first ? strchr(err->msg, ':') : NULL;
+    if (colon) *colon = ',';
+}
+
+/* Scores of tokens [a, b) on the backend, [n_head_kv][b - a] into out (host):
+ * z(lev) alone, z(att) alone, or z(att) + lambda z(lev) when both, with the
+ * same sketch, chunks and lambda as the host path. */
+static int backend_scores(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t a, int64_t b, bool lev,
+                          bool attn, float *out, pd_error *err) {
+    int64_t d = kv->head_dim;
+    float *phi = NULL;
+    if (lev) {
+        phi = alloc_array((uint64_t)d, (uint64_t)spec->sketch, sizeof *phi);
+        if (!phi) return pd_errorf(err, PD_ENOMEM, "out of memory for a %" PRId64 " x %d sketch", d, spec->sketch);
+        pd_gaussian_sketch(spec->seed, (int)d, spec->sketch, phi);
+    }
+    pd_compactor_args args = {
+        .q = kv->dev_q,
+        .k = kv->dev_k,
+        .k_pre = kv->dev_k_pre_rope,
+        .v = spec->vnorm ? kv->dev_v : NULL,
+        .n_tokens = kv->n_tokens,
+        .n_head = kv->n_head,
+        .n_head_kv = kv->n_head_kv,
+        .head_dim = kv->head_dim,
+        .lo = a,
+        .hi = b,
+        .use_leverage = lev,
+        .phi = phi,
+        .sketch = spec->sketch,
+        .lev_chunk = spec->lev_chunk,
+        .ridge = spec->ridge,
+        .use_attention = attn,
+        .attn_chunk = spec->attn_chunk,
+        .scale = (float)spec->scale,
+        .vnorm = spec->vnorm,
+        .pool = spec->pool,
+        .lambda = lev && attn ? (spec->lambda < 0 ? 1.0 - spec->retention : spec->lambda) : 0.0,
+        .scores = out,
+    };
+    int rc = kv->backend->ops->compactor_scores(kv->backend, &args, err);
+    free(phi);
+    if (rc) prefix_layer(err, kv->layer);
+    return rc;
+}
+
+/* The host path reads the host arrays, which a device-only prefill leaves
+ * NULL. */
+static int need_host(const pd_layer_kv *kv, const float *array, const char *what, pd_error *err) {
+    if (array) return PD_OK;
+    return pd_errorf(err, PD_EINVAL,
+                     "layer %d: the %s are only in backend memory, but this scorer setting runs on the host (exact "
+                     "leverage, or a backend without Compactor scoring); prefill without hook_device_only",
+                     kv->layer, what);
+}
+
+/* ---- the host path ------------------------------------------------------ */
+
 /* z-scored leverage of the pre-RoPE keys of tokens [a, b), [n_head_kv][b - a]. */
 static int layer_leverage(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t a, int64_t b, float *lev,
                           pd_error *err) {
+    if (on_backend(spec, kv, true, false)) return backend_scores(spec, kv, a, b, true, false, lev, err);
+    int rc = need_host(kv, kv->k_pre_rope, "pre-RoPE keys", err);
+    if (rc) return rc;
     int64_t m = b - a, d = kv->head_dim, stride = (int64_t)kv->n_head_kv * d;
     float *phi = NULL;
     if (spec->leverage == PD_LEVERAGE_APPROX) {
@@ -431,7 +521,6 @@ static int layer_leverage(const pd_policy_spec *spec, const pd_layer_kv *kv, int
         if (!phi) return pd_errorf(err, PD_ENOMEM, "out of memory for a %" PRId64 " x %d sketch", d, spec->sketch);
         pd_gaussian_sketch(spec->seed, (int)d, spec->sketch, phi);
     }
-    int rc = PD_OK;
     for (int h = 0; h < kv->n_head_kv && rc == PD_OK; h++) {
         rc = pd_leverage_scores(kv->k_pre_rope + a * stride + h * d, m, (int)d, stride, phi, spec->sketch,
                                 spec->lev_chunk, spec->ridge, spec->leverage, lev + h * m, err);
@@ -448,6 +537,11 @@ static int layer_leverage(const pd_policy_spec *spec, const pd_layer_kv *kv, int
  * common factor that the z-score removes. */
 static int layer_attention(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t a, int64_t b, float *att,
                            pd_error *err) {
+    if (on_backend(spec, kv, false, true)) return backend_scores(spec, kv, a, b, false, true, att, err);
+    int rc = need_host(kv, kv->q, "queries", err);
+    if (rc == PD_OK) rc = need_host(kv, kv->k, "keys", err);
+    if (rc == PD_OK && spec->vnorm) rc = need_host(kv, kv->v, "values", err);
+    if (rc) return rc;
     int64_t m = b - a, d = kv->head_dim, kstride = (int64_t)kv->n_head_kv * d, qstride = (int64_t)kv->n_head * d;
     int g = kv->n_head / kv->n_head_kv;
     if (qstride > INT_MAX || kstride > INT_MAX)
@@ -496,21 +590,28 @@ int pd_score_compactor(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_
     int64_t m = b - a;
     double top = 0;
     if (m > 0) {
-        float *lev = alloc_array((uint64_t)H, (uint64_t)m, sizeof *lev);
+        /* On the backend both halves and the blend come back in one array
+         * (att below); on the host they are blended here. */
+        bool backend = on_backend(spec, kv, true, true);
+        float *lev = backend ? NULL : alloc_array((uint64_t)H, (uint64_t)m, sizeof *lev);
         float *att = alloc_array((uint64_t)H, (uint64_t)m, sizeof *att);
-        if (!lev || !att) {
+        if ((!backend && !lev) || !att) {
             free(lev);
             free(att);
             return pd_errorf(err, PD_ENOMEM, "out of memory for Compactor scores of %" PRId64 " tokens", m);
         }
-        rc = layer_leverage(spec, kv, a, b, lev, err);
-        if (rc == PD_OK) rc = layer_attention(spec, kv, a, b, att, err);
+        if (backend) {
+            rc = backend_scores(spec, kv, a, b, true, true, att, err);
+        } else {
+            rc = layer_leverage(spec, kv, a, b, lev, err);
+            if (rc == PD_OK) rc = layer_attention(spec, kv, a, b, att, err);
+        }
         if (rc == PD_OK) {
             double lambda = spec->lambda < 0 ? 1.0 - spec->retention : spec->lambda;
             top = -INFINITY;
             for (int64_t h = 0; h < H; h++)
                 for (int64_t i = 0; i < m; i++) {
-                    float v = (float)((double)att[h * m + i] + lambda * lev[h * m + i]);
+                    float v = backend ? att[h * m + i] : (float)((double)att[h * m + i] + lambda * lev[h * m + i]);
                     scores[h * n + (a - lo) + i] = v;
                     top = v > top ? v : top;
                 }

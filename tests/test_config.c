@@ -135,7 +135,8 @@ Test(config, defaults_validate_and_match_docs) {
     cr_assert_str_eq(cfg.admin.token, "");
     cr_assert_eq(cfg.admin.port, 0);
     cr_assert_str_eq(cfg.model.path, "models/default.gguf");
-    cr_assert_eq(cfg.model.backend, PD_BACKEND_AUTO);
+    cr_assert_eq(cfg.model.device, PD_BACKEND_AUTO);
+    cr_assert_eq(cfg.model.device_index, 0);
     cr_assert_str_eq(cfg.cache.path, "var/prefixd");
     cr_assert_eq(cfg.cache.map_size_mb, 4096);
     cr_assert_eq(cfg.cache.hot_tier_mb, 256);
@@ -147,7 +148,10 @@ Test(config, defaults_validate_and_match_docs) {
     cr_assert_eq(cfg.scheduler.max_queue, 256);
     cr_assert_eq(cfg.log.level, PD_LOG_INFO);
     cr_assert_eq(cfg.log.format, PD_LOG_TEXT);
-    cr_assert_str_eq(pd_backend_kind_name(cfg.model.backend), "auto");
+    cr_assert_str_eq(pd_backend_kind_name(cfg.model.device), "auto");
+    char device[PD_CONFIG_DEVICE_TEXT_CAP];
+    pd_config_device_text(&cfg, device, sizeof device);
+    cr_assert_str_eq(device, "auto");
     cr_assert_str_eq(pd_log_level_name(cfg.log.level), "info");
     cr_assert_str_eq(pd_log_format_name(cfg.log.format), "text");
 }
@@ -167,7 +171,7 @@ Test(config, file_sets_keys_and_keeps_the_rest, .init = setup_dir, .fini = teard
                             "metrics = off\n"
                             "\n"
                             "[model]\n"
-                            "backend = CUDA\n"
+                            "device = CUDA:1\n"
                             "n_ctx: 8192\n" /* inih's ':' separator */
                             "\n"
                             "[compression]\n"
@@ -184,7 +188,8 @@ Test(config, file_sets_keys_and_keeps_the_rest, .init = setup_dir, .fini = teard
     cr_assert_eq(cfg.server.port, 9000);
     cr_assert_str_eq(cfg.server.api_key, "sk-abc123");
     cr_assert(!cfg.server.metrics);
-    cr_assert_eq(cfg.model.backend, PD_BACKEND_CUDA);
+    cr_assert_eq(cfg.model.device, PD_BACKEND_CUDA);
+    cr_assert_eq(cfg.model.device_index, 1);
     cr_assert_eq(cfg.model.n_ctx, 8192);
     cr_assert_str_eq(cfg.compression.policy, "snapkv:retention=0.5,window=32");
     cr_assert_eq(cfg.compression.quality_budget, 1.05);
@@ -268,8 +273,6 @@ Test(config_errors, bad_boolean, .init = setup_dir, .fini = teardown_dir) {
 }
 
 Test(config_errors, bad_enum_lists_choices, .init = setup_dir, .fini = teardown_dir) {
-    expect_file_error("[model]\nbackend = gpu\n",
-                      "bad.conf:2: model.backend = gpu is not one of cpu, cuda, auto", NULL);
     expect_file_error("[log]\nlevel = verbose\n", "bad.conf:2:", "log.level",
                       "error, warn, info, debug", NULL);
     expect_file_error("[log]\nformat = xml\n", "bad.conf:2:", "log.format", "text, json", NULL);
@@ -389,6 +392,119 @@ Test(config_errors, first_error_wins_and_nothing_is_applied, .init = setup_dir,
 }
 
 /* ------------------------------------------------------------------------
+ * model.device: one key for where the model computes (it replaced
+ * model.backend and model.gpu_device)
+ * ------------------------------------------------------------------------ */
+
+/* Load "[model]\ndevice = <text>" and check what it became and how it prints. */
+static void expect_device(const char *text, pd_backend_kind kind, int index, const char *printed) {
+    pd_config cfg;
+    pd_config_defaults(&cfg);
+    char conf[128];
+    snprintf(conf, sizeof conf, "[model]\ndevice = %s\n", text);
+    pd_error err = {0};
+    cr_assert_eq(pd_config_load_string(&cfg, conf, "dev", &err), PD_OK, "%s: %s", text, err.msg);
+    cr_assert_eq(cfg.model.device, kind, "%s", text);
+    cr_assert_eq(cfg.model.device_index, index, "%s", text);
+    char shown[PD_CONFIG_DEVICE_TEXT_CAP];
+    pd_config_device_text(&cfg, shown, sizeof shown);
+    cr_assert_str_eq(shown, printed, "%s", text);
+    char *out = print_to_string(&cfg);
+    char line[64];
+    snprintf(line, sizeof line, "\ndevice = %s\n", printed);
+    cr_assert(contains(out, line), "%s:\n%s", text, out);
+    free(out);
+    assert_round_trip(&cfg);
+}
+
+Test(config_device, accepted_forms_and_canonical_text) {
+    expect_device("cpu", PD_BACKEND_CPU, 0, "cpu");
+    expect_device("CPU", PD_BACKEND_CPU, 0, "cpu");
+    expect_device("auto", PD_BACKEND_AUTO, 0, "auto");
+    expect_device("Auto", PD_BACKEND_AUTO, 0, "auto");
+    expect_device("cuda", PD_BACKEND_CUDA, 0, "cuda:0");
+    expect_device("cuda:0", PD_BACKEND_CUDA, 0, "cuda:0");
+    expect_device("CUDA:3", PD_BACKEND_CUDA, 3, "cuda:3");
+    expect_device("cuda:255", PD_BACKEND_CUDA, 255, "cuda:255");
+}
+
+Test(config_device, bad_values_list_the_forms, .init = setup_dir, .fini = teardown_dir) {
+    expect_file_error("[model]\ndevice = gpu\n",
+                      "bad.conf:2: model.device = gpu is not one of cpu, cuda, cuda:N (N = 0..255) or "
+                      "auto",
+                      NULL);
+    const char *bad[] = {"cuda:256", "cuda:-1", "cuda:", "cuda:1x", "cuda:+1", "cuda:0x1",
+                         "cuda:1000", "cuda0", "cuda:1:2", "cpu:0", "auto:1", "metal", "rocm:0"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char text[64];
+        snprintf(text, sizeof text, "[model]\ndevice = %s\n", bad[i]);
+        expect_file_error(text, "bad.conf:2:", "model.device", "is not one of", "cuda:N", NULL);
+    }
+    expect_file_error("[model]\ndevice =\n", "bad.conf:2:", "model.device", "is not one of", NULL);
+    expect_set_error("model.device=cuda:999", "--set: model.device = cuda:999 is not one of", NULL);
+    expect_set_error("model.device=cuda: 1", "model.device", "is not one of", NULL);
+}
+
+Test(config_device, set_overrides_and_last_wins) {
+    pd_config cfg;
+    pd_config_defaults(&cfg);
+    set_ok(&cfg, "model.device=cuda:2");
+    cr_assert_eq(cfg.model.device, PD_BACKEND_CUDA);
+    cr_assert_eq(cfg.model.device_index, 2);
+    set_ok(&cfg, " model.device = cpu ");
+    cr_assert_eq(cfg.model.device, PD_BACKEND_CPU);
+    cr_assert_eq(cfg.model.device_index, 0, "cpu resets the index");
+    set_ok(&cfg, "model.device=cuda");
+    cr_assert_eq(cfg.model.device, PD_BACKEND_CUDA);
+    cr_assert_eq(cfg.model.device_index, 0);
+    assert_round_trip(&cfg);
+}
+
+Test(config_device, retired_keys_say_what_replaced_them, .init = setup_dir, .fini = teardown_dir) {
+    expect_file_error("[model]\nbackend = cuda\n",
+                      "bad.conf:2: model.backend was replaced by model.device (cpu, cuda, cuda:N or "
+                      "auto)",
+                      NULL);
+    expect_file_error("[model]\npath = m.gguf\ngpu_device = 1\n",
+                      "bad.conf:3: model.gpu_device was replaced by model.device", "cuda:N", NULL);
+    expect_set_error("model.backend=cpu",
+                     "--set: model.backend was replaced by model.device (cpu, cuda, cuda:N or auto)",
+                     NULL);
+    expect_set_error("model.gpu_device=0", "model.gpu_device was replaced by model.device", NULL);
+    /* Other unknown keys still list the valid ones, device among them. */
+    expect_set_error("model.devices=cpu", "unknown key model.devices", "device", NULL);
+}
+
+Test(config_device, values_set_in_code_are_checked_and_compared_as_printed) {
+    pd_config cfg, other;
+    pd_error err = {0};
+
+    pd_config_defaults(&cfg);
+    cfg.model.device = PD_BACKEND_CUDA;
+    cfg.model.device_index = 256;
+    cr_assert_neq(pd_config_validate(&cfg, &err), PD_OK);
+    cr_assert(contains(err.msg, "model.device = cuda:256 is not one of"), "%s", err.msg);
+    cfg.model.device_index = -1;
+    cr_assert_neq(pd_config_validate(&cfg, &err), PD_OK);
+    cr_assert(contains(err.msg, "model.device = cuda:-1"), "%s", err.msg);
+
+    pd_config_defaults(&cfg);
+    cfg.model.device = (pd_backend_kind)7;
+    cr_assert_neq(pd_config_validate(&cfg, &err), PD_OK);
+    cr_assert(contains(err.msg, "model.device = 7"), "%s", err.msg);
+
+    /* The index means something only for cuda. */
+    pd_config_defaults(&cfg);
+    other = cfg;
+    cfg.model.device = other.model.device = PD_BACKEND_CPU;
+    other.model.device_index = 5;
+    cr_assert(pd_config_equal(&cfg, &other));
+    cfg.model.device = other.model.device = PD_BACKEND_CUDA;
+    cr_assert(!pd_config_equal(&cfg, &other));
+    cr_assert_eq(pd_config_validate(&other, &err), PD_OK, "%s", err.msg);
+}
+
+/* ------------------------------------------------------------------------
  * --set
  * ------------------------------------------------------------------------ */
 
@@ -401,8 +517,8 @@ Test(config_set, overrides_apply_after_the_file) {
     cr_assert_eq(cfg.server.port, 9999);
     set_ok(&cfg, " model.path = /srv/models/qwen.gguf ");
     cr_assert_str_eq(cfg.model.path, "/srv/models/qwen.gguf");
-    set_ok(&cfg, "model.backend=CPU");
-    cr_assert_eq(cfg.model.backend, PD_BACKEND_CPU);
+    set_ok(&cfg, "model.device=CPU");
+    cr_assert_eq(cfg.model.device, PD_BACKEND_CPU);
     set_ok(&cfg, "compression.policy=compactor:retention=0.5,lambda=0.5");
     cr_assert_str_eq(cfg.compression.policy, "compactor:retention=0.5,lambda=0.5");
     set_ok(&cfg, "server.api_key=");
@@ -418,7 +534,8 @@ Test(config_set, errors_name_set_and_the_key) {
                      NULL);
     expect_set_error("server.port=12ab", "server.port", "is not an integer", NULL);
     expect_set_error("server.metrics=sometimes", "server.metrics", "not a boolean", NULL);
-    expect_set_error("model.backend=tpu", "model.backend", "cpu, cuda, auto", NULL);
+    expect_set_error("model.device=tpu", "--set: model.device = tpu is not one of", "cpu, cuda, cuda:N",
+                     NULL);
     expect_set_error("server.prot=1", "unknown key server.prot", "listen, port", NULL);
     expect_set_error("srever.port=1", "unknown section [srever]", "server, admin", NULL);
     expect_set_error("server.port", "expected section.key=value", NULL);
@@ -526,9 +643,8 @@ static const char *const every_key_changed[] = {
     "admin.port=9444",
     "model.path=/srv/models/Qwen3-0.6B-Q8_0.gguf",
     "model.n_ctx=32768",
-    "model.backend=cuda",
+    "model.device=cuda:1",
     "model.n_threads=7",
-    "model.gpu_device=1",
     "cache.path=/var/lib/prefixd",
     "cache.map_size_mb=65536",
     "cache.hot_tier_mb=0",
@@ -570,7 +686,7 @@ Test(config_print, round_trip_every_key_changed) {
     char *text = print_to_string(&cfg);
     cr_assert(contains(text, "\n[compression]\n"), "%s", text);
     cr_assert(contains(text, "quality_budget = 1.2345678901234567\n"), "%s", text);
-    cr_assert(contains(text, "backend = cuda\n"), "%s", text);
+    cr_assert(contains(text, "device = cuda:1\n"), "%s", text);
     cr_assert(contains(text, "metrics = false\n"), "%s", text);
     free(text);
 }
@@ -702,16 +818,28 @@ Test(config_cli, check_config_prints_overrides) {
 }
 
 Test(config_cli, bad_config_exits_2_and_names_the_line, .init = setup_dir, .fini = teardown_dir) {
-    char *path = write_conf("prefixd.conf", "[server]\nport = 8080\n\n[model]\nbackend = tpu\n");
+    char *path = write_conf("prefixd.conf", "[server]\nport = 8080\n\n[model]\ndevice = tpu\n");
     char cmd[4096];
     snprintf(cmd, sizeof cmd, "'%s' --config '%s' --check-config 2>&1", prefixd_path(), path);
     char *out = NULL;
     int status = th_run(cmd, &out);
     cr_assert_eq(status, 2, "status %d, output:\n%s", status, out ? out : "");
     cr_assert(contains(out, "prefixd: "), "%s", out);
-    cr_assert(contains(out, "prefixd.conf:5: model.backend = tpu is not one of"), "%s", out);
+    cr_assert(contains(out, "prefixd.conf:5: model.device = tpu is not one of"), "%s", out);
     free(out);
     free(path);
+}
+
+Test(config_cli, check_config_reports_the_device) {
+    char *out = NULL;
+    int status = th_runf(&out, "'%s' --check-config --set model.device=CUDA:3", prefixd_path());
+    cr_assert_eq(status, 0, "status %d, output:\n%s", status, out ? out : "");
+    cr_assert(contains(out, "\n[model]\n") && contains(out, "\ndevice = cuda:3\n"), "%s", out);
+    free(out);
+    status = th_runf(&out, "'%s' --check-config --set model.backend=cuda 2>&1", prefixd_path());
+    cr_assert_eq(status, 2, "status %d, output:\n%s", status, out ? out : "");
+    cr_assert(contains(out, "prefixd: --set: model.backend was replaced by model.device"), "%s", out);
+    free(out);
 }
 
 Test(config_cli, bad_set_exits_2) {

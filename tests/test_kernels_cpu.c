@@ -499,7 +499,7 @@ Test(rmsnorm, matches_formula_and_works_in_place) {
                 float *out = malloc(sizeof(float) * (size_t)(n * dim));
                 for (int64_t i = 0; i < n * dim; i++) x[i] = rng_normal(&s) * 3.0f;
                 for (int64_t i = 0; i < dim; i++) wt[i] = 1.0f + rng_uniform(&s);
-                be->ops->rmsnorm(be, x, wt, n, dim, 1e-5f, out);
+                cr_assert_eq(be->ops->rmsnorm(be, x, wt, n, dim, 1e-5f, out, NULL), PD_OK);
                 for (int64_t r = 0; r < n; r++) {
                     double ss = 0;
                     for (int64_t i = 0; i < dim; i++) ss += (double)x[r * dim + i] * x[r * dim + i];
@@ -511,7 +511,7 @@ Test(rmsnorm, matches_formula_and_works_in_place) {
                                   (long long)r, (long long)i, (double)out[r * dim + i], want);
                     }
                 }
-                be->ops->rmsnorm(be, x, wt, n, dim, 1e-5f, x); /* in place */
+                cr_assert_eq(be->ops->rmsnorm(be, x, wt, n, dim, 1e-5f, x, NULL), PD_OK); /* in place */
                 cr_assert_eq(memcmp(x, out, sizeof(float) * (size_t)(n * dim)), 0);
                 free(x);
                 free(wt);
@@ -541,7 +541,7 @@ Test(swiglu, matches_formula_and_works_in_place) {
                 g[1] = -100.0f; /* and 0 for very negative x */
                 g[2] = 0.0f;
             }
-            be->ops->swiglu(be, g, u, n, out);
+            cr_assert_eq(be->ops->swiglu(be, g, u, n, out, NULL), PD_OK);
             for (int64_t i = 0; i < n; i++) {
                 const double x = g[i];
                 const double want = x / (1.0 + exp(-x)) * u[i];
@@ -549,7 +549,7 @@ Test(swiglu, matches_formula_and_works_in_place) {
                           "n %lld [%lld]: silu(%g)*%g = %.9g, want %.9g", (long long)n, (long long)i, x,
                           (double)u[i], (double)out[i], want);
             }
-            be->ops->swiglu(be, g, u, n, g); /* in place */
+            cr_assert_eq(be->ops->swiglu(be, g, u, n, g, NULL), PD_OK); /* in place */
             cr_assert_eq(memcmp(g, out, sizeof(float) * (size_t)n), 0);
             free(g);
             free(u);
@@ -601,7 +601,7 @@ Test(rope, both_modes_match_formula) {
                 for (int64_t t = 0; t < n; t++) pos[t] = (int32_t)(t * 37 % 8191); /* gaps, any order */
                 memcpy(want, x, sizeof(float) * (size_t)(n * nh * hd));
                 rope_ref(want, pos, n, nh, hd, &p);
-                be->ops->rope(be, x, pos, n, nh, hd, &p);
+                cr_assert_eq(be->ops->rope(be, x, pos, n, nh, hd, &p, NULL), PD_OK);
                 for (int64_t i = 0; i < n * nh * hd; i++) {
                     const int d = (int)(i % hd);
                     if (d >= p.n_rot)
@@ -626,7 +626,7 @@ Test(rope, position_zero_is_identity) {
     const int32_t pos[4] = {0, 0, 0, 0};
     for (int m = 0; m < 2; m++) {
         pd_rope_params p = {m ? PD_ROPE_NEOX : PD_ROPE_NORM, 64, 500000.0f, NULL};
-        be->ops->rope(be, x, pos, 4, 2, 64, &p);
+        cr_assert_eq(be->ops->rope(be, x, pos, 4, 2, 64, &p, NULL), PD_OK);
         cr_assert_eq(memcmp(x, orig, sizeof x), 0);
     }
     pd_backend_free(be);
@@ -817,5 +817,113 @@ Test(attention, masked_and_future_keys_are_never_read) {
     a.n_head_kv = 1;
     a.n_segments = PD_MAX_KV_SEGMENTS + 1;
     cr_assert_eq(be->ops->attention(be, &a, &err), PD_EINVAL);
+    pd_backend_free(be);
+}
+
+/* Batched attention (groups over a shared segment) equals attending each
+ * group on its own over [shared, own]: the decode path of a batch of
+ * sequences that continue one compressed prefix. */
+Test(attention, groups_over_a_shared_segment_match_one_call_per_group) {
+    pd_backend *be = make_backend(3, NULL);
+    uint64_t s = 77;
+    enum { HD = 32, NH = 4, NKV = 2, NG = 3, SHARED = 700 };
+    const int64_t own_len[NG] = {5, 0, 40}, tokens[NG] = {1, 2, 1};
+    int64_t starts[NG + 1] = {0};
+    for (int g = 0; g < NG; g++) starts[g + 1] = starts[g] + tokens[g];
+    const int64_t T = starts[NG];
+    float q[4 * NH * HD], out[4 * NH * HD], want[4 * NH * HD];
+    int32_t qpos[4];
+    for (int i = 0; i < T * NH * HD; i++) q[i] = rng_uniform(&s);
+    float *sk = malloc(sizeof(float) * SHARED * HD * NKV), *sv = malloc(sizeof(float) * SHARED * HD * NKV);
+    int32_t *spos = malloc(sizeof(int32_t) * SHARED);
+    for (int i = 0; i < SHARED * HD * NKV; i++) sk[i] = rng_uniform(&s), sv[i] = rng_uniform(&s);
+    for (int j = 0; j < SHARED; j++) spos[j] = 2 * j; /* a compressed prefix: gaps */
+    pd_kv_view shared[NKV], own[NG * NKV];
+    float *ok[NG], *ov[NG];
+    int32_t *opos[NG];
+    for (int g = 0; g < NG; g++) {
+        ok[g] = malloc(sizeof(float) * (size_t)(own_len[g] * HD * NKV + 1));
+        ov[g] = malloc(sizeof(float) * (size_t)(own_len[g] * HD * NKV + 1));
+        opos[g] = malloc(sizeof(int32_t) * (size_t)(own_len[g] + 1));
+        for (int64_t i = 0; i < own_len[g] * HD * NKV; i++) ok[g][i] = rng_uniform(&s), ov[g][i] = rng_uniform(&s);
+        for (int64_t j = 0; j < own_len[g]; j++) opos[g][j] = 2 * SHARED + (int32_t)j;
+        for (int64_t t = starts[g]; t < starts[g + 1]; t++)
+            qpos[t] = 2 * SHARED + (int32_t)own_len[g] - 1 + (int32_t)(t - starts[g]); /* sees all but its own future */
+        for (int h = 0; h < NKV; h++)
+            own[g * NKV + h] = (pd_kv_view){ok[g] + own_len[g] * HD * h, ov[g] + own_len[g] * HD * h, opos[g], NULL,
+                                            own_len[g]};
+    }
+    for (int h = 0; h < NKV; h++) shared[h] = (pd_kv_view){sk + SHARED * HD * h, sv + SHARED * HD * h, spos, NULL, SHARED};
+    pd_error err = {0};
+    for (int g = 0; g < NG; g++) {
+        pd_kv_view segs[2 * NKV];
+        memcpy(segs, shared, sizeof shared);
+        memcpy(segs + NKV, own + g * NKV, sizeof(pd_kv_view) * NKV);
+        pd_attn_args one = {.q = q + starts[g] * NH * HD, .q_pos = qpos + starts[g], .n_tokens = tokens[g],
+                            .n_head = NH, .n_head_kv = NKV, .head_dim = HD, .n_segments = 2, .kv = segs,
+                            .scale = 0.2f, .causal = true, .out = want + starts[g] * NH * HD};
+        cr_assert_eq(be->ops->attention(be, &one, &err), PD_OK, "%s", err.msg);
+    }
+    pd_attn_args all = {.q = q, .q_pos = qpos, .n_tokens = T, .n_head = NH, .n_head_kv = NKV, .head_dim = HD,
+                        .n_segments = 1, .kv = own, .n_shared = 1, .shared = shared, .n_groups = NG,
+                        .group_start = starts, .scale = 0.2f, .causal = true, .out = out};
+    cr_assert_eq(be->ops->attention(be, &all, &err), PD_OK, "%s", err.msg);
+    /* the same arithmetic in the same order: equal bits */
+    for (int64_t i = 0; i < T * NH * HD; i++) cr_assert_eq(out[i], want[i], "out[%lld]", (long long)i);
+    /* groups must cover the tokens */
+    starts[NG] = T + 1;
+    cr_assert_eq(be->ops->attention(be, &all, &err), PD_EINVAL);
+    cr_assert(strstr(err.msg, "groups cover"), "%s", err.msg);
+    starts[NG] = T;
+    all.n_segments = PD_MAX_KV_SEGMENTS;
+    cr_assert_eq(be->ops->attention(be, &all, &err), PD_EINVAL);
+    for (int g = 0; g < NG; g++) free(ok[g]), free(ov[g]), free(opos[g]);
+    free(sk), free(sv), free(spos);
+    pd_backend_free(be);
+}
+
+/* The memory half of the contract on a host backend. */
+Test(backend_memory, copies_gather_and_add) {
+    pd_backend *be = make_backend(1, NULL);
+    pd_error err = {0};
+    cr_assert(be->ops->host_memory);
+    float *a = be->ops->alloc(be, 64 * sizeof(float), &err), *b = be->ops->alloc(be, 64 * sizeof(float), &err);
+    cr_assert(a && b, "%s", err.msg);
+    cr_assert_eq((uintptr_t)a % 256, 0);
+    float src[64];
+    for (int i = 0; i < 64; i++) src[i] = (float)i;
+    cr_assert_eq(be->ops->upload(be, a, src, sizeof src, &err), PD_OK);
+    /* [4 rows][2 heads][8] -> head 1's rows contiguous, via copy2d_batch */
+    pd_copy2d d[2] = {{b, a + 8, 8 * sizeof(float), 16 * sizeof(float), 8 * sizeof(float), 4},
+                      {b + 32, a, 8 * sizeof(float), 16 * sizeof(float), 8 * sizeof(float), 4}};
+    cr_assert_eq(be->ops->copy2d_batch(be, d, 2, &err), PD_OK);
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < 8; i++) {
+            cr_assert_eq(b[r * 8 + i], (float)(r * 16 + 8 + i));
+            cr_assert_eq(b[32 + r * 8 + i], (float)(r * 16 + i));
+        }
+    const int32_t idx[3] = {3, 0, 3};
+    cr_assert_eq(be->ops->gather(be, b, a, idx, 3, 4 * sizeof(float), &err), PD_OK);
+    for (int i = 0; i < 4; i++) {
+        cr_assert_eq(b[i], (float)(12 + i));
+        cr_assert_eq(b[4 + i], (float)i);
+        cr_assert_eq(b[8 + i], (float)(12 + i));
+    }
+    const int32_t bad[1] = {-1};
+    cr_assert_eq(be->ops->gather(be, b, a, bad, 1, 4, &err), PD_EINVAL);
+    /* bias (stride 0) and element-wise */
+    float y[6] = {1, 2, 3, 4, 5, 6}, bias[3] = {10, 20, 30}, x[6] = {1, 1, 1, 2, 2, 2};
+    cr_assert_eq(be->ops->add(be, y, bias, 2, 3, 0, &err), PD_OK);
+    cr_assert_eq(be->ops->add(be, y, x, 2, 3, 3, &err), PD_OK);
+    const float want[6] = {12, 23, 34, 16, 27, 38};
+    for (int i = 0; i < 6; i++) cr_assert_eq(y[i], want[i]);
+    cr_assert_eq(be->ops->add(be, y, x, 2, 3, 2, &err), PD_EINVAL);
+    float back[64];
+    cr_assert_eq(be->ops->download(be, back, a, sizeof back, &err), PD_OK);
+    cr_assert_eq(memcmp(back, src, sizeof src), 0);
+    cr_assert_eq(be->ops->sync(be, &err), PD_OK);
+    be->ops->release(be, a);
+    be->ops->release(be, b);
+    be->ops->release(be, NULL);
     pd_backend_free(be);
 }

@@ -1,13 +1,37 @@
 /* prefix-bench: throughput of the engine on a real or generated model.
  *
  *   prefix-bench [--model FILE | --preset NAME [--type T] [--n-vocab N]]
- *                [--threads 1,2] [--prompt 256] [--gen 64] [--reps 3] [--json]
+ *                [--device D] [--threads 1,2] [--prompt 256] [--gen 64]
+ *                [--reps 3] [--prefix N1,N2] [--json]
  *
  * Prefill: tokens/s to run a prompt of --prompt tokens from an empty
  * sequence (logits of the last token included). Decode: tokens/s of --gen
  * single-token steps after that prompt. Each figure is the best of --reps
- * runs, after one warm-up run. A generated model is written once to
- * $TMPDIR and reused while its options stay the same. */
+ * runs, after one warm-up run. On the CPU this is measured for every
+ * --threads count; on a CUDA device once.
+ *
+ * --prefix N1,N2 adds the compressed-prefix benchmark, for each prefix
+ * length N (on the CPU with the last --threads count):
+ *   (a) plain prefill of N tokens: tokens/s;
+ *   (b) Compactor compression of the same N tokens (pd_compress_prefix,
+ *       default compactor spec at retention 0.25): one prefill pass with the
+ *       scoring hook, so the wall time is reported as a ratio to (a), with
+ *       the scoring + selection time inside it;
+ *   (c) time to first token with that prefix: attach + prefill of a
+ *       32-token suffix + the first token's logits, once with the prefix
+ *       not yet on the device ("cold": includes its upload) and once with it
+ *       resident (a second sequence attached to the same prefix);
+ *   (d) decode tokens/s after the prefix and suffix, batch 1 and batch 8
+ *       (8 sequences sharing the prefix in one pd_decode call);
+ *   (e) on CUDA, the memory-bandwidth bound of decode: bytes of weights read
+ *       per step (every matrix as the device stores it: f32 4 bytes per
+ *       element, everything else 2, as quantized types become bf16; the
+ *       embedding table counts only when it is also the output matrix)
+ *       divided into the measured device copy bandwidth, and the batch-1
+ *       measured / bound ratio. KV reads are left out of the bound.
+ *
+ * A generated model is written once to $TMPDIR and reused while its options
+ * stay the same. */
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
@@ -18,18 +42,38 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "policies/policies.h"
 #include "tools/tools.h"
+
+#define SUFFIX_TOKENS 32     /* (c), (d): tokens after the compressed prefix */
+#define DECODE_BATCH 8       /* (d): sequences sharing the prefix */
+#define PREFIX_RETENTION 0.25
+#define MAX_PREFIXES 16
+#define BANDWIDTH_BYTES ((size_t)256 << 20) /* pd_cuda_copy_bandwidth buffer */
 
 static void usage(FILE *f) {
     fputs("usage: prefix-bench [--model FILE | --preset NAME [--type T] [--n-vocab N] [--seed S]]\n"
-          "                    [--threads LIST] [--prompt N] [--gen N] [--reps N] [--json]\n"
+          "                    [--device D] [--threads LIST] [--prompt N] [--gen N] [--reps N]\n"
+          "                    [--prefix LIST] [--json]\n"
           "  --preset    generate a model: tiny, stories260k, smollm2-135m, llama-3.2-1b, qwen2.5-0.5b\n"
           "  --type      weight type of the generated model (default q8_0)\n"
-          "  --threads   comma-separated thread counts to measure (default 1,2)\n"
+          "  --device    cpu (default), cuda, cuda:N or auto\n"
+          "  --threads   comma-separated CPU thread counts to measure (default 1,2)\n"
           "  --prompt    prompt tokens for prefill (default 256)\n"
           "  --gen       decode steps (default 64)\n"
-          "  --reps      runs per figure, best kept (default 3)\n",
+          "  --reps      runs per figure, best kept (default 3)\n"
+          "  --prefix    comma-separated prefix lengths for the compressed-prefix benchmark\n"
+          "              (plain prefill, Compactor compression at retention 0.25, time to first\n"
+          "              token, decode at batch 1 and 8, and on CUDA the bandwidth bound)\n"
+          "  --json      machine-readable output\n",
           f);
+}
+
+/* Deterministic token ids that avoid 0..2 (unk, BOS, EOS in most vocabs). */
+static pd_token bench_token(int64_t i, uint32_t salt, int32_t n_vocab) {
+    const int32_t span = n_vocab > 3 ? n_vocab - 3 : n_vocab;
+    return (pd_token)((n_vocab > 3 ? 3 : 0) + (int32_t)(pd_mix64((uint64_t)i * 0x9E3779B97F4A7C15ull + salt) %
+                                                         (uint64_t)span));
 }
 
 typedef struct bench_result {
@@ -64,6 +108,164 @@ static int run_once(pd_model *m, int n_prompt, int n_gen, bench_result *r, pd_er
     return rc;
 }
 
+/* ------------------------------------------------------------------------
+ * The compressed-prefix benchmark
+ * ------------------------------------------------------------------------ */
+
+typedef struct prefix_result {
+    int64_t n;
+    double prefill_s;        /* (a) */
+    double compress_s;       /* (b) wall time of pd_compress_prefix */
+    double score_s;          /*     scoring + selection inside it */
+    int64_t kept_rows, full_rows;
+    double ttft_cold_s;      /* (c) first attach of a new prefix */
+    double ttft_s;           /*     prefix already resident */
+    double decode_b1_tps;    /* (d) */
+    double decode_b8_tps;
+} prefix_result;
+
+static double min_pos(double best, double v) { return best <= 0 || v < best ? v : best; }
+static double max_of(double best, double v) { return v > best ? v : best; }
+
+/* Attach p to a new sequence, prefill the suffix (salted so sequences
+ * differ) with last-token logits; *seconds is the whole call. */
+static int attach_and_prefill(pd_model *m, const pd_kv_prefix *p, int32_t n_ctx, uint32_t salt, float *logits,
+                              pd_seq **out, double *seconds, pd_error *err) {
+    const int32_t V = pd_model_hparams(m)->n_vocab;
+    pd_token suffix[SUFFIX_TOKENS];
+    for (int i = 0; i < SUFFIX_TOKENS; i++) suffix[i] = bench_token(i, 1000 + salt, V);
+    const double t0 = pd_now_seconds();
+    pd_seq *s = NULL;
+    int rc = pd_seq_create(m, n_ctx, &s, err);
+    if (!rc) rc = pd_seq_attach_prefix(s, p, err);
+    if (!rc) rc = pd_prefill(m, s, suffix, SUFFIX_TOKENS, NULL, logits, err);
+    *seconds = pd_now_seconds() - t0;
+    if (rc) {
+        pd_seq_free(s);
+        s = NULL;
+    }
+    *out = s;
+    return rc;
+}
+
+/* One run of (a)-(d) for a prefix of n tokens; r keeps the best figures. */
+static int prefix_once(pd_model *m, int64_t n, int n_gen, prefix_result *r, pd_error *err) {
+    const pd_hparams *hp = pd_model_hparams(m);
+    const int32_t V = hp->n_vocab;
+    const int32_t n_ctx = (int32_t)(n + SUFFIX_TOKENS + n_gen + 1);
+    pd_token *toks = malloc(sizeof(pd_token) * (size_t)n);
+    float *logits = malloc(sizeof(float) * (size_t)V * DECODE_BATCH);
+    pd_seq *seqs[DECODE_BATCH] = {0};
+    pd_seq *s = NULL;
+    pd_kv_prefix *p = NULL;
+    pd_compress_stats st = {0};
+    int rc = toks && logits ? PD_OK : pd_errorf(err, PD_ENOMEM, "out of memory for a %" PRId64 "-token prefix", n);
+    for (int64_t i = 0; !rc && i < n; i++) toks[i] = bench_token(i, 1, V);
+
+    /* (a) plain prefill */
+    if (!rc) rc = pd_seq_create(m, n_ctx, &s, err);
+    if (!rc) {
+        const double t0 = pd_now_seconds();
+        rc = pd_prefill(m, s, toks, n, NULL, logits, err);
+        r->prefill_s = min_pos(r->prefill_s, pd_now_seconds() - t0);
+    }
+    pd_seq_free(s);
+    s = NULL;
+
+    /* (b) compression: the same prefill with the Compactor hook */
+    if (!rc) {
+        pd_policy_spec spec;
+        pd_policy_spec_default(PD_POLICY_COMPACTOR, &spec);
+        pd_policy_spec_set_retention(&spec, PREFIX_RETENTION);
+        const double t0 = pd_now_seconds();
+        rc = pd_compress_prefix(m, toks, n, &spec, NULL, &p, &st, err);
+        const double dt = pd_now_seconds() - t0;
+        if (!rc && (r->compress_s <= 0 || dt < r->compress_s)) {
+            r->compress_s = dt;
+            r->score_s = st.score_seconds;
+        }
+        if (!rc) {
+            r->kept_rows = pd_kv_prefix_kept_rows(p);
+            r->full_rows = (int64_t)hp->n_layer * hp->n_head_kv * n;
+        }
+    }
+
+    /* (c) time to first token: the first attach of this new prefix uploads
+     * it (on a device), the second finds it resident. */
+    double dt;
+    if (!rc) rc = attach_and_prefill(m, p, n_ctx, 0, logits, &s, &dt, err);
+    if (!rc) r->ttft_cold_s = min_pos(r->ttft_cold_s, dt);
+    pd_seq_free(s);
+    s = NULL;
+    if (!rc) rc = attach_and_prefill(m, p, n_ctx, 1, logits, &s, &dt, err);
+    if (!rc) r->ttft_s = min_pos(r->ttft_s, dt);
+
+    /* (d) decode, batch 1 (continuing the sequence above) */
+    if (!rc) {
+        pd_token t = bench_token(0, 7, V);
+        const double t0 = pd_now_seconds();
+        for (int i = 0; !rc && i < n_gen; i++) {
+            rc = pd_decode(m, &s, &t, 1, logits, err);
+            t = bench_token(i + 1, 7, V);
+        }
+        r->decode_b1_tps = max_of(r->decode_b1_tps, n_gen / (pd_now_seconds() - t0));
+    }
+    pd_seq_free(s);
+    s = NULL;
+
+    /* (d) decode, batch 8 sharing the prefix */
+    for (int b = 0; !rc && b < DECODE_BATCH; b++) rc = attach_and_prefill(m, p, n_ctx, 2 + (uint32_t)b, logits,
+                                                                          &seqs[b], &dt, err);
+    if (!rc) {
+        pd_token t[DECODE_BATCH];
+        const double t0 = pd_now_seconds();
+        for (int i = 0; !rc && i < n_gen; i++) {
+            for (int b = 0; b < DECODE_BATCH; b++) t[b] = bench_token(i, 100 + (uint32_t)b, V);
+            rc = pd_decode(m, seqs, t, DECODE_BATCH, logits, err);
+        }
+        r->decode_b8_tps = max_of(r->decode_b8_tps, (double)DECODE_BATCH * n_gen / (pd_now_seconds() - t0));
+    }
+    for (int b = 0; b < DECODE_BATCH; b++) pd_seq_free(seqs[b]);
+    /* Sequences first: the prefix must outlive them. */
+    pd_kv_prefix_free(p);
+    free(st.kept);
+    free(toks);
+    free(logits);
+    return rc;
+}
+
+/* Bytes of weights one decode step reads, as the CUDA backend stores them:
+ * every matrix (2-D or more) at 4 bytes per element for f32 and 2 for every
+ * other type (f16/bf16 as they are, quantized types dequantized to bf16).
+ * The embedding table is read one row per token, so it counts only when it
+ * is also the output matrix (no output.weight). */
+static uint64_t decode_weight_bytes(const pd_model *m) {
+    const pd_gguf *g = pd_model_gguf(m);
+    const bool tied = pd_gguf_find_tensor(g, "output.weight") == NULL;
+    uint64_t total = 0;
+    for (size_t i = 0; i < pd_gguf_tensor_count(g); i++) {
+        const pd_gguf_tensor *t = pd_gguf_tensor_at(g, i);
+        if (t->n_dims < 2) continue;
+        if (!tied && strcmp(t->name, "token_embd.weight") == 0) continue;
+        total += t->n_elems * (t->type == PD_TYPE_F32 ? 4u : 2u);
+    }
+    return total;
+}
+
+/* Parse "N1,N2,..." (each >= 1) into out; returns the count or -1. */
+static int parse_list(const char *text, long *out, int cap) {
+    int n = 0;
+    for (const char *p = text; *p;) {
+        char *end;
+        errno = 0;
+        const long v = strtol(p, &end, 10);
+        if (end == p || v < 1 || errno || n == cap || (*end != ',' && *end != '\0')) return -1;
+        out[n++] = v;
+        p = *end == ',' ? end + 1 : end;
+    }
+    return n > 0 ? n : -1;
+}
+
 int main(int argc, char **argv) {
     pd_cpu_prepare_process(argv);
     static const struct option opts[] = {
@@ -72,8 +274,10 @@ int main(int argc, char **argv) {
         {"seed", required_argument, 0, 's'},    {"threads", required_argument, 0, 'T'},
         {"prompt", required_argument, 0, 'P'},  {"gen", required_argument, 0, 'g'},
         {"reps", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
+        {"device", required_argument, 0, 'd'},  {"prefix", required_argument, 0, 'x'},
         {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     const char *model = NULL, *preset = NULL, *type_name = "q8_0", *threads = "1,2";
+    const char *device_text = "cpu", *prefix_text = NULL;
     long n_vocab = 0, seed = 1, n_prompt = 256, n_gen = 64, reps = 3;
     bool json = false;
     int c;
@@ -89,6 +293,8 @@ int main(int argc, char **argv) {
         case 'g': n_gen = strtol(optarg, NULL, 10); break;
         case 'r': reps = strtol(optarg, NULL, 10); break;
         case 'j': json = true; break;
+        case 'd': device_text = optarg; break;
+        case 'x': prefix_text = optarg; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -98,6 +304,24 @@ int main(int argc, char **argv) {
         return 2;
     }
     pd_error err = {0};
+    long thread_counts[64], prefixes[MAX_PREFIXES];
+    const int n_threads = parse_list(threads, thread_counts, 64);
+    if (n_threads < 0) {
+        fprintf(stderr, "prefix-bench: bad --threads list '%s'\n", threads);
+        return 2;
+    }
+    const int n_prefixes = prefix_text ? parse_list(prefix_text, prefixes, MAX_PREFIXES) : 0;
+    if (n_prefixes < 0) {
+        fprintf(stderr, "prefix-bench: bad --prefix list '%s' (at most %d lengths >= 1, comma-separated)\n",
+                prefix_text, MAX_PREFIXES);
+        return 2;
+    }
+    pd_device dev;
+    if (pd_device_parse(device_text, &dev, &err)) {
+        fprintf(stderr, "prefix-bench: --device: %s\n", err.msg);
+        return 2;
+    }
+
     char gen_path[1024];
     if (preset) {
         pd_testmodel_opts o;
@@ -122,23 +346,55 @@ int main(int argc, char **argv) {
         model = gen_path;
     }
 
-    if (json) printf("[");
-    bool first = true;
-    for (const char *p = threads; *p;) {
-        char *end;
-        long nt = strtol(p, &end, 10);
-        if (end == p || nt < 1) {
-            fprintf(stderr, "prefix-bench: bad --threads list '%s'\n", threads);
-            return 2;
+    /* The device backend, created once (a CPU backend is made per thread
+     * count below, as before). `auto` resolves here. */
+    pd_backend *dev_be = NULL;
+    char dev_name[300] = "";
+    bool on_cuda = false;
+    if (dev.kind != PD_DEVICE_CPU) {
+        if (pd_backend_create(&dev, (int)thread_counts[n_threads - 1], &dev_be, &err)) {
+            fprintf(stderr, "prefix-bench: --device %s: %s\n", device_text, err.msg);
+            return 1;
         }
-        p = *end == ',' ? end + 1 : end;
+        on_cuda = !dev_be->ops->host_memory;
+        if (!on_cuda) { /* auto fell back to the CPU: measure it the CPU way */
+            pd_backend_free(dev_be);
+            dev_be = NULL;
+            dev.kind = PD_DEVICE_CPU;
+        } else {
+            pd_cuda_device_info info;
+            pd_device_format(&dev, dev_name, sizeof dev_name);
+            if (pd_cuda_device_info_get(dev.index, &info, &err) == PD_OK) {
+                const size_t len = strlen(dev_name);
+                snprintf(dev_name + len, sizeof dev_name - len, " (%s)", info.name);
+            }
+            if (!json) fprintf(stderr, "prefix-bench: device %s\n", dev_name);
+        }
+    }
+    if (!on_cuda) snprintf(dev_name, sizeof dev_name, "cpu");
+
+    /* ---- plain prefill / decode ---- */
+    if (json) printf(n_prefixes ? "{\"device\": \"%s\", \"rows\": [" : "[", dev_name);
+    bool first = true;
+    const int n_rows = on_cuda ? 1 : n_threads;
+    pd_model *prefix_model = NULL; /* the last model loaded serves --prefix */
+    for (int ti = 0; ti < n_rows; ti++) {
+        const long nt = thread_counts[ti];
         pd_model *m = NULL;
-        pd_model_params mp = {.n_threads = (int)nt};
+        pd_model_params mp = {.n_threads = (int)nt, .backend = dev_be};
         if (pd_model_load(model, &mp, &m, &err)) {
             fprintf(stderr, "prefix-bench: %s\n", err.msg);
             return 1;
         }
         const pd_hparams *hp = pd_model_hparams(m);
+        for (int pi = 0; ti == 0 && pi < n_prefixes; pi++)
+            if (prefixes[pi] + SUFFIX_TOKENS + n_gen + 1 > hp->n_ctx_train) {
+                fprintf(stderr,
+                        "prefix-bench: a %ld-token prefix with %d suffix tokens and %ld decode steps exceeds the "
+                        "model's context of %d\n",
+                        prefixes[pi], SUFFIX_TOKENS, n_gen, hp->n_ctx_train);
+                return 2;
+            }
         bench_result best = {0}, r;
         if (run_once(m, (int)n_prompt, (int)n_gen, &r, &err)) { /* warm-up */
             fprintf(stderr, "prefix-bench: %s\n", err.msg);
@@ -153,7 +409,17 @@ int main(int argc, char **argv) {
             if (r.decode_tps > best.decode_tps) best.decode_tps = r.decode_tps;
         }
         const char *tname = pd_type_get(hp->wtype)->name;
-        if (json) {
+        if (on_cuda) {
+            if (json) {
+                printf("\n  {\"model\": \"%s\", \"type\": \"%s\", \"device\": \"%s\", \"prompt\": %ld, \"gen\": %ld, "
+                       "\"prefill_tps\": %.1f, \"decode_tps\": %.1f}",
+                       model, tname, dev_name, n_prompt, n_gen, best.prefill_tps, best.decode_tps);
+            } else {
+                printf("%-12s %-6s %-40s %14s %14s\n", "model", "type", "device", "prefill tok/s", "decode tok/s");
+                printf("%-12s %-6s %-40s %14.1f %14.1f\n", preset ? preset : "file", tname, dev_name,
+                       best.prefill_tps, best.decode_tps);
+            }
+        } else if (json) {
             printf("%s\n  {\"model\": \"%s\", \"type\": \"%s\", \"threads\": %ld, \"simd\": \"%s\", \"prompt\": %ld, "
                    "\"gen\": %ld, \"prefill_tps\": %.1f, \"decode_tps\": %.1f}",
                    first ? "" : ",", model, tname, nt, pd_cpu_simd_name(), n_prompt, n_gen, best.prefill_tps,
@@ -166,8 +432,95 @@ int main(int argc, char **argv) {
                    best.prefill_tps, best.decode_tps);
         }
         first = false;
-        pd_model_free(m);
+        /* --prefix runs on the last model loaded: the device's, or the
+         * CPU's with the last --threads count. */
+        if (n_prefixes && ti == n_rows - 1)
+            prefix_model = m;
+        else
+            pd_model_free(m);
     }
-    if (json) printf("\n]\n");
+    if (!n_prefixes) {
+        if (json) printf("\n]\n");
+        pd_backend_free(dev_be);
+        return 0;
+    }
+
+    /* ---- the compressed-prefix benchmark ---- */
+    pd_model *m = prefix_model;
+    const pd_hparams *hp = pd_model_hparams(m);
+    double bandwidth = 0, bound_tps = 0;
+    const uint64_t wbytes = on_cuda ? decode_weight_bytes(m) : 0;
+    if (on_cuda) {
+        if (pd_cuda_copy_bandwidth(dev.index, BANDWIDTH_BYTES, &bandwidth, &err)) {
+            fprintf(stderr, "prefix-bench: copy bandwidth of %s: %s\n", dev_name, err.msg);
+            return 1;
+        }
+        bound_tps = wbytes ? bandwidth / (double)wbytes : 0;
+    }
+    if (json) {
+        printf("\n],\n\"prefix_bench\": {\"model\": \"%s\", \"type\": \"%s\", \"policy\": \"compactor\", "
+               "\"retention\": %g, \"suffix\": %d, \"gen\": %ld, \"batch\": %d, ",
+               model, pd_type_get(hp->wtype)->name, PREFIX_RETENTION, SUFFIX_TOKENS, n_gen, DECODE_BATCH);
+        if (on_cuda)
+            printf("\"threads\": null, \"weight_bytes\": %" PRIu64 ", \"copy_bandwidth_bytes_per_s\": %.4g, "
+                   "\"bound_tps\": %.2f, ",
+                   wbytes, bandwidth, bound_tps);
+        else
+            printf("\"threads\": %ld, \"weight_bytes\": null, \"copy_bandwidth_bytes_per_s\": null, "
+                   "\"bound_tps\": null, ",
+                   thread_counts[n_threads - 1]);
+        printf("\"results\": [");
+    } else {
+        printf("\ncompressed prefix: Compactor (default spec) at retention %.2f on %s", PREFIX_RETENTION, dev_name);
+        if (!on_cuda) printf(", %ld threads", thread_counts[n_threads - 1]);
+        printf("; TTFT = attach + %d-token suffix + first logits; decode after the suffix, %ld steps\n",
+               SUFFIX_TOKENS, n_gen);
+        if (on_cuda)
+            printf("bound: %.3f GB of weights per decode step / %.1f GB/s measured copy bandwidth = %.1f tok/s\n",
+                   (double)wbytes / 1e9, bandwidth / 1e9, bound_tps);
+        printf("%7s %12s %11s %12s %9s %9s %6s %10s %9s %10s %10s %10s %8s\n", "prefix", "prefill t/s", "prefill ms",
+               "compress ms", "score ms", "comp/pre", "kept", "TTFT cold", "TTFT ms", "dec b1 t/s", "dec b8 t/s",
+               "bound t/s", "b1/bound");
+    }
+    for (int pi = 0; pi < n_prefixes; pi++) {
+        const int64_t n = prefixes[pi]; /* fits the context: checked at load */
+        prefix_result r = {.n = n};
+        for (long i = 0; i < reps; i++) {
+            if (prefix_once(m, n, (int)n_gen, &r, &err)) {
+                fprintf(stderr, "prefix-bench: prefix of %" PRId64 " tokens: %s\n", n, err.msg);
+                return 1;
+            }
+        }
+        const double kept_frac = r.full_rows ? (double)r.kept_rows / (double)r.full_rows : 0;
+        if (json) {
+            printf("%s\n  {\"prefix\": %" PRId64 ", \"prefill_tps\": %.1f, \"prefill_ms\": %.2f, "
+                   "\"compress_ms\": %.2f, \"score_ms\": %.2f, \"compress_over_prefill\": %.3f, "
+                   "\"score_over_prefill\": %.3f, "
+                   "\"kept_rows\": %" PRId64 ", \"full_rows\": %" PRId64 ", \"ttft_cold_ms\": %.2f, \"ttft_ms\": %.2f, "
+                   "\"decode_b1_tps\": %.1f, \"decode_b8_tps\": %.1f, ",
+                   pi ? "," : "", n, n / r.prefill_s, 1e3 * r.prefill_s, 1e3 * r.compress_s, 1e3 * r.score_s,
+                   r.compress_s / r.prefill_s, r.score_s / r.prefill_s, r.kept_rows, r.full_rows,
+                   1e3 * r.ttft_cold_s, 1e3 * r.ttft_s, r.decode_b1_tps, r.decode_b8_tps);
+            if (on_cuda)
+                printf("\"bound_tps\": %.1f, \"b1_over_bound\": %.3f}", bound_tps,
+                       bound_tps > 0 ? r.decode_b1_tps / bound_tps : 0);
+            else
+                printf("\"bound_tps\": null, \"b1_over_bound\": null}");
+        } else {
+            char bound_col[32] = "-", ratio_col[32] = "-";
+            if (on_cuda && bound_tps > 0) {
+                snprintf(bound_col, sizeof bound_col, "%.1f", bound_tps);
+                snprintf(ratio_col, sizeof ratio_col, "%.3f", r.decode_b1_tps / bound_tps);
+            }
+            printf("%7" PRId64 " %12.1f %11.2f %12.2f %9.2f %9.3f %5.1f%% %10.2f %9.2f %10.1f %10.1f %10s %8s\n", n,
+                   n / r.prefill_s, 1e3 * r.prefill_s, 1e3 * r.compress_s, 1e3 * r.score_s,
+                   r.compress_s / r.prefill_s, 100 * kept_frac, 1e3 * r.ttft_cold_s, 1e3 * r.ttft_s, r.decode_b1_tps,
+                   r.decode_b8_tps, bound_col, ratio_col);
+        }
+        fflush(stdout);
+    }
+    if (json) printf("\n]}}\n");
+    pd_model_free(m);
+    pd_backend_free(dev_be);
     return 0;
 }

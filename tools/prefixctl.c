@@ -3,9 +3,9 @@
  *   prefixctl inspect FILE
  *   prefixctl tokenize --model FILE [--no-bos] [--special]     < text
  *   prefixctl detokenize --model FILE [--special] [--keep-leading-space] < ids
- *   prefixctl generate --model FILE --prompt TEXT [-n N] [--greedy | --temp T --seed S] [--ids]
- *   prefixctl nll --model FILE --context TEXT --text TEXT
- *   prefixctl compress --model FILE --policy SPEC [--retention R | --quality TAU] --text FILE ...
+ *   prefixctl generate --model FILE --prompt TEXT [-n N] [--greedy | --temp T --seed S] [--ids] [--device D]
+ *   prefixctl nll --model FILE --context TEXT --text TEXT [--device D]
+ *   prefixctl compress --model FILE --policy SPEC [--retention R | --quality TAU] --text FILE [--device D] ...
  *   prefixctl policies
  *   prefixctl store --dir DIR list|show ID|verify [--repair]|delete ID|pin ID|unpin ID|stats
  *   prefixctl prefix [--url URL] [--token T] add|list|show ID|delete ID|job ID
@@ -46,8 +46,10 @@ static void usage(FILE *f) {
           "      [--stop TEXT]...          stop strings\n"
           "      [--ids]                   print token ids instead of text\n"
           "      [--threads N]             CPU threads (default: all)\n"
+          "      [--device D]              cpu (default), cuda, cuda:N or auto\n"
           "  nll --model FILE --context TEXT --text TEXT\n"
           "                                mean negative log-likelihood of TEXT after CONTEXT\n"
+          "      [--threads N] [--device D]  as for generate\n"
           "  compress --model FILE --policy SPEC --text FILE\n"
           "                                compress the text's KV cache with a policy and report it\n"
           "      [--retention R]           fraction of tokens kept, in (0, 1] (overrides the spec's)\n"
@@ -56,6 +58,7 @@ static void usage(FILE *f) {
           "      [--spans FILE]            named spans and kept ranges (\"name start end [keep]\" lines)\n"
           "      [--eval FILE]             mean NLL of this continuation, full vs compressed prefix\n"
           "      [--threads N]             CPU threads (default: all)\n"
+          "      [--device D]              cpu (default), cuda, cuda:N or auto\n"
           "      [--store DIR]             also write the compressed prefix into the store at DIR\n"
           "      [--namespace NS] [--dtype f32|f16|bf16] [--pin]   how it is stored (default f32)\n"
           "  compress --list | policies    list the policies with their keys and defaults\n"
@@ -63,7 +66,7 @@ static void usage(FILE *f) {
           "  prefix ACTION                 register and manage prefixes through a running prefixd's\n"
           "                                admin API (--help for actions)\n"
           "  gen-model [options] -o OUT    write a seeded random GGUF model (--help for options)\n"
-          "  cuda-info                     list CUDA devices and run a cuBLAS self-test\n",
+          "  cuda-info                     list CUDA devices (memory, bandwidth) and run a cuBLAS self-test\n",
           f);
 }
 
@@ -242,6 +245,39 @@ static int parse_float(const char *opt, const char *arg, float *out) {
     return 0;
 }
 
+/* --device D for the commands that load a model. */
+static int parse_device_opt(const char *cmd, const char *arg, pd_device *out) {
+    pd_error err = {0};
+    if (pd_device_parse(arg, out, &err)) {
+        fprintf(stderr, "prefixctl %s: --device: %s\n", cmd, err.msg);
+        return 2;
+    }
+    return 0;
+}
+
+/* Create the backend `dev` names, then load the model onto it. The model
+ * borrows the backend: free the model first, then the backend. On failure
+ * nothing is left to free. */
+static int load_model_on(const char *path, const pd_device *dev, int threads, pd_backend **be, pd_model **m,
+                         pd_error *err) {
+    *be = NULL;
+    *m = NULL;
+    int rc = pd_backend_create(dev, threads, be, err);
+    if (rc) {
+        char name[16];
+        pd_device_format(dev, name, sizeof name);
+        pd_error_prefix(err, "--device %s", name);
+        return rc;
+    }
+    pd_model_params mp = {.n_threads = threads, .backend = *be};
+    rc = pd_model_load(path, &mp, m, err);
+    if (rc) {
+        pd_backend_free(*be);
+        *be = NULL;
+    }
+    return rc;
+}
+
 static int tokenize_text(const pd_tokenizer *tok, const char *text, bool add_special, pd_token **ids, size_t *n,
                          pd_error *err) {
     pd_tokenize_opts o = {.add_special = add_special};
@@ -257,9 +293,10 @@ static int cmd_generate(int argc, char **argv) {
         {"top-k", required_argument, 0, 'k'}, {"top-p", required_argument, 0, 'P'},
         {"min-p", required_argument, 0, 'M'}, {"seed", required_argument, 0, 's'},
         {"stop", required_argument, 0, 'S'},  {"ids", no_argument, 0, 'i'},
-        {"threads", required_argument, 0, 'T'}, {"help", no_argument, 0, 'h'},
-        {0, 0, 0, 0}};
+        {"threads", required_argument, 0, 'T'}, {"device", required_argument, 0, 'd'},
+        {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     const char *model = NULL, *prompt = NULL;
+    pd_device device = {.kind = PD_DEVICE_CPU};
     const char *stops[MAX_STOPS];
     size_t n_stops = 0;
     long n_predict = 64, threads = 0, v;
@@ -288,6 +325,7 @@ static int cmd_generate(int argc, char **argv) {
             break;
         case 'i': ids_out = true; break;
         case 'T': if ((rc = parse_long("--threads", optarg, 0, 1024, &threads))) return rc; break;
+        case 'd': if ((rc = parse_device_opt("generate", optarg, &device))) return rc; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -298,8 +336,8 @@ static int cmd_generate(int argc, char **argv) {
     }
     pd_error err = {0};
     pd_model *m = NULL;
-    pd_model_params mp = {.n_threads = (int)threads};
-    if (pd_model_load(model, &mp, &m, &err)) return fail(&err);
+    pd_backend *be = NULL;
+    if (load_model_on(model, &device, (int)threads, &be, &m, &err)) return fail(&err);
     const pd_tokenizer *tok = pd_model_tokenizer(m);
     const int32_t V = pd_model_hparams(m)->n_vocab;
     pd_token *ids = NULL;
@@ -352,6 +390,7 @@ static int cmd_generate(int argc, char **argv) {
     free(ids);
     free(logits);
     pd_model_free(m);
+    pd_backend_free(be);
     return rc ? fail(&err) : 0;
 }
 
@@ -359,8 +398,10 @@ static int cmd_nll(int argc, char **argv) {
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"context", required_argument, 0, 'c'},
         {"text", required_argument, 0, 't'},  {"threads", required_argument, 0, 'T'},
-        {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
+        {"device", required_argument, 0, 'd'}, {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
     const char *model = NULL, *context = NULL, *text = NULL;
+    pd_device device = {.kind = PD_DEVICE_CPU};
     long threads = 0;
     int c, rc;
     while ((c = getopt_long(argc, argv, "m:h", opts, NULL)) != -1) {
@@ -369,6 +410,7 @@ static int cmd_nll(int argc, char **argv) {
         case 'c': context = optarg; break;
         case 't': text = optarg; break;
         case 'T': if ((rc = parse_long("--threads", optarg, 0, 1024, &threads))) return rc; break;
+        case 'd': if ((rc = parse_device_opt("nll", optarg, &device))) return rc; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -379,8 +421,8 @@ static int cmd_nll(int argc, char **argv) {
     }
     pd_error err = {0};
     pd_model *m = NULL;
-    pd_model_params mp = {.n_threads = (int)threads};
-    if (pd_model_load(model, &mp, &m, &err)) return fail(&err);
+    pd_backend *be = NULL;
+    if (load_model_on(model, &device, (int)threads, &be, &m, &err)) return fail(&err);
     pd_token *ctx_ids = NULL, *text_ids = NULL;
     size_t n_ctx = 0, n_text = 0;
     double nll = 0;
@@ -393,6 +435,7 @@ static int cmd_nll(int argc, char **argv) {
     free(ctx_ids);
     free(text_ids);
     pd_model_free(m);
+    pd_backend_free(be);
     return rc ? fail(&err) : 0;
 }
 
@@ -482,7 +525,9 @@ static int cmd_compress(int argc, char **argv) {
         {"threads", required_argument, 0, 'T'}, {"list", no_argument, 0, 'l'},
         {"store", required_argument, 0, 'S'},   {"namespace", required_argument, 0, 'N'},
         {"dtype", required_argument, 0, 'D'},   {"pin", no_argument, 0, 'P'},
-        {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+        {"device", required_argument, 0, 'd'},  {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    pd_device device = {.kind = PD_DEVICE_CPU};
     const char *model = NULL, *policy = NULL, *text_path = NULL, *spans_path = NULL, *eval_path = NULL;
     const char *store_dir = NULL, *ns = "";
     pd_kv_dtype dtype = PD_KV_F32;
@@ -514,6 +559,7 @@ static int cmd_compress(int argc, char **argv) {
             }
             break;
         case 'P': pin = true; break;
+        case 'd': if ((rc = parse_device_opt("compress", optarg, &device))) return rc; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -570,8 +616,8 @@ static int cmd_compress(int argc, char **argv) {
 
     const double t0 = pd_now_seconds();
     pd_model *m = NULL;
-    pd_model_params mp = {.n_threads = (int)threads};
-    if (pd_model_load(model, &mp, &m, &err)) return fail(&err);
+    pd_backend *be = NULL;
+    if (load_model_on(model, &device, (int)threads, &be, &m, &err)) return fail(&err);
     const pd_hparams *hp = pd_model_hparams(m);
     pd_token *ids = NULL, *eval_ids = NULL;
     size_t n = 0, n_eval = 0;
@@ -657,6 +703,7 @@ static int cmd_compress(int argc, char **argv) {
     free(eval_ids);
     free(ids);
     pd_model_free(m);
+    pd_backend_free(be);
     return rc ? fail(&err) : 0;
 }
 
@@ -664,18 +711,35 @@ static int cmd_cuda_info(void) {
     printf("CUDA backend compiled in: %s\n", pd_cuda_compiled() ? "yes" : "no");
     int n = pd_cuda_device_count();
     printf("CUDA devices: %d\n", n);
+    int status = 0;
     for (int i = 0; i < n; i++) {
         pd_cuda_device_info info;
-        pd_error err;
+        pd_error err = {0};
         if (pd_cuda_device_info_get(i, &info, &err)) return fail(&err);
+        const double gib = 1024.0 * 1024 * 1024;
+        printf("  [%d] cuda:%d  %s, compute capability %d.%d, %d SMs, %.1f GiB\n", i, i, info.name, info.cc_major,
+               info.cc_minor, info.sm_count, (double)info.total_mem / gib);
+        /* Double data rate: two transfers per memory clock. */
+        const double peak = 2.0 * (double)info.mem_clock_khz * 1e3 * (double)info.mem_bus_width_bits / 8.0;
+        if (peak > 0)
+            printf("      memory: %d-bit bus at %.0f MHz, peak %.0f GB/s\n", info.mem_bus_width_bits,
+                   (double)info.mem_clock_khz / 1e3, peak / 1e9);
+        else
+            printf("      memory: bus width and clock not reported\n");
+        double bw = 0;
+        if (pd_cuda_copy_bandwidth(i, (size_t)256 << 20, &bw, &err) == PD_OK) {
+            printf("      device-to-device copy of 256 MiB: %.0f GB/s", bw / 1e9);
+            if (peak > 0) printf(" (%.0f%% of peak)", 100.0 * bw / peak);
+            putchar('\n');
+        } else {
+            printf("      device-to-device copy of 256 MiB: failed: %s\n", err.msg);
+        }
         double max_err = 0;
         int rc = pd_cuda_selftest(i, &max_err, &err);
-        printf("  [%d] %s, compute capability %d.%d, %.1f GiB; cuBLAS SGEMM self-test: %s (max abs err %.3g)\n", i,
-               info.name, info.cc_major, info.cc_minor, (double)info.total_mem / (1024.0 * 1024 * 1024),
-               rc ? err.msg : "ok", max_err);
-        if (rc) return 1;
+        printf("      cuBLAS SGEMM self-test: %s (max abs err %.3g)\n", rc ? err.msg : "ok", max_err);
+        if (rc) status = 1;
     }
-    return 0;
+    return status;
 }
 
 int main(int argc, char **argv) {

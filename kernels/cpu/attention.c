@@ -24,6 +24,7 @@
  * log-sum-exp rule afterwards. */
 #include <math.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cpu/cpu_internal.h"
@@ -254,9 +255,8 @@ static void merge_chunks(const attn_ctx *c) {
         }
 }
 
-int cpu_attention(pd_backend *be, const pd_attn_args *a, pd_error *err) {
-    cpu_backend *cb = be->impl;
-    if (!a) return pd_errorf(err, PD_EINVAL, "attention: NULL arguments");
+/* One group: every token attends to a->kv's n_segments segments. */
+static int attention_one_group(cpu_backend *cb, const pd_attn_args *a, pd_error *err) {
     if (a->n_tokens < 0 || a->head_dim <= 0 || a->n_head <= 0 || a->n_head_kv <= 0)
         return pd_errorf(err, PD_EINVAL,
                          "attention: bad shape (n_tokens %lld, n_head %d, n_head_kv %d, head_dim %d)",
@@ -334,4 +334,57 @@ int cpu_attention(pd_backend *be, const pd_attn_args *a, pd_error *err) {
         pd_threadpool_run(cb->tp, attn_worker, &c);
     if (c.n_chunks > 1) merge_chunks(&c);
     return PD_OK;
+}
+
+/* Groups and shared segments: each group is attended to on its own, over
+ * the shared segments followed by its own, so the CPU reads a shared
+ * prefix once per group (a device backend reads it once per call). */
+int cpu_attention(pd_backend *be, const pd_attn_args *a, pd_error *err) {
+    cpu_backend *cb = be->impl;
+    if (!a) return pd_errorf(err, PD_EINVAL, "attention: NULL arguments");
+    if (a->n_shared < 0 || a->n_segments < 0 || a->n_shared + a->n_segments > PD_MAX_KV_SEGMENTS)
+        return pd_errorf(err, PD_EINVAL, "attention: %d shared + %d own segments (allowed %d in all)", a->n_shared,
+                         a->n_segments, PD_MAX_KV_SEGMENTS);
+    if ((a->n_shared > 0 && !a->shared) || (a->n_groups > 0 && !a->group_start) || a->n_groups < 0)
+        return pd_errorf(err, PD_EINVAL, "attention: NULL shared views or group starts");
+    if (a->n_groups <= 1 && a->n_shared == 0) return attention_one_group(cb, a, err);
+    const int n_groups = a->n_groups > 0 ? a->n_groups : 1, nkv = a->n_head_kv;
+    if (a->n_groups > 0 && (a->group_start[0] != 0 || a->group_start[n_groups] != a->n_tokens))
+        return pd_errorf(err, PD_EINVAL, "attention: groups cover tokens [%lld, %lld), not [0, %lld)",
+                         (long long)a->group_start[0], (long long)a->group_start[n_groups], (long long)a->n_tokens);
+    if (nkv <= 0 || a->n_head <= 0 || a->head_dim <= 0)
+        return attention_one_group(cb, a, err); /* reports the bad shape */
+    pd_kv_view small[PD_MAX_KV_SEGMENTS * 16], *views = small;
+    const size_t n_views = (size_t)PD_MAX_KV_SEGMENTS * (size_t)nkv;
+    if (n_views > sizeof small / sizeof *small && !(views = malloc(n_views * sizeof *views)))
+        return pd_errorf(err, PD_ENOMEM, "attention: out of memory for %zu views", n_views);
+    const int64_t qrow = (int64_t)a->n_head * a->head_dim;
+    int rc = PD_OK;
+    for (int g = 0; g < n_groups && rc == PD_OK; g++) {
+        const int64_t t0 = a->n_groups > 0 ? a->group_start[g] : 0;
+        const int64_t t1 = a->n_groups > 0 ? a->group_start[g + 1] : a->n_tokens;
+        if (t1 < t0) {
+            rc = pd_errorf(err, PD_EINVAL, "attention: group %d ends before it starts", g);
+            break;
+        }
+        if (t1 == t0) continue;
+        memcpy(views, a->shared, sizeof *views * (size_t)(a->n_shared * nkv));
+        if (a->n_segments > 0)
+            memcpy(views + a->n_shared * nkv, a->kv + (size_t)g * (size_t)(a->n_segments * nkv),
+                   sizeof *views * (size_t)(a->n_segments * nkv));
+        pd_attn_args one = *a;
+        one.q = a->q + t0 * qrow;
+        one.q_pos = a->q_pos ? a->q_pos + t0 : NULL;
+        one.out = a->out + t0 * qrow;
+        one.n_tokens = t1 - t0;
+        one.n_segments = a->n_shared + a->n_segments;
+        one.kv = views;
+        one.n_shared = 0;
+        one.shared = NULL;
+        one.n_groups = 0;
+        one.group_start = NULL;
+        rc = attention_one_group(cb, &one, err);
+    }
+    if (views != small) free(views);
+    return rc;
 }

@@ -181,15 +181,17 @@ static void rms_worker(void *p, int ith, int nth) {
     rms_rows(c, c->n * ith / nth, c->n * (ith + 1) / nth);
 }
 
-static void cpu_rmsnorm(pd_backend *be, const float *x, const float *weight, int64_t n, int64_t dim,
-                        float eps, float *out) {
+static int cpu_rmsnorm(pd_backend *be, const float *x, const float *weight, int64_t n, int64_t dim,
+                       float eps, float *out, pd_error *err) {
+    (void)err;
     const cpu_backend *cb = be->impl;
-    if (n <= 0 || dim <= 0) return;
+    if (n <= 0 || dim <= 0) return PD_OK;
     rms_ctx c = {&cb->k, x, weight, out, n, dim, eps};
     if (n * dim < PAR_MIN_ELEMS || n < 2)
         rms_rows(&c, 0, n);
     else
         pd_threadpool_run(cb->tp, rms_worker, &c);
+    return PD_OK;
 }
 
 typedef struct swiglu_ctx {
@@ -208,15 +210,32 @@ static void swiglu_worker(void *p, int ith, int nth) {
     if (a < b) c->k->swiglu(c->g + a, c->u + a, b - a, c->out + a);
 }
 
-static void cpu_swiglu(pd_backend *be, const float *gate, const float *up, int64_t n, float *out) {
+static int cpu_swiglu(pd_backend *be, const float *gate, const float *up, int64_t n, float *out, pd_error *err) {
+    (void)err;
     const cpu_backend *cb = be->impl;
-    if (n <= 0) return;
+    if (n <= 0) return PD_OK;
     if (n < PAR_MIN_ELEMS) {
         cb->k.swiglu(gate, up, n, out);
-        return;
+        return PD_OK;
     }
     swiglu_ctx c = {&cb->k, gate, up, out, n};
     pd_threadpool_run(cb->tp, swiglu_worker, &c);
+    return PD_OK;
+}
+
+/* Residual adds and biases: memory-bound, a plain loop is as fast as it gets. */
+static int cpu_add(pd_backend *be, float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride,
+                   pd_error *err) {
+    (void)be;
+    if (x_stride != 0 && x_stride != width)
+        return pd_errorf(err, PD_EINVAL, "add: x stride %lld is neither 0 nor the width %lld", (long long)x_stride,
+                         (long long)width);
+    for (int64_t r = 0; r < rows; r++) {
+        float *yr = y + r * width;
+        const float *xr = x + r * x_stride;
+        for (int64_t i = 0; i < width; i++) yr[i] += xr[i];
+    }
+    return PD_OK;
 }
 
 /* ------------------------------------------------------------------------
@@ -282,18 +301,75 @@ static void rope_worker(void *p, int ith, int nth) {
     rope_tokens(c, c->n * ith / nth, c->n * (ith + 1) / nth);
 }
 
-static void cpu_rope(pd_backend *be, float *x, const int32_t *pos, int64_t n, int n_heads,
-                     int head_dim, const pd_rope_params *p) {
+static int cpu_rope(pd_backend *be, float *x, const int32_t *pos, int64_t n, int n_heads,
+                    int head_dim, const pd_rope_params *p, pd_error *err) {
+    (void)err;
     const cpu_backend *cb = be->impl;
-    if (n <= 0 || n_heads <= 0 || head_dim <= 0 || !p) return;
+    if (n <= 0 || n_heads <= 0 || head_dim <= 0 || !p) return PD_OK;
     int n_rot = p->n_rot < head_dim ? p->n_rot : head_dim;
     n_rot &= ~1;
-    if (n_rot <= 0) return;
+    if (n_rot <= 0) return PD_OK;
     rope_ctx c = {x, pos, n, n_heads, head_dim, n_rot, p->mode, (double)p->freq_base, p->freq_factors};
     if (n * n_heads * (int64_t)n_rot < PAR_MIN_ELEMS / 4 || n < 2)
         rope_tokens(&c, 0, n);
     else
         pd_threadpool_run(cb->tp, rope_worker, &c);
+    return PD_OK;
+}
+
+/* ------------------------------------------------------------------------
+ * memory: backend memory is host memory
+ * ------------------------------------------------------------------------ */
+
+static void *cpu_alloc(pd_backend *be, size_t bytes, pd_error *err) {
+    (void)be;
+    void *p = NULL;
+    if (posix_memalign(&p, 256, bytes ? bytes : 1) != 0) {
+        pd_errorf(err, PD_ENOMEM, "out of memory allocating %zu MiB", bytes >> 20);
+        return NULL;
+    }
+    return p;
+}
+
+static void cpu_release(pd_backend *be, void *p) {
+    (void)be;
+    free(p);
+}
+
+static int cpu_copy(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err) {
+    (void)be;
+    (void)err;
+    if (bytes && dst != src) memmove(dst, src, bytes);
+    return PD_OK;
+}
+
+static int cpu_copy2d(pd_backend *be, void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t width,
+                      size_t rows, pd_error *err) {
+    (void)be;
+    (void)err;
+    for (size_t r = 0; r < rows; r++) memmove((char *)dst + r * dst_pitch, (const char *)src + r * src_pitch, width);
+    return PD_OK;
+}
+
+static int cpu_copy2d_batch(pd_backend *be, const pd_copy2d *d, int64_t n, pd_error *err) {
+    for (int64_t i = 0; i < n; i++) cpu_copy2d(be, d[i].dst, d[i].dst_pitch, d[i].src, d[i].src_pitch, d[i].width, d[i].rows, err);
+    return PD_OK;
+}
+
+static int cpu_gather(pd_backend *be, void *dst, const void *src, const int32_t *idx, int64_t n, size_t row_bytes,
+                      pd_error *err) {
+    (void)be;
+    for (int64_t i = 0; i < n; i++) {
+        if (idx[i] < 0) return pd_errorf(err, PD_EINVAL, "gather: index %d at %lld is negative", idx[i], (long long)i);
+        memcpy((char *)dst + (size_t)i * row_bytes, (const char *)src + (size_t)idx[i] * row_bytes, row_bytes);
+    }
+    return PD_OK;
+}
+
+static int cpu_sync(pd_backend *be, pd_error *err) {
+    (void)be;
+    (void)err;
+    return PD_OK;
 }
 
 /* ------------------------------------------------------------------------
@@ -311,13 +387,26 @@ static void cpu_free(pd_backend *be) {
 
 static const pd_backend_ops cpu_ops = {
     .name = "cpu",
+    .host_memory = true,
     .free = cpu_free,
+    .alloc = cpu_alloc,
+    .release = cpu_release,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .copy = cpu_copy,
+    .copy2d = cpu_copy2d,
+    .copy2d_batch = cpu_copy2d_batch,
+    .gather = cpu_gather,
+    .sync = cpu_sync,
+    .prepare_weight = NULL,
     .matmul = cpu_matmul,
     .get_rows = cpu_get_rows,
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,
     .swiglu = cpu_swiglu,
+    .add = cpu_add,
     .attention = cpu_attention,
+    .compactor_scores = NULL,
 };
 
 int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err) {

@@ -1,0 +1,649 @@
+// The CUDA backend: creation and teardown, the ops table, backend memory
+// (alloc, release, upload, download, copies, gather, sync), the weight
+// table, scratch buffers and the error helpers the other .cu files share.
+// The compute ops live in matmul.cu, elementwise.cu, attention.cu and
+// compactor.cu.
+#include "kernels/cuda/cuda_internal.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+// Pinned staging buffers for pageable host copies: two, so the CPU fills
+// one while the copy engine drains the other.
+#define CUDA_PINNED_BYTES ((size_t)8 << 20)
+// Up to this size a pageable copy goes straight through cudaMemcpyAsync:
+// staging would cost more than it saves.
+#define CUDA_SMALL_COPY ((size_t)64 << 10)
+
+/* ------------------------------------------------------------------------
+ * errors
+ * ------------------------------------------------------------------------ */
+
+int cuda_fail(pd_error *err, cudaError_t e, const char *what) {
+    // A failed runtime call also sets the thread's "last error"; clear it so
+    // the next cuda_check_launch does not report this failure a second time
+    // (sticky errors, which poison the context, stay whatever we do).
+    (void)cudaGetLastError();
+    const int code = e == cudaErrorMemoryAllocation ? PD_ENOMEM : PD_EIO;
+    return pd_errorf(err, code, "CUDA %s failed: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+int cublas_fail(pd_error *err, cublasStatus_t s, const char *what) {
+    const int code = s == CUBLAS_STATUS_ALLOC_FAILED ? PD_ENOMEM : PD_EIO;
+    return pd_errorf(err, code, "cuBLAS %s failed: %s (status %d)", what, cublasGetStatusString(s), (int)s);
+}
+
+static const char *cusolver_status_name(cusolverStatus_t s) {
+    switch (s) {
+    case CUSOLVER_STATUS_SUCCESS: return "success";
+    case CUSOLVER_STATUS_NOT_INITIALIZED: return "library not initialized";
+    case CUSOLVER_STATUS_ALLOC_FAILED: return "resource allocation failed";
+    case CUSOLVER_STATUS_INVALID_VALUE: return "invalid value";
+    case CUSOLVER_STATUS_ARCH_MISMATCH: return "architecture mismatch";
+    case CUSOLVER_STATUS_EXECUTION_FAILED: return "execution failed";
+    case CUSOLVER_STATUS_INTERNAL_ERROR: return "internal error";
+    case CUSOLVER_STATUS_MATRIX_TYPE_NOT_SUPPORTED: return "matrix type not supported";
+    case CUSOLVER_STATUS_NOT_SUPPORTED: return "not supported";
+    default: return "unknown status";
+    }
+}
+
+int cusolver_fail(pd_error *err, cusolverStatus_t s, const char *what) {
+    const int code = s == CUSOLVER_STATUS_ALLOC_FAILED ? PD_ENOMEM : PD_EIO;
+    return pd_errorf(err, code, "cuSOLVER %s failed: %s (status %d)", what, cusolver_status_name(s), (int)s);
+}
+
+int cuda_check_launch(pd_error *err, const char *what) {
+    const cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) return PD_OK;
+    char buf[160];
+    snprintf(buf, sizeof buf, "kernel %s", what);
+    return cuda_fail(err, e, buf);
+}
+
+int cuda_enter(cuda_backend *cb, pd_error *err) {
+    const cudaError_t e = cudaSetDevice(cb->device);
+    return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "cudaSetDevice");
+}
+
+// Report (once) a failure that release() could not return.
+static int take_deferred(cuda_backend *cb, pd_error *err) {
+    const cudaError_t e = cb->deferred;
+    if (e == cudaSuccess) return PD_OK;
+    cb->deferred = cudaSuccess;
+    return cuda_fail(err, e, "an earlier release of backend memory");
+}
+
+int cuda_malloc(cuda_backend *cb, void **p, size_t bytes, const char *what, pd_error *err) {
+    *p = NULL;
+    const cudaError_t e = cudaMalloc(p, bytes);
+    if (e == cudaSuccess) return PD_OK;
+    *p = NULL;
+    if (e != cudaErrorMemoryAllocation) {
+        char buf[160];
+        snprintf(buf, sizeof buf, "cudaMalloc of %zu bytes for %s", bytes, what);
+        return cuda_fail(err, e, buf);
+    }
+    (void)cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) (void)cudaGetLastError();
+    const double mib = 1024.0 * 1024.0;
+    return pd_errorf(err, PD_ENOMEM,
+                     "CUDA device %d (%s) is out of memory: %.1f MiB for %s do not fit (%.1f MiB free of "
+                     "%.1f MiB); use a smaller model or context, free the GPU, or set model.device = cpu",
+                     cb->device, cb->prop.name, (double)bytes / mib, what, (double)free_b / mib,
+                     (double)total_b / mib);
+}
+
+/* ------------------------------------------------------------------------
+ * scratch
+ * ------------------------------------------------------------------------ */
+
+void *cuda_scratch_get(cuda_backend *cb, int slot, size_t bytes, pd_error *err) {
+    if (slot < 0 || slot >= (int)(sizeof cb->scratch / sizeof cb->scratch[0])) {
+        pd_errorf(err, PD_EINVAL, "cuda backend: no scratch slot %d", slot);
+        return NULL;
+    }
+    cuda_scratch *s = &cb->scratch[slot];
+    if (s->p && bytes <= s->bytes) return s->p;
+    // Grow with a quarter of headroom, in whole MiB, so a slowly growing
+    // size does not reallocate on every call.
+    const size_t mib = (size_t)1 << 20;
+    if (bytes > SIZE_MAX / 2) {
+        pd_errorf(err, PD_ERANGE, "cuda backend: scratch request of %zu bytes is too large", bytes);
+        return NULL;
+    }
+    size_t want = bytes + bytes / 4;
+    want = (want + mib - 1) / mib * mib;
+    if (want == 0) want = mib;
+    if (s->p) {
+        // Kernels queued earlier may still read the old block.
+        const cudaError_t e = cudaStreamSynchronize(cb->stream);
+        if (e != cudaSuccess) {
+            cuda_fail(err, e, "stream synchronize (growing scratch)");
+            return NULL;
+        }
+        (void)cudaFree(s->p);
+        s->p = NULL;
+        s->bytes = 0;
+    }
+    void *p = NULL;
+    if (cuda_malloc(cb, &p, want, "scratch", err) != PD_OK) {
+        // The headroom may be what does not fit: try the exact size.
+        if (cuda_malloc(cb, &p, bytes ? bytes : 1, "scratch", err) != PD_OK) return NULL;
+        want = bytes ? bytes : 1;
+    }
+    s->p = p;
+    s->bytes = want;
+    return p;
+}
+
+/* ------------------------------------------------------------------------
+ * weight table: open addressing on the host pointer
+ * ------------------------------------------------------------------------ */
+
+static uint64_t ptr_hash(const void *p) {
+    uint64_t h = (uint64_t)(uintptr_t)p;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    return h;
+}
+
+cuda_weight_entry *cuda_weight_find(cuda_backend *cb, const void *host) {
+    if (cb->weight_slots == 0) return NULL;
+    const uint64_t mask = (uint64_t)cb->weight_slots - 1;
+    for (uint64_t i = ptr_hash(host) & mask;; i = (i + 1) & mask) {
+        const int64_t slot = cb->weight_index[i];
+        if (slot == 0) return NULL;
+        if (cb->weights[slot - 1].host == host) return &cb->weights[slot - 1];
+    }
+}
+
+static void index_insert(int64_t *index, int64_t slots, const void *host, int64_t entry) {
+    const uint64_t mask = (uint64_t)slots - 1;
+    uint64_t i = ptr_hash(host) & mask;
+    while (index[i] != 0) i = (i + 1) & mask;
+    index[i] = entry + 1;
+}
+
+cuda_weight_entry *cuda_weight_add(cuda_backend *cb, const cuda_weight_entry *e, pd_error *err) {
+    if (cb->n_weights == cb->cap_weights) {
+        const int64_t cap = cb->cap_weights ? cb->cap_weights * 2 : 64;
+        cuda_weight_entry *w =
+            (cuda_weight_entry *)realloc(cb->weights, (size_t)cap * sizeof(cuda_weight_entry));
+        if (!w) {
+            pd_errorf(err, PD_ENOMEM, "cuda backend: out of host memory for the weight table");
+            return NULL;
+        }
+        cb->weights = w;
+        cb->cap_weights = cap;
+    }
+    // Keep the index at most half full so probes stay short.
+    if ((cb->n_weights + 1) * 2 > cb->weight_slots) {
+        const int64_t slots = cb->weight_slots ? cb->weight_slots * 2 : 128;
+        int64_t *index = (int64_t *)calloc((size_t)slots, sizeof(int64_t));
+        if (!index) {
+            pd_errorf(err, PD_ENOMEM, "cuda backend: out of host memory for the weight table");
+            return NULL;
+        }
+        for (int64_t i = 0; i < cb->n_weights; i++) index_insert(index, slots, cb->weights[i].host, i);
+        free(cb->weight_index);
+        cb->weight_index = index;
+        cb->weight_slots = slots;
+    }
+    cb->weights[cb->n_weights] = *e;
+    index_insert(cb->weight_index, cb->weight_slots, e->host, cb->n_weights);
+    return &cb->weights[cb->n_weights++];
+}
+
+/* ------------------------------------------------------------------------
+ * memory ops
+ * ------------------------------------------------------------------------ */
+
+static void *cuda_alloc_op(pd_backend *be, size_t bytes, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    if (cuda_enter(cb, err) != PD_OK) return NULL;
+    void *p = NULL;
+    // cudaMalloc returns blocks aligned to at least 256 bytes.
+    if (cuda_malloc(cb, &p, bytes ? bytes : 1, "backend memory", err) != PD_OK) return NULL;
+    return p;
+}
+
+static void cuda_release_op(pd_backend *be, void *p) {
+    if (!p) return;
+    cuda_backend *cb = cuda_impl(be);
+    cudaError_t e = cudaSetDevice(cb->device);
+    // Kernels queued earlier may still use the block: wait for them.
+    if (e == cudaSuccess) e = cudaStreamSynchronize(cb->stream);
+    if (e == cudaSuccess) e = cudaFree(p);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (cb->deferred == cudaSuccess) cb->deferred = e;
+    }
+}
+
+// Whether host pointer p is page-locked (cudaHostAlloc'd or registered), so
+// the copy engine can read it directly. Fails with PD_EINVAL for device
+// memory passed where host memory belongs.
+static int host_kind(const void *p, bool *pinned, const char *op, pd_error *err) {
+    cudaPointerAttributes a;
+    memset(&a, 0, sizeof a);
+    *pinned = false;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError(); // plain pageable memory on older drivers
+        return PD_OK;
+    }
+    if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged)
+        return pd_errorf(err, PD_EINVAL, "cuda backend: %s was given device memory where host memory belongs", op);
+    *pinned = a.type == cudaMemoryTypeHost;
+    return PD_OK;
+}
+
+int cuda_upload(cuda_backend *cb, void *dst, const void *src, size_t bytes, pd_error *err) {
+    if (bytes == 0) return PD_OK;
+    if (!dst || !src) return pd_errorf(err, PD_EINVAL, "cuda backend: upload with a NULL pointer");
+    bool pinned;
+    int rc = host_kind(src, &pinned, "upload", err);
+    if (rc) return rc;
+    cudaError_t e;
+    if (pinned) {
+        // A copy from pinned memory is truly asynchronous, but the caller may
+        // reuse src as soon as we return: wait for it.
+        e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cb->stream);
+        if (e == cudaSuccess) e = cudaStreamSynchronize(cb->stream);
+        return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "upload (cudaMemcpyAsync from pinned memory)");
+    }
+    if (bytes <= CUDA_SMALL_COPY) {
+        // From pageable memory the runtime copies src into its own staging
+        // memory before cudaMemcpyAsync returns (CUDA's documented
+        // synchronisation behaviour), so src is reusable on return and the
+        // copy stays ordered on our stream without a host wait.
+        e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cb->stream);
+        return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "upload (cudaMemcpyAsync)");
+    }
+    // Large pageable copy (a KV prefix in the LMDB map, a weight in the
+    // GGUF map): alternate between the two pinned buffers. Before refilling
+    // one, wait for the DMA that last read it. Once the loop ends every
+    // byte of src is in a pinned buffer, so src is reusable; later users of
+    // the buffers wait on pinned_done themselves.
+    const uint8_t *s = (const uint8_t *)src;
+    uint8_t *d = (uint8_t *)dst;
+    int buf = 0;
+    for (size_t off = 0; off < bytes;) {
+        const size_t len = bytes - off < cb->pinned_bytes ? bytes - off : cb->pinned_bytes;
+        e = cudaEventSynchronize(cb->pinned_done[buf]);
+        if (e != cudaSuccess) return cuda_fail(err, e, "upload (waiting for a staging buffer)");
+        memcpy(cb->pinned[buf], s + off, len);
+        e = cudaMemcpyAsync(d + off, cb->pinned[buf], len, cudaMemcpyHostToDevice, cb->stream);
+        if (e != cudaSuccess) return cuda_fail(err, e, "upload (cudaMemcpyAsync from staging)");
+        e = cudaEventRecord(cb->pinned_done[buf], cb->stream);
+        if (e != cudaSuccess) return cuda_fail(err, e, "upload (cudaEventRecord)");
+        off += len;
+        buf ^= 1;
+    }
+    return PD_OK;
+}
+
+static int cuda_upload_op(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const int rc = cuda_enter(cb, err);
+    return rc ? rc : cuda_upload(cb, dst, src, bytes, err);
+}
+
+static int cuda_download_op(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    rc = take_deferred(cb, err);
+    if (rc) return rc;
+    cudaError_t e;
+    if (bytes == 0) {
+        e = cudaStreamSynchronize(cb->stream);
+        return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "download (stream synchronize)");
+    }
+    if (!dst || !src) return pd_errorf(err, PD_EINVAL, "cuda backend: download with a NULL pointer");
+    bool pinned;
+    rc = host_kind(dst, &pinned, "download", err);
+    if (rc) return rc;
+    if (pinned || bytes <= CUDA_SMALL_COPY) {
+        // Ordered after all queued work; the synchronize waits for both and
+        // reports any failure among them.
+        e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream);
+        if (e == cudaSuccess) e = cudaStreamSynchronize(cb->stream);
+        return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "download");
+    }
+    // Large pageable destination: queue chunk k into one pinned buffer, then
+    // copy chunk k-1 out of the other while chunk k is in flight.
+    const uint8_t *s = (const uint8_t *)src;
+    uint8_t *d = (uint8_t *)dst;
+    int buf = 0;
+    size_t prev_off = 0, prev_len = 0; // chunk waiting in pinned[buf ^ 1]
+    for (size_t off = 0; off < bytes;) {
+        const size_t len = bytes - off < cb->pinned_bytes ? bytes - off : cb->pinned_bytes;
+        // The buffer may still feed an upload's DMA.
+        e = cudaEventSynchronize(cb->pinned_done[buf]);
+        if (e != cudaSuccess) return cuda_fail(err, e, "download (waiting for a staging buffer)");
+        e = cudaMemcpyAsync(cb->pinned[buf], s + off, len, cudaMemcpyDeviceToHost, cb->stream);
+        if (e != cudaSuccess) return cuda_fail(err, e, "download (cudaMemcpyAsync to staging)");
+        e = cudaEventRecord(cb->pinned_done[buf], cb->stream);
+        if (e != cudaSuccess) return cuda_fail(err, e, "download (cudaEventRecord)");
+        if (prev_len) {
+            e = cudaEventSynchronize(cb->pinned_done[buf ^ 1]);
+            if (e != cudaSuccess) return cuda_fail(err, e, "download");
+            memcpy(d + prev_off, cb->pinned[buf ^ 1], prev_len);
+        }
+        prev_off = off;
+        prev_len = len;
+        off += len;
+        buf ^= 1;
+    }
+    e = cudaEventSynchronize(cb->pinned_done[buf ^ 1]);
+    if (e != cudaSuccess) return cuda_fail(err, e, "download");
+    memcpy(d + prev_off, cb->pinned[buf ^ 1], prev_len);
+    return PD_OK;
+}
+
+static int cuda_copy_op(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (bytes == 0) return PD_OK;
+    if (!dst || !src) return pd_errorf(err, PD_EINVAL, "cuda backend: copy with a NULL pointer");
+    const cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cb->stream);
+    return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "copy (cudaMemcpyAsync device to device)");
+}
+
+static int cuda_copy2d_op(pd_backend *be, void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
+                          size_t width, size_t rows, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (width == 0 || rows == 0) return PD_OK;
+    if (!dst || !src) return pd_errorf(err, PD_EINVAL, "cuda backend: copy2d with a NULL pointer");
+    // A single row has no pitch to speak of; cudaMemcpy2D still wants one.
+    if (rows == 1) dst_pitch = src_pitch = width;
+    if (width > dst_pitch || width > src_pitch)
+        return pd_errorf(err, PD_EINVAL, "cuda backend: copy2d rows of %zu bytes exceed the pitch (%zu / %zu)",
+                         width, dst_pitch, src_pitch);
+    const cudaError_t e =
+        cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDeviceToDevice, cb->stream);
+    return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "copy2d (cudaMemcpy2DAsync)");
+}
+
+// dst row r = src row idx[r], rows of `words` elements of T (T picked by the
+// host from the row size and the pointers' alignment).
+template <typename T>
+__global__ void gather_rows_kernel(T *__restrict__ dst, const T *__restrict__ src, const int32_t *__restrict__ idx,
+                                   int64_t n, int64_t words) {
+    const int64_t total = n * words;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int64_t r = i / words, c = i - r * words;
+        dst[i] = src[(int64_t)idx[r] * words + c];
+    }
+}
+
+template <typename T>
+static int gather_launch(cuda_backend *cb, void *dst, const void *src, const int32_t *idx, int64_t n,
+                         size_t row_bytes, pd_error *err) {
+    const int64_t words = (int64_t)(row_bytes / sizeof(T));
+    const int threads = 256;
+    gather_rows_kernel<T><<<cuda_grid_blocks(cb, n * words, threads), threads, 0, cb->stream>>>(
+        (T *)dst, (const T *)src, idx, n, words);
+    return cuda_check_launch(err, "gather");
+}
+
+// One descriptor per blockIdx.x; blockIdx.y and the threads stride over its
+// rows x words. Every pointer, pitch and width was checked to be a
+// multiple of 4 bytes, so whole 32-bit words move.
+typedef struct copy2d_desc_dev {
+    uint32_t *dst;
+    const uint32_t *src;
+    int64_t dst_pitch, src_pitch, words, rows; // pitches in words
+} copy2d_desc_dev;
+
+__global__ void copy2d_batch_kernel(const copy2d_desc_dev *__restrict__ descs) {
+    const copy2d_desc_dev d = descs[blockIdx.x];
+    const int64_t total = d.rows * d.words;
+    const int64_t stride = (int64_t)gridDim.y * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int64_t r = i / d.words, c = i - r * d.words;
+        d.dst[r * d.dst_pitch + c] = d.src[r * d.src_pitch + c];
+    }
+}
+
+// A decode step appends K/V rows to every (sequence, layer, kv head)
+// stream: one upload of descriptors and one launch instead of hundreds of
+// cudaMemcpy2DAsync calls. Copies that are not word-aligned fall back to
+// cudaMemcpy2DAsync one by one.
+static int cuda_copy2d_batch_op(pd_backend *be, const pd_copy2d *d, int64_t n, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (n < 0) return pd_errorf(err, PD_EINVAL, "cuda backend: copy2d_batch of a negative count %lld", (long long)n);
+    bool words = true;
+    int64_t most = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uintptr_t bits = (uintptr_t)d[i].dst | (uintptr_t)d[i].src | d[i].dst_pitch | d[i].src_pitch | d[i].width;
+        if (d[i].rows > 1 && (d[i].width > d[i].dst_pitch || d[i].width > d[i].src_pitch))
+            return pd_errorf(err, PD_EINVAL, "cuda backend: copy2d rows of %zu bytes exceed the pitch (%zu / %zu)",
+                             d[i].width, d[i].dst_pitch, d[i].src_pitch);
+        words &= bits % 4 == 0;
+        const int64_t w = (int64_t)(d[i].rows * d[i].width / 4);
+        most = w > most ? w : most;
+    }
+    if (n == 0 || most == 0) return PD_OK;
+    if (!words || n > INT32_MAX) {
+        for (int64_t i = 0; i < n && !rc; i++)
+            rc = be->ops->copy2d(be, d[i].dst, d[i].dst_pitch, d[i].src, d[i].src_pitch, d[i].width, d[i].rows, err);
+        return rc;
+    }
+    const size_t bytes = (size_t)n * sizeof(copy2d_desc_dev);
+    copy2d_desc_dev *host = (copy2d_desc_dev *)malloc(bytes);
+    if (!host) return pd_errorf(err, PD_ENOMEM, "cuda backend: out of memory for %lld copy descriptors", (long long)n);
+    for (int64_t i = 0; i < n; i++)
+        host[i] = (copy2d_desc_dev){(uint32_t *)d[i].dst, (const uint32_t *)d[i].src, (int64_t)(d[i].dst_pitch / 4),
+                                    (int64_t)(d[i].src_pitch / 4), (int64_t)(d[i].width / 4), (int64_t)d[i].rows};
+    copy2d_desc_dev *dev = (copy2d_desc_dev *)cuda_scratch_get(cb, CUDA_SCRATCH_MISC, bytes, err);
+    rc = dev ? cuda_upload(cb, dev, host, bytes, err) : PD_ENOMEM;
+    free(host);
+    if (rc) return rc;
+    const int threads = 256;
+    int64_t per = (most + threads - 1) / threads;
+    dim3 grid((unsigned)n, (unsigned)(per < 1 ? 1 : per > 64 ? 64 : per));
+    copy2d_batch_kernel<<<grid, threads, 0, cb->stream>>>(dev);
+    return cuda_check_launch(err, "copy2d_batch");
+}
+
+static int cuda_gather_op(pd_backend *be, void *dst, const void *src, const int32_t *idx, int64_t n,
+                          size_t row_bytes, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (n < 0) return pd_errorf(err, PD_EINVAL, "cuda backend: gather of a negative count %lld", (long long)n);
+    if (n == 0 || row_bytes == 0) return PD_OK;
+    if (!dst || !src || !idx) return pd_errorf(err, PD_EINVAL, "cuda backend: gather with a NULL pointer");
+    if ((uint64_t)n > (uint64_t)PTRDIFF_MAX / row_bytes || (uint64_t)n > SIZE_MAX / sizeof(int32_t))
+        return pd_errorf(err, PD_ERANGE, "cuda backend: gather of %lld rows of %zu bytes overflows", (long long)n,
+                         row_bytes);
+    // The source's row count is not known here; negative indices at least
+    // are certainly wrong.
+    for (int64_t i = 0; i < n; i++)
+        if (idx[i] < 0)
+            return pd_errorf(err, PD_EINVAL, "cuda backend: gather index %d at position %lld is negative",
+                             (int)idx[i], (long long)i);
+    const size_t idx_bytes = (size_t)n * sizeof(int32_t);
+    int32_t *idx_dev = (int32_t *)cuda_scratch_get(cb, CUDA_SCRATCH_MISC, idx_bytes, err);
+    if (!idx_dev) return err ? err->code : PD_ENOMEM;
+    rc = cuda_upload(cb, idx_dev, idx, idx_bytes, err);
+    if (rc) return rc;
+    const uintptr_t align = (uintptr_t)dst | (uintptr_t)src;
+    if (row_bytes % 16 == 0 && align % 16 == 0) return gather_launch<uint4>(cb, dst, src, idx_dev, n, row_bytes, err);
+    if (row_bytes % 4 == 0 && align % 4 == 0) return gather_launch<uint32_t>(cb, dst, src, idx_dev, n, row_bytes, err);
+    return gather_launch<uint8_t>(cb, dst, src, idx_dev, n, row_bytes, err);
+}
+
+static int cuda_sync_op(pd_backend *be, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    rc = take_deferred(cb, err);
+    if (rc) return rc;
+    cudaError_t e = cudaStreamSynchronize(cb->stream);
+    if (e != cudaSuccess) return cuda_fail(err, e, "stream synchronize");
+    e = cudaGetLastError();
+    return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "an earlier operation");
+}
+
+/* ------------------------------------------------------------------------
+ * create / free
+ * ------------------------------------------------------------------------ */
+
+// Tear down whatever part of cb exists (creation uses it to unwind).
+static void cuda_destroy(cuda_backend *cb) {
+    if (!cb) return;
+    if (cudaSetDevice(cb->device) != cudaSuccess) (void)cudaGetLastError();
+    if (cb->stream && cudaStreamSynchronize(cb->stream) != cudaSuccess) (void)cudaGetLastError();
+    for (int64_t i = 0; i < cb->n_weights; i++) (void)cudaFree(cb->weights[i].dev);
+    free(cb->weights);
+    free(cb->weight_index);
+    for (size_t i = 0; i < sizeof cb->scratch / sizeof cb->scratch[0]; i++) (void)cudaFree(cb->scratch[i].p);
+    for (int i = 0; i < 2; i++) {
+        if (cb->pinned_done[i]) (void)cudaEventDestroy(cb->pinned_done[i]);
+        if (cb->pinned[i]) (void)cudaFreeHost(cb->pinned[i]);
+    }
+    pd_threadpool_free(cb->host_pool);
+    if (cb->cusolver) (void)cusolverDnDestroy(cb->cusolver);
+    if (cb->cublas) (void)cublasDestroy(cb->cublas);
+    if (cb->stream) (void)cudaStreamDestroy(cb->stream);
+    (void)cudaGetLastError();
+    free(cb);
+}
+
+static void cuda_free_op(pd_backend *be) {
+    if (be) cuda_destroy(cuda_impl(be));
+}
+
+static pd_backend_ops make_cuda_ops(void) {
+    pd_backend_ops o;
+    memset(&o, 0, sizeof o);
+    o.name = "cuda";
+    o.host_memory = false;
+    o.free = cuda_free_op;
+    o.alloc = cuda_alloc_op;
+    o.release = cuda_release_op;
+    o.upload = cuda_upload_op;
+    o.download = cuda_download_op;
+    o.copy = cuda_copy_op;
+    o.copy2d = cuda_copy2d_op;
+    o.copy2d_batch = cuda_copy2d_batch_op;
+    o.gather = cuda_gather_op;
+    o.sync = cuda_sync_op;
+    o.prepare_weight = cuda_prepare_weight;
+    o.matmul = cuda_matmul;
+    o.get_rows = cuda_get_rows;
+    o.rmsnorm = cuda_rmsnorm;
+    o.rope = cuda_rope;
+    o.swiglu = cuda_swiglu;
+    o.add = cuda_add;
+    o.attention = cuda_attention;
+    o.compactor_scores = cuda_compactor_scores;
+    return o;
+}
+
+// The ops table: built on first use (C++ makes that thread-safe),
+// read-only afterwards.
+static const pd_backend_ops *cuda_ops(void) {
+    static const pd_backend_ops ops = make_cuda_ops();
+    return &ops;
+}
+
+#define CREATE_TRY(call, what)                                                                     \
+    do {                                                                                           \
+        const cudaError_t e_ = (call);                                                             \
+        if (e_ != cudaSuccess) {                                                                   \
+            rc = cuda_fail(err, e_, what);                                                         \
+            goto fail;                                                                             \
+        }                                                                                          \
+    } while (0)
+
+extern "C" int pd_backend_cuda_create(int index, pd_backend **out, pd_error *err) {
+    *out = NULL;
+    int count = 0;
+    const cudaError_t ce = cudaGetDeviceCount(&count);
+    if (ce != cudaSuccess) {
+        (void)cudaGetLastError();
+        return pd_errorf(err, PD_ENOTFOUND,
+                         "no usable CUDA device (%s); set model.device = cpu, or auto to fall back to the CPU",
+                         cudaGetErrorString(ce));
+    }
+    if (index < 0 || index >= count)
+        return pd_errorf(err, PD_ENOTFOUND,
+                         "CUDA device %d does not exist: this machine has %d CUDA device%s; set model.device = "
+                         "cpu or auto%s",
+                         index, count, count == 1 ? "" : "s", count > 0 ? ", or cuda:N with N below the count" : "");
+
+    int rc = PD_OK;
+    cublasStatus_t bs;
+    cusolverStatus_t ss;
+    cuda_backend *cb = (cuda_backend *)calloc(1, sizeof *cb);
+    if (!cb) return pd_errorf(err, PD_ENOMEM, "cuda backend: out of host memory");
+    cb->device = index;
+    cb->deferred = cudaSuccess;
+
+    CREATE_TRY(cudaSetDevice(index), "cudaSetDevice");
+    CREATE_TRY(cudaGetDeviceProperties(&cb->prop, index), "cudaGetDeviceProperties");
+    // Non-blocking: no implicit ordering with the legacy default stream that
+    // other code in the process might use.
+    CREATE_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+
+    bs = cublasCreate(&cb->cublas);
+    if (bs != CUBLAS_STATUS_SUCCESS) {
+        cb->cublas = NULL;
+        rc = cublas_fail(err, bs, "cublasCreate");
+        goto fail;
+    }
+    bs = cublasSetStream(cb->cublas, cb->stream);
+    if (bs != CUBLAS_STATUS_SUCCESS) {
+        rc = cublas_fail(err, bs, "cublasSetStream");
+        goto fail;
+    }
+    // Default math: bf16/f16 GEMMs (cublasGemmEx) use tensor cores with f32
+    // accumulation; f32 GEMMs stay full f32 (no TF32), as on the CPU.
+    bs = cublasSetMathMode(cb->cublas, CUBLAS_DEFAULT_MATH);
+    if (bs != CUBLAS_STATUS_SUCCESS) {
+        rc = cublas_fail(err, bs, "cublasSetMathMode");
+        goto fail;
+    }
+    ss = cusolverDnCreate(&cb->cusolver);
+    if (ss != CUSOLVER_STATUS_SUCCESS) {
+        cb->cusolver = NULL;
+        rc = cusolver_fail(err, ss, "cusolverDnCreate");
+        goto fail;
+    }
+    ss = cusolverDnSetStream(cb->cusolver, cb->stream);
+    if (ss != CUSOLVER_STATUS_SUCCESS) {
+        rc = cusolver_fail(err, ss, "cusolverDnSetStream");
+        goto fail;
+    }
+
+    cb->pinned_bytes = CUDA_PINNED_BYTES;
+    for (int i = 0; i < 2; i++) {
+        CREATE_TRY(cudaHostAlloc(&cb->pinned[i], cb->pinned_bytes, cudaHostAllocDefault),
+                   "cudaHostAlloc (pinned staging buffer)");
+        CREATE_TRY(cudaEventCreateWithFlags(&cb->pinned_done[i], cudaEventDisableTiming), "cudaEventCreate");
+    }
+
+    cb->base.ops = cuda_ops();
+    cb->base.impl = cb;
+    *out = &cb->base;
+    return PD_OK;
+
+fail:
+    pd_error_prefix(err, "cuda backend on device %d", index);
+    cuda_destroy(cb);
+    return rc;
+}

@@ -1,0 +1,166 @@
+// The light per-element ops: rmsnorm, rope, swiglu, add. Each mirrors the
+// CPU backend's formula (kernels/cpu/backend_cpu.c and the scalar kernels
+// in simd_scalar.c) operation for operation; the explicit _rn intrinsics
+// keep nvcc from fusing a multiply and an add into one FMA where the CPU
+// rounds twice.
+#include "kernels/cuda/cuda_internal.h"
+
+#include <math.h>
+#include <stdint.h>
+
+/* ------------------------------------------------------------------------
+ * rmsnorm: out = x * (1 / sqrtf(sum(x^2) / dim + eps)) * weight
+ * ------------------------------------------------------------------------ */
+
+// One block per row at a time. As on the CPU: the sum of squares in float,
+// scale = 1.0f / sqrtf(ss / (float)dim + eps) in float, then (x * scale) *
+// weight. Only the summation order differs (lanes and warps instead of the
+// CPU's SIMD lanes). out may equal x: each thread reads x[c] before it
+// writes out[c], and the sum is complete before any write.
+__global__ void rmsnorm_kernel(const float *x, const float *weight, int64_t n, int64_t dim, float eps, float *out) {
+    __shared__ float red[32];
+    for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        float ss = 0.0f;
+        for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) ss = fmaf(xr[c], xr[c], ss);
+        ss = cuda_block_sum(ss, red);
+        const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)dim), eps)));
+        if (weight)
+            for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) o[c] = __fmul_rn(__fmul_rn(xr[c], scale), weight[c]);
+        else
+            for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) o[c] = __fmul_rn(xr[c], scale);
+    }
+}
+
+int cuda_rmsnorm(pd_backend *be, const float *x, const float *weight, int64_t n, int64_t dim, float eps, float *out,
+                 pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (n <= 0 || dim <= 0) return PD_OK;
+    if (!x || !out) return pd_errorf(err, PD_EINVAL, "rmsnorm: NULL input or output");
+    // Few long rows (decode): wide blocks, so one row is not left to 256
+    // threads; many rows: 256 threads per row, many blocks per SM.
+    const int threads = n < 2 * (int64_t)cb->prop.multiProcessorCount && dim >= 4096 ? 1024 : 256;
+    const unsigned blocks = (unsigned)(n < (1 << 20) ? n : (1 << 20));
+    rmsnorm_kernel<<<blocks, threads, 0, cb->stream>>>(x, weight, n, dim, eps, out);
+    return cuda_check_launch(err, "rmsnorm");
+}
+
+/* ------------------------------------------------------------------------
+ * rope
+ * ------------------------------------------------------------------------ */
+
+// Per-pair inverse frequencies, computed on the host with the same libm pow
+// and the same double arithmetic as the CPU backend, passed by value.
+typedef struct rope_table {
+    double inv_freq[PD_ROPE_MAX_FACTORS];
+} rope_table;
+
+// One block per token at a time; thread i handles frequency pair i for
+// every head (its sin/cos computed once). The CPU's precision choices, step
+// by step: theta = pos * inv_freq in double, reduced to [-pi, pi] in double,
+// rounded to float, then a float sin/cos. Here the sin/cos of that float are
+// computed in double and rounded to float: within half an ulp, like glibc's
+// sincosf, so the two nearly always agree (CUDA's sincosf is within 2 ulp).
+__global__ void rope_kernel(float *x, const int32_t *__restrict__ pos, int64_t n, int n_heads, int head_dim, int n_pairs,
+                            int neox, const rope_table tab) {
+    for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
+        const double p = (double)pos[t];
+        for (int i = (int)threadIdx.x; i < n_pairs; i += (int)blockDim.x) {
+            double th = __dmul_rn(p, tab.inv_freq[i]);
+            th = __dsub_rn(th, __dmul_rn(6.283185307179586, nearbyint(__dmul_rn(th, 0.15915494309189535))));
+            const float thf = __double2float_rn(th);
+            double s, c;
+            sincos((double)thf, &s, &c);
+            const float sn = __double2float_rn(s), cs = __double2float_rn(c);
+            // NEOX rotates (x[i], x[i + n_pairs]); NORM the pair (x[2i], x[2i+1]).
+            const int i0 = neox ? i : 2 * i;
+            const int i1 = neox ? i + n_pairs : 2 * i + 1;
+            for (int h = 0; h < n_heads; h++) {
+                float *v = x + (t * n_heads + h) * (int64_t)head_dim;
+                const float x0 = v[i0], x1 = v[i1];
+                v[i0] = __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn));
+                v[i1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
+            }
+        }
+    }
+}
+
+int cuda_rope(pd_backend *be, float *x, const int32_t *pos, int64_t n, int n_heads, int head_dim,
+              const pd_rope_params *p, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (n <= 0 || n_heads <= 0 || head_dim <= 0) return PD_OK;
+    if (!p) return pd_errorf(err, PD_EINVAL, "rope: NULL parameters");
+    if (!x || !pos) return pd_errorf(err, PD_EINVAL, "rope: NULL input or positions");
+    // The CPU's n_rot rules: at most head_dim, rounded down to even.
+    int n_rot = p->n_rot < head_dim ? p->n_rot : head_dim;
+    n_rot &= ~1;
+    if (n_rot <= 0) return PD_OK;
+    const int n_pairs = n_rot / 2;
+    if (n_pairs > PD_ROPE_MAX_FACTORS)
+        return pd_errorf(err, PD_EUNSUPPORTED, "rope: %d rotated dimensions, at most %d supported", n_rot,
+                         2 * PD_ROPE_MAX_FACTORS);
+    rope_table tab;
+    const double base = (double)p->freq_base;
+    for (int i = 0; i < PD_ROPE_MAX_FACTORS; i++) tab.inv_freq[i] = 0.0;
+    for (int i = 0; i < n_pairs; i++) {
+        // theta_i = pos * base^(-2i/n_rot) / freq_factors[i], as the CPU.
+        tab.inv_freq[i] = pow(base, -2.0 * (double)i / (double)n_rot);
+        if (p->freq_factors) tab.inv_freq[i] /= (double)p->freq_factors[i];
+    }
+    const int threads = n_pairs < 128 ? ((n_pairs + 31) / 32) * 32 : 128;
+    const unsigned blocks = (unsigned)(n < (1 << 20) ? n : (1 << 20));
+    rope_kernel<<<blocks, threads, 0, cb->stream>>>(x, pos, n, n_heads, head_dim, n_pairs, p->mode == PD_ROPE_NEOX, tab);
+    return cuda_check_launch(err, "rope");
+}
+
+/* ------------------------------------------------------------------------
+ * swiglu, add
+ * ------------------------------------------------------------------------ */
+
+// out = g / (1 + expf(-g)) * u, the CPU's formula and order. out may equal
+// gate (each element is read before it is written, by the same thread).
+__global__ void swiglu_kernel(const float *gate, const float *__restrict__ up, int64_t n, float *out) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float g = gate[i];
+        out[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
+    }
+}
+
+int cuda_swiglu(pd_backend *be, const float *gate, const float *up, int64_t n, float *out, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (n <= 0) return PD_OK;
+    if (!gate || !up || !out) return pd_errorf(err, PD_EINVAL, "swiglu: NULL input or output");
+    swiglu_kernel<<<cuda_grid_blocks(cb, n, 256), 256, 0, cb->stream>>>(gate, up, n, out);
+    return cuda_check_launch(err, "swiglu");
+}
+
+// y[r][i] += x[r * x_stride + i]: x_stride 0 broadcasts one row (a bias).
+__global__ void add_kernel(float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride) {
+    const int64_t total = rows * width;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += stride) {
+        const int64_t r = e / width, i = e - r * width;
+        y[e] = __fadd_rn(y[e], x[r * x_stride + i]);
+    }
+}
+
+int cuda_add(pd_backend *be, float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (rows <= 0 || width <= 0) return PD_OK;
+    if (!y || !x) return pd_errorf(err, PD_EINVAL, "add: NULL input or output");
+    if (x_stride != 0 && x_stride != width)
+        return pd_errorf(err, PD_EINVAL, "add: x_stride %lld must be 0 (broadcast) or the width %lld",
+                         (long long)x_stride, (long long)width);
+    add_kernel<<<cuda_grid_blocks(cb, rows * width, 256), 256, 0, cb->stream>>>(y, x, rows, width, x_stride);
+    return cuda_check_launch(err, "add");
+}

@@ -1,0 +1,491 @@
+// Weights on the device and the products with them: prepare_weight (the
+// one-time upload, quantized types dequantized to bf16 on the host),
+// matmul (a GEMV kernel for decode-sized batches, cuBLAS for larger ones)
+// and get_rows (embedding lookup).
+#include "kernels/cuda/cuda_internal.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <limits.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+// Batches up to this many tokens use the GEMV kernel (each weight byte read
+// once for all of them); larger ones a cuBLAS GEMM.
+#define GEMV_MAX_N 8
+#define GEMV_THREADS 128
+// x converted to 16-bit per GEMM call at most this many elements at a time,
+// which bounds the MATMUL scratch (64 MiB).
+#define GEMM_X_ELEMS ((int64_t)32 << 20)
+// Quantized weights are dequantized on the host this many bf16 elements
+// (8 MiB) at a time.
+#define DEQUANT_CHUNK_ELEMS ((int64_t)4 << 20)
+
+/* ------------------------------------------------------------------------
+ * device weight types
+ *
+ * Each describes one element type of a device weight: how many elements a
+ * 16-byte vector holds, how to unpack one, and how to read one element.
+ * ------------------------------------------------------------------------ */
+
+struct w_bf16 {
+    static constexpr int per_vec = 8;
+    static __device__ __forceinline__ float lo(uint32_t u) { return __uint_as_float(u << 16); }
+    static __device__ __forceinline__ float hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+    static __device__ __forceinline__ void unpack(const uint4 v, float *f) {
+        // little endian: element 2k is the low half of word k
+        f[0] = lo(v.x), f[1] = hi(v.x), f[2] = lo(v.y), f[3] = hi(v.y);
+        f[4] = lo(v.z), f[5] = hi(v.z), f[6] = lo(v.w), f[7] = hi(v.w);
+    }
+    static __device__ __forceinline__ float load(const void *w, int64_t i) {
+        return __uint_as_float((uint32_t)((const uint16_t *)w)[i] << 16);
+    }
+};
+
+struct w_f16 {
+    static constexpr int per_vec = 8;
+    static __device__ __forceinline__ float lo(uint32_t u) {
+        return __half2float(__ushort_as_half((unsigned short)(u & 0xffffu)));
+    }
+    static __device__ __forceinline__ float hi(uint32_t u) {
+        return __half2float(__ushort_as_half((unsigned short)(u >> 16)));
+    }
+    static __device__ __forceinline__ void unpack(const uint4 v, float *f) {
+        f[0] = lo(v.x), f[1] = hi(v.x), f[2] = lo(v.y), f[3] = hi(v.y);
+        f[4] = lo(v.z), f[5] = hi(v.z), f[6] = lo(v.w), f[7] = hi(v.w);
+    }
+    static __device__ __forceinline__ float load(const void *w, int64_t i) {
+        return __half2float(__ushort_as_half(((const unsigned short *)w)[i]));
+    }
+};
+
+struct w_f32 {
+    static constexpr int per_vec = 4;
+    static __device__ __forceinline__ void unpack(const uint4 v, float *f) {
+        f[0] = __uint_as_float(v.x), f[1] = __uint_as_float(v.y);
+        f[2] = __uint_as_float(v.z), f[3] = __uint_as_float(v.w);
+    }
+    static __device__ __forceinline__ float load(const void *w, int64_t i) { return ((const float *)w)[i]; }
+};
+
+/* ------------------------------------------------------------------------
+ * prepare_weight
+ * ------------------------------------------------------------------------ */
+
+static size_t dev_elem_size(pd_type t) { return t == PD_TYPE_F32 ? 4 : 2; }
+
+// One chunk of rows dequantized to bf16, split across the host pool.
+typedef struct dequant_job {
+    const pd_weight *w;
+    int64_t r0, nr;  // rows [r0, r0 + nr) of w
+    uint16_t *chunk; // [nr][cols] bf16
+    float *rows;     // [n_threads][cols] f32 work rows
+    int *rc;         // [n_threads] first failure of each thread
+    pd_error *errs;  // [n_threads]
+} dequant_job;
+
+static void dequant_worker(void *p, int ith, int nth) {
+    const dequant_job *j = (const dequant_job *)p;
+    const int64_t cols = j->w->cols;
+    float *row = j->rows + (int64_t)ith * cols;
+    for (int64_t r = j->nr * ith / nth; r < j->nr * (ith + 1) / nth; r++) {
+        const uint8_t *src = (const uint8_t *)j->w->data + (size_t)(j->r0 + r) * j->w->row_bytes;
+        const int rc = pd_dequantize_row(j->w->type, src, row, (uint64_t)cols, &j->errs[ith]);
+        if (rc) {
+            j->rc[ith] = rc;
+            return;
+        }
+        uint16_t *dst = j->chunk + r * cols;
+        for (int64_t c = 0; c < cols; c++) dst[c] = pd_fp32_to_bf16(row[c]);
+    }
+}
+
+// Dequantize a quantized weight to bf16 on the host, a bounded chunk of
+// rows at a time on all CPUs, and upload each chunk (upload stages through
+// pinned memory, so the host chunk is reusable as soon as it returns).
+static int upload_dequantized(cuda_backend *cb, const pd_weight *w, uint16_t *dev, pd_error *err) {
+    const int64_t cols = w->cols;
+    int64_t chunk_rows = DEQUANT_CHUNK_ELEMS / cols;
+    if (chunk_rows < 1) chunk_rows = 1;
+    if (chunk_rows > w->rows) chunk_rows = w->rows;
+    if (!cb->host_pool) {
+        pd_error ignored;
+        // Without the pool the rows are done on this thread.
+        if (pd_threadpool_create(0, &cb->host_pool, &ignored) != PD_OK) cb->host_pool = NULL;
+    }
+    const int nth = cb->host_pool ? pd_threadpool_size(cb->host_pool) : 1;
+    dequant_job j;
+    memset(&j, 0, sizeof j);
+    j.w = w;
+    j.rows = (float *)malloc((size_t)nth * (size_t)cols * sizeof(float));
+    j.chunk = (uint16_t *)malloc((size_t)(chunk_rows * cols) * sizeof(uint16_t));
+    j.rc = (int *)calloc((size_t)nth, sizeof(int));
+    j.errs = (pd_error *)calloc((size_t)nth, sizeof(pd_error));
+    int rc = PD_OK;
+    if (!j.rows || !j.chunk || !j.rc || !j.errs) {
+        rc = pd_errorf(err, PD_ENOMEM, "out of host memory dequantizing a weight");
+        goto done;
+    }
+    for (int64_t r0 = 0; r0 < w->rows && !rc; r0 += chunk_rows) {
+        j.r0 = r0;
+        j.nr = w->rows - r0 < chunk_rows ? w->rows - r0 : chunk_rows;
+        if (cb->host_pool)
+            pd_threadpool_run(cb->host_pool, dequant_worker, &j);
+        else
+            dequant_worker(&j, 0, 1);
+        for (int t = 0; t < nth; t++)
+            if (j.rc[t]) {
+                if (err) *err = j.errs[t];
+                rc = j.rc[t];
+                goto done;
+            }
+        rc = cuda_upload(cb, dev + r0 * cols, j.chunk, (size_t)(j.nr * cols) * sizeof(uint16_t), err);
+    }
+done:
+    free(j.rows);
+    free(j.chunk);
+    free(j.rc);
+    free(j.errs);
+    return rc;
+}
+
+// Upload w as a new table entry.
+static int weight_upload(cuda_backend *cb, const pd_weight *w, const cuda_weight_entry **out, pd_error *err) {
+    const pd_type_traits *tr = pd_type_get((uint32_t)w->type);
+    pd_type dev_type;
+    if (w->type == PD_TYPE_F32 || w->type == PD_TYPE_F16 || w->type == PD_TYPE_BF16)
+        dev_type = w->type;
+    else if (tr && tr->can_dequantize)
+        dev_type = PD_TYPE_BF16;
+    else
+        return pd_errorf(err, PD_EUNSUPPORTED, "cuda backend: weights of type %s are not supported",
+                         tr ? tr->name : "(unknown)");
+    // cuBLAS takes int dimensions.
+    if (w->rows > INT_MAX || w->cols > INT_MAX)
+        return pd_errorf(err, PD_ERANGE, "cuda backend: weight of %lld x %lld is too large", (long long)w->rows,
+                         (long long)w->cols);
+    const size_t es = dev_elem_size(dev_type);
+    if (dev_type == w->type && w->row_bytes != (size_t)w->cols * es)
+        return pd_errorf(err, PD_EINVAL, "cuda backend: weight rows of %zu bytes, expected %lld x %zu", w->row_bytes,
+                         (long long)w->cols, es);
+    if ((uint64_t)w->rows > (uint64_t)PTRDIFF_MAX / ((uint64_t)w->cols * es))
+        return pd_errorf(err, PD_ERANGE, "cuda backend: weight of %lld x %lld overflows", (long long)w->rows,
+                         (long long)w->cols);
+    const size_t bytes = (size_t)w->rows * (size_t)w->cols * es;
+
+    void *dev = NULL;
+    int rc = cuda_malloc(cb, &dev, bytes, "a weight", err);
+    if (rc) return rc;
+    if (dev_type == w->type)
+        rc = cuda_upload(cb, dev, w->data, bytes, err);
+    else
+        rc = upload_dequantized(cb, w, (uint16_t *)dev, err);
+    cuda_weight_entry e;
+    memset(&e, 0, sizeof e);
+    e.host = w->data;
+    e.type = w->type;
+    e.rows = w->rows;
+    e.cols = w->cols;
+    e.dev = dev;
+    e.dev_type = dev_type;
+    const cuda_weight_entry *added = rc ? NULL : cuda_weight_add(cb, &e, err);
+    if (!added) {
+        if (!rc) rc = err ? err->code : PD_ENOMEM;
+        // Copies into dev may still be queued.
+        if (cudaStreamSynchronize(cb->stream) != cudaSuccess) (void)cudaGetLastError();
+        (void)cudaFree(dev);
+        return rc;
+    }
+    *out = added;
+    return PD_OK;
+}
+
+// The device copy of w, made now if there is none yet.
+static int weight_get(cuda_backend *cb, const pd_weight *w, const cuda_weight_entry **out, pd_error *err) {
+    *out = NULL;
+    if (!w || !w->data) return pd_errorf(err, PD_EINVAL, "cuda backend: NULL weight");
+    if (w->rows <= 0 || w->cols <= 0)
+        return pd_errorf(err, PD_EINVAL, "cuda backend: empty weight (%lld x %lld)", (long long)w->rows,
+                         (long long)w->cols);
+    const cuda_weight_entry *e = cuda_weight_find(cb, w->data);
+    if (!e) return weight_upload(cb, w, out, err);
+    if (e->type != w->type || e->rows != w->rows || e->cols != w->cols) {
+        const pd_type_traits *a = pd_type_get((uint32_t)e->type), *b = pd_type_get((uint32_t)w->type);
+        return pd_errorf(err, PD_EINVAL,
+                         "cuda backend: the weight at %p was prepared as %s %lld x %lld and is now used as "
+                         "%s %lld x %lld",
+                         w->data, a ? a->name : "?", (long long)e->rows, (long long)e->cols, b ? b->name : "?",
+                         (long long)w->rows, (long long)w->cols);
+    }
+    *out = e;
+    return PD_OK;
+}
+
+int cuda_prepare_weight(pd_backend *be, const pd_weight *w, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    const cuda_weight_entry *e;
+    return weight_get(cb, w, &e, err);
+}
+
+/* ------------------------------------------------------------------------
+ * GEMV: n <= GEMV_MAX_N tokens
+ *
+ * Block b computes rows [b*R, b*R + R) for all N tokens. Its threads split
+ * each row into 16-byte vectors (thread t takes vectors t, t + THREADS,
+ * ...), load the R weight vectors once and multiply them with the matching
+ * x elements of every token, so each weight byte is read from memory once
+ * per call. x (at most 8 x cols floats) is read through the read-only
+ * cache; R rows per block divide that traffic by R. Weights are streamed
+ * with evict-first loads so they do not push x out of the cache. Partial
+ * sums are reduced per warp with shuffles and across the block's warps in
+ * shared memory, in a fixed order.
+ * ------------------------------------------------------------------------ */
+
+template <class WT, int N, int R>
+__global__ void __launch_bounds__(GEMV_THREADS)
+    gemv_kernel(const uint4 *__restrict__ w, const float *__restrict__ x, float *__restrict__ y, int64_t rows,
+                int64_t cols) {
+    constexpr int V = WT::per_vec;
+    const int64_t vecs = cols / V; // the host checked cols % V == 0
+    const int64_t row0 = (int64_t)blockIdx.x * R;
+    float acc[N][R];
+#pragma unroll
+    for (int t = 0; t < N; t++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
+
+    for (int64_t c = threadIdx.x; c < vecs; c += GEMV_THREADS) {
+        float wf[R][V];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            // Rows past the end (last block) re-read the last row; their
+            // sums are never stored.
+            const int64_t row = row0 + r < rows ? row0 + r : rows - 1;
+            WT::unpack(__ldcs(w + row * vecs + c), wf[r]);
+        }
+#pragma unroll
+        for (int t = 0; t < N; t++) {
+            const float4 *xp = (const float4 *)(x + t * cols + c * V);
+            float xf[V];
+#pragma unroll
+            for (int k = 0; k < V / 4; k++) {
+                const float4 q = __ldg(xp + k);
+                xf[4 * k] = q.x, xf[4 * k + 1] = q.y, xf[4 * k + 2] = q.z, xf[4 * k + 3] = q.w;
+            }
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int k = 0; k < V; k++) acc[t][r] = fmaf(wf[r][k], xf[k], acc[t][r]);
+        }
+    }
+
+    __shared__ float part[GEMV_THREADS / 32][N * R];
+    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
+#pragma unroll
+    for (int t = 0; t < N; t++)
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float s = cuda_warp_sum(acc[t][r]);
+            if (lane == 0) part[warp][t * R + r] = s;
+        }
+    __syncthreads();
+    if (threadIdx.x < N * R) {
+        const int t = (int)threadIdx.x / R, r = (int)threadIdx.x % R;
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < GEMV_THREADS / 32; k++) s += part[k][threadIdx.x];
+        if (row0 + r < rows) y[t * rows + row0 + r] = s;
+    }
+}
+
+template <class WT, int N>
+static int gemv_run(cuda_backend *cb, const cuda_weight_entry *e, const float *x, float *y, pd_error *err) {
+    // More rows per block for more tokens: x traffic per weight byte is
+    // about 2N/R (16-bit weights), kept near or below 2.
+    constexpr int R = N <= 2 ? 2 : 4;
+    const int64_t blocks = (e->rows + R - 1) / R; // rows <= INT_MAX
+    gemv_kernel<WT, N, R><<<(unsigned)blocks, GEMV_THREADS, 0, cb->stream>>>((const uint4 *)e->dev, x, y, e->rows,
+                                                                              e->cols);
+    return cuda_check_launch(err, "matmul (gemv)");
+}
+
+template <class WT>
+static int gemv_dispatch(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y,
+                         pd_error *err) {
+    switch (n) {
+    case 1: return gemv_run<WT, 1>(cb, e, x, y, err);
+    case 2: return gemv_run<WT, 2>(cb, e, x, y, err);
+    case 3: return gemv_run<WT, 3>(cb, e, x, y, err);
+    case 4: return gemv_run<WT, 4>(cb, e, x, y, err);
+    case 5: return gemv_run<WT, 5>(cb, e, x, y, err);
+    case 6: return gemv_run<WT, 6>(cb, e, x, y, err);
+    case 7: return gemv_run<WT, 7>(cb, e, x, y, err);
+    case 8: return gemv_run<WT, 8>(cb, e, x, y, err);
+    default: return pd_errorf(err, PD_EINVAL, "cuda backend: gemv of %lld tokens", (long long)n);
+    }
+}
+
+// Fallback for shapes the vector kernel cannot take (cols not a multiple of
+// the vector width, x not 16-byte aligned): one block per row at a time,
+// one token at a time, scalar loads.
+template <class WT>
+__global__ void gemv_generic_kernel(const void *__restrict__ w, const float *__restrict__ x, float *__restrict__ y,
+                                    int64_t rows, int64_t cols, int64_t n) {
+    __shared__ float red[32];
+    for (int64_t row = blockIdx.x; row < rows; row += gridDim.x)
+        for (int64_t t = 0; t < n; t++) {
+            float acc = 0.0f;
+            for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+                acc = fmaf(WT::load(w, row * cols + c), x[t * cols + c], acc);
+            acc = cuda_block_sum(acc, red);
+            if (threadIdx.x == 0) y[t * rows + row] = acc;
+        }
+}
+
+template <class WT>
+static int gemv_any(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y,
+                    pd_error *err) {
+    const bool vec_ok = e->cols % WT::per_vec == 0 && (uintptr_t)x % 16 == 0;
+    if (vec_ok) return gemv_dispatch<WT>(cb, e, x, n, y, err);
+    const unsigned blocks = (unsigned)(e->rows < 65536 ? e->rows : 65536);
+    gemv_generic_kernel<WT><<<blocks, 256, 0, cb->stream>>>(e->dev, x, y, e->rows, e->cols, n);
+    return cuda_check_launch(err, "matmul (generic gemv)");
+}
+
+/* ------------------------------------------------------------------------
+ * GEMM: n > GEMV_MAX_N tokens
+ *
+ * Row-major y[n][rows] is column-major y^T (rows x n, ld rows); row-major
+ * W[rows][cols] is column-major W^T (cols x rows, ld cols), so op(A) = T
+ * gives W; row-major x[n][cols] is column-major x^T (cols x n, ld cols).
+ * Hence y^T = W x^T is GEMM(T, N, m = rows, n = n, k = cols).
+ * ------------------------------------------------------------------------ */
+
+__global__ void f32_to_bf16_kernel(const float *__restrict__ x, __nv_bfloat16 *__restrict__ o, int64_t count) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
+        o[i] = __float2bfloat16_rn(x[i]);
+}
+
+__global__ void f32_to_f16_kernel(const float *__restrict__ x, __half *__restrict__ o, int64_t count) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
+        o[i] = __float2half_rn(x[i]);
+}
+
+static int gemm(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y, pd_error *err) {
+    const int rows = (int)e->rows, cols = (int)e->cols;
+    const float alpha = 1.0f, beta = 0.0f;
+    // Tokens per cuBLAS call: n must fit an int, and for 16-bit weights the
+    // converted x must fit the scratch bound.
+    int64_t chunk = e->dev_type == PD_TYPE_F32 ? INT_MAX : GEMM_X_ELEMS / cols;
+    if (chunk < 1) chunk = 1;
+    void *xs = NULL;
+    if (e->dev_type != PD_TYPE_F32) {
+        const int64_t first = n < chunk ? n : chunk;
+        xs = cuda_scratch_get(cb, CUDA_SCRATCH_MATMUL, (size_t)(first * cols) * 2, err);
+        if (!xs) return err ? err->code : PD_ENOMEM;
+    }
+    for (int64_t t0 = 0; t0 < n; t0 += chunk) {
+        const int nn = (int)(n - t0 < chunk ? n - t0 : chunk);
+        const float *xc = x + t0 * cols;
+        float *yc = y + t0 * rows;
+        cublasStatus_t s;
+        if (e->dev_type == PD_TYPE_F32) {
+            s = cublasSgemm(cb->cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, nn, cols, &alpha, (const float *)e->dev, cols,
+                            xc, cols, &beta, yc, rows);
+            if (s != CUBLAS_STATUS_SUCCESS) return cublas_fail(err, s, "cublasSgemm (matmul)");
+            continue;
+        }
+        // x rounded to the weight's 16-bit type (tensor cores take both
+        // operands in one type), products accumulated in f32.
+        const int64_t count = (int64_t)nn * cols;
+        const unsigned blocks = cuda_grid_blocks(cb, count, 256);
+        cudaDataType_t dt;
+        if (e->dev_type == PD_TYPE_BF16) {
+            f32_to_bf16_kernel<<<blocks, 256, 0, cb->stream>>>(xc, (__nv_bfloat16 *)xs, count);
+            dt = CUDA_R_16BF;
+        } else {
+            f32_to_f16_kernel<<<blocks, 256, 0, cb->stream>>>(xc, (__half *)xs, count);
+            dt = CUDA_R_16F;
+        }
+        const int rc = cuda_check_launch(err, "matmul (convert x)");
+        if (rc) return rc;
+        s = cublasGemmEx(cb->cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, nn, cols, &alpha, e->dev, dt, cols, xs, dt, cols,
+                         &beta, yc, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        if (s != CUBLAS_STATUS_SUCCESS) return cublas_fail(err, s, "cublasGemmEx (matmul)");
+    }
+    return PD_OK;
+}
+
+int cuda_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (n < 0) return pd_errorf(err, PD_EINVAL, "matmul: negative token count %lld", (long long)n);
+    if (n == 0) return PD_OK;
+    if (!x || !y) return pd_errorf(err, PD_EINVAL, "matmul: NULL input or output");
+    const cuda_weight_entry *e;
+    rc = weight_get(cb, w, &e, err);
+    if (rc) return rc;
+    if (n > GEMV_MAX_N) return gemm(cb, e, x, n, y, err);
+    switch (e->dev_type) {
+    case PD_TYPE_BF16: return gemv_any<w_bf16>(cb, e, x, n, y, err);
+    case PD_TYPE_F16: return gemv_any<w_f16>(cb, e, x, n, y, err);
+    default: return gemv_any<w_f32>(cb, e, x, n, y, err);
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * get_rows
+ * ------------------------------------------------------------------------ */
+
+template <class WT>
+__global__ void get_rows_kernel(const void *__restrict__ w, const int32_t *__restrict__ ids, int64_t n, int64_t cols,
+                                float *__restrict__ out) {
+    const int64_t total = n * cols;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int64_t r = i / cols, c = i - r * cols;
+        out[i] = WT::load(w, (int64_t)ids[r] * cols + c);
+    }
+}
+
+int cuda_get_rows(pd_backend *be, const pd_weight *w, const int32_t *ids, int64_t n, float *out, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (n < 0) return pd_errorf(err, PD_EINVAL, "get_rows: negative count %lld", (long long)n);
+    if (n == 0) return PD_OK;
+    if (!ids || !out) return pd_errorf(err, PD_EINVAL, "get_rows: NULL ids or output");
+    if (!w) return pd_errorf(err, PD_EINVAL, "get_rows: NULL weight");
+    // Same check and status as the CPU backend.
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= w->rows)
+            return pd_errorf(err, PD_ERANGE, "get_rows: id %d at index %lld is outside [0, %lld)", (int)ids[i],
+                             (long long)i, (long long)w->rows);
+    const cuda_weight_entry *e;
+    rc = weight_get(cb, w, &e, err);
+    if (rc) return rc;
+    if ((uint64_t)n > SIZE_MAX / sizeof(int32_t))
+        return pd_errorf(err, PD_ERANGE, "get_rows: %lld ids overflow", (long long)n);
+    int32_t *ids_dev = (int32_t *)cuda_scratch_get(cb, CUDA_SCRATCH_MISC, (size_t)n * sizeof(int32_t), err);
+    if (!ids_dev) return err ? err->code : PD_ENOMEM;
+    rc = cuda_upload(cb, ids_dev, ids, (size_t)n * sizeof(int32_t), err);
+    if (rc) return rc;
+    const unsigned blocks = cuda_grid_blocks(cb, n * e->cols, 256);
+    switch (e->dev_type) {
+    case PD_TYPE_BF16:
+        get_rows_kernel<w_bf16><<<blocks, 256, 0, cb->stream>>>(e->dev, ids_dev, n, e->cols, out);
+        break;
+    case PD_TYPE_F16:
+        get_rows_kernel<w_f16><<<blocks, 256, 0, cb->stream>>>(e->dev, ids_dev, n, e->cols, out);
+        break;
+    default: get_rows_kernel<w_f32><<<blocks, 256, 0, cb->stream>>>(e->dev, ids_dev, n, e->cols, out); break;
+    }
+    return cuda_check_launch(err, "get_rows");
+}

@@ -1,0 +1,381 @@
+/* kernels/device.c: where the model computes. pd_device_parse /
+ * pd_device_format round trips and errors (and that config's model.device
+ * reads the same strings the same way), pd_backend_create for cpu, auto and
+ * cuda (failing cleanly without a GPU), and the device choice end to end:
+ * prefixd with model.device and prefixctl with --device.
+ *
+ * Tests whose expectation depends on the machine skip where it has the
+ * other kind: the "no GPU" tests skip on a GPU host, the "GPU" tests skip
+ * without one. */
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "config/config.h"
+#include "helpers.h"
+#include "kernels/kernels.h"
+#include "tools/tools.h"
+
+static bool contains(const char *haystack, const char *needle) {
+    return haystack && strstr(haystack, needle) != NULL;
+}
+
+/* What the build and the machine offer, for the tests that depend on it. */
+static bool have_cuda_device(void) { return pd_cuda_compiled() && pd_cuda_device_count() > 0; }
+
+/* ------------------------------------------------------------------------
+ * Parsing and formatting
+ * ------------------------------------------------------------------------ */
+
+typedef struct device_case {
+    const char *text;
+    pd_device_kind kind;
+    int index;
+    const char *canonical;
+} device_case;
+
+static const device_case good_devices[] = {
+    {"cpu", PD_DEVICE_CPU, 0, "cpu"},         {"CPU", PD_DEVICE_CPU, 0, "cpu"},
+    {"Cpu", PD_DEVICE_CPU, 0, "cpu"},         {"auto", PD_DEVICE_AUTO, 0, "auto"},
+    {"AUTO", PD_DEVICE_AUTO, 0, "auto"},      {"cuda", PD_DEVICE_CUDA, 0, "cuda:0"},
+    {"CUDA", PD_DEVICE_CUDA, 0, "cuda:0"},    {"cuda:0", PD_DEVICE_CUDA, 0, "cuda:0"},
+    {"cuda:1", PD_DEVICE_CUDA, 1, "cuda:1"},  {"Cuda:7", PD_DEVICE_CUDA, 7, "cuda:7"},
+    {"cuda:42", PD_DEVICE_CUDA, 42, "cuda:42"}, {"cuda:255", PD_DEVICE_CUDA, 255, "cuda:255"},
+    {"cuda:007", PD_DEVICE_CUDA, 7, "cuda:7"},
+};
+
+static const char *const bad_devices[] = {
+    "",        "gpu",      "cuda:",     "cuda:256", "cuda:-1",  "cuda:+1",   "cuda: 1",
+    "cuda:1 ", " cpu",     "cpu ",      "cuda:1x",  "cuda:0x1", "cuda:1000", "cuda:0007",
+    "cuda0",   "cuda:1:2", "cpu:0",     "auto:0",   "cudas",    "metal",     "rocm:0",
+    "cuda:1.", "c",        "cuda:\xff",
+};
+
+Test(device, parse_accepts_the_documented_forms) {
+    for (size_t i = 0; i < sizeof good_devices / sizeof good_devices[0]; i++) {
+        const device_case *c = &good_devices[i];
+        pd_device d = {.kind = PD_DEVICE_AUTO, .index = 99};
+        pd_error err = {0};
+        cr_assert_eq(pd_device_parse(c->text, &d, &err), PD_OK, "'%s': %s", c->text, err.msg);
+        cr_assert_eq(d.kind, c->kind, "'%s'", c->text);
+        cr_assert_eq(d.index, c->index, "'%s'", c->text);
+    }
+}
+
+Test(device, format_is_canonical_and_round_trips) {
+    for (size_t i = 0; i < sizeof good_devices / sizeof good_devices[0]; i++) {
+        const device_case *c = &good_devices[i];
+        pd_device d, back;
+        pd_error err = {0};
+        cr_assert_eq(pd_device_parse(c->text, &d, &err), PD_OK, "%s", err.msg);
+        char buf[16];
+        pd_device_format(&d, buf, sizeof buf);
+        cr_assert_str_eq(buf, c->canonical, "'%s'", c->text);
+        cr_assert_eq(pd_device_parse(buf, &back, &err), PD_OK, "'%s': %s", buf, err.msg);
+        cr_assert_eq(back.kind, d.kind);
+        cr_assert_eq(back.index, d.index);
+    }
+    /* A short buffer is cut, still terminated. */
+    pd_device d = {.kind = PD_DEVICE_CUDA, .index = 123};
+    char small[5];
+    memset(small, 'x', sizeof small);
+    pd_device_format(&d, small, sizeof small);
+    cr_assert_str_eq(small, "cuda");
+}
+
+Test(device, parse_errors_list_the_accepted_forms) {
+    for (size_t i = 0; i < sizeof bad_devices / sizeof bad_devices[0]; i++) {
+        const char *text = bad_devices[i];
+        pd_device d = {.kind = PD_DEVICE_CUDA, .index = 3};
+        pd_error err = {0};
+        int rc = pd_device_parse(text, &d, &err);
+        cr_assert_eq(rc, PD_EINVAL, "'%s' was accepted", text);
+        cr_assert_eq(err.code, PD_EINVAL);
+        cr_assert(contains(err.msg, "is not one of cpu, cuda, cuda:N (N = 0..255) or auto"), "'%s': %s",
+                  text, err.msg);
+        cr_assert(d.kind == PD_DEVICE_CUDA && d.index == 3, "a failed parse changed the output");
+    }
+    pd_device d;
+    pd_error err = {0};
+    cr_assert_eq(pd_device_parse("tpu", &d, &err), PD_EINVAL);
+    cr_assert(contains(err.msg, "'tpu'"), "the message should echo the text: %s", err.msg);
+    /* Long or binary input is echoed cut and printable. */
+    char long_text[300];
+    memset(long_text, 'z', sizeof long_text - 1);
+    long_text[sizeof long_text - 1] = '\0';
+    cr_assert_eq(pd_device_parse(long_text, &d, &err), PD_EINVAL);
+    cr_assert(strlen(err.msg) < 200 && contains(err.msg, "..."), "%s", err.msg);
+    cr_assert_eq(pd_device_parse("cuda:\x1b[2J", &d, &err), PD_EINVAL);
+    cr_assert(!strchr(err.msg, '\x1b'), "a control byte reached the message");
+    cr_assert_eq(pd_device_parse(NULL, &d, &err), PD_EINVAL);
+}
+
+/* config/config.c parses model.device itself (config does not depend on
+ * kernels/): it must accept exactly what pd_device_parse accepts, read it the
+ * same way and word its refusal the same way. */
+Test(device, config_reads_model_device_like_pd_device_parse) {
+    const size_t n_good = sizeof good_devices / sizeof good_devices[0];
+    const size_t n_bad = sizeof bad_devices / sizeof bad_devices[0];
+    for (size_t i = 0; i < n_good + n_bad; i++) {
+        const char *text = i < n_good ? good_devices[i].text : bad_devices[i - n_good];
+        pd_device d;
+        pd_error kerr = {0}, cerr = {0};
+        int krc = pd_device_parse(text, &d, &kerr);
+        pd_config cfg;
+        pd_config_defaults(&cfg);
+        char set[64];
+        snprintf(set, sizeof set, "model.device=%s", text);
+        int crc = pd_config_set(&cfg, set, &cerr);
+        /* --set trims the value, as a config file does; compare untrimmed
+         * texts only where trimming changes nothing. */
+        size_t len = strlen(text);
+        if (len && (text[0] == ' ' || text[len - 1] == ' ')) continue;
+        cr_assert_eq(krc == PD_OK, crc == PD_OK, "'%s': kernels %d (%s), config %d (%s)", text, krc,
+                     kerr.msg, crc, cerr.msg);
+        if (krc == PD_OK) {
+            char kbuf[16], cbuf[PD_CONFIG_DEVICE_TEXT_CAP];
+            pd_device_format(&d, kbuf, sizeof kbuf);
+            pd_config_device_text(&cfg, cbuf, sizeof cbuf);
+            cr_assert_str_eq(kbuf, cbuf, "'%s'", text);
+            cr_assert_eq((int)cfg.model.device, (int)d.kind, "'%s'", text);
+            cr_assert_eq(cfg.model.device_index, d.index, "'%s'", text);
+        } else {
+            const char *kp = strstr(kerr.msg, "is not one of");
+            const char *cp = strstr(cerr.msg, "is not one of");
+            cr_assert(kp && cp, "'%s': kernels '%s', config '%s'", text, kerr.msg, cerr.msg);
+            cr_assert_str_eq(kp, cp, "'%s'", text);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * pd_backend_create
+ * ------------------------------------------------------------------------ */
+
+Test(device, cpu_creates_the_cpu_backend) {
+    pd_device d = {.kind = PD_DEVICE_CPU};
+    pd_backend *be = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_backend_create(&d, 2, &be, &err), PD_OK, "%s", err.msg);
+    cr_assert_not_null(be);
+    cr_assert_not_null(be->ops);
+    cr_assert(be->ops->host_memory);
+    cr_assert_not_null(be->ops->name);
+    /* It is a working backend: one op through it. */
+    float x[4] = {1, 2, 3, 4}, y[4] = {10, 20, 30, 40};
+    cr_assert_eq(be->ops->add(be, y, x, 1, 4, 4, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(y[3], 44.0f);
+    pd_backend_free(be);
+}
+
+Test(device, auto_without_a_gpu_is_the_cpu) {
+    if (have_cuda_device()) cr_skip_test("this machine has a CUDA device; auto picks it");
+    pd_device d = {.kind = PD_DEVICE_AUTO};
+    pd_backend *be = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_backend_create(&d, 1, &be, &err), PD_OK, "%s", err.msg);
+    cr_assert_not_null(be);
+    cr_assert(be->ops->host_memory, "auto without a GPU must give the CPU backend, got %s", be->ops->name);
+    pd_backend_free(be);
+}
+
+Test(device, cuda_without_a_gpu_fails_naming_model_device) {
+    if (have_cuda_device()) cr_skip_test("this machine has a CUDA device");
+    const char *texts[] = {"cuda", "cuda:0", "cuda:3"};
+    for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
+        pd_device d;
+        pd_error err = {0};
+        cr_assert_eq(pd_device_parse(texts[i], &d, &err), PD_OK);
+        static pd_backend sentinel;
+        pd_backend *be = &sentinel; /* must be reset to NULL */
+        int rc = pd_backend_create(&d, 1, &be, &err);
+        cr_assert(rc == PD_ENOTFOUND || rc == PD_EUNSUPPORTED, "%s: rc %d (%s)", texts[i], rc, err.msg);
+        cr_assert_eq(err.code, rc);
+        cr_assert_null(be);
+        cr_assert(contains(err.msg, "model.device"), "%s: %s", texts[i], err.msg);
+        if (!pd_cuda_compiled())
+            cr_assert(contains(err.msg, "no CUDA backend") && contains(err.msg, "model.device = cpu"), "%s",
+                      err.msg);
+        else
+            cr_assert(contains(err.msg, "found none") && contains(err.msg, "cpu or auto"), "%s", err.msg);
+    }
+}
+
+Test(device, a_device_index_past_the_last_fails_everywhere) {
+    int count = pd_cuda_device_count();
+    if (count > 200) cr_skip_test("this machine has over 200 CUDA devices");
+    pd_device d = {.kind = PD_DEVICE_CUDA, .index = 200};
+    pd_backend *be = NULL;
+    pd_error err = {0};
+    int rc = pd_backend_create(&d, 1, &be, &err);
+    cr_assert(rc == PD_ENOTFOUND || rc == PD_EUNSUPPORTED, "rc %d (%s)", rc, err.msg);
+    cr_assert_null(be);
+    cr_assert(contains(err.msg, "200") && contains(err.msg, "model.device"), "%s", err.msg);
+    if (count > 0) {
+        char found[32];
+        snprintf(found, sizeof found, "found %d", count);
+        cr_assert(contains(err.msg, found), "%s", err.msg);
+    }
+}
+
+Test(device, out_of_range_structs_are_refused) {
+    const pd_device bad[] = {
+        {.kind = PD_DEVICE_CUDA, .index = -1},
+        {.kind = PD_DEVICE_CUDA, .index = 256},
+        {.kind = (pd_device_kind)9, .index = 0},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        pd_backend *be = NULL;
+        pd_error err = {0};
+        cr_assert_eq(pd_backend_create(&bad[i], 1, &be, &err), PD_EINVAL, "case %zu: %s", i, err.msg);
+        cr_assert_null(be);
+    }
+    char buf[32];
+    pd_device_format(&bad[2], buf, sizeof buf);
+    cr_assert(strncmp(buf, "cpu", 3) != 0 && strncmp(buf, "cuda", 4) != 0 && strcmp(buf, "auto") != 0, "%s", buf);
+}
+
+/* On a GPU host: auto and cuda:0 give a device backend. */
+Test(device, with_a_gpu_auto_and_cuda_give_the_device) {
+    if (!have_cuda_device()) cr_skip_test("no CUDA device (compiled in: %s)", pd_cuda_compiled() ? "yes" : "no");
+    const pd_device devs[] = {{.kind = PD_DEVICE_AUTO}, {.kind = PD_DEVICE_CUDA, .index = 0}};
+    for (size_t i = 0; i < 2; i++) {
+        pd_backend *be = NULL;
+        pd_error err = {0};
+        cr_assert_eq(pd_backend_create(&devs[i], 1, &be, &err), PD_OK, "case %zu: %s", i, err.msg);
+        cr_assert_not_null(be);
+        cr_assert(!be->ops->host_memory, "case %zu: got the %s backend", i, be->ops->name);
+        pd_backend_free(be);
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * End to end: prefixd and prefixctl
+ * ------------------------------------------------------------------------ */
+
+static char *tmpdir;
+static char model_path[1024];
+
+/* A scratch directory with a tiny generated model in it. */
+static void setup_model(void) {
+    tmpdir = th_mkdtemp();
+    cr_assert_not_null(tmpdir);
+    pd_testmodel_opts o;
+    pd_error err = {0};
+    cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
+    snprintf(model_path, sizeof model_path, "%s/tiny.gguf", tmpdir);
+    cr_assert_eq(pd_testmodel_write(&o, model_path, NULL, &err), PD_OK, "%s", err.msg);
+}
+
+static void teardown_model(void) {
+    th_rmtree(tmpdir);
+    free(tmpdir);
+    tmpdir = NULL;
+}
+
+static const char *env_path(const char *name) {
+    const char *p = getenv(name);
+    cr_assert_not_null(p, "%s is not set (run through meson test)", name);
+    return p;
+}
+
+Test(device_cli, prefixd_with_a_missing_cuda_device_exits_before_serving, .init = setup_model,
+     .fini = teardown_model, .timeout = 60) {
+    if (pd_cuda_device_count() > 7) cr_skip_test("this machine has a CUDA device 7");
+    char *out = NULL;
+    int port = th_free_port();
+    int status = th_runf(&out,
+                         "'%s' --set model.path='%s' --set cache.path='%s/store' --set cache.map_size_mb=64 "
+                         "--set server.port=%d --set model.device=cuda:7 2>&1",
+                         env_path("PD_PREFIXD"), model_path, tmpdir, port);
+    cr_assert_eq(status, 1, "status %d (want 1, a runtime failure), output:\n%s", status, out ? out : "");
+    cr_assert(contains(out, "prefixd: ") && contains(out, "model.device"), "%s", out);
+    cr_assert(contains(out, "cuda:7") || contains(out, "device 7"), "%s", out);
+    /* The backend is chosen before the port opens or the model loads. */
+    cr_assert(!contains(out, "listening on"), "%s", out);
+    cr_assert(!contains(out, "serving"), "%s", out);
+    free(out);
+}
+
+Test(device_cli, prefixd_check_config_reports_the_device_without_opening_it) {
+    char *out = NULL;
+    int status = th_runf(&out, "'%s' --check-config --set model.device=cuda:7", env_path("PD_PREFIXD"));
+    cr_assert_eq(status, 0, "status %d, output:\n%s", status, out ? out : "");
+    cr_assert(contains(out, "\ndevice = cuda:7\n"), "%s", out);
+    free(out);
+}
+
+Test(device_cli, prefixd_logs_the_chosen_backend, .init = setup_model, .fini = teardown_model, .timeout = 120) {
+    if (system("curl --version >/dev/null 2>&1") != 0) cr_skip_test("curl is not installed");
+    if (have_cuda_device()) cr_skip_test("this machine has a CUDA device: auto would not pick the CPU");
+    char args[4096], log[1200];
+    snprintf(args, sizeof args,
+             "--set model.path=%s --set cache.path=%s/store --set cache.map_size_mb=64 --set model.n_threads=2 "
+             "--set model.device=auto",
+             model_path, tmpdir);
+    snprintf(log, sizeof log, "%s/prefixd.log", tmpdir);
+    int port = 0;
+    pid_t pid = th_daemon_start(args, log, &port);
+    int st = th_daemon_stop(&pid, SIGTERM);
+    (void)st;
+    char *text = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_read_file(log, &text, NULL, &err), PD_OK, "%s", err.msg);
+    char want[64];
+    snprintf(want, sizeof want, "prefixd: compute: cpu (%s, 2 threads)", pd_cpu_simd_name());
+    cr_assert(contains(text, want), "log lacks '%s':\n%s", want, text);
+    free(text);
+}
+
+Test(device_cli, prefixctl_generate_with_a_missing_cuda_device_fails_cleanly, .init = setup_model,
+     .fini = teardown_model, .timeout = 60) {
+    if (pd_cuda_device_count() > 7) cr_skip_test("this machine has a CUDA device 7");
+    char *out = NULL;
+    int status = th_runf(&out, "'%s' generate --model '%s' --prompt 'hello' -n 4 --device cuda:7 2>&1",
+                         env_path("PD_PREFIXCTL"), model_path);
+    cr_assert_eq(status, 1, "status %d, output:\n%s", status, out ? out : "");
+    cr_assert(contains(out, "prefixctl: --device cuda:7: "), "%s", out);
+    cr_assert(contains(out, "model.device"), "%s", out);
+    free(out);
+    /* A malformed device is a usage error, before the model is read. */
+    status = th_runf(&out, "'%s' generate --model /nonexistent.gguf --prompt 'hello' --device gpu 2>&1",
+                     env_path("PD_PREFIXCTL"));
+    cr_assert_eq(status, 2, "status %d, output:\n%s", status, out ? out : "");
+    cr_assert(contains(out, "prefixctl generate: --device: device 'gpu' is not one of cpu, cuda"), "%s", out);
+    free(out);
+}
+
+Test(device_cli, prefixctl_runs_on_cpu_and_auto, .init = setup_model, .fini = teardown_model, .timeout = 120) {
+    char *cpu = NULL, *dflt = NULL;
+    const char *ctl = env_path("PD_PREFIXCTL");
+    int status = th_runf(&cpu,
+                         "'%s' generate --model '%s' --prompt 'hello' -n 8 --ids --threads 1 --device CPU "
+                         "2>/dev/null",
+                         ctl, model_path);
+    cr_assert_eq(status, 0, "status %d, output:\n%s", status, cpu ? cpu : "");
+    /* Without --device the tool runs on the CPU, as before the option. */
+    status = th_runf(&dflt, "'%s' generate --model '%s' --prompt 'hello' -n 8 --ids --threads 1 2>/dev/null", ctl,
+                     model_path);
+    cr_assert_eq(status, 0);
+    cr_assert_str_eq(cpu, dflt);
+    free(dflt);
+    if (!have_cuda_device()) {
+        char *aut = NULL;
+        status = th_runf(&aut,
+                         "'%s' generate --model '%s' --prompt 'hello' -n 8 --ids --threads 1 --device auto "
+                         "2>/dev/null",
+                         ctl, model_path);
+        cr_assert_eq(status, 0);
+        cr_assert_str_eq(aut, cpu, "auto without a GPU runs on the CPU and agrees with it");
+        free(aut);
+    }
+    free(cpu);
+    char *nll = NULL;
+    status = th_runf(&nll, "'%s' nll --model '%s' --context 'once upon' --text ' a time' --device cpu 2>&1", ctl,
+                     model_path);
+    cr_assert_eq(status, 0, "status %d, output:\n%s", status, nll ? nll : "");
+    free(nll);
+}
