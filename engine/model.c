@@ -288,6 +288,16 @@ int pd_model_load(const char *path, const pd_model_params *params, pd_model **ou
 void pd_model_free(pd_model *m) {
     if (!m) return;
     if (m->backend) {
+        pd_backend *be = m->backend;
+        if (be->ops->forget_weight && m->layers) {
+            be->ops->forget_weight(be, &m->tok_embd);
+            if (!m->hp.tied_output) be->ops->forget_weight(be, &m->output);
+            for (int l = 0; l < m->hp.n_layer; l++) {
+                const layer_weights *L = &m->layers[l];
+                const pd_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+                for (size_t i = 0; i < sizeof ws / sizeof *ws; i++) be->ops->forget_weight(be, ws[i]);
+            }
+        }
         if (m->dev_norms != m->norms) m->backend->ops->release(m->backend, m->dev_norms);
         m->backend->ops->release(m->backend, m->scratch.dev);
     }

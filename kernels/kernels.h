@@ -271,6 +271,10 @@ typedef struct pd_backend_ops {
     int (*sync)(pd_backend *be, pd_error *err);
     /* Make the backend's copy of a weight now (NULL on host backends). */
     int (*prepare_weight)(pd_backend *be, const pd_weight *w, pd_error *err);
+    /* Drop the backend's copy of a weight (NULL on host backends): called
+     * when a model is freed, since another file mapped later at the same
+     * address must not find stale weights. */
+    void (*forget_weight)(pd_backend *be, const pd_weight *w);
 
     /* ---- compute ---- */
     /* y[i][r] = dot(W[r,:], x[i,:]) for i < n: y is [n][rows], x is [n][cols].
@@ -331,6 +335,12 @@ struct pd_backend {
  * Creation also sets OpenBLAS to one thread (process-wide): the backend
  * parallelises GEMM tiles on its own pool. */
 int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err);
+/* The same CPU backend presenting itself as a device with memory of its
+ * own (host_memory = false, name "cpu-discrete"): callers then take every
+ * path they take on a GPU (uploads, downloads, batched copies, prefix
+ * upload, hook copies) with the CPU's arithmetic. Machines without a GPU
+ * (CI) test the engine's device paths with it; results equal the CPU's. */
+int pd_backend_cpu_discrete_create(int n_threads, pd_backend **out, pd_error *err);
 static inline void pd_backend_free(pd_backend *be) {
     if (be) be->ops->free(be);
 }

@@ -385,28 +385,39 @@ static void cpu_free(pd_backend *be) {
     free(cb);
 }
 
+/* Every op but the name and the memory model, shared by both tables. */
+#define CPU_OPS \
+    .free = cpu_free, \
+    .alloc = cpu_alloc, \
+    .release = cpu_release, \
+    .upload = cpu_copy, \
+    .download = cpu_copy, \
+    .copy = cpu_copy, \
+    .copy2d = cpu_copy2d, \
+    .copy2d_batch = cpu_copy2d_batch, \
+    .gather = cpu_gather, \
+    .sync = cpu_sync, \
+    .prepare_weight = NULL, \
+    .forget_weight = NULL, \
+    .matmul = cpu_matmul, \
+    .get_rows = cpu_get_rows, \
+    .rmsnorm = cpu_rmsnorm, \
+    .rope = cpu_rope, \
+    .swiglu = cpu_swiglu, \
+    .add = cpu_add, \
+    .attention = cpu_attention, \
+    .compactor_scores = NULL,
+
 static const pd_backend_ops cpu_ops = {
     .name = "cpu",
     .host_memory = true,
-    .free = cpu_free,
-    .alloc = cpu_alloc,
-    .release = cpu_release,
-    .upload = cpu_copy,
-    .download = cpu_copy,
-    .copy = cpu_copy,
-    .copy2d = cpu_copy2d,
-    .copy2d_batch = cpu_copy2d_batch,
-    .gather = cpu_gather,
-    .sync = cpu_sync,
-    .prepare_weight = NULL,
-    .matmul = cpu_matmul,
-    .get_rows = cpu_get_rows,
-    .rmsnorm = cpu_rmsnorm,
-    .rope = cpu_rope,
-    .swiglu = cpu_swiglu,
-    .add = cpu_add,
-    .attention = cpu_attention,
-    .compactor_scores = NULL,
+    CPU_OPS
+};
+
+static const pd_backend_ops cpu_discrete_ops = {
+    .name = "cpu-discrete",
+    .host_memory = false,
+    CPU_OPS
 };
 
 int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err) {
@@ -461,6 +472,12 @@ int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err) {
     cb->base.impl = cb;
     *out = &cb->base;
     return PD_OK;
+}
+
+int pd_backend_cpu_discrete_create(int n_threads, pd_backend **out, pd_error *err) {
+    int rc = pd_backend_cpu_create(n_threads, out, err);
+    if (!rc) (*out)->ops = &cpu_discrete_ops;
+    return rc;
 }
 
 void pd_cpu_prepare_process(char **argv) {

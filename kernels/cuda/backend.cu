@@ -169,6 +169,21 @@ static void index_insert(int64_t *index, int64_t slots, const void *host, int64_
     index[i] = entry + 1;
 }
 
+// Swap-remove the entry and rebuild the index: only a model's teardown
+// calls this, a few hundred weights at most.
+static void cuda_forget_weight_op(pd_backend *be, const pd_weight *w) {
+    cuda_backend *cb = cuda_impl(be);
+    if (!w || cuda_enter(cb, NULL) != PD_OK) return;
+    cuda_weight_entry *e = cuda_weight_find(cb, w->data);
+    if (!e) return;
+    // Kernels queued earlier may still read it.
+    (void)cudaStreamSynchronize(cb->stream);
+    (void)cudaFree(e->dev);
+    *e = cb->weights[--cb->n_weights];
+    for (int64_t i = 0; i < cb->weight_slots; i++) cb->weight_index[i] = 0;
+    for (int64_t i = 0; i < cb->n_weights; i++) index_insert(cb->weight_index, cb->weight_slots, cb->weights[i].host, i);
+}
+
 cuda_weight_entry *cuda_weight_add(cuda_backend *cb, const cuda_weight_entry *e, pd_error *err) {
     if (cb->n_weights == cb->cap_weights) {
         const int64_t cap = cb->cap_weights ? cb->cap_weights * 2 : 64;
@@ -540,6 +555,7 @@ static pd_backend_ops make_cuda_ops(void) {
     o.copy = cuda_copy_op;
     o.copy2d = cuda_copy2d_op;
     o.copy2d_batch = cuda_copy2d_batch_op;
+    o.forget_weight = cuda_forget_weight_op;
     o.gather = cuda_gather_op;
     o.sync = cuda_sync_op;
     o.prepare_weight = cuda_prepare_weight;
