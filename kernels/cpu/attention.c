@@ -368,7 +368,7 @@ int cpu_attention(pd_backend *be, const pd_attn_args *a, pd_error *err) {
             break;
         }
         if (t1 == t0) continue;
-        memcpy(views, a->shared, sizeof *views * (size_t)(a->n_shared * nkv));
+        if (a->n_shared > 0) memcpy(views, a->shared, sizeof *views * (size_t)(a->n_shared * nkv));
         if (a->n_segments > 0)
             memcpy(views + a->n_shared * nkv, a->kv + (size_t)g * (size_t)(a->n_segments * nkv),
                    sizeof *views * (size_t)(a->n_segments * nkv));
