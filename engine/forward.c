@@ -228,11 +228,7 @@ static int attend(pd_model *m, const fwd_entry *es, int i0, int i1, int64_t r0, 
         rc = pd_errorf(err, PD_ENOMEM, "out of memory for attention views");
         goto done;
     }
-    if (prefix) {
-        const kv_stream *ps;
-        if ((rc = kv_prefix_streams_for(prefix, m->backend, &ps, err))) goto done;
-        stream_views(ps, nkv, layer, shared);
-    }
+    if (prefix) stream_views(es[i0].seq->prefix_streams, nkv, layer, shared);
     for (int g = 0; g < n_groups; g++) {
         const fwd_entry *e = &es[i0 + g];
         stream_views(e->seq->streams, nkv, layer, own + (int64_t)g * nkv);

@@ -221,7 +221,9 @@ static int upload_prefix(pd_kv_prefix *p, pd_backend *be, pd_error *err) {
     return PD_OK;
 }
 
-int kv_prefix_streams_for(const pd_kv_prefix *cp, pd_backend *be, const kv_stream **out, pd_error *err) {
+/* The prefix's streams as the backend reads them, uploading the prefix on
+ * its first attach on a device backend. */
+static int kv_prefix_streams_for(const pd_kv_prefix *cp, pd_backend *be, const kv_stream **out, pd_error *err) {
     if (!on_device(be)) {
         *out = cp->streams;
         return PD_OK;
@@ -300,6 +302,7 @@ int pd_seq_attach_prefix(pd_seq *s, const pd_kv_prefix *p, pd_error *err) {
     int rc = kv_prefix_streams_for(p, s->model->backend, &streams, err);
     if (rc) return rc;
     s->prefix = p;
+    s->prefix_streams = streams;
     s->next_pos = p->n_orig;
     return PD_OK;
 }

@@ -71,6 +71,7 @@ struct pd_kv_prefix {
 struct pd_seq {
     pd_model *model;
     const pd_kv_prefix *prefix;
+    const kv_stream *prefix_streams; /* the prefix's streams in the model's backend memory */
     int32_t n_ctx;
     int32_t next_pos;
     kv_stream *streams; /* [n_layer][n_head_kv] */
@@ -80,8 +81,5 @@ struct pd_seq {
  * host backend means plain heap memory. */
 int kv_stream_reserve(kv_stream *s, pd_backend *be, int64_t cap, int head_dim, pd_error *err);
 void kv_stream_free(kv_stream *s, pd_backend *be);
-/* The prefix's streams as the model's backend reads them (uploading the
- * prefix on first use on a device backend). */
-int kv_prefix_streams_for(const pd_kv_prefix *p, pd_backend *be, const kv_stream **out, pd_error *err);
 
 #endif
