@@ -3,6 +3,8 @@
 
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
+EMU_BUILD  ?= build-cudaemu
+TSAN_EMU_BUILD ?= build-cudaemu-tsan
 MESON_OPTS ?=
 SHARED     ?= $(abspath ../shared/models)
 FUZZ_SECS  ?= 600
@@ -12,7 +14,7 @@ export PATH := $(PATH):/usr/local/cuda/bin
 
 DEFAULT_MODEL := $(if $(wildcard $(SHARED)/tinystories/stories260K.gguf),$(SHARED)/tinystories/stories260K.gguf,models/default.gguf)
 
-.PHONY: all deps build test test-asan run bench bench-gpu bench-store eval fuzz clean bench-serve
+.PHONY: all deps build test test-asan test-cudaemu run bench bench-gpu bench-store eval fuzz clean bench-serve
 
 all: build
 
@@ -39,6 +41,26 @@ test-asan: deps $(ASAN_BUILD)/build.ninja
 	@rc=0; ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	  meson test -C $(ASAN_BUILD) --print-errorlogs --timeout-multiplier 4 || rc=$$?; \
 	  tools/test-summary.sh $(ASAN_BUILD); exit $$rc
+
+# The CUDA backend without a GPU: its sources built for cudaemu
+# (tests/cudaemu, a CPU emulation of the CUDA runtime, cuBLAS and cuSOLVER),
+# the GPU test suites under ASan+UBSan, then the kernels through the real
+# tools under ThreadSanitizer (races between GPU threads). Not a GPU result:
+# it checks logic, bookkeeping, memory bounds and synchronisation, not speed.
+$(EMU_BUILD)/build.ninja: | deps
+	meson setup $(EMU_BUILD) -Dwerror=true -Dcuda=disabled -Dcudaemu=true -Db_sanitize=address,undefined \
+	  -Db_lundef=false -Dbuildtype=debugoptimized $(MESON_OPTS)
+
+$(TSAN_EMU_BUILD)/build.ninja: | deps
+	meson setup $(TSAN_EMU_BUILD) -Dwerror=true -Dcuda=disabled -Dcudaemu=true -Db_sanitize=thread \
+	  -Dbuildtype=debugoptimized -Dtests=false $(MESON_OPTS)
+
+test-cudaemu: deps $(EMU_BUILD)/build.ninja $(TSAN_EMU_BUILD)/build.ninja
+	meson compile -C $(EMU_BUILD)
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	  meson test -C $(EMU_BUILD) --print-errorlogs --timeout-multiplier 4 test_cuda test_cuda_parity test_device
+	meson compile -C $(TSAN_EMU_BUILD) tools/prefixctl tools/prefix-bench
+	PD_SHARED_MODELS=$(SHARED) tests/cudaemu/race-check.sh $(TSAN_EMU_BUILD)
 
 models/default.gguf: | build
 	mkdir -p models
@@ -103,7 +125,7 @@ fuzz: deps
 	tools/fuzz.sh $(FUZZ_SECS)
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) build-fuzz
+	rm -rf $(BUILD) $(ASAN_BUILD) $(EMU_BUILD) $(TSAN_EMU_BUILD) build-fuzz
 
 # Serving benchmark against a real prefixd (tools/serve-bench.c): time to
 # first token with a stored ~400-token prefix at retention 1/0.5/0.25 vs no

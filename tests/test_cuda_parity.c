@@ -42,9 +42,9 @@ static int device_backend_create(pd_backend **out, pd_error *err) { return pd_ba
 static int device_backend_create(pd_backend **out, pd_error *err) { return pd_backend_cuda_create(0, out, err); }
 #endif
 
-/* Unit roundoff of f32 and bf16 (8 significant bits). */
+/* Unit roundoff (2^-p for p significant bits) of f32 (p = 24) and bf16 (p = 8). */
 #define F32_U 0x1p-24
-#define BF16_U 0x1p-9
+#define BF16_U 0x1p-8
 
 /* ------------------------------------------------------------------------
  * Random data (seeded, the same on every machine)

@@ -8,10 +8,12 @@
  * other kind: the "no GPU" tests skip on a GPU host, the "GPU" tests skip
  * without one. */
 #include <criterion/criterion.h>
+#include <jansson.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "config/config.h"
@@ -378,4 +380,286 @@ Test(device_cli, prefixctl_runs_on_cpu_and_auto, .init = setup_model, .fini = te
                      model_path);
     cr_assert_eq(status, 0, "status %d, output:\n%s", status, nll ? nll : "");
     free(nll);
+}
+
+/* ------------------------------------------------------------------------
+ * On a CUDA device: prefixd with model.device = cuda:0 against a second
+ * prefixd with model.device = cpu, same config, on stories260K; and
+ * prefix-bench --device cuda:0. They skip without a device (a CPU build,
+ * or a GPU-less machine); a cudaemu build (-Dcudaemu=true) runs them on
+ * its CPU emulation of the device (slowly: ~90 s under ASan there, hence
+ * the long timeouts; seconds on a GPU).
+ * ------------------------------------------------------------------------ */
+
+#define GPU_TOKEN "gpu-adm1n"
+
+/* Two daemons (0: cuda:0, 1: cpu), each with its own store and log. */
+static pid_t pair_pid[2];
+static int pair_port[2];
+static char *pair_dir;
+
+static void pair_setup(void) {
+    pair_dir = th_mkdtemp();
+    cr_assert_not_null(pair_dir);
+}
+
+static void pair_teardown(void) {
+    for (int i = 0; i < 2; i++) th_daemon_stop(&pair_pid[i], SIGKILL);
+    th_rmtree(pair_dir);
+    free(pair_dir);
+    pair_dir = NULL;
+}
+
+/* ~490 stories260K tokens: long enough that the default policy
+ * (compactor:retention=0.25, 16 sinks + 64 recent protected) chooses about
+ * 40 of each head's ~120 kept rows by its scores, so the scoring on the
+ * device decides part of the kept set. */
+static const char *long_story =
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the sunshine. One day, she "
+    "saw a big tree with a red ball in it. She wanted the ball very much. Lily asked her mom for help. Her mom said, "
+    "\\\"Let us get a stick.\\\" They found a long stick near the pond. Lily jumped and tried to reach the ball, but "
+    "it was too high. Then a kind boy named Tom came by. Tom was tall and he had a dog named Max. Max barked at the "
+    "tree and a bird flew away. Tom took the stick and hit the branch. The red ball fell down and rolled to Lily. "
+    "Lily was very happy. She said thank you to Tom and gave Max a hug. They played with the ball all day in the "
+    "park. When the sun went down, they went home and ate soup with bread. Lily told her dad about her new friends. "
+    "Her dad smiled and said, \\\"Good friends are like treasure.\\\" The next morning, Lily and Tom met again by the "
+    "big tree. They built a small house out of sticks and leaves. A little frog hopped inside and sat on a leaf. "
+    "Lily laughed and named the frog Hoppy. Every day after that, the three friends played together near the pond.";
+
+static int pair_http(int which, const char *method, const char *path, const char *json, const char *auth,
+                     char **out) {
+    char body_path[1200];
+    snprintf(body_path, sizeof body_path, "%s/body%d.json", pair_dir, which);
+    return th_http(pair_port[which], method, path, json, auth, body_path, out);
+}
+
+static json_t *parse_json(const char *text) {
+    json_error_t je;
+    json_t *j = json_loads(text, 0, &je);
+    cr_assert_not_null(j, "not JSON (%s): %s", je.text, text);
+    return j;
+}
+
+static json_int_t json_int(json_t *obj, const char *key) {
+    json_t *v = json_object_get(obj, key);
+    cr_assert(json_is_integer(v), "%s is not an integer", key);
+    return json_integer_value(v);
+}
+
+/* A greedy completion on daemon `which`: its text (malloc'd) and the
+ * parsed response in *resp (json_decref it). */
+static char *greedy_completion(int which, const char *prompt, int max_tokens, json_t **resp) {
+    char body[4096], *out = NULL;
+    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s\",\"max_tokens\":%d,\"temperature\":0}", prompt,
+             max_tokens);
+    cr_assert_eq(pair_http(which, "POST", "/v1/completions", body, NULL, &out), 200, "daemon %d: %s", which, out);
+    json_t *j = parse_json(out);
+    free(out);
+    json_t *t = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "text");
+    cr_assert(json_is_string(t));
+    char *text = strdup(json_string_value(t));
+    cr_assert_eq(json_int(json_object_get(j, "usage"), "completion_tokens"), max_tokens);
+    *resp = j;
+    return text;
+}
+
+static char *read_log(int which) {
+    char path[1200], *text = NULL;
+    snprintf(path, sizeof path, "%s/prefixd%d.log", pair_dir, which);
+    pd_error err = {0};
+    cr_assert_eq(pd_read_file(path, &text, NULL, &err), PD_OK, "%s", err.msg);
+    return text;
+}
+
+/* The value of an unlabelled /metrics series, or -1. */
+static double metric_value(const char *text, const char *name) {
+    char key[128];
+    snprintf(key, sizeof key, "\n%s ", name);
+    const char *p = strstr(text, key);
+    return p ? atof(p + strlen(key)) : -1;
+}
+
+Test(device_cli, prefixd_on_cuda_serves_like_prefixd_on_the_cpu, .init = pair_setup, .fini = pair_teardown,
+     .timeout = 400) {
+    if (!have_cuda_device())
+        cr_skip_test("no CUDA device (compiled in: %s): prefixd on cuda:0 not checked",
+                     pd_cuda_compiled() ? "yes" : "no");
+    if (system("curl --version >/dev/null 2>&1") != 0) cr_skip_test("curl is not installed");
+    TH_REQUIRE_SHARED();
+    char model[1024];
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    const char *devices[2] = {"cuda:0", "cpu"};
+    for (int i = 0; i < 2; i++) {
+        char args[4096], log[1200];
+        snprintf(args, sizeof args,
+                 "--set model.path=%s --set cache.path=%s/store%d --set cache.map_size_mb=64 "
+                 "--set model.n_threads=2 --set admin.token=" GPU_TOKEN " --set model.device=%s",
+                 model, pair_dir, i, devices[i]);
+        snprintf(log, sizeof log, "%s/prefixd%d.log", pair_dir, i);
+        pair_pid[i] = th_daemon_start(args, log, &pair_port[i]);
+    }
+
+    /* The log names the device each computes on. */
+    char *log = read_log(0);
+    cr_assert(contains(log, "prefixd: compute: cuda:0 ("), "the cuda:0 daemon's log:\n%s", log);
+    free(log);
+    log = read_log(1);
+    cr_assert(contains(log, "prefixd: compute: cpu ("), "the cpu daemon's log:\n%s", log);
+    free(log);
+
+    /* A greedy completion without a prefix: the same text. stories260K has
+     * f32 weights, which the device multiplies in full f32 (cublasSgemm, no
+     * TF32) and the parity suite checks 32 greedy steps of it against the
+     * CPU, so a greedy choice has no reason to flip. */
+    json_t *rg = NULL, *rc = NULL;
+    char *gpu = greedy_completion(0, "Once upon a time", 24, &rg);
+    char *cpu = greedy_completion(1, "Once upon a time", 24, &rc);
+    cr_assert_str_eq(gpu, cpu, "cuda:0: '%s'\ncpu:    '%s'", gpu, cpu);
+    cr_assert(strlen(gpu) > 0);
+    json_decref(rg);
+    json_decref(rc);
+
+    /* The same greedy completion streamed from the cuda:0 daemon: the same
+     * text, in server-sent events ending with [DONE]. */
+    char *sse = NULL;
+    cr_assert_eq(pair_http(0, "POST", "/v1/completions",
+                           "{\"model\":\"x\",\"prompt\":\"Once upon a time\",\"max_tokens\":24,\"temperature\":0,"
+                           "\"stream\":true}",
+                           NULL, &sse),
+                 200, "%s", sse);
+    cr_assert(contains(sse, "data: [DONE]"), "%s", sse);
+    size_t acc_len = 0;
+    char *acc = calloc(strlen(sse) + 1, 1);
+    int events = 0;
+    for (const char *p = strstr(sse, "data: "); p; p = strstr(p + 1, "data: ")) {
+        if (strncmp(p, "data: [DONE]", 12) == 0) break;
+        const char *end = strstr(p, "\n\n");
+        cr_assert_not_null(end, "%s", sse);
+        char *one = strndup(p + 6, (size_t)(end - p - 6));
+        json_t *j = parse_json(one);
+        json_t *t = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "text");
+        if (json_is_string(t)) {
+            size_t n = strlen(json_string_value(t));
+            memcpy(acc + acc_len, json_string_value(t), n);
+            acc_len += n;
+        }
+        json_decref(j);
+        free(one);
+        events++;
+    }
+    cr_assert_gt(events, 1, "one event for a 24-token stream: %s", sse);
+    cr_assert_str_eq(acc, gpu, "streamed: '%s'\nplain:    '%s'", acc, gpu);
+    free(acc);
+    free(sse);
+    free(gpu);
+    free(cpu);
+
+    /* The long story registered through the admin API with the default
+     * policy on both. On the cuda:0 daemon the precompression job runs on
+     * the device serving resolved to (daemon/main.c: jo.device), so its
+     * prefill and Compactor scoring run there. */
+    char body[4096];
+    snprintf(body, sizeof body, "{\"text\":\"%s\",\"wait\":true}", long_story);
+    json_t *job[2];
+    for (int i = 0; i < 2; i++) {
+        char *out = NULL;
+        cr_assert_eq(pair_http(i, "POST", "/admin/v1/prefixes", body, GPU_TOKEN, &out), 201, "daemon %d: %s", i,
+                     out);
+        job[i] = parse_json(out);
+        free(out);
+        cr_assert_str_eq(json_string_value(json_object_get(job[i], "state")), "done");
+    }
+    json_t *pg = json_object_get(job[0], "prefix"), *pc = json_object_get(job[1], "prefix");
+    cr_assert(strncmp(json_string_value(json_object_get(pg, "policy")), "compactor:", 10) == 0, "%s",
+              json_string_value(json_object_get(pg, "policy")));
+    /* The id hashes the model, tokens, spec and namespace: the same prefix. */
+    cr_assert_str_eq(json_string_value(json_object_get(pg, "id")), json_string_value(json_object_get(pc, "id")));
+    const json_int_t n_tokens = json_int(pg, "tokens");
+    cr_assert_eq(n_tokens, json_int(pc, "tokens"));
+    cr_assert_gt(n_tokens, 400, "the story should be long enough for the scores to matter");
+    /* budget=global fixes each layer's count of kept rows, whatever the
+     * scores: the totals agree even if near-ties change sides. */
+    cr_assert_eq(json_int(pg, "kept_rows"), json_int(pc, "kept_rows"));
+    json_decref(job[0]);
+    json_decref(job[1]);
+
+    /* A completion past the prefix uses it on both, and gives the same
+     * greedy text. The prefix's K/V and the kept set come from each
+     * daemon's own computation (f32 on both; the parity suite found every
+     * kept set of stories260K equal), and the continuation then reads the
+     * same kept rows, so the greedy text matches as above. */
+    char prompt[2048];
+    snprintf(prompt, sizeof prompt, "%s Then", long_story);
+    gpu = greedy_completion(0, prompt, 16, &rg);
+    cpu = greedy_completion(1, prompt, 16, &rc);
+    for (int i = 0; i < 2; i++) {
+        json_t *r = i ? rc : rg;
+        json_int_t cached = json_int(json_object_get(json_object_get(r, "usage"), "prompt_tokens_details"),
+                                     "cached_tokens");
+        cr_assert_eq(cached, n_tokens, "daemon %d: the completion should attend to the stored prefix", i);
+        cr_assert(json_is_object(json_object_get(r, "prefix")), "daemon %d: no prefix object", i);
+    }
+    cr_assert_str_eq(gpu, cpu, "with the prefix, cuda:0: '%s'\ncpu:    '%s'", gpu, cpu);
+    cr_log_info("prefix of %lld tokens; greedy continuation on both: '%s'", (long long)n_tokens, gpu);
+    json_decref(rg);
+    json_decref(rc);
+    free(gpu);
+    free(cpu);
+
+    /* /metrics of the cuda:0 daemon counts the hit. */
+    char *out = NULL;
+    cr_assert_eq(pair_http(0, "GET", "/metrics", NULL, NULL, &out), 200, "%s", out);
+    cr_assert_eq(metric_value(out, "prefixd_prefix_hits_total"), 1, "%s", out);
+    free(out);
+
+    /* Both stop cleanly on SIGTERM (the device backend freed without error). */
+    for (int i = 0; i < 2; i++) {
+        int st = th_daemon_stop(&pair_pid[i], SIGTERM);
+        cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "daemon %d (%s) exit status %d", i, devices[i], st);
+    }
+}
+
+Test(device_cli, prefix_bench_runs_on_cuda, .init = setup_model, .fini = teardown_model, .timeout = 400) {
+    if (!have_cuda_device())
+        cr_skip_test("no CUDA device (compiled in: %s): prefix-bench --device cuda:0 not checked",
+                     pd_cuda_compiled() ? "yes" : "no");
+    /* prefix-bench sits next to prefixctl in the build's tools/. */
+    char bench[1200];
+    snprintf(bench, sizeof bench, "%s", env_path("PD_PREFIXCTL"));
+    char *slash = strrchr(bench, '/');
+    cr_assert_not_null(slash);
+    snprintf(slash + 1, sizeof bench - (size_t)(slash + 1 - bench), "prefix-bench");
+    cr_assert_eq(access(bench, X_OK), 0, "%s is missing", bench);
+    char *out = NULL;
+    int status = th_runf(&out, "'%s' --model '%s' --device cuda:0 --prefix 64,128 --gen 8 --reps 1 2>&1", bench,
+                         model_path);
+    cr_assert_eq(status, 0, "status %d, output:\n%s", status, out ? out : "");
+    cr_assert(contains(out, "prefix-bench: device cuda:0 ("), "%s", out);
+    /* The plain prefill/decode row names the device. */
+    cr_assert(contains(out, "prefill tok/s") && contains(out, "decode tok/s"), "%s", out);
+    cr_assert(contains(out, "\nfile         ") && contains(out, " cuda:0 ("), "%s", out);
+    /* The compressed-prefix table, on the device, with its bandwidth bound. */
+    cr_assert(contains(out, "compressed prefix: Compactor (default spec) at retention 0.25 on cuda:0 ("), "%s", out);
+    cr_assert(contains(out, "\nbound: ") && contains(out, " GB of weights per decode step / ") &&
+                  contains(out, " GB/s measured copy bandwidth = "),
+              "%s", out);
+    cr_assert(contains(out, "dec b1 t/s") && contains(out, "b1/bound"), "%s", out);
+    for (int n = 64; n <= 128; n += 64) {
+        char row[16];
+        snprintf(row, sizeof row, "\n%7d ", n);
+        const char *r = strstr(out, row);
+        cr_assert_not_null(r, "no row for the %d-token prefix:\n%s", n, out);
+        /* 25% kept, and the bound columns filled in (not "-"). */
+        const char *eol = strchr(r + 1, '\n');
+        char *line = strndup(r + 1, eol ? (size_t)(eol - r - 1) : strlen(r + 1));
+        cr_assert(contains(line, " 25.0% "), "%s", line);
+        cr_assert(!contains(line, " - "), "%s", line);
+        free(line);
+    }
+    free(out);
+    /* --device auto on a machine with a device runs on it, and says cuda:0. */
+    status = th_runf(&out, "'%s' --model '%s' --device auto --prompt 16 --gen 2 --reps 1 2>&1", bench, model_path);
+    cr_assert_eq(status, 0, "status %d, output:\n%s", status, out ? out : "");
+    cr_assert(contains(out, "prefix-bench: device cuda:0 ("), "%s", out);
+    free(out);
 }

@@ -362,6 +362,7 @@ int main(int argc, char **argv) {
             dev_be = NULL;
             dev.kind = PD_DEVICE_CPU;
         } else {
+            dev.kind = PD_DEVICE_CUDA; /* auto chose cuda:index: name it so */
             pd_cuda_device_info info;
             pd_device_format(&dev, dev_name, sizeof dev_name);
             if (pd_cuda_device_info_get(dev.index, &info, &err) == PD_OK) {
@@ -476,7 +477,7 @@ int main(int argc, char **argv) {
         printf("; TTFT = attach + %d-token suffix + first logits; decode after the suffix, %ld steps\n",
                SUFFIX_TOKENS, n_gen);
         if (on_cuda)
-            printf("bound: %.3f GB of weights per decode step / %.1f GB/s measured copy bandwidth = %.1f tok/s\n",
+            printf("bound: %.3g GB of weights per decode step / %.1f GB/s measured copy bandwidth = %.1f tok/s\n",
                    (double)wbytes / 1e9, bandwidth / 1e9, bound_tps);
         printf("%7s %12s %11s %12s %9s %9s %6s %10s %9s %10s %10s %10s %8s\n", "prefix", "prefill t/s", "prefill ms",
                "compress ms", "score ms", "comp/pre", "kept", "TTFT cold", "TTFT ms", "dec b1 t/s", "dec b8 t/s",
@@ -502,7 +503,7 @@ int main(int argc, char **argv) {
                    r.compress_s / r.prefill_s, r.score_s / r.prefill_s, r.kept_rows, r.full_rows,
                    1e3 * r.ttft_cold_s, 1e3 * r.ttft_s, r.decode_b1_tps, r.decode_b8_tps);
             if (on_cuda)
-                printf("\"bound_tps\": %.1f, \"b1_over_bound\": %.3f}", bound_tps,
+                printf("\"bound_tps\": %.1f, \"b1_over_bound\": %.3g}", bound_tps,
                        bound_tps > 0 ? r.decode_b1_tps / bound_tps : 0);
             else
                 printf("\"bound_tps\": null, \"b1_over_bound\": null}");
@@ -510,7 +511,7 @@ int main(int argc, char **argv) {
             char bound_col[32] = "-", ratio_col[32] = "-";
             if (on_cuda && bound_tps > 0) {
                 snprintf(bound_col, sizeof bound_col, "%.1f", bound_tps);
-                snprintf(ratio_col, sizeof ratio_col, "%.3f", r.decode_b1_tps / bound_tps);
+                snprintf(ratio_col, sizeof ratio_col, "%.3g", r.decode_b1_tps / bound_tps);
             }
             printf("%7" PRId64 " %12.1f %11.2f %12.2f %9.2f %9.3f %5.1f%% %10.2f %9.2f %10.1f %10.1f %10s %8s\n", n,
                    n / r.prefill_s, 1e3 * r.prefill_s, 1e3 * r.compress_s, 1e3 * r.score_s,

@@ -1,0 +1,936 @@
+// cudaemu: the CUDA runtime calls kernels/cuda makes, and kernel execution,
+// on the CPU (see include/cuda_runtime.h for what this is for).
+//
+// Strictness is the point: device memory is tracked, so a copy whose kind
+// does not match its pointers, a kernel handed a host pointer, or a free of
+// something that is not an allocation fails with a message instead of
+// silently working the way plain host memory would. New device memory is
+// filled with 0xff bytes (NaN as floats) so code that relies on zeroed
+// memory shows, and so is dynamic shared memory at each block's start.
+//
+// A kernel's blocks run one after another on the calling thread; a block's
+// threads are fibers (own stacks; a small context switch) that run until they reach __syncthreads or a
+// warp shuffle, and are released when every live thread of the block (of the
+// warp) has arrived. Threads run in forward order in one phase and reverse
+// order in the next, so a missing barrier tends to change results. A block
+// whose threads wait at different barriers is reported and aborts.
+#include "cudaemu_device.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <thread>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include <sys/mman.h>
+
+// Fiber switch. On x86-64 a few instructions (callee-saved registers, the
+// SSE and x87 control words, the stack pointer): glibc's swapcontext makes
+// a sigprocmask system call per switch, which dominated run time.
+// Elsewhere, ucontext.
+#if defined(__x86_64__)
+extern "C" void cudaemu_switch(void **save_sp, void *load_sp);
+asm(".text\n"
+    ".globl cudaemu_switch\n"
+    ".type cudaemu_switch, @function\n"
+    "cudaemu_switch:\n"
+    "    pushq %rbp\n"
+    "    pushq %rbx\n"
+    "    pushq %r12\n"
+    "    pushq %r13\n"
+    "    pushq %r14\n"
+    "    pushq %r15\n"
+    "    subq $8, %rsp\n"
+    "    stmxcsr (%rsp)\n"
+    "    fnstcw 4(%rsp)\n"
+    "    movq %rsp, (%rdi)\n"
+    "    movq %rsi, %rsp\n"
+    "    ldmxcsr (%rsp)\n"
+    "    fldcw 4(%rsp)\n"
+    "    addq $8, %rsp\n"
+    "    popq %r15\n"
+    "    popq %r14\n"
+    "    popq %r13\n"
+    "    popq %r12\n"
+    "    popq %rbx\n"
+    "    popq %rbp\n"
+    "    ret\n"
+    ".size cudaemu_switch, .-cudaemu_switch\n"
+    ".section .note.GNU-stack,\"\",@progbits\n"
+    ".text\n");
+#define CUDAEMU_ASM_SWITCH 1
+#else
+#include <ucontext.h>
+#endif
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define CUDAEMU_ASAN 1
+#endif
+
+// Under ThreadSanitizer (meson defines CUDAEMU_TSAN and builds this file
+// uninstrumented: the scheduler's bookkeeping is shared by design) every GPU
+// thread is a TSan fiber, switches carry no synchronisation, and only what
+// orders memory on a GPU orders it here: __syncthreads, __syncwarp, the
+// start and end of a block (of the launch). Shuffles do not order memory
+// (the CUDA memory model says so). So TSan reports any shared or global
+// memory race between threads of a kernel, whatever order they ran in.
+#if defined(CUDAEMU_TSAN)
+#include <sanitizer/tsan_interface.h>
+#define TSAN(x) x
+#else
+#define TSAN(x)
+#endif
+
+/* ------------------------------------------------------------------------
+ * device description
+ * ------------------------------------------------------------------------ */
+
+static const size_t EMU_TOTAL_MEM = (size_t)16 << 30;
+static const size_t EMU_SMEM_OPTIN = 227 * 1024;
+
+static int emu_device_count() {
+    const char *s = getenv("CUDAEMU_DEVICES"); // tests may ask for zero devices
+    return s && *s ? atoi(s) : 1;
+}
+
+static thread_local int current_device = 0;
+static thread_local cudaError_t last_error = cudaSuccess;
+
+void cudaemu_set_error(cudaError_t e, const char *why) {
+    if (why) fprintf(stderr, "cudaemu: %s\n", why);
+    if (last_error == cudaSuccess) last_error = e;
+}
+
+// A failed call returns its error and also leaves it as the last error, as
+// the runtime does.
+static cudaError_t fail(cudaError_t e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static cudaError_t fail(cudaError_t e, const char *fmt, ...) {
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    cudaemu_set_error(e, buf);
+    return e;
+}
+
+extern "C" {
+
+cudaError_t cudaGetDeviceCount(int *count) {
+    *count = emu_device_count();
+    return *count > 0 ? cudaSuccess : fail(cudaErrorNoDevice, "no device (CUDAEMU_DEVICES=0)");
+}
+
+cudaError_t cudaSetDevice(int device) {
+    if (device < 0 || device >= emu_device_count()) return cudaErrorInvalidDevice;
+    current_device = device;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int *device) {
+    *device = current_device;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device) {
+    if (device < 0 || device >= emu_device_count()) return cudaErrorInvalidDevice;
+    memset(prop, 0, sizeof *prop);
+    snprintf(prop->name, sizeof prop->name, "cudaemu %d (CPU emulation, not a GPU)", device);
+    prop->totalGlobalMem = EMU_TOTAL_MEM;
+    prop->sharedMemPerBlock = 48 * 1024;
+    prop->sharedMemPerBlockOptin = EMU_SMEM_OPTIN;
+    prop->warpSize = 32;
+    prop->maxThreadsPerBlock = 1024;
+    prop->multiProcessorCount = 4; // small: grid-stride loops take several turns
+    prop->major = 9;
+    prop->minor = 0;
+    prop->memoryBusWidth = 5120;
+    prop->memoryClockRate = 2619000;
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) {
+    cudaDeviceProp p;
+    const cudaError_t e = cudaGetDeviceProperties(&p, device);
+    if (e != cudaSuccess) return e;
+    switch (attr) {
+    case cudaDevAttrMultiProcessorCount: *value = p.multiProcessorCount; return cudaSuccess;
+    case cudaDevAttrMemoryClockRate: *value = p.memoryClockRate; return cudaSuccess;
+    case cudaDevAttrGlobalMemoryBusWidth: *value = p.memoryBusWidth; return cudaSuccess;
+    }
+    return fail(cudaErrorInvalidValue, "cudaDeviceGetAttribute: attribute %d not emulated", (int)attr);
+}
+
+cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaDriverGetVersion(int *version) {
+    *version = 12000;
+    return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int *version) {
+    *version = CUDART_VERSION;
+    return cudaSuccess;
+}
+
+} // extern "C"
+
+/* ------------------------------------------------------------------------
+ * memory
+ * ------------------------------------------------------------------------ */
+
+namespace {
+struct registry {
+    std::mutex mu;
+    std::map<uintptr_t, size_t> device, pinned;
+    size_t device_bytes = 0;
+};
+registry &reg() {
+    static registry r;
+    return r;
+}
+
+// Whether [p, p + n) is inside one block of `m`; for n == 0, whether p
+// points into one (not just past its end: the next block may start there).
+bool in_map(const std::map<uintptr_t, size_t> &m, const void *p, size_t n) {
+    const uintptr_t a = (uintptr_t)p;
+    auto it = m.upper_bound(a);
+    if (it == m.begin()) return false;
+    --it;
+    const uintptr_t off = a - it->first;
+    if (n == 0) return off < it->second || (off == 0 && it->second == 0);
+    return off <= it->second && n <= it->second - off;
+}
+} // namespace
+
+extern "C" int cudaemu_is_device_range(const void *p, size_t bytes) {
+    registry &r = reg();
+    std::lock_guard<std::mutex> g(r.mu);
+    return p != nullptr && in_map(r.device, p, bytes);
+}
+
+static bool is_pinned_range(const void *p, size_t bytes) {
+    registry &r = reg();
+    std::lock_guard<std::mutex> g(r.mu);
+    return p != nullptr && in_map(r.pinned, p, bytes);
+}
+
+static bool touches_device(const void *p, size_t bytes) {
+    registry &r = reg();
+    std::lock_guard<std::mutex> g(r.mu);
+    const uintptr_t a = (uintptr_t)p;
+    auto it = r.device.upper_bound(a + (bytes ? bytes - 1 : 0));
+    if (it == r.device.begin()) return false;
+    --it;
+    return it->first + it->second > a;
+}
+
+extern "C" {
+
+cudaError_t cudaMalloc(void **p, size_t bytes) {
+    *p = nullptr;
+    registry &r = reg();
+    {
+        std::lock_guard<std::mutex> g(r.mu);
+        if (bytes > EMU_TOTAL_MEM - r.device_bytes) return fail(cudaErrorMemoryAllocation, "cudaMalloc(%zu): out of emulated memory", bytes);
+    }
+    void *q = nullptr;
+    if (posix_memalign(&q, 256, bytes ? bytes : 1) != 0) return fail(cudaErrorMemoryAllocation, "cudaMalloc(%zu) failed", bytes);
+    memset(q, 0xff, bytes);
+    std::lock_guard<std::mutex> g(r.mu);
+    r.device[(uintptr_t)q] = bytes;
+    r.device_bytes += bytes;
+    *p = q;
+    return cudaSuccess;
+}
+
+cudaError_t cudaFree(void *p) {
+    if (!p) return cudaSuccess;
+    registry &r = reg();
+    {
+        std::lock_guard<std::mutex> g(r.mu);
+        auto it = r.device.find((uintptr_t)p);
+        if (it == r.device.end()) return fail(cudaErrorInvalidDevicePointer, "cudaFree(%p): not a device allocation", p);
+        r.device_bytes -= it->second;
+        r.device.erase(it);
+    }
+    free(p);
+    return cudaSuccess;
+}
+
+cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned int flags) {
+    (void)flags;
+    *p = malloc(bytes ? bytes : 1);
+    if (!*p) return fail(cudaErrorMemoryAllocation, "cudaHostAlloc(%zu) failed", bytes);
+    registry &r = reg();
+    std::lock_guard<std::mutex> g(r.mu);
+    r.pinned[(uintptr_t)*p] = bytes;
+    return cudaSuccess;
+}
+
+cudaError_t cudaMallocHost(void **p, size_t bytes) { return cudaHostAlloc(p, bytes, 0); }
+
+cudaError_t cudaFreeHost(void *p) {
+    if (!p) return cudaSuccess;
+    registry &r = reg();
+    {
+        std::lock_guard<std::mutex> g(r.mu);
+        auto it = r.pinned.find((uintptr_t)p);
+        if (it == r.pinned.end()) return fail(cudaErrorInvalidValue, "cudaFreeHost(%p): not a pinned allocation", p);
+        r.pinned.erase(it);
+    }
+    free(p);
+    return cudaSuccess;
+}
+
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p) {
+    memset(a, 0, sizeof *a);
+    if (cudaemu_is_device_range(p, 0)) {
+        a->type = cudaMemoryTypeDevice;
+        a->devicePointer = (void *)p;
+    } else if (is_pinned_range(p, 0)) {
+        a->type = cudaMemoryTypeHost;
+        a->hostPointer = (void *)p;
+        a->devicePointer = (void *)p;
+    } else {
+        a->type = cudaMemoryTypeUnregistered;
+        a->hostPointer = (void *)p;
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
+    registry &r = reg();
+    std::lock_guard<std::mutex> g(r.mu);
+    *free_bytes = EMU_TOTAL_MEM - r.device_bytes;
+    *total_bytes = EMU_TOTAL_MEM;
+    return cudaSuccess;
+}
+
+} // extern "C"
+
+static const char *kind_name(cudaMemcpyKind k) {
+    switch (k) {
+    case cudaMemcpyHostToHost: return "HostToHost";
+    case cudaMemcpyHostToDevice: return "HostToDevice";
+    case cudaMemcpyDeviceToHost: return "DeviceToHost";
+    case cudaMemcpyDeviceToDevice: return "DeviceToDevice";
+    case cudaMemcpyDefault: return "Default";
+    }
+    return "?";
+}
+
+// A copy's pointers must match its kind: device sides inside one allocation,
+// host sides touching no device memory.
+static cudaError_t check_side(const void *p, size_t bytes, bool device, const char *what, cudaMemcpyKind kind) {
+    if (bytes == 0) return cudaSuccess;
+    if (device && !cudaemu_is_device_range(p, bytes))
+        return fail(cudaErrorInvalidValue, "cudaMemcpy%s: %s %p (+%zu bytes) is not inside one device allocation", kind_name(kind), what, p, bytes);
+    if (!device && touches_device(p, bytes))
+        return fail(cudaErrorInvalidValue, "cudaMemcpy%s: %s %p (+%zu bytes) is device memory", kind_name(kind), what, p, bytes);
+    return cudaSuccess;
+}
+
+static cudaError_t copy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
+    bool dst_dev, src_dev;
+    switch (kind) {
+    case cudaMemcpyHostToHost: dst_dev = src_dev = false; break;
+    case cudaMemcpyHostToDevice: dst_dev = true, src_dev = false; break;
+    case cudaMemcpyDeviceToHost: dst_dev = false, src_dev = true; break;
+    case cudaMemcpyDeviceToDevice: dst_dev = src_dev = true; break;
+    default:
+        dst_dev = cudaemu_is_device_range(dst, bytes);
+        src_dev = cudaemu_is_device_range(src, bytes);
+        break;
+    }
+    cudaError_t e = check_side(dst, bytes, dst_dev, "destination", kind);
+    if (e == cudaSuccess) e = check_side(src, bytes, src_dev, "source", kind);
+    if (e != cudaSuccess) return e;
+    if (bytes) memmove(dst, src, bytes);
+    return cudaSuccess;
+}
+
+namespace {
+struct stream_table {
+    std::mutex mu;
+    std::map<cudaStream_t, int> live;
+};
+stream_table &streams() {
+    static stream_table t;
+    return t;
+}
+bool stream_ok(cudaStream_t s) {
+    if (!s) return true;
+    stream_table &t = streams();
+    std::lock_guard<std::mutex> g(t.mu);
+    return t.live.count(s) != 0;
+}
+} // namespace
+
+struct cudaemu_stream {
+    int id;
+};
+struct cudaemu_event {
+    std::chrono::steady_clock::time_point at;
+    bool recorded;
+    unsigned flags;
+};
+
+extern "C" {
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) { return copy(dst, src, bytes, kind); }
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, cudaStream_t s) {
+    if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaMemcpyAsync: stream %p is not live", (void *)s);
+    return copy(dst, src, bytes, kind);
+}
+
+cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                              cudaMemcpyKind kind, cudaStream_t s) {
+    if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaMemcpy2DAsync: stream %p is not live", (void *)s);
+    if (width > dpitch || width > spitch) return fail(cudaErrorInvalidValue, "cudaMemcpy2DAsync: width %zu above a pitch", width);
+    for (size_t r = 0; r < height; r++) {
+        const cudaError_t e = copy((char *)dst + r * dpitch, (const char *)src + r * spitch, width, kind);
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void *p, int value, size_t bytes) {
+    if (bytes && !cudaemu_is_device_range(p, bytes))
+        return fail(cudaErrorInvalidValue, "cudaMemset: %p (+%zu bytes) is not inside one device allocation", p, bytes);
+    if (bytes) memset(p, value, bytes);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s) {
+    if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaMemsetAsync: stream %p is not live", (void *)s);
+    return cudaMemset(p, value, bytes);
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags) {
+    (void)flags;
+    static int next_id = 1;
+    stream_table &t = streams();
+    std::lock_guard<std::mutex> g(t.mu);
+    *s = new cudaemu_stream{next_id++};
+    t.live[*s] = 1;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t *s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
+
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    stream_table &t = streams();
+    std::lock_guard<std::mutex> g(t.mu);
+    if (!s || !t.live.erase(s)) return cudaErrorInvalidResourceHandle;
+    delete s;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    return stream_ok(s) ? cudaSuccess : fail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize: stream %p is not live", (void *)s);
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) {
+    *e = new cudaemu_event{std::chrono::steady_clock::now(), false, flags};
+    return cudaSuccess;
+}
+cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    delete e;
+    return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+    if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: stream %p is not live", (void *)s);
+    e->at = std::chrono::steady_clock::now();
+    e->recorded = true;
+    return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    (void)e;
+    return cudaSuccess;
+}
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t stop) {
+    if (!start->recorded || !stop->recorded || (start->flags | stop->flags) & cudaEventDisableTiming)
+        return fail(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime: event not recorded or without timing");
+    *ms = std::chrono::duration<float, std::milli>(stop->at - start->at).count();
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetLastError(void) {
+    const cudaError_t e = last_error;
+    last_error = cudaSuccess;
+    return e;
+}
+cudaError_t cudaPeekAtLastError(void) { return last_error; }
+
+const char *cudaGetErrorName(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInitializationError: return "cudaErrorInitializationError";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
+    case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    }
+    return "cudaErrorUnknown";
+}
+
+const char *cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    default: return "emulated error";
+    }
+}
+
+} // extern "C"
+
+/* ------------------------------------------------------------------------
+ * kernel execution
+ * ------------------------------------------------------------------------ */
+
+namespace cudaemu {
+
+thread_local block_state *cur_block;
+thread_local thread_state *cur_thread;
+
+namespace {
+
+const size_t FIBER_STACK = (size_t)256 << 10;
+
+enum fiber_state { READY, AT_BARRIER, AT_WARP, DONE };
+
+struct fiber {
+    thread_state ts;
+    int linear;
+    fiber_state state;
+#ifdef CUDAEMU_ASM_SWITCH
+    void *sp;
+#else
+    ucontext_t uc;
+#endif
+    void *stack;
+    void *asan_fake;
+    void *tsan_fiber;
+    unsigned bar_gen, warp_gen; // barriers passed: which sync object is next
+    // warp exchange
+    uint32_t xmask;
+    int xsrc;
+    uint64_t xval, xres;
+};
+
+struct executor {
+#ifdef CUDAEMU_ASM_SWITCH
+    void *sched_sp;
+#else
+    ucontext_t sched;
+#endif
+    std::vector<fiber> fibers; // the first n run the current block
+    int n;
+    const std::function<void()> *body;
+    fiber *cur;
+    const char *kernel;
+    block_state blk;
+    std::vector<unsigned char> dyn;
+    const void *sched_stack_bottom;
+    size_t sched_stack_size;
+    // TSan sync objects (their addresses): barriers alternate between two so
+    // a thread past barrier k cannot release into what a slower one acquires
+    // at barrier k.
+    void *tsan_sched;
+    char bar_sync[2], warp_sync[32][2], block_start, block_end;
+    ~executor() {
+        for (fiber &f : fibers) {
+            munmap(f.stack, FIBER_STACK);
+            TSAN(__tsan_destroy_fiber(f.tsan_fiber));
+        }
+    }
+};
+thread_local executor *ex;
+thread_local std::unique_ptr<executor> ex_owner; // frees it when the OS thread ends
+
+[[noreturn]] void die(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void die(const char *fmt, ...) {
+    executor *e = ex;
+    fprintf(stderr, "cudaemu: kernel %s, block (%u,%u,%u): ", e ? e->kernel : "?", e ? e->blk.idx.x : 0,
+            e ? e->blk.idx.y : 0, e ? e->blk.idx.z : 0);
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    abort();
+}
+
+// Fiber -> scheduler.
+void yield_to_scheduler(fiber *f) {
+    executor *e = ex;
+#ifdef CUDAEMU_ASAN
+    __sanitizer_start_switch_fiber(f->state == DONE ? nullptr : &f->asan_fake, e->sched_stack_bottom, e->sched_stack_size);
+#endif
+    TSAN(__tsan_switch_to_fiber(e->tsan_sched, __tsan_switch_to_fiber_no_sync));
+#ifdef CUDAEMU_ASM_SWITCH
+    cudaemu_switch(&f->sp, e->sched_sp);
+#else
+    swapcontext(&f->uc, &e->sched);
+#endif
+#ifdef CUDAEMU_ASAN
+    __sanitizer_finish_switch_fiber(f->asan_fake, &e->sched_stack_bottom, &e->sched_stack_size);
+#endif
+}
+
+void fiber_main() {
+    executor *e = ex;
+    fiber *f = e->cur;
+#ifdef CUDAEMU_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &e->sched_stack_bottom, &e->sched_stack_size);
+#endif
+    TSAN(__tsan_acquire(&e->block_start));
+    (*e->body)();
+    TSAN(__tsan_release(&e->block_end));
+    f->state = DONE;
+    yield_to_scheduler(f);
+    die("a finished fiber was resumed");
+}
+
+// Scheduler -> fiber, until it yields.
+void resume(executor *e, fiber *f) {
+    e->cur = f;
+    cur_thread = &f->ts;
+    void *fake = nullptr;
+#ifdef CUDAEMU_ASAN
+    __sanitizer_start_switch_fiber(&fake, f->stack, FIBER_STACK);
+#endif
+    TSAN(__tsan_switch_to_fiber(f->tsan_fiber, __tsan_switch_to_fiber_no_sync));
+#ifdef CUDAEMU_ASM_SWITCH
+    cudaemu_switch(&e->sched_sp, f->sp);
+#else
+    swapcontext(&e->sched, &f->uc);
+#endif
+#ifdef CUDAEMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+    (void)fake;
+}
+
+const char *state_name(fiber_state s) {
+    switch (s) {
+    case READY: return "running";
+    case AT_BARRIER: return "at __syncthreads";
+    case AT_WARP: return "at a warp shuffle";
+    case DONE: return "exited";
+    }
+    return "?";
+}
+
+// Release the warps whose live lanes have all reached a shuffle; true if any.
+bool release_warps(executor *e) {
+    bool released = false;
+    const int n = e->n;
+    for (int w0 = 0; w0 < n; w0 += 32) {
+        const int w1 = w0 + 32 < n ? w0 + 32 : n;
+        bool any_at = false, all_live_at = true;
+        for (int i = w0; i < w1; i++) {
+            if (e->fibers[i].state == AT_WARP) any_at = true;
+            else if (e->fibers[i].state != DONE) all_live_at = false;
+        }
+        if (!any_at || !all_live_at) continue;
+        for (int i = w0; i < w1; i++) {
+            fiber &f = e->fibers[i];
+            if (f.state != AT_WARP) continue;
+            for (int l = 0; l < w1 - w0; l++)
+                if ((f.xmask >> l & 1u) && e->fibers[w0 + l].state == DONE)
+                    die("thread %d shuffles with mask %#x but lane %d has exited", f.linear, f.xmask, l);
+            if (f.xsrc >= 0) {
+                if (f.xsrc >= w1 - w0) die("thread %d reads lane %d of a %d-lane warp", f.linear, f.xsrc, w1 - w0);
+                f.xres = e->fibers[w0 + f.xsrc].xval;
+            }
+        }
+        for (int i = w0; i < w1; i++)
+            if (e->fibers[i].state == AT_WARP) e->fibers[i].state = READY;
+        released = true;
+    }
+    return released;
+}
+
+void run_block(executor *e) {
+    const int n = e->n;
+    for (int i = 0; i < n; i++) {
+        fiber &f = e->fibers[i];
+        f.state = READY;
+        f.bar_gen = f.warp_gen = 0;
+#ifdef CUDAEMU_ASM_SWITCH
+        // The frame cudaemu_switch pops: control words, six registers, and
+        // fiber_main as the return address, placed so fiber_main starts with
+        // the stack alignment of a call.
+        uint64_t *top = (uint64_t *)((char *)f.stack + FIBER_STACK);
+        uint64_t *frame = top - 9;
+        uint32_t mxcsr;
+        uint16_t fpcw;
+        asm volatile("stmxcsr %0" : "=m"(mxcsr));
+        asm volatile("fnstcw %0" : "=m"(fpcw));
+        frame[0] = (uint64_t)mxcsr | (uint64_t)fpcw << 32;
+        for (int r = 1; r <= 6; r++) frame[r] = 0;
+        frame[7] = (uint64_t)(uintptr_t)&fiber_main;
+        frame[8] = 0;
+        f.sp = frame;
+#else
+        getcontext(&f.uc);
+        f.uc.uc_stack.ss_sp = f.stack;
+        f.uc.uc_stack.ss_size = FIBER_STACK;
+        f.uc.uc_link = nullptr;
+        makecontext(&f.uc, fiber_main, 0);
+#endif
+    }
+    if (!e->dyn.empty()) memset(e->dyn.data(), 0xff, e->dyn.size());
+    TSAN(__tsan_release(&e->block_start));
+    unsigned phase = e->blk.idx.x + e->blk.idx.y;
+    for (;;) {
+        const bool reverse = (phase++ & 1u) != 0;
+        for (int k = 0; k < n; k++) {
+            fiber *f = &e->fibers[reverse ? n - 1 - k : k];
+            if (f->state == READY) resume(e, f);
+        }
+        int live = 0, at_barrier = 0;
+        for (int i = 0; i < n; i++) {
+            if (e->fibers[i].state != DONE) live++;
+            if (e->fibers[i].state == AT_BARRIER) at_barrier++;
+        }
+        if (live == 0) {
+            TSAN(__tsan_acquire(&e->block_end));
+            return;
+        }
+        if (release_warps(e)) continue;
+        if (at_barrier == live) {
+            for (int i = 0; i < n; i++)
+                if (e->fibers[i].state == AT_BARRIER) e->fibers[i].state = READY;
+            continue;
+        }
+        for (int i = 0; i < n; i++)
+            fprintf(stderr, "  thread %d: %s\n", i, state_name(e->fibers[i].state));
+        die("deadlock: threads wait at different barriers (divergent __syncthreads or shuffle)");
+    }
+}
+
+executor *get_executor(int threads) {
+    if (!ex) {
+        ex_owner.reset(new executor());
+        ex = ex_owner.get();
+    }
+    executor *e = ex;
+    while ((int)e->fibers.size() < threads) {
+        fiber f{};
+        f.stack = mmap(nullptr, FIBER_STACK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (f.stack == MAP_FAILED) {
+            fprintf(stderr, "cudaemu: cannot map a fiber stack\n");
+            abort();
+        }
+        TSAN(f.tsan_fiber = __tsan_create_fiber(0));
+        e->fibers.push_back(f);
+    }
+    e->n = threads;
+    return e;
+}
+
+// One launch: blocks handed out by an atomic counter.
+struct grid_work {
+    const launch_cfg *c;
+    const char *kernel;
+    const std::function<void()> *body;
+    int threads;
+    uint64_t n_blocks;
+    std::atomic<uint64_t> next{0};
+};
+
+// Run blocks of `w` on the calling OS thread until none is left.
+void run_blocks(grid_work &w) {
+    const launch_cfg &c = *w.c;
+    executor *e = get_executor(w.threads);
+    TSAN(e->tsan_sched = __tsan_get_current_fiber());
+    e->body = w.body;
+    e->kernel = w.kernel;
+    e->dyn.assign(c.smem, 0xff);
+    e->blk.dynamic_smem = e->dyn.empty() ? nullptr : e->dyn.data();
+    e->blk.dim = uint3{c.block.x, c.block.y, c.block.z};
+    e->blk.grid = uint3{c.grid.x, c.grid.y, c.grid.z};
+    for (int i = 0; i < w.threads; i++) {
+        fiber &f = e->fibers[i];
+        f.linear = i;
+        f.ts.idx = uint3{(unsigned)i % c.block.x, (unsigned)i / c.block.x % c.block.y, (unsigned)i / (c.block.x * c.block.y)};
+    }
+    block_state *saved_block = cur_block;
+    thread_state *saved_thread = cur_thread;
+    cur_block = &e->blk;
+    for (;;) {
+        const uint64_t b = w.next.fetch_add(1);
+        if (b >= w.n_blocks) break;
+        e->blk.idx = uint3{(unsigned)(b % c.grid.x), (unsigned)(b / c.grid.x % c.grid.y),
+                           (unsigned)(b / ((uint64_t)c.grid.x * c.grid.y))};
+        run_block(e);
+    }
+    cur_block = saved_block;
+    cur_thread = saved_thread;
+}
+
+// Worker OS threads that run blocks beside the launching thread (the GPU's
+// blocks are independent, so a kernel that depends on their order is a bug
+// this shows). CUDAEMU_THREADS sets how many OS threads in all (default: the
+// CPUs, at most 16). A launch from a second host thread waits its turn.
+class worker_pool {
+  public:
+    worker_pool() {
+        const char *s = getenv("CUDAEMU_THREADS");
+        int n = s && *s ? atoi(s) : (int)std::thread::hardware_concurrency();
+        if (n < 1) n = 1;
+        if (n > 16 && !(s && *s)) n = 16;
+        for (int i = 1; i < n; i++) workers_.emplace_back([this] { loop(); });
+    }
+    ~worker_pool() {
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            stop_ = true;
+        }
+        cv_.notify_all();
+        for (auto &t : workers_) t.join();
+    }
+    void run(grid_work &w) {
+        std::lock_guard<std::mutex> launch_guard(launch_mu_);
+        if (workers_.empty() || w.n_blocks == 1) {
+            run_blocks(w);
+            return;
+        }
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            work_ = &w;
+            busy_ = (int)workers_.size();
+            generation_++;
+        }
+        cv_.notify_all();
+        run_blocks(w);
+        std::unique_lock<std::mutex> g(mu_);
+        done_cv_.wait(g, [this] { return busy_ == 0; });
+        work_ = nullptr;
+    }
+
+  private:
+    void loop() {
+        uint64_t seen = 0;
+        for (;;) {
+            grid_work *w;
+            {
+                std::unique_lock<std::mutex> g(mu_);
+                cv_.wait(g, [&] { return stop_ || generation_ != seen; });
+                if (stop_) return;
+                seen = generation_;
+                w = work_;
+            }
+            run_blocks(*w);
+            std::lock_guard<std::mutex> g(mu_);
+            if (--busy_ == 0) done_cv_.notify_one();
+        }
+    }
+    std::mutex launch_mu_, mu_;
+    std::condition_variable cv_, done_cv_;
+    std::vector<std::thread> workers_;
+    grid_work *work_ = nullptr;
+    int busy_ = 0;
+    uint64_t generation_ = 0;
+    bool stop_ = false;
+};
+
+worker_pool &pool() {
+    static worker_pool p;
+    return p;
+}
+
+} // namespace
+
+void run_grid(const launch_cfg &c, const char *kernel, const std::function<void()> &body) {
+    const uint64_t threads = (uint64_t)c.block.x * c.block.y * c.block.z;
+    if (!c.grid.x || !c.grid.y || !c.grid.z || !threads || threads > 1024 || c.block.z > 64 || c.grid.y > 65535 ||
+        c.grid.z > 65535) {
+        char why[256];
+        snprintf(why, sizeof why, "launch of %s: invalid configuration grid (%u,%u,%u) block (%u,%u,%u)", kernel, c.grid.x,
+                 c.grid.y, c.grid.z, c.block.x, c.block.y, c.block.z);
+        cudaemu_set_error(cudaErrorInvalidConfiguration, why);
+        return;
+    }
+    if (c.smem > EMU_SMEM_OPTIN) {
+        char why[256];
+        snprintf(why, sizeof why, "launch of %s: %zu bytes of dynamic shared memory", kernel, c.smem);
+        cudaemu_set_error(cudaErrorInvalidValue, why);
+        return;
+    }
+    if (!stream_ok(c.stream)) {
+        cudaemu_set_error(cudaErrorInvalidResourceHandle, "launch on a stream that is not live");
+        return;
+    }
+    grid_work w;
+    w.c = &c;
+    w.kernel = kernel;
+    w.body = &body;
+    w.threads = (int)threads;
+    w.n_blocks = (uint64_t)c.grid.x * c.grid.y * c.grid.z;
+    pool().run(w);
+}
+
+void *dynamic_smem() {
+    if (!ex || !ex->blk.dynamic_smem) die("extern __shared__ memory used by a launch that asked for none");
+    return ex->blk.dynamic_smem;
+}
+
+void syncthreads() {
+    fiber *f = ex->cur;
+    void *sync = &ex->bar_sync[f->bar_gen++ & 1u];
+    TSAN(__tsan_release(sync));
+    f->state = AT_BARRIER;
+    yield_to_scheduler(f);
+    TSAN(__tsan_acquire(sync));
+    (void)sync;
+}
+
+int lane_id() { return ex->cur->linear & 31; }
+
+uint64_t warp_exchange(uint32_t mask, uint64_t v, int src, bool orders_memory) {
+    fiber *f = ex->cur;
+    void *sync = &ex->warp_sync[f->linear >> 5 & 31][f->warp_gen & 1u];
+    if (orders_memory) {
+        f->warp_gen++;
+        TSAN(__tsan_release(sync));
+    }
+    f->xmask = mask;
+    f->xval = v;
+    f->xsrc = src;
+    f->xres = v;
+    f->state = AT_WARP;
+    yield_to_scheduler(f);
+    if (orders_memory) {
+        TSAN(__tsan_acquire(sync));
+    }
+    (void)sync;
+    return f->xres;
+}
+
+void check_kernel_pointer(const char *kernel, int index, const void *p) {
+    if (!p || cudaemu_is_device_range(p, 0) || is_pinned_range(p, 0)) return;
+    fprintf(stderr, "cudaemu: kernel %s: argument %d (%p) is neither device nor pinned host memory\n", kernel, index, p);
+    abort();
+}
+
+} // namespace cudaemu
