@@ -10,19 +10,36 @@
 //     touches (column-major: (cols - 1) * ld + rows elements);
 //   - alpha / beta must be host memory in CUBLAS_POINTER_MODE_HOST and device
 //     memory in CUBLAS_POINTER_MODE_DEVICE;
-//   - outputs that overlap other operands (or each other, across a batch)
-//     are refused: the libraries leave such calls undefined;
+//   - outputs that overlap other operands (or each other, across a batch, or
+//     a batched call's pointer arrays) are refused: the libraries leave such
+//     calls undefined;
 //   - potrfBatched overwrites the triangle it does not factor with NaN (the
 //     cuSOLVER documentation says that triangle is used as workspace and
 //     destroyed).
-// Every refusal prints "cudaemu: <function>: ..." to stderr and returns
-// CUBLAS_STATUS_INVALID_VALUE / CUSOLVER_STATUS_INVALID_VALUE (NOT_SUPPORTED
-// for a cublasGemmEx type combination cuBLAS or this emulator lacks,
-// NOT_INITIALIZED for a bad handle).
 //
-// Work runs synchronously on the calling thread when the call is made (the
-// emulator runs a stream's work at once, in order), reading alpha / beta
-// through the pointer in either pointer mode (all memory is host memory).
+// Calls are asynchronous, split as the real libraries split them (they
+// cannot read device memory when called):
+//   - at call time, the handle, enum values, sizes, leading dimensions, batch
+//     counts, NULL pointers and the scalars' pointer mode are checked; in
+//     CUBLAS_POINTER_MODE_HOST alpha / beta are read (the caller may reuse
+//     them once the call returns); the operands the call names directly (a
+//     GEMM's A, B, C and a strided batch's; the pointer arrays themselves;
+//     infoArray) are range-checked, and overlaps among them found. A refusal
+//     prints "cudaemu: <function>: ..." to stderr and returns
+//     CUBLAS_STATUS_INVALID_VALUE / CUSOLVER_STATUS_INVALID_VALUE
+//     (NOT_SUPPORTED for a cublasGemmEx type combination cuBLAS or this
+//     emulator lacks, NOT_INITIALIZED for a bad handle);
+//   - the rest is work enqueued on the handle's stream (cublasSetStream /
+//     cusolverDnSetStream; the null stream by default), run after the work
+//     enqueued there before it: reading alpha / beta in
+//     CUBLAS_POINTER_MODE_DEVICE (and then checking the GEMM's C and the
+//     overlaps, which depend on them), reading the pointer arrays' contents
+//     (typically written by a kernel enqueued just before) and checking the
+//     matrices they point to, the arithmetic, and potrfBatched's infoArray
+//     (also its -i for a bad parameter). A check that fails there is a
+//     device fault: "cudaemu: <function>: ..." and abort.
+// So results may be read only after the stream is synchronized, and memory
+// the call reads may not be changed before its work has run.
 //
 // Arithmetic: single-precision GEMMs (cublasSgemm, cublasGemmEx with compute
 // type 32F) convert the inputs to float and accumulate each dot product in
@@ -45,11 +62,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <new>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 struct cublasContext {
@@ -243,30 +262,44 @@ std::string describe(const Region &r) {
     return buf;
 }
 
-// Whether the region is inside one live device allocation (and not NULL,
-// and aligned to its element).
-bool check_region(const char *fn, const Region &r) {
+std::string fmt(const char *f, ...) __attribute__((format(printf, 1, 2)));
+std::string fmt(const char *f, ...) {
+    char buf[512];
+    va_list ap;
+    va_start(ap, f);
+    vsnprintf(buf, sizeof buf, f, ap);
+    va_end(ap);
+    return buf;
+}
+
+// A check that fails inside enqueued work: the device faults (aborts).
+[[noreturn]] void fault(const char *fn, const std::string &msg) {
+    cudaemu_device_fault("cudaemu: %s: %s", fn, msg.c_str());
+}
+
+// Why the region is not inside one live device allocation (or is NULL, or
+// not aligned to its element); empty when it is.
+std::string region_error(const Region &r) {
     const uint64_t elems = span_elems(r.rows, r.cols, r.ld);
-    if (elems == 0) return true;
-    if (!r.p) {
-        complain(fn, "%s is NULL", r.what.c_str());
-        return false;
-    }
-    if (elems > std::numeric_limits<uint64_t>::max() / r.elem || elems * r.elem > (uint64_t)SIZE_MAX) {
-        complain(fn, "%s spans more bytes than the address space", r.what.c_str());
-        return false;
-    }
-    if ((uintptr_t)r.p % r.elem != 0) {
-        complain(fn, "%s at %p is not aligned to its %zu-byte elements", r.what.c_str(), (const void *)r.p, r.elem);
-        return false;
-    }
+    if (elems == 0) return std::string();
+    if (!r.p) return r.what + " is NULL";
+    if (elems > std::numeric_limits<uint64_t>::max() / r.elem || elems * r.elem > (uint64_t)SIZE_MAX)
+        return r.what + " spans more bytes than the address space";
+    if ((uintptr_t)r.p % r.elem != 0)
+        return fmt("%s at %p is not aligned to its %zu-byte elements", r.what.c_str(), (const void *)r.p, r.elem);
     const size_t bytes = (size_t)(elems * r.elem);
-    if (!cudaemu_is_device_range(r.p, bytes)) {
-        complain(fn, "%s [%" PRIu64 " elements of %zu bytes = %zu bytes from %p] is not inside a device allocation",
-                 r.what.c_str(), elems, r.elem, bytes, (const void *)r.p);
-        return false;
-    }
-    return true;
+    if (!cudaemu_is_device_range(r.p, bytes))
+        return fmt("%s [%" PRIu64 " elements of %zu bytes = %zu bytes from %p] is not inside a device allocation",
+                   r.what.c_str(), elems, r.elem, bytes, (const void *)r.p);
+    return std::string();
+}
+
+// At call time: complains and returns false when the region is bad.
+bool check_region(const char *fn, const Region &r) {
+    const std::string e = region_error(r);
+    if (e.empty()) return true;
+    complain(fn, "%s", e.c_str());
+    return false;
 }
 
 // A pointer array (batched calls): batch entries, itself in device memory.
@@ -334,8 +367,9 @@ bool regions_overlap(const Region &a, const Region &b) {
     return false;
 }
 
-// Refuses a write region that overlaps any other region (reads may share).
-bool check_no_conflicts(const char *fn, std::vector<Region> regs) {
+// Why some write region overlaps another region (reads may share); empty
+// when none does.
+std::string conflict_error(std::vector<Region> regs) {
     regs.erase(std::remove_if(regs.begin(), regs.end(), [](const Region &r) { return r.bytes() == 0; }), regs.end());
     std::sort(regs.begin(), regs.end(),
               [](const Region &x, const Region &y) { return (uintptr_t)x.p < (uintptr_t)y.p; });
@@ -346,24 +380,20 @@ bool check_no_conflicts(const char *fn, std::vector<Region> regs) {
             // Cheap first: the smaller column count drives the exact test.
             const bool hit = regs[i].cols <= regs[j].cols ? regions_overlap(regs[i], regs[j])
                                                           : regions_overlap(regs[j], regs[i]);
-            if (hit) {
-                complain(fn, "%s overlaps %s (the result of such a call is undefined)", describe(regs[i]).c_str(),
-                         describe(regs[j]).c_str());
-                return false;
-            }
+            if (hit)
+                return describe(regs[i]) + " overlaps " + describe(regs[j]) +
+                       " (the result of such a call is undefined)";
         }
     }
-    return true;
+    return std::string();
 }
 
-std::string fmt(const char *f, ...) __attribute__((format(printf, 1, 2)));
-std::string fmt(const char *f, ...) {
-    char buf[512];
-    va_list ap;
-    va_start(ap, f);
-    vsnprintf(buf, sizeof buf, f, ap);
-    va_end(ap);
-    return buf;
+// At call time: complains and returns false on an overlap.
+bool check_no_conflicts(const char *fn, std::vector<Region> regs) {
+    const std::string e = conflict_error(std::move(regs));
+    if (e.empty()) return true;
+    complain(fn, "%s", e.c_str());
+    return false;
 }
 
 // ---- GEMM ----------------------------------------------------------------------
@@ -478,8 +508,87 @@ template <typename Acc> void gemm_compute(const GemmOperands &g, Acc alpha, Acc 
     }
 }
 
-// One (non-batched) GEMM: checks, then compute. Acc is float or double, as
-// are alpha and beta.
+// The GEMMs of one call: one, or a strided batch (for the messages).
+struct GemmBatch {
+    std::vector<GemmOperands> ops;
+    bool strided;
+    long long sA, sB, sC;
+};
+
+// The regions entry i touches, named as the messages name them.
+void batch_regions(const GemmBatch &b, size_t i, bool reads_ab, bool touches_c, std::vector<Region> &out) {
+    const std::string suffix =
+        b.strided ? fmt(" + %zu*stride (batch %zu of %zu, strides %lld/%lld/%lld)", i, i, b.ops.size(), b.sA, b.sB,
+                        b.sC)
+                  : std::string();
+    gemm_regions(b.ops[i], reads_ab, touches_c, suffix, out);
+}
+
+template <typename Acc> void run_gemms(const char *fn, const GemmBatch &b, Acc alpha, Acc beta) {
+    try {
+        for (const GemmOperands &g : b.ops) gemm_compute<Acc>(g, alpha, beta);
+    } catch (const std::bad_alloc &) {
+        fault(fn, "out of host memory");
+    }
+}
+
+// The GEMMs of a call whose handle, arguments and scalar pointers are
+// checked: the rest of the call-time checks, then the work on the handle's
+// stream. In CUBLAS_POINTER_MODE_HOST alpha / beta are read now, so every
+// region is checked now; in _DEVICE they are read by the work, which then
+// checks C (touched or not, as alpha / beta say) and the overlaps.
+template <typename Acc>
+cublasStatus_t gemm_submit(const char *fn, cublasHandle_t h, GemmBatch batch, const Acc *alpha, const Acc *beta) {
+    const cudaStream_t stream = h->stream;
+    const bool nothing = batch.ops.empty() || batch.ops[0].m == 0 || batch.ops[0].n == 0;
+    if (h->pointer_mode == CUBLAS_POINTER_MODE_HOST) {
+        const Acc a = *alpha, b = *beta;
+        // A and B must be device memory whenever the product has them as
+        // operands, even if alpha == 0 means they are not read this time.
+        const bool touches_c = !nothing && !((a == (Acc)0 || batch.ops[0].k == 0) && b == (Acc)1);
+        std::vector<Region> regs;
+        for (size_t i = 0; i < batch.ops.size(); i++) {
+            const size_t first = regs.size();
+            batch_regions(batch, i, true, touches_c, regs);
+            for (size_t r = first; r < regs.size(); r++)
+                if (!check_region(fn, regs[r])) return CUBLAS_STATUS_INVALID_VALUE;
+        }
+        if (!check_no_conflicts(fn, regs)) return CUBLAS_STATUS_INVALID_VALUE;
+        if (!touches_c) return CUBLAS_STATUS_SUCCESS;
+        cudaemu_enqueue(stream, [fn, batch = std::move(batch), a, b] { run_gemms<Acc>(fn, batch, a, b); });
+        return CUBLAS_STATUS_SUCCESS;
+    }
+    {
+        std::vector<Region> regs;
+        for (size_t i = 0; i < batch.ops.size(); i++) {
+            const size_t first = regs.size();
+            batch_regions(batch, i, true, false, regs);
+            for (size_t r = first; r < regs.size(); r++)
+                if (!check_region(fn, regs[r])) return CUBLAS_STATUS_INVALID_VALUE;
+        }
+    }
+    if (nothing) return CUBLAS_STATUS_SUCCESS;
+    cudaemu_enqueue(stream, [fn, batch = std::move(batch), alpha, beta] {
+        const Acc a = *alpha, b = *beta;
+        const bool touches_c = !((a == (Acc)0 || batch.ops[0].k == 0) && b == (Acc)1);
+        if (!touches_c) return;
+        std::vector<Region> regs;
+        for (size_t i = 0; i < batch.ops.size(); i++) {
+            const size_t first = regs.size();
+            batch_regions(batch, i, true, true, regs);
+            for (size_t r = first; r < regs.size(); r++) {
+                const std::string e = region_error(regs[r]);
+                if (!e.empty()) fault(fn, e);
+            }
+        }
+        const std::string e = conflict_error(std::move(regs));
+        if (!e.empty()) fault(fn, e);
+        run_gemms<Acc>(fn, batch, a, b);
+    });
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+// One (non-batched) GEMM. Acc is float or double, as are alpha and beta.
 template <typename Acc>
 cublasStatus_t gemm_one(const char *fn, cublasHandle_t h, const GemmOperands &g, const Acc *alpha, const Acc *beta) {
     if (!blas_handle_ok(fn, h)) return CUBLAS_STATUS_NOT_INITIALIZED;
@@ -487,22 +596,8 @@ cublasStatus_t gemm_one(const char *fn, cublasHandle_t h, const GemmOperands &g,
     if (!check_scalar(fn, "alpha", alpha, sizeof(Acc), h->pointer_mode) ||
         !check_scalar(fn, "beta", beta, sizeof(Acc), h->pointer_mode))
         return CUBLAS_STATUS_INVALID_VALUE;
-    const Acc a = *alpha, b = *beta;
-    std::vector<Region> regs;
-    // A and B must be device memory whenever the product has them as
-    // operands, even if alpha == 0 means they are not read this time.
-    const bool touches_c = !((a == (Acc)0 || g.k == 0) && b == (Acc)1);
-    gemm_regions(g, true, touches_c, "", regs);
-    for (const Region &r : regs)
-        if (!check_region(fn, r)) return CUBLAS_STATUS_INVALID_VALUE;
-    if (!check_no_conflicts(fn, regs)) return CUBLAS_STATUS_INVALID_VALUE;
-    try {
-        gemm_compute<Acc>(g, a, b);
-    } catch (const std::bad_alloc &) {
-        complain(fn, "out of host memory");
-        return CUBLAS_STATUS_ALLOC_FAILED;
-    }
-    return CUBLAS_STATUS_SUCCESS;
+    GemmBatch batch = {{g}, false, 0, 0, 0};
+    return gemm_submit<Acc>(fn, h, std::move(batch), alpha, beta);
 }
 
 // ---- triangular solve ----------------------------------------------------------
@@ -820,34 +915,17 @@ cublasStatus_t cublasDgemmStridedBatched(cublasHandle_t handle, cublasOperation_
     if (!check_scalar(fn, "alpha", alpha, sizeof(double), handle->pointer_mode) ||
         !check_scalar(fn, "beta", beta, sizeof(double), handle->pointer_mode))
         return CUBLAS_STATUS_INVALID_VALUE;
-    const double a = *alpha, b = *beta;
-    const bool touches_c = !((a == 0.0 || k == 0) && b == 1.0);
-    std::vector<Region> regs;
-    std::vector<GemmOperands> ops((size_t)batchCount);
+    GemmBatch batch = {std::vector<GemmOperands>((size_t)batchCount), true, strideA, strideB, strideC};
     for (int i = 0; i < batchCount; i++) {
         // Pointer arithmetic on the integers: an out-of-range batch must be
         // reported, not formed as a pointer.
         const uintptr_t pa = (uintptr_t)A + (uintptr_t)((long long)i * strideA * (long long)sizeof(double));
         const uintptr_t pb = (uintptr_t)B + (uintptr_t)((long long)i * strideB * (long long)sizeof(double));
         const uintptr_t pc = (uintptr_t)C + (uintptr_t)((long long)i * strideC * (long long)sizeof(double));
-        ops[(size_t)i] = {transa, transb, m,        n,   k, (const void *)pa, Elem::F64, lda, (const void *)pb,
-                          Elem::F64, ldb, (void *)pc, Elem::F64, ldc};
-        const size_t first = regs.size();
-        gemm_regions(ops[(size_t)i], true, touches_c,
-                     fmt(" + %d*stride (batch %d of %d, strides %lld/%lld/%lld)", i, i, batchCount, strideA, strideB,
-                         strideC),
-                     regs);
-        for (size_t r = first; r < regs.size(); r++)
-            if (!check_region(fn, regs[r])) return CUBLAS_STATUS_INVALID_VALUE;
+        batch.ops[(size_t)i] = {transa, transb, m,        n,   k, (const void *)pa, Elem::F64, lda, (const void *)pb,
+                                Elem::F64, ldb, (void *)pc, Elem::F64, ldc};
     }
-    if (!check_no_conflicts(fn, regs)) return CUBLAS_STATUS_INVALID_VALUE;
-    try {
-        for (const GemmOperands &g : ops) gemm_compute<double>(g, a, b);
-    } catch (const std::bad_alloc &) {
-        complain(fn, "out of host memory");
-        return CUBLAS_STATUS_ALLOC_FAILED;
-    }
-    return CUBLAS_STATUS_SUCCESS;
+    return gemm_submit<double>(fn, handle, std::move(batch), alpha, beta);
 }
 
 cublasStatus_t cublasDtrsmBatched(cublasHandle_t handle, cublasSideMode_t side, cublasFillMode_t uplo,
@@ -889,19 +967,38 @@ cublasStatus_t cublasDtrsmBatched(cublasHandle_t handle, cublasSideMode_t side, 
     if (m == 0 || n == 0 || batchCount == 0) return CUBLAS_STATUS_SUCCESS;
     if (!check_pointer_array(fn, "A", A, batchCount) || !check_pointer_array(fn, "B", B, batchCount))
         return CUBLAS_STATUS_INVALID_VALUE;
-    std::vector<Region> regs;
-    for (int i = 0; i < batchCount; i++) {
-        const Region ra = {reinterpret_cast<const char *>(A[i]), ka, ka, lda, sizeof(double), false,
-                           fmt("A[%d] [%d x %d, lda=%d]", i, ka, ka, lda)};
-        const Region rb = {reinterpret_cast<const char *>(B[i]), m, n, ldb, sizeof(double), true,
-                           fmt("B[%d] [m=%d,n=%d,ldb=%d]", i, m, n, ldb)};
-        if (!check_region(fn, ra) || !check_region(fn, rb)) return CUBLAS_STATUS_INVALID_VALUE;
-        regs.push_back(ra);
-        regs.push_back(rb);
-    }
-    if (!check_no_conflicts(fn, regs)) return CUBLAS_STATUS_INVALID_VALUE;
-    const double a = *alpha;
-    for (int i = 0; i < batchCount; i++) trsm_compute(side, uplo, trans, diag, m, n, a, A[i], lda, B[i], ldb);
+    // The pointer arrays' contents are device memory (typically written by
+    // work enqueued just before): only the work reads them.
+    const bool dev_alpha = handle->pointer_mode == CUBLAS_POINTER_MODE_DEVICE;
+    const double host_alpha = dev_alpha ? 0.0 : *alpha;
+    cudaemu_enqueue(handle->stream, [=] {
+        const double a = dev_alpha ? *alpha : host_alpha;
+        std::vector<const double *> pa((size_t)batchCount);
+        std::vector<double *> pb((size_t)batchCount);
+        std::vector<Region> regs;
+        regs.reserve(2 * (size_t)batchCount + 2);
+        regs.push_back({reinterpret_cast<const char *>(A), batchCount, 1, batchCount, sizeof(void *), false,
+                        fmt("pointer array A [%d pointers]", batchCount)});
+        regs.push_back({reinterpret_cast<const char *>(B), batchCount, 1, batchCount, sizeof(void *), false,
+                        fmt("pointer array B [%d pointers]", batchCount)});
+        for (int i = 0; i < batchCount; i++) {
+            pa[(size_t)i] = A[i];
+            pb[(size_t)i] = B[i];
+            const Region ra = {reinterpret_cast<const char *>(pa[(size_t)i]), ka, ka, lda, sizeof(double), false,
+                               fmt("A[%d] [%d x %d, lda=%d]", i, ka, ka, lda)};
+            const Region rb = {reinterpret_cast<const char *>(pb[(size_t)i]), m, n, ldb, sizeof(double), true,
+                               fmt("B[%d] [m=%d,n=%d,ldb=%d]", i, m, n, ldb)};
+            std::string e = region_error(ra);
+            if (e.empty()) e = region_error(rb);
+            if (!e.empty()) fault(fn, e);
+            regs.push_back(ra);
+            regs.push_back(rb);
+        }
+        const std::string e = conflict_error(std::move(regs));
+        if (!e.empty()) fault(fn, e);
+        for (int i = 0; i < batchCount; i++)
+            trsm_compute(side, uplo, trans, diag, m, n, a, pa[(size_t)i], lda, pb[(size_t)i], ldb);
+    });
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -953,11 +1050,13 @@ cusolverStatus_t cusolverDnDpotrfBatched(cusolverDnHandle_t handle, cublasFillMo
                                          int lda, int *infoArray, int batchSize) {
     const char *fn = "cusolverDnDpotrfBatched";
     if (!solver_handle_ok(fn, handle)) return CUSOLVER_STATUS_NOT_INITIALIZED;
+    const cudaStream_t stream = handle->stream;
     // The documented failure: infoArray[0] = -i for the i-th parameter (not
-    // counting the handle), when infoArray can take it.
+    // counting the handle), when infoArray can take it; written in stream
+    // order, as the library's own write would be.
     auto invalid = [&](int param) {
         if (infoArray && (uintptr_t)infoArray % alignof(int) == 0 && cudaemu_is_device_range(infoArray, sizeof(int)))
-            infoArray[0] = -param;
+            cudaemu_enqueue(stream, [infoArray, param] { infoArray[0] = -param; });
         return CUSOLVER_STATUS_INVALID_VALUE;
     };
     if (uplo != CUBLAS_FILL_MODE_LOWER && uplo != CUBLAS_FILL_MODE_UPPER) {
@@ -985,20 +1084,30 @@ cusolverStatus_t cusolverDnDpotrfBatched(cusolverDnHandle_t handle, cublasFillMo
         return CUSOLVER_STATUS_INVALID_VALUE;
     }
     if (!check_region(fn, rinfo)) return CUSOLVER_STATUS_INVALID_VALUE;
-    std::vector<Region> regs;
-    regs.push_back(rinfo);
-    for (int i = 0; i < batchSize; i++) {
-        const Region ra = {reinterpret_cast<const char *>(Aarray[i]), n, n, lda, sizeof(double), true,
-                           fmt("Aarray[%d] [n=%d,lda=%d]", i, n, lda)};
-        if (n > 0 && !Aarray[i]) {
-            complain(fn, "Aarray[%d] is NULL", i);
-            return invalid(3);
+    const Region rarr = {reinterpret_cast<const char *>(Aarray), batchSize, 1, batchSize, sizeof(void *), false,
+                         fmt("pointer array Aarray [%d pointers]", batchSize)};
+    if (!check_no_conflicts(fn, {rinfo, rarr})) return CUSOLVER_STATUS_INVALID_VALUE;
+    // Aarray's contents are device memory (typically written by work
+    // enqueued just before): only the work reads them.
+    cudaemu_enqueue(stream, [=] {
+        std::vector<double *> pa((size_t)batchSize);
+        std::vector<Region> regs;
+        regs.reserve((size_t)batchSize + 2);
+        regs.push_back(rinfo);
+        regs.push_back(rarr);
+        for (int i = 0; i < batchSize; i++) {
+            pa[(size_t)i] = Aarray[i];
+            if (n > 0 && !pa[(size_t)i]) fault(fn, fmt("Aarray[%d] is NULL", i));
+            const Region ra = {reinterpret_cast<const char *>(pa[(size_t)i]), n, n, lda, sizeof(double), true,
+                               fmt("Aarray[%d] [n=%d,lda=%d]", i, n, lda)};
+            const std::string e = region_error(ra);
+            if (!e.empty()) fault(fn, e);
+            regs.push_back(ra);
         }
-        if (!check_region(fn, ra)) return invalid(3);
-        regs.push_back(ra);
-    }
-    if (!check_no_conflicts(fn, regs)) return CUSOLVER_STATUS_INVALID_VALUE;
-    for (int i = 0; i < batchSize; i++) infoArray[i] = potrf_compute(uplo, n, Aarray[i], lda);
+        const std::string e = conflict_error(std::move(regs));
+        if (!e.empty()) fault(fn, e);
+        for (int i = 0; i < batchSize; i++) infoArray[i] = potrf_compute(uplo, n, pa[(size_t)i], lda);
+    });
     return CUSOLVER_STATUS_SUCCESS;
 }
 

@@ -2,9 +2,11 @@
 # cudaemu race check: runs the CUDA backend's kernels through the real tools
 # (prefixctl, prefix-bench) on the emulated device in a ThreadSanitizer build,
 # where every GPU thread is a TSan fiber and only __syncthreads, __syncwarp
-# and block/launch boundaries order memory (tests/cudaemu/runtime.cpp). Any
-# data race in a kernel (shared or global memory), or between the backend's
-# host threads, fails the run.
+# and block/launch boundaries order memory, and streams run asynchronously
+# (tests/cudaemu/runtime.cpp). Any data race in a kernel (shared or global
+# memory), between the host and queued device work (a buffer reused before
+# its copy ran, results read before a sync), or between the backend's host
+# threads, fails the run.
 #
 # usage: tests/cudaemu/race-check.sh BUILD_DIR   (meson -Dcudaemu=true -Db_sanitize=thread)
 # Criterion's sandbox cannot start under TSan, hence tools, not the test suites.
@@ -39,6 +41,8 @@ printf 'Lily smiled and said thank you to her mom.\n' >"$work/eval.txt"
 "$ctl" gen-model --preset tiny --arch qwen2 --n-embd 256 --n-head 4 --n-head-kv 2 --n-ff 512 --n-layer 2 \
     --n-vocab 512 --type bf16 -q -o "$work/gqa.gguf"
 "$ctl" gen-model --preset tiny --type q4_k --n-embd 256 --n-ff 512 --n-layer 2 -q -o "$work/q4k.gguf"
+# 65 MB embedding: uploads larger than the two 8 MiB pinned staging buffers.
+"$ctl" gen-model --preset tiny --type f32 --n-embd 512 --n-vocab 32000 --n-layer 1 -q -o "$work/big.gguf"
 
 if [ -f "$shared/tinystories/stories260K.gguf" ]; then
     m=$shared/tinystories/stories260K.gguf
@@ -51,6 +55,7 @@ step "qwen2 GQA (bf16) prefill and decode" "$ctl" generate --model "$work/gqa.gg
 step "qwen2 GQA Compactor" "$ctl" compress --model "$work/gqa.gguf" --policy compactor --retention 0.25 \
     --text "$work/prefix.txt" --eval "$work/eval.txt" --device cuda:0
 step "q4_K weights (host dequantization threads)" "$ctl" generate --model "$work/q4k.gguf" --prompt "$story" -n 8 --device cuda:0
+step "uploads through the pinned staging buffers" "$ctl" generate --model "$work/big.gguf" --prompt "$story" -n 2 --device cuda:0
 step "prefix-bench: batched decode over a shared compressed prefix" \
-    "$bench" --model "$work/gqa.gguf" --device cuda:0 --prompt 32 --gen 4 --reps 1 --prefix 96
+    "$bench" --model "$work/gqa.gguf" --device cuda:0 --prompt 32 --gen 2 --reps 1 --prefix 64
 echo "race-check: no data race found"

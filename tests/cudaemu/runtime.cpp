@@ -8,24 +8,31 @@
 // filled with 0xff bytes (NaN as floats) so code that relies on zeroed
 // memory shows, and so is dynamic shared memory at each block's start.
 //
-// A kernel's blocks run one after another on the calling thread; a block's
-// threads are fibers (own stacks; a small context switch) that run until they reach __syncthreads or a
-// warp shuffle, and are released when every live thread of the block (of the
-// warp) has arrived. Threads run in forward order in one phase and reverse
-// order in the next, so a missing barrier tends to change results. A block
-// whose threads wait at different barriers is reported and aborts.
+// A non-null stream is a worker thread that runs copies, memsets, launches
+// and library calls in order while the host goes on; the host must order
+// its accesses as on a GPU (sync, events, the pageable-copy rules), and
+// under TSan an access that is not so ordered is reported.
+//
+// A kernel's blocks are spread over a pool of OS threads; a block's threads
+// are fibers (own stacks, a small context switch) that run until they reach
+// __syncthreads or a warp shuffle, and are released when every live thread
+// of the block (of the warp) has arrived. Threads run in forward order in
+// one phase and reverse order in the next. A block whose threads wait at
+// different barriers is reported and aborts. Races between GPU threads are
+// for ThreadSanitizer to find (see the TSAN notes below).
 #include "cudaemu_device.h"
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <thread>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include <sys/mman.h>
@@ -100,6 +107,10 @@ static int emu_device_count() {
     return s && *s ? atoi(s) : 1;
 }
 
+namespace {
+void drain_all();
+}
+
 static thread_local int current_device = 0;
 static thread_local cudaError_t last_error = cudaSuccess;
 
@@ -168,7 +179,10 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) 
     return fail(cudaErrorInvalidValue, "cudaDeviceGetAttribute: attribute %d not emulated", (int)attr);
 }
 
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void) {
+    drain_all();
+    return cudaSuccess;
+}
 cudaError_t cudaDriverGetVersion(int *version) {
     *version = 12000;
     return cudaSuccess;
@@ -230,6 +244,38 @@ static bool touches_device(const void *p, size_t bytes) {
     return it->first + it->second > a;
 }
 
+static const size_t EMU_SMEM_DEFAULT = 48 * 1024;
+
+namespace {
+struct smem_limits {
+    std::mutex mu;
+    std::map<const void *, size_t> raised;
+};
+smem_limits &limits() {
+    static smem_limits l;
+    return l;
+}
+} // namespace
+
+cudaError_t cudaemu_func_set_smem(const void *kernel, int attr, int value) {
+    if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize)
+        return fail(cudaErrorInvalidValue, "cudaFuncSetAttribute: attribute %d not emulated", attr);
+    if (value < 0 || (size_t)value > EMU_SMEM_OPTIN)
+        return fail(cudaErrorInvalidValue, "cudaFuncSetAttribute: %d bytes of dynamic shared memory (at most %zu)", value,
+                    EMU_SMEM_OPTIN);
+    smem_limits &l = limits();
+    std::lock_guard<std::mutex> g(l.mu);
+    l.raised[kernel] = (size_t)value;
+    return cudaSuccess;
+}
+
+size_t cudaemu_func_smem_limit(const void *kernel) {
+    smem_limits &l = limits();
+    std::lock_guard<std::mutex> g(l.mu);
+    auto it = l.raised.find(kernel);
+    return it == l.raised.end() ? EMU_SMEM_DEFAULT : it->second;
+}
+
 extern "C" {
 
 cudaError_t cudaMalloc(void **p, size_t bytes) {
@@ -251,6 +297,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
 
 cudaError_t cudaFree(void *p) {
     if (!p) return cudaSuccess;
+    drain_all(); // cudaFree synchronises the device
     registry &r = reg();
     {
         std::lock_guard<std::mutex> g(r.mu);
@@ -277,6 +324,7 @@ cudaError_t cudaMallocHost(void **p, size_t bytes) { return cudaHostAlloc(p, byt
 
 cudaError_t cudaFreeHost(void *p) {
     if (!p) return cudaSuccess;
+    drain_all();
     registry &r = reg();
     {
         std::lock_guard<std::mutex> g(r.mu);
@@ -336,29 +384,46 @@ static cudaError_t check_side(const void *p, size_t bytes, bool device, const ch
     return cudaSuccess;
 }
 
-static cudaError_t copy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
-    bool dst_dev, src_dev;
+// Which sides of a copy are device memory, checked against its kind.
+static cudaError_t copy_sides(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, bool *dst_dev, bool *src_dev) {
     switch (kind) {
-    case cudaMemcpyHostToHost: dst_dev = src_dev = false; break;
-    case cudaMemcpyHostToDevice: dst_dev = true, src_dev = false; break;
-    case cudaMemcpyDeviceToHost: dst_dev = false, src_dev = true; break;
-    case cudaMemcpyDeviceToDevice: dst_dev = src_dev = true; break;
+    case cudaMemcpyHostToHost: *dst_dev = *src_dev = false; break;
+    case cudaMemcpyHostToDevice: *dst_dev = true, *src_dev = false; break;
+    case cudaMemcpyDeviceToHost: *dst_dev = false, *src_dev = true; break;
+    case cudaMemcpyDeviceToDevice: *dst_dev = *src_dev = true; break;
     default:
-        dst_dev = cudaemu_is_device_range(dst, bytes);
-        src_dev = cudaemu_is_device_range(src, bytes);
+        *dst_dev = cudaemu_is_device_range(dst, bytes);
+        *src_dev = cudaemu_is_device_range(src, bytes);
         break;
     }
-    cudaError_t e = check_side(dst, bytes, dst_dev, "destination", kind);
-    if (e == cudaSuccess) e = check_side(src, bytes, src_dev, "source", kind);
-    if (e != cudaSuccess) return e;
-    if (bytes) memmove(dst, src, bytes);
-    return cudaSuccess;
+    cudaError_t e = check_side(dst, bytes, *dst_dev, "destination", kind);
+    if (e == cudaSuccess) e = check_side(src, bytes, *src_dev, "source", kind);
+    return e;
 }
+
+/* ------------------------------------------------------------------------
+ * streams: a worker thread each, running enqueued work in order while the
+ * host goes on, so the host must order its accesses the way a GPU makes it
+ * (a sync, an event, or the pageable-copy rules below). The null stream
+ * runs work at once on the calling thread; the streams here are
+ * non-blocking, so it does not wait for them either.
+ * ------------------------------------------------------------------------ */
+
+struct cudaemu_stream {
+    int id;
+    std::mutex mu;
+    std::condition_variable has_work, progressed;
+    std::deque<std::function<void()>> queue;
+    uint64_t enqueued = 0, completed = 0;
+    bool stop = false;
+    std::thread worker;
+};
 
 namespace {
 struct stream_table {
     std::mutex mu;
     std::map<cudaStream_t, int> live;
+    int next_id = 1;
 };
 stream_table &streams() {
     static stream_table t;
@@ -370,24 +435,119 @@ bool stream_ok(cudaStream_t s) {
     std::lock_guard<std::mutex> g(t.mu);
     return t.live.count(s) != 0;
 }
+
+void stream_loop(cudaemu_stream *s) {
+    for (;;) {
+        std::function<void()> work;
+        {
+            std::unique_lock<std::mutex> g(s->mu);
+            s->has_work.wait(g, [s] { return s->stop || !s->queue.empty(); });
+            if (s->queue.empty()) return; // stopped and drained
+            work = std::move(s->queue.front());
+            s->queue.pop_front();
+        }
+        work();
+        std::lock_guard<std::mutex> g(s->mu);
+        s->completed++;
+        s->progressed.notify_all();
+    }
+}
+
+uint64_t stream_enqueue(cudaemu_stream *s, std::function<void()> work) {
+    std::lock_guard<std::mutex> g(s->mu);
+    s->queue.push_back(std::move(work));
+    s->has_work.notify_one();
+    return ++s->enqueued;
+}
+
+void stream_wait(cudaemu_stream *s, uint64_t seq) {
+    std::unique_lock<std::mutex> g(s->mu);
+    s->progressed.wait(g, [s, seq] { return s->completed >= seq; });
+}
+
+void stream_drain(cudaemu_stream *s) {
+    uint64_t seq;
+    {
+        std::lock_guard<std::mutex> g(s->mu);
+        seq = s->enqueued;
+    }
+    stream_wait(s, seq);
+}
+
+// What cudaFree and cudaDeviceSynchronize imply: every stream idle.
+void drain_all() {
+    std::vector<cudaStream_t> all;
+    {
+        stream_table &t = streams();
+        std::lock_guard<std::mutex> g(t.mu);
+        for (auto &kv : t.live) all.push_back(kv.first);
+    }
+    for (cudaStream_t s : all) stream_drain(s);
+}
+
 } // namespace
 
-struct cudaemu_stream {
-    int id;
-};
+void cudaemu_enqueue(cudaStream_t s, std::function<void()> work) {
+    if (!s) {
+        work();
+        return;
+    }
+    if (!stream_ok(s)) cudaemu_device_fault("cudaemu: work enqueued on stream %p, which is not live", (void *)s);
+    stream_enqueue(s, std::move(work));
+}
+
+void cudaemu_device_fault(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    abort();
+}
+
 struct cudaemu_event {
-    std::chrono::steady_clock::time_point at;
+    std::chrono::steady_clock::time_point at; // written by the stream's marker
+    cudaemu_stream *stream;                   // recorded on (NULL: the null stream)
+    uint64_t seq;
     bool recorded;
     unsigned flags;
 };
 
 extern "C" {
 
-cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) { return copy(dst, src, bytes, kind); }
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
+    bool dd, sd;
+    const cudaError_t e = copy_sides(dst, src, bytes, kind, &dd, &sd);
+    if (e != cudaSuccess) return e;
+    if (bytes) memmove(dst, src, bytes);
+    return cudaSuccess;
+}
 
+// The runtime's rules for pageable host memory (pinned memory is plain
+// asynchronous): from pageable memory the source is staged before the call
+// returns (the caller may reuse it); to pageable memory the call returns
+// once the copy, and all work before it on the stream, is done.
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, cudaStream_t s) {
     if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaMemcpyAsync: stream %p is not live", (void *)s);
-    return copy(dst, src, bytes, kind);
+    bool dd, sd;
+    const cudaError_t e = copy_sides(dst, src, bytes, kind, &dd, &sd);
+    if (e != cudaSuccess || bytes == 0) return e;
+    if (!s) {
+        memmove(dst, src, bytes);
+        return cudaSuccess;
+    }
+    if (!sd && !is_pinned_range(src, bytes)) {
+        // The staged copy belongs to the work alone (no shared_ptr: this file
+        // is uninstrumented under TSan, which would not see its atomics).
+        std::vector<unsigned char> staged((const unsigned char *)src, (const unsigned char *)src + bytes);
+        stream_enqueue(s, [dst, staged = std::move(staged)] { memcpy(dst, staged.data(), staged.size()); });
+    } else if (!dd && !is_pinned_range(dst, bytes)) {
+        stream_drain(s);
+        memmove(dst, src, bytes);
+    } else {
+        stream_enqueue(s, [dst, src, bytes] { memmove(dst, src, bytes); });
+    }
+    return cudaSuccess;
 }
 
 cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
@@ -395,7 +555,7 @@ cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t 
     if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaMemcpy2DAsync: stream %p is not live", (void *)s);
     if (width > dpitch || width > spitch) return fail(cudaErrorInvalidValue, "cudaMemcpy2DAsync: width %zu above a pitch", width);
     for (size_t r = 0; r < height; r++) {
-        const cudaError_t e = copy((char *)dst + r * dpitch, (const char *)src + r * spitch, width, kind);
+        const cudaError_t e = cudaMemcpyAsync((char *)dst + r * dpitch, (const char *)src + r * spitch, width, kind, s);
         if (e != cudaSuccess) return e;
     }
     return cudaSuccess;
@@ -410,55 +570,87 @@ cudaError_t cudaMemset(void *p, int value, size_t bytes) {
 
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s) {
     if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaMemsetAsync: stream %p is not live", (void *)s);
-    return cudaMemset(p, value, bytes);
+    if (bytes && !cudaemu_is_device_range(p, bytes))
+        return fail(cudaErrorInvalidValue, "cudaMemsetAsync: %p (+%zu bytes) is not inside one device allocation", p, bytes);
+    if (bytes) cudaemu_enqueue(s, [p, value, bytes] { memset(p, value, bytes); });
+    return cudaSuccess;
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags) {
     (void)flags;
-    static int next_id = 1;
+    cudaemu_stream *st = new cudaemu_stream();
     stream_table &t = streams();
-    std::lock_guard<std::mutex> g(t.mu);
-    *s = new cudaemu_stream{next_id++};
-    t.live[*s] = 1;
+    {
+        std::lock_guard<std::mutex> g(t.mu);
+        st->id = t.next_id++;
+        t.live[st] = 1;
+    }
+    st->worker = std::thread(stream_loop, st);
+    *s = st;
     return cudaSuccess;
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t *s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
 
+// Work already enqueued completes first, as the runtime promises.
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
     stream_table &t = streams();
-    std::lock_guard<std::mutex> g(t.mu);
-    if (!s || !t.live.erase(s)) return cudaErrorInvalidResourceHandle;
+    {
+        std::lock_guard<std::mutex> g(t.mu);
+        if (!s || !t.live.erase(s)) return cudaErrorInvalidResourceHandle;
+    }
+    {
+        std::lock_guard<std::mutex> g(s->mu);
+        s->stop = true;
+        s->has_work.notify_one();
+    }
+    s->worker.join();
     delete s;
     return cudaSuccess;
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-    return stream_ok(s) ? cudaSuccess : fail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize: stream %p is not live", (void *)s);
+    if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize: stream %p is not live", (void *)s);
+    if (s) stream_drain(s);
+    return cudaSuccess;
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) {
-    *e = new cudaemu_event{std::chrono::steady_clock::now(), false, flags};
+    *e = new cudaemu_event{std::chrono::steady_clock::time_point(), nullptr, 0, false, flags};
     return cudaSuccess;
 }
 cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
+// Waits for a pending marker, which writes into the event (the runtime
+// would release it later instead).
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    cudaEventSynchronize(e);
     delete e;
     return cudaSuccess;
 }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: stream %p is not live", (void *)s);
-    e->at = std::chrono::steady_clock::now();
     e->recorded = true;
+    e->stream = s;
+    if (!s) {
+        e->at = std::chrono::steady_clock::now();
+        e->seq = 0;
+    } else {
+        e->seq = stream_enqueue(s, [e] { e->at = std::chrono::steady_clock::now(); });
+    }
     return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
-    (void)e;
+    if (e->recorded && e->stream) {
+        if (!stream_ok(e->stream)) return cudaSuccess; // destroyed: its work is done
+        stream_wait(e->stream, e->seq);
+    }
     return cudaSuccess;
 }
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t stop) {
     if (!start->recorded || !stop->recorded || (start->flags | stop->flags) & cudaEventDisableTiming)
         return fail(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime: event not recorded or without timing");
+    cudaEventSynchronize(start);
+    cudaEventSynchronize(stop);
     *ms = std::chrono::duration<float, std::milli>(stop->at - start->at).count();
     return cudaSuccess;
 }
@@ -861,7 +1053,7 @@ worker_pool &pool() {
 
 } // namespace
 
-void run_grid(const launch_cfg &c, const char *kernel, const std::function<void()> &body) {
+void run_grid(const launch_cfg &c, const char *kernel, const void *fn, const std::function<void()> &body) {
     const uint64_t threads = (uint64_t)c.block.x * c.block.y * c.block.z;
     if (!c.grid.x || !c.grid.y || !c.grid.z || !threads || threads > 1024 || c.block.z > 64 || c.grid.y > 65535 ||
         c.grid.z > 65535) {
@@ -871,9 +1063,11 @@ void run_grid(const launch_cfg &c, const char *kernel, const std::function<void(
         cudaemu_set_error(cudaErrorInvalidConfiguration, why);
         return;
     }
-    if (c.smem > EMU_SMEM_OPTIN) {
+    if (c.smem > cudaemu_func_smem_limit(fn)) {
         char why[256];
-        snprintf(why, sizeof why, "launch of %s: %zu bytes of dynamic shared memory", kernel, c.smem);
+        snprintf(why, sizeof why, "launch of %s: %zu bytes of dynamic shared memory, above its limit of %zu%s", kernel,
+                 c.smem, cudaemu_func_smem_limit(fn),
+                 c.smem <= EMU_SMEM_OPTIN ? " (raise it with cudaFuncSetAttribute first)" : "");
         cudaemu_set_error(cudaErrorInvalidValue, why);
         return;
     }
@@ -881,13 +1075,16 @@ void run_grid(const launch_cfg &c, const char *kernel, const std::function<void(
         cudaemu_set_error(cudaErrorInvalidResourceHandle, "launch on a stream that is not live");
         return;
     }
-    grid_work w;
-    w.c = &c;
-    w.kernel = kernel;
-    w.body = &body;
-    w.threads = (int)threads;
-    w.n_blocks = (uint64_t)c.grid.x * c.grid.y * c.grid.z;
-    pool().run(w);
+    // The launch runs later, in stream order; everything it needs is copied.
+    cudaemu_enqueue(c.stream, [c, kernel, body, threads] {
+        grid_work w;
+        w.c = &c;
+        w.kernel = kernel;
+        w.body = &body;
+        w.threads = (int)threads;
+        w.n_blocks = (uint64_t)c.grid.x * c.grid.y * c.grid.z;
+        pool().run(w);
+    });
 }
 
 void *dynamic_smem() {

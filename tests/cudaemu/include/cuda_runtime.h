@@ -1,10 +1,10 @@
 // cudaemu: the subset of the CUDA runtime API that kernels/cuda uses, run on
-// the CPU. Device memory is host memory the emulator tracks, a stream runs
-// its work at once (in order), and a kernel launch runs every block of the
+// the CPU. Device memory is host memory the emulator tracks, a stream is a
+// thread that runs its work in order while the host goes on (so the host
+// must synchronise as on a GPU), and a kernel launch runs every block of the
 // grid, each GPU thread a fiber that yields at __syncthreads and at warp
 // shuffles. It exists so the CUDA backend's host bookkeeping and kernels can
-// be tested where no GPU is; it says nothing about speed and cannot catch
-// races between the host and asynchronous device work.
+// be tested where no GPU is; it says nothing about speed.
 #ifndef CUDAEMU_CUDA_RUNTIME_H
 #define CUDAEMU_CUDA_RUNTIME_H
 
@@ -155,10 +155,23 @@ void cudaemu_set_error(cudaError_t e, const char *why);
 #ifdef __cplusplus
 }
 
-// cudaFuncSetAttribute takes any kernel (a function); the emulator has no
-// shared-memory limit to raise.
-template <typename F> static inline cudaError_t cudaFuncSetAttribute(F *, cudaFuncAttribute, int) {
-    return cudaSuccess;
+#include <functional>
+
+// Emulator internals for the library calls (blas.cpp) and kernel launches:
+// run `work` on stream s after everything enqueued there before it, on the
+// stream's own thread (at once, on the calling thread, for the null stream).
+void cudaemu_enqueue(cudaStream_t s, std::function<void()> work);
+// A fault found while enqueued work runs (an operand that is not device
+// memory, ...): prints the message and aborts, as a GPU's sticky error
+// would poison the context.
+[[noreturn]] void cudaemu_device_fault(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+// A kernel's dynamic shared memory limit: 48 KiB unless raised with
+// cudaFuncSetAttribute(MaxDynamicSharedMemorySize), as on a GPU.
+cudaError_t cudaemu_func_set_smem(const void *kernel, int attr, int value);
+size_t cudaemu_func_smem_limit(const void *kernel);
+template <typename F> static inline cudaError_t cudaFuncSetAttribute(F *kernel, cudaFuncAttribute attr, int value) {
+    return cudaemu_func_set_smem((const void *)kernel, (int)attr, value);
 }
 #endif
 

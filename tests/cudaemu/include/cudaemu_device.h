@@ -57,7 +57,7 @@ static inline launch_cfg cfg(dim3 grid, dim3 block, size_t smem = 0, cudaStream_
 }
 
 // Runs body once per GPU thread of the grid (fibers; blocks one after another).
-void run_grid(const launch_cfg &c, const char *kernel, const std::function<void()> &body);
+void run_grid(const launch_cfg &c, const char *kernel, const void *fn, const std::function<void()> &body);
 
 // Aborts with a message when a pointer argument is neither device memory
 // nor pinned host memory (a kernel handed a pageable host pointer).
@@ -70,7 +70,7 @@ template <typename A> static inline void check_arg(const char *kernel, int index
 template <typename K, typename... A> static inline void launch_named(const launch_cfg &c, const char *name, K *k, A... a) {
     int index = 0;
     (check_arg(name, index++, a), ...);
-    run_grid(c, name, [=]() { k(a...); });
+    run_grid(c, name, (const void *)k, [=]() { k(a...); });
 }
 
 void *dynamic_smem();
