@@ -747,6 +747,11 @@ struct executor {
     // at barrier k.
     void *tsan_sched;
     char bar_sync[2], warp_sync[32][2], block_start, block_end;
+    // scheduling (run_block)
+    std::deque<int> ready; // fiber indices
+    std::vector<int> warp_live, warp_arrived;
+    int block_live, block_arrived;
+    unsigned releases;
     ~executor() {
         for (fiber &f : fibers) {
             munmap(f.stack, FIBER_STACK);
@@ -831,34 +836,46 @@ const char *state_name(fiber_state s) {
     return "?";
 }
 
-// Release the warps whose live lanes have all reached a shuffle; true if any.
-bool release_warps(executor *e) {
-    bool released = false;
-    const int n = e->n;
-    for (int w0 = 0; w0 < n; w0 += 32) {
-        const int w1 = w0 + 32 < n ? w0 + 32 : n;
-        bool any_at = false, all_live_at = true;
-        for (int i = w0; i < w1; i++) {
-            if (e->fibers[i].state == AT_WARP) any_at = true;
-            else if (e->fibers[i].state != DONE) all_live_at = false;
+// Scheduling is event-driven: the scheduler resumes fibers from a ready
+// queue and, as each one stops, counts arrivals; a warp (the block) is
+// released the moment its last live lane (thread) arrives. Released threads
+// are queued in forward order at one release and reverse order at the next.
+void make_ready(executor *e, int lo, int hi, fiber_state from) {
+    const bool reverse = (e->releases++ & 1u) != 0;
+    for (int k = lo; k < hi; k++) {
+        const int i = reverse ? hi - 1 - (k - lo) : k;
+        if (e->fibers[i].state == from) {
+            e->fibers[i].state = READY;
+            e->ready.push_back(i);
         }
-        if (!any_at || !all_live_at) continue;
-        for (int i = w0; i < w1; i++) {
-            fiber &f = e->fibers[i];
-            if (f.state != AT_WARP) continue;
-            for (int l = 0; l < w1 - w0; l++)
-                if ((f.xmask >> l & 1u) && e->fibers[w0 + l].state == DONE)
-                    die("thread %d shuffles with mask %#x but lane %d has exited", f.linear, f.xmask, l);
-            if (f.xsrc >= 0) {
-                if (f.xsrc >= w1 - w0) die("thread %d reads lane %d of a %d-lane warp", f.linear, f.xsrc, w1 - w0);
-                f.xres = e->fibers[w0 + f.xsrc].xval;
-            }
-        }
-        for (int i = w0; i < w1; i++)
-            if (e->fibers[i].state == AT_WARP) e->fibers[i].state = READY;
-        released = true;
     }
-    return released;
+}
+
+// Release warp w if every live lane has reached a shuffle.
+void maybe_release_warp(executor *e, int w) {
+    if (e->warp_arrived[w] == 0 || e->warp_arrived[w] != e->warp_live[w]) return;
+    const int w0 = w * 32, w1 = w0 + 32 < e->n ? w0 + 32 : e->n;
+    const bool some_exited = e->warp_live[w] < w1 - w0;
+    for (int i = w0; i < w1; i++) {
+        fiber &f = e->fibers[i];
+        if (f.state != AT_WARP) continue;
+        for (int l = 0; some_exited && l < w1 - w0; l++)
+            if ((f.xmask >> l & 1u) && e->fibers[w0 + l].state == DONE)
+                die("thread %d shuffles with mask %#x but lane %d has exited", f.linear, f.xmask, l);
+        if (f.xsrc >= 0) {
+            if (f.xsrc >= w1 - w0) die("thread %d reads lane %d of a %d-lane warp", f.linear, f.xsrc, w1 - w0);
+            f.xres = e->fibers[w0 + f.xsrc].xval;
+        }
+    }
+    e->warp_arrived[w] = 0;
+    make_ready(e, w0, w1, AT_WARP);
+}
+
+// Release the block barrier if every live thread has reached it.
+void maybe_release_block(executor *e) {
+    if (e->block_arrived == 0 || e->block_arrived != e->block_live) return;
+    e->block_arrived = 0;
+    make_ready(e, 0, e->n, AT_BARRIER);
 }
 
 void run_block(executor *e) {
@@ -892,32 +909,47 @@ void run_block(executor *e) {
     }
     if (!e->dyn.empty()) memset(e->dyn.data(), 0xff, e->dyn.size());
     TSAN(__tsan_release(&e->block_start));
-    unsigned phase = e->blk.idx.x + e->blk.idx.y;
-    for (;;) {
-        const bool reverse = (phase++ & 1u) != 0;
-        for (int k = 0; k < n; k++) {
-            fiber *f = &e->fibers[reverse ? n - 1 - k : k];
-            if (f->state == READY) resume(e, f);
+    const int n_warps = (n + 31) / 32;
+    e->warp_live.assign(n_warps, 0);
+    e->warp_arrived.assign(n_warps, 0);
+    for (int i = 0; i < n; i++) e->warp_live[i >> 5]++;
+    e->block_live = n;
+    e->block_arrived = 0;
+    e->ready.clear();
+    e->releases = e->blk.idx.x + e->blk.idx.y;
+    for (int i = 0; i < n; i++) e->fibers[i].state = AT_BARRIER; // released together below
+    e->block_arrived = n;
+    maybe_release_block(e);
+    while (!e->ready.empty()) {
+        fiber *f = &e->fibers[e->ready.front()];
+        e->ready.pop_front();
+        resume(e, f);
+        const int w = f->linear >> 5;
+        switch (f->state) {
+        case AT_WARP:
+            e->warp_arrived[w]++;
+            maybe_release_warp(e, w);
+            break;
+        case AT_BARRIER:
+            e->block_arrived++;
+            maybe_release_block(e);
+            break;
+        case DONE:
+            e->warp_live[w]--;
+            e->block_live--;
+            maybe_release_warp(e, w);
+            maybe_release_block(e);
+            break;
+        case READY: die("thread %d stopped without a reason", f->linear);
         }
-        int live = 0, at_barrier = 0;
-        for (int i = 0; i < n; i++) {
-            if (e->fibers[i].state != DONE) live++;
-            if (e->fibers[i].state == AT_BARRIER) at_barrier++;
-        }
-        if (live == 0) {
-            TSAN(__tsan_acquire(&e->block_end));
-            return;
-        }
-        if (release_warps(e)) continue;
-        if (at_barrier == live) {
-            for (int i = 0; i < n; i++)
-                if (e->fibers[i].state == AT_BARRIER) e->fibers[i].state = READY;
-            continue;
-        }
-        for (int i = 0; i < n; i++)
-            fprintf(stderr, "  thread %d: %s\n", i, state_name(e->fibers[i].state));
-        die("deadlock: threads wait at different barriers (divergent __syncthreads or shuffle)");
     }
+    if (e->block_live == 0) {
+        TSAN(__tsan_acquire(&e->block_end));
+        return;
+    }
+    for (int i = 0; i < n; i++)
+        fprintf(stderr, "  thread %d: %s\n", i, state_name(e->fibers[i].state));
+    die("deadlock: threads wait at different barriers (divergent __syncthreads or shuffle)");
 }
 
 executor *get_executor(int threads) {
