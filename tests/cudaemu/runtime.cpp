@@ -72,8 +72,12 @@ asm(".text\n"
     ".section .note.GNU-stack,\"\",@progbits\n"
     ".text\n");
 #define CUDAEMU_ASM_SWITCH 1
+typedef void *fiber_context; // the saved stack pointer
+static inline void switch_context(fiber_context *save, fiber_context *load) { cudaemu_switch(save, *load); }
 #else
 #include <ucontext.h>
+typedef ucontext_t fiber_context;
+static inline void switch_context(fiber_context *save, fiber_context *load) { swapcontext(save, load); }
 #endif
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -712,11 +716,7 @@ struct fiber {
     thread_state ts;
     int linear;
     fiber_state state;
-#ifdef CUDAEMU_ASM_SWITCH
-    void *sp;
-#else
-    ucontext_t uc;
-#endif
+    fiber_context ctx;
     void *stack;
     void *asan_fake;
     void *tsan_fiber;
@@ -728,11 +728,7 @@ struct fiber {
 };
 
 struct executor {
-#ifdef CUDAEMU_ASM_SWITCH
-    void *sched_sp;
-#else
-    ucontext_t sched;
-#endif
+    fiber_context sched;
     std::vector<fiber> fibers; // the first n run the current block
     int n;
     const std::function<void()> *body;
@@ -782,11 +778,7 @@ void yield_to_scheduler(fiber *f) {
     __sanitizer_start_switch_fiber(f->state == DONE ? nullptr : &f->asan_fake, e->sched_stack_bottom, e->sched_stack_size);
 #endif
     TSAN(__tsan_switch_to_fiber(e->tsan_sched, __tsan_switch_to_fiber_no_sync));
-#ifdef CUDAEMU_ASM_SWITCH
-    cudaemu_switch(&f->sp, e->sched_sp);
-#else
-    swapcontext(&f->uc, &e->sched);
-#endif
+    switch_context(&f->ctx, &e->sched);
 #ifdef CUDAEMU_ASAN
     __sanitizer_finish_switch_fiber(f->asan_fake, &e->sched_stack_bottom, &e->sched_stack_size);
 #endif
@@ -815,11 +807,7 @@ void resume(executor *e, fiber *f) {
     __sanitizer_start_switch_fiber(&fake, f->stack, FIBER_STACK);
 #endif
     TSAN(__tsan_switch_to_fiber(f->tsan_fiber, __tsan_switch_to_fiber_no_sync));
-#ifdef CUDAEMU_ASM_SWITCH
-    cudaemu_switch(&e->sched_sp, f->sp);
-#else
-    swapcontext(&e->sched, &f->uc);
-#endif
+    switch_context(&e->sched, &f->ctx);
 #ifdef CUDAEMU_ASAN
     __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
@@ -898,13 +886,13 @@ void run_block(executor *e) {
         for (int r = 1; r <= 6; r++) frame[r] = 0;
         frame[7] = (uint64_t)(uintptr_t)&fiber_main;
         frame[8] = 0;
-        f.sp = frame;
+        f.ctx = frame;
 #else
-        getcontext(&f.uc);
-        f.uc.uc_stack.ss_sp = f.stack;
-        f.uc.uc_stack.ss_size = FIBER_STACK;
-        f.uc.uc_link = nullptr;
-        makecontext(&f.uc, fiber_main, 0);
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = f.stack;
+        f.ctx.uc_stack.ss_size = FIBER_STACK;
+        f.ctx.uc_link = nullptr;
+        makecontext(&f.ctx, fiber_main, 0);
 #endif
     }
     if (!e->dyn.empty()) memset(e->dyn.data(), 0xff, e->dyn.size());
