@@ -207,7 +207,8 @@ static int64_t cpu_x_block(pd_type t) {
 
 /* The weight is returned in *keep, for the caller to free once the
  * backends are gone (see host_weight). */
-static void check_matmul(backends *b, pd_type t, int64_t rows, int64_t cols, uint64_t seed, host_weight *keep) {
+static void check_matmul(backends *b, pd_type t, int64_t rows, int64_t cols, float x_scale, uint64_t seed,
+                         host_weight *keep) {
     static const int64_t batch[] = {1, 4, 33, 300};
     const char *tname = pd_type_get((uint32_t)t)->name;
     host_weight hw = make_weight(t, rows, cols, seed);
@@ -217,7 +218,7 @@ static void check_matmul(backends *b, pd_type t, int64_t rows, int64_t cols, uin
         float *x = xmalloc(sizeof(float) * (size_t)(n * cols));
         float *yc = xmalloc(sizeof(float) * (size_t)(n * rows));
         float *yg = xmalloc(sizeof(float) * (size_t)(n * rows));
-        fill_normal(x, n * cols, 1.0f, seed * 131 + (uint64_t)n);
+        fill_normal(x, n * cols, x_scale, seed * 131 + (uint64_t)n);
         run_matmul(b->cpu, &hw.w, x, n, yc);
         run_matmul(b->gpu, &hw.w, x, n, yg);
 
@@ -286,15 +287,22 @@ Test(cuda_parity, matmul_every_type_and_batch_size) {
     static const pd_type types[] = {PD_TYPE_F32, PD_TYPE_F16, PD_TYPE_BF16, PD_TYPE_Q8_0, PD_TYPE_Q4_K};
     /* 157 rows: not a multiple of any warp or tile size; 768 columns: three
      * k-quant super-blocks. */
-    host_weight keep[8];
+    host_weight keep[16];
     int n_keep = 0;
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
-        check_matmul(&b, types[i], 157, 768, 11 + i, &keep[n_keep++]);
+        check_matmul(&b, types[i], 157, 768, 1.0f, 11 + i, &keep[n_keep++]);
     /* Float weights with a row length that is not a multiple of 8 elements
      * (vector loads must handle the tail). */
     static const pd_type float_types[] = {PD_TYPE_F32, PD_TYPE_F16, PD_TYPE_BF16};
     for (size_t i = 0; i < sizeof float_types / sizeof float_types[0]; i++)
-        check_matmul(&b, float_types[i], 33, 100, 41 + i, &keep[n_keep++]);
+        check_matmul(&b, float_types[i], 33, 100, 1.0f, 41 + i, &keep[n_keep++]);
+    /* Activations far above f16's largest value (65504; |x| up to ~2e6
+     * here): the GPU's f16 GEMM path must not overflow them (it scales each
+     * token's row by a power of two), and the 16-bit types stay within the
+     * same relative bounds. */
+    static const pd_type half_types[] = {PD_TYPE_F16, PD_TYPE_BF16};
+    for (size_t i = 0; i < sizeof half_types / sizeof half_types[0]; i++)
+        check_matmul(&b, half_types[i], 64, 256, 3e5f, 61 + i, &keep[n_keep++]);
     close_backends(&b);
     for (int i = 0; i < n_keep; i++) free_weight(&keep[i]);
 }

@@ -371,10 +371,38 @@ __global__ void f32_to_bf16_kernel(const float *__restrict__ x, __nv_bfloat16 *_
         o[i] = __float2bfloat16_rn(x[i]);
 }
 
-__global__ void f32_to_f16_kernel(const float *__restrict__ x, __half *__restrict__ o, int64_t count) {
+// f16 tops out at 65504, and activations (a SwiGLU output, say) can exceed
+// it: each token's row is scaled by a power of two 2^-k that brings its
+// largest |x| below 2^15 (k = 0, no change, for the usual row), and
+// scales[t] = 2^k undoes it on the GEMM's output. Powers of two are exact,
+// so only the f16 rounding of x remains, as for rows that need no scaling.
+// One block per token row; blockDim.x a multiple of 32.
+__global__ void f32_to_f16_scaled_kernel(const float *__restrict__ x, __half *__restrict__ o, int64_t cols,
+                                         float *__restrict__ scales) {
+    __shared__ float red[32];
+    const float *xr = x + (int64_t)blockIdx.x * cols;
+    __half *orow = o + (int64_t)blockIdx.x * cols;
+    float amax = 0.0f;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) amax = fmaxf(amax, fabsf(xr[c]));
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
+    if (lane == 0) red[warp] = amax;
+    __syncthreads();
+    amax = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0f;
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    int e = 0;
+    if (isfinite(amax)) (void)frexpf(amax, &e); // amax = m * 2^e, m in [0.5, 1)
+    const int k = e > 15 ? e - 15 : 0;
+    const float down = ldexpf(1.0f, -k);
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) orow[c] = __float2half_rn(xr[c] * down);
+    if (threadIdx.x == 0) scales[blockIdx.x] = ldexpf(1.0f, k);
+}
+
+// y[t][r] *= scales[t] (y row-major, n rows of `rows`).
+__global__ void unscale_rows_kernel(float *__restrict__ y, const float *__restrict__ scales, int64_t rows,
+                                    int64_t count) {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride)
-        o[i] = __float2half_rn(x[i]);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) y[i] *= scales[i / rows];
 }
 
 static int gemm(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y, pd_error *err) {
@@ -385,10 +413,13 @@ static int gemm(cuda_backend *cb, const cuda_weight_entry *e, const float *x, in
     int64_t chunk = e->dev_type == PD_TYPE_F32 ? INT_MAX : GEMM_X_ELEMS / cols;
     if (chunk < 1) chunk = 1;
     void *xs = NULL;
+    float *scales = NULL; // f16: per-token power-of-two scales, after x
     if (e->dev_type != PD_TYPE_F32) {
         const int64_t first = n < chunk ? n : chunk;
-        xs = cuda_scratch_get(cb, CUDA_SCRATCH_MATMUL, (size_t)(first * cols) * 2, err);
+        const size_t x_bytes = ((size_t)(first * cols) * 2 + 255) & ~(size_t)255;
+        xs = cuda_scratch_get(cb, CUDA_SCRATCH_MATMUL, x_bytes + sizeof(float) * (size_t)first, err);
         if (!xs) return err ? err->code : PD_ENOMEM;
+        scales = (float *)((char *)xs + x_bytes);
     }
     for (int64_t t0 = 0; t0 < n; t0 += chunk) {
         const int nn = (int)(n - t0 < chunk ? n - t0 : chunk);
@@ -410,14 +441,20 @@ static int gemm(cuda_backend *cb, const cuda_weight_entry *e, const float *x, in
             f32_to_bf16_kernel<<<blocks, 256, 0, cb->stream>>>(xc, (__nv_bfloat16 *)xs, count);
             dt = CUDA_R_16BF;
         } else {
-            f32_to_f16_kernel<<<blocks, 256, 0, cb->stream>>>(xc, (__half *)xs, count);
+            f32_to_f16_scaled_kernel<<<(unsigned)nn, 256, 0, cb->stream>>>(xc, (__half *)xs, cols, scales);
             dt = CUDA_R_16F;
         }
-        const int rc = cuda_check_launch(err, "matmul (convert x)");
+        int rc = cuda_check_launch(err, "matmul (convert x)");
         if (rc) return rc;
         s = cublasGemmEx(cb->cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, nn, cols, &alpha, e->dev, dt, cols, xs, dt, cols,
                          &beta, yc, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
         if (s != CUBLAS_STATUS_SUCCESS) return cublas_fail(err, s, "cublasGemmEx (matmul)");
+        if (dt == CUDA_R_16F) {
+            const int64_t out = (int64_t)nn * rows;
+            unscale_rows_kernel<<<cuda_grid_blocks(cb, out, 256), 256, 0, cb->stream>>>(yc, scales, rows, out);
+            rc = cuda_check_launch(err, "matmul (unscale y)");
+            if (rc) return rc;
+        }
     }
     return PD_OK;
 }

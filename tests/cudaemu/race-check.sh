@@ -41,8 +41,9 @@ printf 'Lily smiled and said thank you to her mom.\n' >"$work/eval.txt"
 "$ctl" gen-model --preset tiny --arch qwen2 --n-embd 256 --n-head 4 --n-head-kv 2 --n-ff 512 --n-layer 2 \
     --n-vocab 512 --type bf16 -q -o "$work/gqa.gguf"
 "$ctl" gen-model --preset tiny --type q4_k --n-embd 256 --n-ff 512 --n-layer 2 -q -o "$work/q4k.gguf"
-# 65 MB embedding: uploads larger than the two 8 MiB pinned staging buffers.
-"$ctl" gen-model --preset tiny --type f32 --n-embd 512 --n-vocab 32000 --n-layer 1 -q -o "$work/big.gguf"
+# f16 weights (prefill scales activations for the f16 GEMM) and a 33 MB
+# embedding: uploads larger than the two 8 MiB pinned staging buffers.
+"$ctl" gen-model --preset tiny --type f16 --n-embd 512 --n-vocab 32000 --n-layer 1 -q -o "$work/big.gguf"
 
 if [ -f "$shared/tinystories/stories260K.gguf" ]; then
     m=$shared/tinystories/stories260K.gguf
@@ -55,7 +56,7 @@ step "qwen2 GQA (bf16) prefill and decode" "$ctl" generate --model "$work/gqa.gg
 step "qwen2 GQA Compactor" "$ctl" compress --model "$work/gqa.gguf" --policy compactor --retention 0.25 \
     --text "$work/prefix.txt" --eval "$work/eval.txt" --device cuda:0
 step "q4_K weights (host dequantization threads)" "$ctl" generate --model "$work/q4k.gguf" --prompt "$story" -n 8 --device cuda:0
-step "uploads through the pinned staging buffers" "$ctl" generate --model "$work/big.gguf" --prompt "$story" -n 2 --device cuda:0
+step "f16 weights, uploads through the pinned staging buffers" "$ctl" generate --model "$work/big.gguf" --prompt "$story" -n 2 --device cuda:0
 step "prefix-bench: batched decode over a shared compressed prefix" \
     "$bench" --model "$work/gqa.gguf" --device cuda:0 --prompt 32 --gen 2 --reps 1 --prefix 64
 echo "race-check: no data race found"
