@@ -1,4 +1,5 @@
 #include "helpers.h"
+#include "helpers_json.h"
 
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
@@ -180,4 +181,25 @@ int th_http(int port, const char *method, const char *path, const char *json, co
     *nl = '\0';
     *out = raw;
     return status;
+}
+
+json_t *th_json_parse(const char *text) {
+    json_error_t je;
+    json_t *j = json_loads(text, 0, &je);
+    cr_assert_not_null(j, "not JSON (%s): %s", je.text, text);
+    return j;
+}
+
+json_int_t th_json_int(json_t *obj, const char *a, const char *b) {
+    json_t *v = json_object_get(obj, a);
+    if (b) v = json_object_get(v, b);
+    cr_assert(json_is_integer(v), "%s%s%s is not an integer", a, b ? "." : "", b ? b : "");
+    return json_integer_value(v);
+}
+
+double th_metric(const char *text, const char *series) {
+    size_t n = strlen(series);
+    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+        if (strncmp(p, series, n) == 0 && p[n] == ' ') return strtod(p + n + 1, NULL);
+    return -1;
 }

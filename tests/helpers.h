@@ -45,6 +45,10 @@ int th_daemon_stop(pid_t *pid, int sig);
 int th_http(int port, const char *method, const char *path, const char *json, const char *auth,
             const char *body_file, char **out);
 
+/* The value of one series in Prometheus text ("name{labels} value" lines),
+ * or -1 when the series is absent. */
+double th_metric(const char *text, const char *series);
+
 /* A growable byte buffer for hand-building binary files (GGUF images). */
 #include <stdint.h>
 typedef struct th_buf {

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "helpers.h"
+#include "helpers_json.h"
 #include "tools/tools.h"
 
 #define TOKEN "adm1n-t0ken"
@@ -77,26 +78,12 @@ static int req(const char *method, const char *path, const char *json, const cha
     return req_on(port, method, path, json, auth, out);
 }
 
-static json_t *parse(const char *text) {
-    json_error_t je;
-    json_t *j = json_loads(text, 0, &je);
-    cr_assert_not_null(j, "not JSON (%s): %s", je.text, text);
-    return j;
-}
-
-static json_int_t int_at(json_t *j, const char *a, const char *b) {
-    json_t *v = json_object_get(j, a);
-    if (b) v = json_object_get(v, b);
-    cr_assert(json_is_integer(v), "%s.%s is not an integer", a, b ? b : "");
-    return json_integer_value(v);
-}
-
 /* cached_tokens of a greedy completion of story + " Then". */
 static json_int_t completion_cached(const char *path, const char *body) {
     char *out = NULL;
     cr_assert_eq(req("POST", path, body, NULL, &out), 200, "%s", out);
-    json_t *j = parse(out);
-    json_int_t c = int_at(json_object_get(j, "usage"), "prompt_tokens_details", "cached_tokens");
+    json_t *j = th_json_parse(out);
+    json_int_t c = th_json_int(json_object_get(j, "usage"), "prompt_tokens_details", "cached_tokens");
     json_decref(j);
     free(out);
     return c;
@@ -114,7 +101,7 @@ static json_t *register_story(const char *extra) {
     snprintf(body, sizeof body, "{\"text\":\"%s\",\"policy\":\"knorm\",\"retention\":0.5,\"wait\":true%s}", story,
              extra ? extra : "");
     cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 201, "%s", out);
-    json_t *j = parse(out);
+    json_t *j = th_json_parse(out);
     free(out);
     cr_assert_str_eq(json_string_value(json_object_get(j, "state")), "done");
     return j;
@@ -126,8 +113,8 @@ static json_int_t story_tokens(void) {
     snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s\",\"max_tokens\":1,\"cache\":\"off\"}", story);
     char *out = NULL;
     cr_assert_eq(req("POST", "/v1/completions", body, NULL, &out), 200, "%s", out);
-    json_t *j = parse(out);
-    json_int_t n = int_at(j, "usage", "prompt_tokens");
+    json_t *j = th_json_parse(out);
+    json_int_t n = th_json_int(j, "usage", "prompt_tokens");
     json_decref(j);
     free(out);
     return n;
@@ -139,9 +126,9 @@ Test(admin, text_registration_is_used_listed_shown_and_deleted) {
     json_t *job = register_story(NULL);
     json_t *p = json_object_get(job, "prefix");
     json_int_t n = story_tokens();
-    cr_assert_eq(int_at(p, "tokens", NULL), n, "the prefix is the story's tokens, BOS included");
+    cr_assert_eq(th_json_int(p, "tokens", NULL), n, "the prefix is the story's tokens, BOS included");
     /* stories260K: 5 layers x 4 kv heads; knorm keeps half of each head's rows. */
-    json_int_t full = n * 5 * 4, kept = int_at(p, "kept_rows", NULL);
+    json_int_t full = n * 5 * 4, kept = th_json_int(p, "kept_rows", NULL);
     cr_assert(kept > 0 && kept <= full, "kept %lld of %lld", (long long)kept, (long long)full);
     double frac = json_real_value(json_object_get(p, "kept_fraction"));
     cr_assert_float_eq(frac, (double)kept / (double)full, 1e-9);
@@ -156,13 +143,13 @@ Test(admin, text_registration_is_used_listed_shown_and_deleted) {
 
     char *out = NULL, path[200];
     cr_assert_eq(req("GET", "/admin/v1/prefixes", NULL, TOKEN, &out), 200, "%s", out);
-    json_t *l = parse(out);
+    json_t *l = th_json_parse(out);
     cr_assert_eq(json_array_size(json_object_get(l, "data")), 1, "%s", out);
     cr_assert_str_eq(json_string_value(json_object_get(json_array_get(json_object_get(l, "data"), 0), "id")), id);
     json_decref(l);
     free(out);
     cr_assert_eq(req("GET", "/admin/v1/prefixes?namespace=other", NULL, TOKEN, &out), 200, "%s", out);
-    l = parse(out);
+    l = th_json_parse(out);
     cr_assert_eq(json_array_size(json_object_get(l, "data")), 0, "%s", out);
     json_decref(l);
     free(out);
@@ -177,9 +164,9 @@ Test(admin, text_registration_is_used_listed_shown_and_deleted) {
 
     snprintf(path, sizeof path, "/admin/v1/prefixes/%s", id);
     cr_assert_eq(req("GET", path, NULL, TOKEN, &out), 200, "%s", out);
-    json_t *s = parse(out);
+    json_t *s = th_json_parse(out);
     cr_assert_str_eq(json_string_value(json_object_get(s, "id")), id);
-    cr_assert_eq(int_at(s, "kept_rows", NULL), kept);
+    cr_assert_eq(th_json_int(s, "kept_rows", NULL), kept);
     json_decref(s);
     free(out);
 
@@ -198,9 +185,9 @@ Test(admin, async_registration_polls_to_done) {
     /* No policy: the configured default (compression.policy). */
     snprintf(body, sizeof body, "{\"text\":\"%s\"}", story);
     cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 202, "%s", out);
-    json_t *j = parse(out);
+    json_t *j = th_json_parse(out);
     free(out);
-    json_int_t id = int_at(j, "job_id", NULL);
+    json_int_t id = th_json_int(j, "job_id", NULL);
     char status_url[200];
     snprintf(status_url, sizeof status_url, "%s", json_string_value(json_object_get(j, "status_url")));
     json_decref(j);
@@ -210,7 +197,7 @@ Test(admin, async_registration_polls_to_done) {
     json_t *st = NULL;
     for (int i = 0; i < 2400; i++) {
         cr_assert_eq(req("GET", status_url, NULL, TOKEN, &out), 200, "%s", out);
-        st = parse(out);
+        st = th_json_parse(out);
         free(out);
         const char *state = json_string_value(json_object_get(st, "state"));
         cr_assert(strcmp(state, "failed") != 0, "job failed: %s", json_string_value(json_object_get(st, "error")));
@@ -233,7 +220,7 @@ Test(admin, auth_and_bad_input_errors) {
     char *out = NULL, body[2048];
     snprintf(body, sizeof body, "{\"text\":\"%s\",\"wait\":true}", story);
     cr_assert_eq(req("POST", "/admin/v1/prefixes", body, NULL, &out), 401, "%s", out);
-    json_t *j = parse(out);
+    json_t *j = th_json_parse(out);
     cr_assert_str_eq(json_string_value(json_object_get(json_object_get(j, "error"), "type")), "authentication_error");
     json_decref(j);
     free(out);
@@ -261,7 +248,7 @@ Test(admin, auth_and_bad_input_errors) {
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         cr_assert_eq(req("POST", "/admin/v1/prefixes", bad[i].body, TOKEN, &out), 400, "%s: %s", bad[i].body, out);
-        j = parse(out);
+        j = th_json_parse(out);
         json_t *e = json_object_get(j, "error");
         cr_assert(json_is_string(json_object_get(e, "message")), "%s", out);
         cr_assert_str_eq(json_string_value(json_object_get(e, "type")), "invalid_request_error");
@@ -288,7 +275,7 @@ Test(admin, auth_and_bad_input_errors) {
     free(out);
     /* Nothing was stored by any of that. */
     cr_assert_eq(req("GET", "/admin/v1/prefixes", NULL, TOKEN, &out), 200, "%s", out);
-    j = parse(out);
+    j = th_json_parse(out);
     cr_assert_eq(json_array_size(json_object_get(j, "data")), 0, "%s", out);
     json_decref(j);
     free(out);
@@ -349,7 +336,7 @@ Test(admin, segments_with_a_kept_span) {
                  "{\"name\":\"rest\",\"text\":\"%s\"}],\"policy\":\"knorm\",\"retention\":0.5,\"wait\":true}",
                  (int)(cut - story), story, keep ? "true" : "false", cut);
         cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 201, "%s", out);
-        json_t *j = parse(out);
+        json_t *j = th_json_parse(out);
         free(out);
         json_t *p = json_object_get(j, "prefix");
         const char *policy = json_string_value(json_object_get(p, "policy"));
@@ -363,7 +350,7 @@ Test(admin, segments_with_a_kept_span) {
         char rest[64];
         snprintf(rest, sizeof rest, "rest:%ld-%lld", k, (long long)n);
         cr_assert(strstr(policy, rest), "%s lacks %s", policy, rest);
-        cr_assert_eq(int_at(p, "tokens", NULL), n, "segments tokenize as their concatenation");
+        cr_assert_eq(th_json_int(p, "tokens", NULL), n, "segments tokenize as their concatenation");
         snprintf(ids[keep], sizeof ids[keep], "%s", json_string_value(json_object_get(p, "id")));
         json_decref(j);
         cr_assert_eq(story_cached(), n);
@@ -393,8 +380,8 @@ Test(admin, chat_messages_register_the_system_prompt) {
     snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"system\",\"content\":\"%s\"}],\"policy\":\"knorm\","
              "\"retention\":0.5,\"wait\":true}", sys);
     cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 201, "%s", out);
-    json_t *j = parse(out);
-    json_int_t n = int_at(json_object_get(j, "prefix"), "tokens", NULL);
+    json_t *j = th_json_parse(out);
+    json_int_t n = th_json_int(json_object_get(j, "prefix"), "tokens", NULL);
     json_decref(j);
     free(out);
     cr_assert_gt(n, 10);
@@ -435,7 +422,7 @@ Test(admin, prefixctl_prefix_end_to_end) {
     cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s add --text %s --policy knorm --retention 0.5 2>/dev/null",
                      ctl, url, TOKEN, text),
                  0, "%s", out);
-    json_t *j = parse(out);
+    json_t *j = th_json_parse(out);
     free(out);
     char id[80];
     snprintf(id, sizeof id, "%s", json_string_value(json_object_get(j, "id")));
@@ -447,7 +434,7 @@ Test(admin, prefixctl_prefix_end_to_end) {
     cr_assert(strstr(out, id), "%s", out);
     free(out);
     cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s show %s", ctl, url, TOKEN, id), 0, "%s", out);
-    j = parse(out);
+    j = th_json_parse(out);
     cr_assert_str_eq(json_string_value(json_object_get(j, "id")), id);
     json_decref(j);
     free(out);

@@ -17,6 +17,7 @@
 
 #include "engine/engine.h"
 #include "helpers.h"
+#include "helpers_json.h"
 #include "tools/tools.h"
 
 static char *tmpdir;
@@ -65,13 +66,6 @@ static int post(const char *path, const char *json, const char *auth, char **out
     return th_http(port, "POST", path, json, auth, body_path, out);
 }
 
-static json_t *parse(const char *text) {
-    json_error_t je;
-    json_t *j = json_loads(text, 0, &je);
-    cr_assert_not_null(j, "not JSON (%s): %s", je.text, text);
-    return j;
-}
-
 /* The text of choice 0 of a completion or chat completion. */
 static char *choice_text(json_t *j) {
     json_t *c0 = json_array_get(json_object_get(j, "choices"), 0);
@@ -92,7 +86,7 @@ static char *stream_text(const char *sse) {
         const char *end = strstr(p, "\n\n");
         cr_assert_not_null(end);
         char *one = strndup(p + 6, (size_t)(end - p - 6));
-        json_t *j = parse(one);
+        json_t *j = th_json_parse(one);
         json_t *c0 = json_array_get(json_object_get(j, "choices"), 0);
         json_t *t = c0 ? json_object_get(c0, "text") : NULL;
         if (c0 && !t) t = json_object_get(json_object_get(c0, "delta"), "content");
@@ -111,7 +105,7 @@ Test(daemon, health_models_and_greedy_completion_match_the_engine) {
     start_daemon(NULL);
     char *out = NULL;
     cr_assert_eq(th_runf(&out, "curl -s http://127.0.0.1:%d/v1/models", port), 0);
-    json_t *m = parse(out);
+    json_t *m = th_json_parse(out);
     cr_assert_str_eq(json_string_value(json_object_get(json_array_get(json_object_get(m, "data"), 0), "object")),
                      "model");
     json_decref(m);
@@ -119,7 +113,7 @@ Test(daemon, health_models_and_greedy_completion_match_the_engine) {
 
     cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"Once upon a time\",\"max_tokens\":24,"
                                          "\"temperature\":0}", NULL, &out), 200, "%s", out);
-    json_t *j = parse(out);
+    json_t *j = th_json_parse(out);
     char *text = choice_text(j);
     json_t *usage = json_object_get(j, "usage");
     cr_assert_eq(json_integer_value(json_object_get(usage, "completion_tokens")), 24);
@@ -145,7 +139,7 @@ Test(daemon, streamed_and_non_streamed_output_are_identical) {
     cr_assert_eq(post("/v1/completions", body, NULL, &plain), 200, "%s", plain);
     snprintf(body, sizeof body, req, ",\"stream\":true");
     cr_assert_eq(post("/v1/completions", body, NULL, &sse), 200, "%s", sse);
-    json_t *j = parse(plain);
+    json_t *j = th_json_parse(plain);
     char *a = choice_text(j), *b = stream_text(sse);
     cr_assert_str_eq(a, b);
     json_decref(j);
@@ -157,7 +151,7 @@ Test(daemon, errors_are_openai_shaped) {
     char *out = NULL;
     const char *ok = "{\"model\":\"x\",\"prompt\":\"Hi\",\"max_tokens\":2}";
     cr_assert_eq(post("/v1/completions", ok, NULL, &out), 401, "%s", out);
-    json_t *j = parse(out);
+    json_t *j = th_json_parse(out);
     cr_assert(json_is_string(json_object_get(json_object_get(j, "error"), "message")));
     json_decref(j);
     free(out);
@@ -169,7 +163,7 @@ Test(daemon, errors_are_openai_shaped) {
     free(out);
     cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"Hi\",\"temperature\":9}", "sekrit", &out), 400,
                  "%s", out);
-    j = parse(out);
+    j = th_json_parse(out);
     cr_assert_str_eq(json_string_value(json_object_get(json_object_get(j, "error"), "param")), "temperature");
     json_decref(j);
     free(out);
@@ -228,7 +222,7 @@ Test(daemon, a_stored_prefix_is_used_and_exact_at_retention_1) {
     char body[2048];
     snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":20,\"temperature\":0}", story);
     cr_assert_eq(post("/v1/completions", body, NULL, &out), 200, "%s", out);
-    json_t *j = parse(out);
+    json_t *j = th_json_parse(out);
     json_t *details = json_object_get(json_object_get(j, "usage"), "prompt_tokens_details");
     cr_assert_gt(json_integer_value(json_object_get(details, "cached_tokens")), 30, "%s", out);
     cr_assert(json_is_object(json_object_get(j, "prefix")), "%s", out);
@@ -238,7 +232,7 @@ Test(daemon, a_stored_prefix_is_used_and_exact_at_retention_1) {
     snprintf(body, sizeof body,
              "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":20,\"temperature\":0,\"cache\":\"off\"}", story);
     cr_assert_eq(post("/v1/completions", body, NULL, &out), 200, "%s", out);
-    j = parse(out);
+    j = th_json_parse(out);
     details = json_object_get(json_object_get(j, "usage"), "prompt_tokens_details");
     cr_assert_eq(json_integer_value(json_object_get(details, "cached_tokens")), 0, "%s", out);
     char *without = choice_text(j);
@@ -251,15 +245,6 @@ Test(daemon, a_stored_prefix_is_used_and_exact_at_retention_1) {
 
 /* GET path; returns the HTTP status, the body in *out. */
 static int get(const char *path, char **out) { return th_http(port, "GET", path, NULL, NULL, NULL, out); }
-
-/* The value of one series in Prometheus text ("name{labels} value" lines);
- * -1 when the series is absent. */
-static double metric(const char *text, const char *series) {
-    size_t n = strlen(series);
-    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
-        if (strncmp(p, series, n) == 0 && p[n] == ' ') return strtod(p + n + 1, NULL);
-    return -1;
-}
 
 static const char *story = "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
                            "sunshine. One day, she saw a big tree with a red ball in it. She wanted the ball very much.";
@@ -304,7 +289,7 @@ Test(daemon, chat_without_a_template_is_a_400_naming_the_problem) {
                       "{\"model\":\"x\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":4}", NULL,
                       &out),
                  400, "%s", out);
-    json_t *j = parse(out);
+    json_t *j = th_json_parse(out);
     json_t *e = json_object_get(j, "error");
     cr_assert_str_eq(json_string_value(json_object_get(e, "type")), "invalid_request_error", "%s", out);
     cr_assert_str_eq(json_string_value(json_object_get(e, "code")), "no_chat_template", "%s", out);
@@ -331,7 +316,7 @@ Test(daemon, chat_on_a_phi3_vocab_model_streamed_and_not_are_identical) {
     cr_assert_eq(post("/v1/chat/completions", body, NULL, &plain), 200, "%s", plain);
     snprintf(body, sizeof body, req, ",\"stream\":true");
     cr_assert_eq(post("/v1/chat/completions", body, NULL, &sse), 200, "%s", sse);
-    json_t *j = parse(plain);
+    json_t *j = th_json_parse(plain);
     cr_assert_str_eq(json_string_value(json_object_get(j, "object")), "chat.completion", "%s", plain);
     json_t *msg = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "message");
     cr_assert_str_eq(json_string_value(json_object_get(msg, "role")), "assistant", "%s", plain);
@@ -407,16 +392,16 @@ Test(daemon, a_client_gone_mid_stream_frees_its_slot) {
     cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"The cat\",\"max_tokens\":8,\"temperature\":0}",
                       NULL, &out),
                  200, "%s", out);
-    json_t *j = parse(out);
+    json_t *j = th_json_parse(out);
     cr_assert_eq(json_integer_value(json_object_get(json_object_get(j, "usage"), "completion_tokens")), 8);
     json_decref(j);
     free(out);
     cr_assert_eq(get("/metrics", &out), 200, "%s", out);
-    cr_assert_geq(metric(out, "prefixd_requests_total{outcome=\"cancelled\"}"), 1, "%s", out);
-    cr_assert_geq(metric(out, "prefixd_requests_total{outcome=\"completed\"}"), 1, "%s", out);
+    cr_assert_geq(th_metric(out, "prefixd_requests_total{outcome=\"cancelled\"}"), 1, "%s", out);
+    cr_assert_geq(th_metric(out, "prefixd_requests_total{outcome=\"completed\"}"), 1, "%s", out);
     /* The abandoned request stopped early: far fewer than its 1900 tokens. */
-    cr_assert_lt(metric(out, "prefixd_generated_tokens_total"), 1900 + 8, "%s", out);
-    cr_assert_eq(metric(out, "prefixd_running_sequences"), 0, "%s", out);
+    cr_assert_lt(th_metric(out, "prefixd_generated_tokens_total"), 1900 + 8, "%s", out);
+    cr_assert_eq(th_metric(out, "prefixd_running_sequences"), 0, "%s", out);
     free(out);
 }
 
@@ -430,7 +415,7 @@ Test(daemon, a_prefix_at_retention_half_is_used_and_reported) {
     char body[2048], *out = NULL;
     snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":20,\"temperature\":0}", story);
     cr_assert_eq(post("/v1/completions", body, NULL, &out), 200, "%s", out);
-    json_t *j = parse(out);
+    json_t *j = th_json_parse(out);
     json_t *usage = json_object_get(j, "usage");
     cr_assert_eq(json_integer_value(json_object_get(usage, "completion_tokens")), 20, "%s", out);
     json_int_t cached = json_integer_value(json_object_get(json_object_get(usage, "prompt_tokens_details"),
@@ -449,7 +434,7 @@ Test(daemon, a_prefix_at_retention_half_is_used_and_reported) {
     json_decref(j);
     free(out);
     cr_assert_eq(get("/metrics", &out), 200, "%s", out);
-    cr_assert_geq(metric(out, "prefixd_prefix_hits_total"), 1, "%s", out);
+    cr_assert_geq(th_metric(out, "prefixd_prefix_hits_total"), 1, "%s", out);
     free(out);
 }
 
@@ -462,13 +447,13 @@ Test(daemon, metrics_expose_the_scheduler_series_after_a_request) {
     free(out);
     cr_assert_eq(get("/metrics", &out), 200, "%s", out);
     cr_assert(strstr(out, "# TYPE prefixd_time_to_first_token_seconds histogram"), "%s", out);
-    cr_assert_geq(metric(out, "prefixd_time_to_first_token_seconds_count"), 1, "%s", out);
-    cr_assert_geq(metric(out, "prefixd_time_to_first_token_seconds_bucket{le=\"+Inf\"}"), 1, "%s", out);
-    cr_assert_geq(metric(out, "prefixd_generated_tokens_total"), 10, "%s", out);
-    cr_assert_gt(metric(out, "prefixd_prompt_tokens_total"), 0, "%s", out);
-    cr_assert_geq(metric(out, "prefixd_requests_total{outcome=\"completed\"}"), 1, "%s", out);
-    cr_assert_geq(metric(out, "prefixd_http_streams_total"), 1, "%s", out);
-    cr_assert_geq(metric(out, "prefixd_queue_depth"), 0, "%s", out);
+    cr_assert_geq(th_metric(out, "prefixd_time_to_first_token_seconds_count"), 1, "%s", out);
+    cr_assert_geq(th_metric(out, "prefixd_time_to_first_token_seconds_bucket{le=\"+Inf\"}"), 1, "%s", out);
+    cr_assert_geq(th_metric(out, "prefixd_generated_tokens_total"), 10, "%s", out);
+    cr_assert_gt(th_metric(out, "prefixd_prompt_tokens_total"), 0, "%s", out);
+    cr_assert_geq(th_metric(out, "prefixd_requests_total{outcome=\"completed\"}"), 1, "%s", out);
+    cr_assert_geq(th_metric(out, "prefixd_http_streams_total"), 1, "%s", out);
+    cr_assert_geq(th_metric(out, "prefixd_queue_depth"), 0, "%s", out);
     free(out);
 }
 
@@ -524,7 +509,7 @@ Test(daemon, a_request_past_its_timeout_is_cancelled) {
     char req[512];
     snprintf(req, sizeof req, body, "");
     cr_assert_eq(post("/v1/completions", req, NULL, &out), 504, "%s", out);
-    json_t *j = parse(out);
+    json_t *j = th_json_parse(out);
     json_t *e = json_object_get(j, "error");
     cr_assert_str_eq(json_string_value(json_object_get(e, "code")), "timeout", "%s", out);
     cr_assert(strstr(json_string_value(json_object_get(e, "message")), "server.request_timeout_s"), "%s", out);

@@ -18,6 +18,7 @@
 
 #include "config/config.h"
 #include "helpers.h"
+#include "helpers_json.h"
 #include "kernels/kernels.h"
 #include "tools/tools.h"
 
@@ -434,19 +435,6 @@ static int pair_http(int which, const char *method, const char *path, const char
     return th_http(pair_port[which], method, path, json, auth, body_path, out);
 }
 
-static json_t *parse_json(const char *text) {
-    json_error_t je;
-    json_t *j = json_loads(text, 0, &je);
-    cr_assert_not_null(j, "not JSON (%s): %s", je.text, text);
-    return j;
-}
-
-static json_int_t json_int(json_t *obj, const char *key) {
-    json_t *v = json_object_get(obj, key);
-    cr_assert(json_is_integer(v), "%s is not an integer", key);
-    return json_integer_value(v);
-}
-
 /* A greedy completion on daemon `which`: its text (malloc'd) and the
  * parsed response in *resp (json_decref it). */
 static char *greedy_completion(int which, const char *prompt, int max_tokens, json_t **resp) {
@@ -454,12 +442,12 @@ static char *greedy_completion(int which, const char *prompt, int max_tokens, js
     snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s\",\"max_tokens\":%d,\"temperature\":0}", prompt,
              max_tokens);
     cr_assert_eq(pair_http(which, "POST", "/v1/completions", body, NULL, &out), 200, "daemon %d: %s", which, out);
-    json_t *j = parse_json(out);
+    json_t *j = th_json_parse(out);
     free(out);
     json_t *t = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "text");
     cr_assert(json_is_string(t));
     char *text = strdup(json_string_value(t));
-    cr_assert_eq(json_int(json_object_get(j, "usage"), "completion_tokens"), max_tokens);
+    cr_assert_eq(th_json_int(j, "usage", "completion_tokens"), max_tokens);
     *resp = j;
     return text;
 }
@@ -470,14 +458,6 @@ static char *read_log(int which) {
     pd_error err = {0};
     cr_assert_eq(pd_read_file(path, &text, NULL, &err), PD_OK, "%s", err.msg);
     return text;
-}
-
-/* The value of an unlabelled /metrics series, or -1. */
-static double metric_value(const char *text, const char *name) {
-    char key[128];
-    snprintf(key, sizeof key, "\n%s ", name);
-    const char *p = strstr(text, key);
-    return p ? atof(p + strlen(key)) : -1;
 }
 
 Test(device_cli, prefixd_on_cuda_serves_like_prefixd_on_the_cpu, .init = pair_setup, .fini = pair_teardown,
@@ -537,7 +517,7 @@ Test(device_cli, prefixd_on_cuda_serves_like_prefixd_on_the_cpu, .init = pair_se
         const char *end = strstr(p, "\n\n");
         cr_assert_not_null(end, "%s", sse);
         char *one = strndup(p + 6, (size_t)(end - p - 6));
-        json_t *j = parse_json(one);
+        json_t *j = th_json_parse(one);
         json_t *t = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "text");
         if (json_is_string(t)) {
             size_t n = strlen(json_string_value(t));
@@ -566,7 +546,7 @@ Test(device_cli, prefixd_on_cuda_serves_like_prefixd_on_the_cpu, .init = pair_se
         char *out = NULL;
         cr_assert_eq(pair_http(i, "POST", "/admin/v1/prefixes", body, GPU_TOKEN, &out), 201, "daemon %d: %s", i,
                      out);
-        job[i] = parse_json(out);
+        job[i] = th_json_parse(out);
         free(out);
         cr_assert_str_eq(json_string_value(json_object_get(job[i], "state")), "done");
     }
@@ -575,12 +555,12 @@ Test(device_cli, prefixd_on_cuda_serves_like_prefixd_on_the_cpu, .init = pair_se
               json_string_value(json_object_get(pg, "policy")));
     /* The id hashes the model, tokens, spec and namespace: the same prefix. */
     cr_assert_str_eq(json_string_value(json_object_get(pg, "id")), json_string_value(json_object_get(pc, "id")));
-    const json_int_t n_tokens = json_int(pg, "tokens");
-    cr_assert_eq(n_tokens, json_int(pc, "tokens"));
+    const json_int_t n_tokens = th_json_int(pg, "tokens", NULL);
+    cr_assert_eq(n_tokens, th_json_int(pc, "tokens", NULL));
     cr_assert_gt(n_tokens, 400, "the story should be long enough for the scores to matter");
     /* budget=global fixes each layer's count of kept rows, whatever the
      * scores: the totals agree even if near-ties change sides. */
-    cr_assert_eq(json_int(pg, "kept_rows"), json_int(pc, "kept_rows"));
+    cr_assert_eq(th_json_int(pg, "kept_rows", NULL), th_json_int(pc, "kept_rows", NULL));
     json_decref(job[0]);
     json_decref(job[1]);
 
@@ -613,8 +593,8 @@ Test(device_cli, prefixd_on_cuda_serves_like_prefixd_on_the_cpu, .init = pair_se
     json_t *resp[3];
     for (int i = 0; i < 3; i++) {
         text[i] = greedy_completion(i, prompt, 16, &resp[i]);
-        json_int_t cached = json_int(json_object_get(json_object_get(resp[i], "usage"), "prompt_tokens_details"),
-                                     "cached_tokens");
+        json_int_t cached =
+            th_json_int(json_object_get(json_object_get(resp[i], "usage"), "prompt_tokens_details"), "cached_tokens", NULL);
         cr_assert_eq(cached, n_tokens, "daemon %d: the completion should attend to the stored prefix", i);
         cr_assert(json_is_object(json_object_get(resp[i], "prefix")), "daemon %d: no prefix object", i);
     }
@@ -630,7 +610,7 @@ Test(device_cli, prefixd_on_cuda_serves_like_prefixd_on_the_cpu, .init = pair_se
     /* /metrics of the cuda:0 daemon counts the hit. */
     char *out = NULL;
     cr_assert_eq(pair_http(0, "GET", "/metrics", NULL, NULL, &out), 200, "%s", out);
-    cr_assert_eq(metric_value(out, "prefixd_prefix_hits_total"), 1, "%s", out);
+    cr_assert_eq(th_metric(out, "prefixd_prefix_hits_total"), 1, "%s", out);
     free(out);
 
     /* All stop cleanly on SIGTERM (the device backend freed without error). */
