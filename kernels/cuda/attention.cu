@@ -128,11 +128,6 @@ typedef struct attn_params {
     int causal;
 } attn_params;
 
-static __device__ __forceinline__ float attn_warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
 static __device__ __forceinline__ int attn_warp_min_int(int v) {
     for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
@@ -259,7 +254,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2) attn_tile_kernel(const attn_p
                 if (i >= wn) continue;
                 const bool vis = lane < nk && (!p.causal || kpos <= qpos[i]);
                 const float sc = vis ? acc[i] : -INFINITY;
-                const float tmax = attn_warp_max(sc);
+                const float tmax = cuda_warp_max(sc);
                 if (tmax == -INFINITY) continue; // warp-uniform: nothing visible
                 const float mnew = fmaxf(m[i], tmax);
                 const float alpha = expf(m[i] - mnew); // 0 while m was -inf
@@ -332,7 +327,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) attn_merge_kernel(const attn_par
 
     float mx = -INFINITY;
     for (int s = lane; s < n_slots; s += 32) mx = fmaxf(mx, p.part_ml[s * rows + row].x);
-    mx = attn_warp_max(mx);
+    mx = cuda_warp_max(mx);
     if (mx == -INFINITY) { // no visible key in any slot
         for (int d = lane; d < hd; d += 32) dst[d] = 0.0f;
         return;

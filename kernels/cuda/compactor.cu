@@ -130,12 +130,9 @@ __device__ void logits_tile(const float *qbase, int rq, const float *kbase, int 
     __syncthreads();
 }
 
-// Butterfly reductions: every lane ends with the same value (a + b == b + a
-// in floating point, so the partial sums agree bit for bit).
-__device__ float warp_max(float v) {
-    for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
+// Butterfly reduction: every lane ends with the same value (a + b == b + a
+// in floating point, so the partial sums agree bit for bit); the float max
+// is cuda_warp_max (cuda_internal.h).
 __device__ double warp_sum(double v) {
     for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -178,7 +175,7 @@ nc_rowstats_kernel(attn_geom ag, int64_t tiles_per_chunk, float *row_max, double
             const float *s = sm.s[warp * ROWS_PER_WARP + i];
             float mx = -INFINITY;
             for (int j = lane; j < rk; j += 32) mx = fmaxf(mx, s[j]);
-            mx = warp_max(mx);
+            mx = cuda_warp_max(mx);
             // The CPU's online update: rescale the running sum in double.
             if (mx > run_max[i]) {
                 run_sum[i] *= exp(run_max[i] - (double)mx); // exp(-inf) = 0 on the first tile

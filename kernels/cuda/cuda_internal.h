@@ -6,6 +6,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <cusolverDn.h>
+#include <math.h>
 
 #include "kernels/kernels.h"
 
@@ -133,6 +134,12 @@ static __device__ __forceinline__ float cuda_warp_sum(float v) {
     return v;
 }
 
+// Largest v over the warp (fmaxf: NaN lanes are ignored); every lane gets it.
+static __device__ __forceinline__ float cuda_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 // Sum of v over the block (blockDim.x a multiple of 32, at most 1024); every
 // thread gets the same total, summed in a fixed order. `shared` holds 32
 // floats; every thread of the block must call this.
@@ -144,6 +151,18 @@ static __device__ __forceinline__ float cuda_block_sum(float v, float *shared) {
     if (lane == 0) shared[warp] = v;
     __syncthreads();
     return cuda_warp_sum(lane < n_warps ? shared[lane] : 0.0f);
+}
+
+// Largest v over the block, as cuda_block_sum (same conditions, `shared`
+// holds 32 floats, every thread must call it).
+static __device__ __forceinline__ float cuda_block_max(float v, float *shared) {
+    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
+    const int n_warps = (int)(blockDim.x >> 5);
+    v = cuda_warp_max(v);
+    __syncthreads(); // a previous call may still be reading `shared`
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    return cuda_warp_max(lane < n_warps ? shared[lane] : -INFINITY);
 }
 #endif
 

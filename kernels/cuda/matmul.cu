@@ -384,12 +384,7 @@ __global__ void f32_to_f16_scaled_kernel(const float *__restrict__ x, __half *__
     __half *orow = o + (int64_t)blockIdx.x * cols;
     float amax = 0.0f;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) amax = fmaxf(amax, fabsf(xr[c]));
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
-    if (lane == 0) red[warp] = amax;
-    __syncthreads();
-    amax = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0f;
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    amax = cuda_block_max(amax, red);
     int e = 0;
     if (isfinite(amax)) (void)frexpf(amax, &e); // amax = m * 2^e, m in [0.5, 1)
     const int k = e > 15 ? e - 15 : 0;
