@@ -565,19 +565,23 @@ cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t 
     return cudaSuccess;
 }
 
-cudaError_t cudaMemset(void *p, int value, size_t bytes) {
+static cudaError_t check_memset(const char *fn, const void *p, size_t bytes) {
     if (bytes && !cudaemu_is_device_range(p, bytes))
-        return fail(cudaErrorInvalidValue, "cudaMemset: %p (+%zu bytes) is not inside one device allocation", p, bytes);
-    if (bytes) memset(p, value, bytes);
+        return fail(cudaErrorInvalidValue, "%s: %p (+%zu bytes) is not inside one device allocation", fn, p, bytes);
     return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void *p, int value, size_t bytes) {
+    const cudaError_t e = check_memset("cudaMemset", p, bytes);
+    if (e == cudaSuccess && bytes) memset(p, value, bytes);
+    return e;
 }
 
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s) {
     if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaMemsetAsync: stream %p is not live", (void *)s);
-    if (bytes && !cudaemu_is_device_range(p, bytes))
-        return fail(cudaErrorInvalidValue, "cudaMemsetAsync: %p (+%zu bytes) is not inside one device allocation", p, bytes);
-    if (bytes) cudaemu_enqueue(s, [p, value, bytes] { memset(p, value, bytes); });
-    return cudaSuccess;
+    const cudaError_t e = check_memset("cudaMemsetAsync", p, bytes);
+    if (e == cudaSuccess && bytes) cudaemu_enqueue(s, [p, value, bytes] { memset(p, value, bytes); });
+    return e;
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags) {
