@@ -7,6 +7,7 @@ EMU_BUILD  ?= build-cudaemu
 TSAN_EMU_BUILD ?= build-cudaemu-tsan
 MESON_OPTS ?=
 SHARED     ?= $(abspath ../shared/models)
+PEER       ?= $(abspath ../shared/peer)
 FUZZ_SECS  ?= 600
 
 # meson finds nvcc on PATH; the CUDA toolkit installs it outside.
@@ -14,7 +15,7 @@ export PATH := $(PATH):/usr/local/cuda/bin
 
 DEFAULT_MODEL := $(if $(wildcard $(SHARED)/tinystories/stories260K.gguf),$(SHARED)/tinystories/stories260K.gguf,models/default.gguf)
 
-.PHONY: all deps build test test-asan test-cudaemu run bench bench-gpu bench-store eval fuzz clean bench-serve
+.PHONY: all deps build test test-asan test-cudaemu run bench bench-gpu bench-store eval fuzz clean bench-serve bench-peer
 
 all: build
 
@@ -142,3 +143,13 @@ $(BENCH_SERVE_MODEL): | build
 bench-serve: build $(BENCH_SERVE_MODEL) $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/default.gguf)
 	$(BUILD)/tools/serve-bench --model $(DEFAULT_MODEL) --prefixctl $(BUILD)/tools/prefixctl --prefixd $(BUILD)/prefixd
 	$(BUILD)/tools/serve-bench --model $(BENCH_SERVE_MODEL) --prefixctl $(BUILD)/tools/prefixctl --prefixd $(BUILD)/prefixd
+
+# Side by side with llama.cpp b4748 (the binaries in $(PEER)): llama-bench and
+# prefix-bench on the same generated files (SmolLM2-135M Q8_0, Llama-3.2-1B
+# Q4_K and llama-quantize's Q4_K_M), interleaved rounds (BENCH_ROUNDS, default
+# 3), decode against the measured memory bandwidth; then a stored compressed
+# prefix against llama-server's saved slot: bytes and time to first token.
+# Skips (exit 0) when the peer is absent or cannot run on this CPU.
+# docs/bench-peer.md.
+bench-peer: build
+	BUILD=$(BUILD) PEER_DIR=$(PEER) tools/bench-peer.sh

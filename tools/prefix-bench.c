@@ -2,13 +2,27 @@
  *
  *   prefix-bench [--model FILE | --preset NAME [--type T] [--n-vocab N]]
  *                [--device D] [--threads 1,2] [--prompt 256] [--gen 64]
- *                [--reps 3] [--prefix N1,N2] [--json]
+ *                [--reps 3] [--decode-ctx N] [--bandwidth [--bw-mib M]]
+ *                [--prefix N1,N2] [--json]
  *
  * Prefill: tokens/s to run a prompt of --prompt tokens from an empty
  * sequence (logits of the last token included). Decode: tokens/s of --gen
  * single-token steps after that prompt. Each figure is the best of --reps
  * runs, after one warm-up run. On the CPU this is measured for every
  * --threads count; on a CUDA device once.
+ *
+ * --decode-ctx N times decode on a fresh sequence that holds N context
+ * tokens (prefilled untimed) instead of after the prompt: 0 decodes from an
+ * empty context, as llama-bench's tg test does (tools/bench-peer.sh).
+ *
+ * --bandwidth (CPU) measures, for every --threads count, the streaming-read
+ * memory bandwidth of the machine (a --bw-mib buffer, default 1 GiB, or
+ * 4x the L3 when less memory is free, read by that many threads with
+ * AVX2/plain loads, best of BW_PASSES passes) and reports decode against it:
+ * bytes of weights one decode step reads (every matrix as stored in the
+ * file, the output matrix once; the tied embedding counts as the output
+ * matrix, an untied token_embd not at all: one row per token), achieved
+ * bytes/s = those bytes x decode tokens/s, and achieved / bandwidth.
  *
  * --prefix N1,N2 adds the compressed-prefix benchmark, for each prefix
  * length N (on the CPU with the last --threads count):
@@ -35,6 +49,8 @@
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,7 +70,7 @@
 static void usage(FILE *f) {
     fputs("usage: prefix-bench [--model FILE | --preset NAME [--type T] [--n-vocab N] [--seed S]]\n"
           "                    [--device D] [--threads LIST] [--prompt N] [--gen N] [--reps N]\n"
-          "                    [--prefix LIST] [--json]\n"
+          "                    [--decode-ctx N] [--bandwidth [--bw-mib M]] [--prefix LIST] [--json]\n"
           "  --preset    generate a model: tiny, stories260k, smollm2-135m, llama-3.2-1b, qwen2.5-0.5b\n"
           "  --type      weight type of the generated model (default q8_0)\n"
           "  --device    cpu (default), cuda, cuda:N or auto\n"
@@ -62,6 +78,11 @@ static void usage(FILE *f) {
           "  --prompt    prompt tokens for prefill (default 256)\n"
           "  --gen       decode steps (default 64)\n"
           "  --reps      runs per figure, best kept (default 3)\n"
+          "  --decode-ctx  time decode on a fresh sequence holding N context tokens (0: from an\n"
+          "              empty context, like llama-bench's tg); default: right after the prompt\n"
+          "  --bandwidth streaming-read memory bandwidth per --threads count, and decode's\n"
+          "              achieved bytes/s of weights against it (CPU)\n"
+          "  --bw-mib    buffer for --bandwidth in MiB (default 1024, or 4x L3 if memory is short)\n"
           "  --prefix    comma-separated prefix lengths for the compressed-prefix benchmark\n"
           "              (plain prefill, Compactor compression at retention 0.25, time to first\n"
           "              token, decode at batch 1 and 8, and on CUDA the bandwidth bound)\n"
@@ -80,19 +101,31 @@ typedef struct bench_result {
     double prefill_tps, decode_tps;
 } bench_result;
 
-static int run_once(pd_model *m, int n_prompt, int n_gen, bench_result *r, pd_error *err) {
+/* One prefill of n_prompt tokens, then n_gen decode steps: after that
+ * prompt (decode_ctx < 0), or on a fresh sequence holding decode_ctx context
+ * tokens prefilled untimed (0: from an empty context). */
+static int run_once(pd_model *m, int n_prompt, int n_gen, int decode_ctx, bench_result *r, pd_error *err) {
     const pd_hparams *hp = pd_model_hparams(m);
-    pd_token *toks = malloc(sizeof(pd_token) * (size_t)n_prompt);
+    const int n_toks = n_prompt > decode_ctx ? n_prompt : decode_ctx;
+    pd_token *toks = malloc(sizeof(pd_token) * (size_t)(n_toks > 0 ? n_toks : 1));
     float *logits = malloc(sizeof(float) * (size_t)hp->n_vocab);
     pd_seq *s = NULL;
     int rc = toks && logits ? PD_OK : pd_errorf(err, PD_ENOMEM, "out of memory");
     if (!rc) rc = pd_seq_create(m, n_prompt + n_gen + 1, &s, err);
     if (!rc) {
-        for (int i = 0; i < n_prompt; i++) toks[i] = (pd_token)((i * 7919 + 13) % hp->n_vocab);
+        for (int i = 0; i < n_toks; i++) toks[i] = (pd_token)((i * 7919 + 13) % hp->n_vocab);
         double t0 = pd_now_seconds();
         rc = pd_prefill(m, s, toks, n_prompt, NULL, logits, err);
         double t1 = pd_now_seconds();
         r->prefill_tps = n_prompt / (t1 - t0);
+    }
+    if (!rc && decode_ctx >= 0) { /* decode on its own sequence */
+        pd_seq_free(s);
+        s = NULL;
+        rc = pd_seq_create(m, decode_ctx + n_gen + 1, &s, err);
+        if (!rc && decode_ctx > 0) rc = pd_prefill(m, s, toks, decode_ctx, NULL, logits, err);
+    }
+    if (!rc) {
         pd_token t = toks[0];
         double t2 = pd_now_seconds();
         for (int i = 0; !rc && i < n_gen; i++) {
@@ -106,6 +139,165 @@ static int run_once(pd_model *m, int n_prompt, int n_gen, bench_result *r, pd_er
     free(toks);
     free(logits);
     return rc;
+}
+
+/* ------------------------------------------------------------------------
+ * Streaming-read memory bandwidth (--bandwidth)
+ * ------------------------------------------------------------------------ */
+
+#define BW_PASSES 5
+#define BW_MAX_THREADS 256
+
+static volatile uint64_t bw_sink; /* keeps the sums alive */
+
+/* Sum of the 64-bit words of p[0..n), n a multiple of 128, p 64-aligned. */
+static uint64_t bw_sum_plain(const uint8_t *p, size_t n) {
+    const uint64_t *w = (const uint64_t *)(const void *)p;
+    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
+    for (size_t i = 0; i < n / 8; i += 16) {
+        a0 += w[i] + w[i + 8];
+        a1 += w[i + 1] + w[i + 9];
+        a2 += w[i + 2] + w[i + 10];
+        a3 += w[i + 3] + w[i + 11];
+        a4 += w[i + 4] + w[i + 12];
+        a5 += w[i + 5] + w[i + 13];
+        a6 += w[i + 6] + w[i + 14];
+        a7 += w[i + 7] + w[i + 15];
+    }
+    return a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define BW_HAVE_AVX2 1
+__attribute__((target("avx2"))) static uint64_t bw_sum_avx2(const uint8_t *p, size_t n) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = 0; i < n; i += 128) {
+        a0 = _mm256_add_epi64(a0, _mm256_load_si256((const __m256i *)(const void *)(p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_load_si256((const __m256i *)(const void *)(p + i + 32)));
+        a2 = _mm256_add_epi64(a2, _mm256_load_si256((const __m256i *)(const void *)(p + i + 64)));
+        a3 = _mm256_add_epi64(a3, _mm256_load_si256((const __m256i *)(const void *)(p + i + 96)));
+    }
+    const __m256i s = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    uint64_t out[4];
+    _mm256_storeu_si256((__m256i *)(void *)out, s);
+    return out[0] + out[1] + out[2] + out[3];
+}
+#endif
+
+typedef struct bw_slice {
+    uint8_t *p;
+    size_t n;
+    bool fill, avx2;
+    uint64_t sum;
+} bw_slice;
+
+static void *bw_worker(void *arg) {
+    bw_slice *sl = arg;
+    if (sl->fill) {
+        memset(sl->p, 0x5a, sl->n); /* touch every page from the thread that reads it */
+        return NULL;
+    }
+#ifdef BW_HAVE_AVX2
+    if (sl->avx2) {
+        sl->sum = bw_sum_avx2(sl->p, sl->n);
+        return NULL;
+    }
+#endif
+    sl->sum = bw_sum_plain(sl->p, sl->n);
+    return NULL;
+}
+
+/* Run one pass over the slices with n_threads threads (the caller is one of
+ * them); returns its wall time in seconds, or a negative value when a thread
+ * could not start. */
+static double bw_pass(bw_slice *sl, int n_threads) {
+    pthread_t tid[BW_MAX_THREADS];
+    int started = 0;
+    const double t0 = pd_now_seconds();
+    for (int i = 1; i < n_threads; i++, started++)
+        if (pthread_create(&tid[i], NULL, bw_worker, &sl[i]) != 0) break;
+    bw_worker(&sl[0]);
+    for (int i = 1; i <= started; i++) pthread_join(tid[i], NULL);
+    const double dt = pd_now_seconds() - t0;
+    uint64_t sum = 0;
+    for (int i = 0; i < n_threads; i++) sum += sl[i].sum;
+    bw_sink += sum;
+    return started == n_threads - 1 ? dt : -1;
+}
+
+/* The L3 size: sysfs first (in some VMs sysconf reports CPUID's figure,
+ * which can be ten times the real one), else sysconf; 0 when unknown. */
+static long l3_cache_bytes(void) {
+    FILE *f = fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
+    long v = 0;
+    char unit = 0;
+    if (f) {
+        if (fscanf(f, "%ld%c", &v, &unit) < 1) v = 0;
+        fclose(f);
+        if (unit == 'K') v <<= 10;
+        else if (unit == 'M') v <<= 20;
+    }
+    return v > 0 ? v : sysconf(_SC_LEVEL3_CACHE_SIZE);
+}
+
+/* The buffer size: bw_mib when given, else 1 GiB, or 4x the L3 (at least
+ * 64 MiB) when less than 4 GiB of memory is free. */
+static size_t bw_buffer_bytes(long bw_mib) {
+    if (bw_mib > 0) return (size_t)bw_mib << 20;
+    const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    const double avail = pages > 0 && page > 0 ? (double)pages * (double)page : 0;
+    if (avail <= 0 || avail >= 4.0 * (1 << 30)) return (size_t)1 << 30;
+    long l3 = l3_cache_bytes();
+    if (l3 <= 0) l3 = 32l << 20;
+    const size_t b = 4 * (size_t)l3;
+    return b > ((size_t)64 << 20) ? b : (size_t)64 << 20;
+}
+
+/* Best streaming-read bandwidth in bytes/s over BW_PASSES passes of
+ * n_threads threads over a buffer of bytes bytes. */
+static int measure_bandwidth(int n_threads, size_t bytes, double *out, const char **how, pd_error *err) {
+    if (n_threads < 1 || n_threads > BW_MAX_THREADS)
+        return pd_errorf(err, PD_EINVAL, "--bandwidth measures 1 to %d threads, not %d", BW_MAX_THREADS, n_threads);
+    const size_t chunk = (size_t)128 * (size_t)n_threads;
+    bytes -= bytes % chunk;
+    uint8_t *buf = aligned_alloc(64, bytes);
+    if (!buf) return pd_errorf(err, PD_ENOMEM, "no memory for a %zu MiB bandwidth buffer", bytes >> 20);
+    bool avx2 = false;
+#ifdef BW_HAVE_AVX2
+    avx2 = __builtin_cpu_supports("avx2");
+#endif
+    *how = avx2 ? "avx2" : "plain";
+    bw_slice sl[BW_MAX_THREADS];
+    const size_t per = bytes / (size_t)n_threads; /* a multiple of 128 */
+    for (int i = 0; i < n_threads; i++) sl[i] = (bw_slice){.p = buf + (size_t)i * per, .n = per, .fill = true, .avx2 = avx2};
+    int rc = bw_pass(sl, n_threads) < 0 ? pd_errorf(err, PD_EIO, "could not start %d threads", n_threads) : PD_OK;
+    for (int i = 0; i < n_threads; i++) sl[i].fill = false;
+    double best = 0;
+    for (int pass = 0; !rc && pass < BW_PASSES; pass++) {
+        const double dt = bw_pass(sl, n_threads);
+        if (dt < 0) rc = pd_errorf(err, PD_EIO, "could not start %d threads", n_threads);
+        else if (dt > 0 && (double)(per * (size_t)n_threads) / dt > best) best = (double)(per * (size_t)n_threads) / dt;
+    }
+    free(buf);
+    *out = best;
+    return rc;
+}
+
+/* Bytes of weights one decode step reads on the CPU: every matrix as stored
+ * in the file. The embedding table counts only when it is also the output
+ * matrix (tied; otherwise one row per token is read). */
+static uint64_t decode_stored_bytes(const pd_model *m) {
+    const pd_gguf *g = pd_model_gguf(m);
+    const bool tied = pd_gguf_find_tensor(g, "output.weight") == NULL;
+    uint64_t total = 0;
+    for (size_t i = 0; i < pd_gguf_tensor_count(g); i++) {
+        const pd_gguf_tensor *t = pd_gguf_tensor_at(g, i);
+        if (t->n_dims < 2) continue;
+        if (!tied && strcmp(t->name, "token_embd.weight") == 0) continue;
+        total += t->n_bytes;
+    }
+    return total;
 }
 
 /* ------------------------------------------------------------------------
@@ -275,11 +467,13 @@ int main(int argc, char **argv) {
         {"prompt", required_argument, 0, 'P'},  {"gen", required_argument, 0, 'g'},
         {"reps", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
         {"device", required_argument, 0, 'd'},  {"prefix", required_argument, 0, 'x'},
-        {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+        {"decode-ctx", required_argument, 0, 'D'}, {"bandwidth", no_argument, 0, 'B'},
+        {"bw-mib", required_argument, 0, 'M'},  {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
     const char *model = NULL, *preset = NULL, *type_name = "q8_0", *threads = "1,2";
     const char *device_text = "cpu", *prefix_text = NULL;
-    long n_vocab = 0, seed = 1, n_prompt = 256, n_gen = 64, reps = 3;
-    bool json = false;
+    long n_vocab = 0, seed = 1, n_prompt = 256, n_gen = 64, reps = 3, decode_ctx = -1, bw_mib = 0;
+    bool json = false, bandwidth_on = false;
     int c;
     while ((c = getopt_long(argc, argv, "m:h", opts, NULL)) != -1) {
         switch (c) {
@@ -295,11 +489,14 @@ int main(int argc, char **argv) {
         case 'j': json = true; break;
         case 'd': device_text = optarg; break;
         case 'x': prefix_text = optarg; break;
+        case 'D': decode_ctx = strtol(optarg, NULL, 10); break;
+        case 'B': bandwidth_on = true; break;
+        case 'M': bw_mib = strtol(optarg, NULL, 10); break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
     }
-    if (!model == !preset || n_prompt < 1 || n_gen < 1 || reps < 1) {
+    if (!model == !preset || n_prompt < 1 || n_gen < 1 || reps < 1 || decode_ctx < -1 || bw_mib < 0) {
         usage(stderr);
         return 2;
     }
@@ -397,12 +594,12 @@ int main(int argc, char **argv) {
                 return 2;
             }
         bench_result best = {0}, r;
-        if (run_once(m, (int)n_prompt, (int)n_gen, &r, &err)) { /* warm-up */
+        if (run_once(m, (int)n_prompt, (int)n_gen, (int)decode_ctx, &r, &err)) { /* warm-up */
             fprintf(stderr, "prefix-bench: %s\n", err.msg);
             return 1;
         }
         for (long i = 0; i < reps; i++) {
-            if (run_once(m, (int)n_prompt, (int)n_gen, &r, &err)) {
+            if (run_once(m, (int)n_prompt, (int)n_gen, (int)decode_ctx, &r, &err)) {
                 fprintf(stderr, "prefix-bench: %s\n", err.msg);
                 return 1;
             }
@@ -420,17 +617,49 @@ int main(int argc, char **argv) {
                 printf("%-12s %-6s %-40s %14.1f %14.1f\n", preset ? preset : "file", tname, dev_name,
                        best.prefill_tps, best.decode_tps);
             }
-        } else if (json) {
-            printf("%s\n  {\"model\": \"%s\", \"type\": \"%s\", \"threads\": %ld, \"simd\": \"%s\", \"prompt\": %ld, "
-                   "\"gen\": %ld, \"prefill_tps\": %.1f, \"decode_tps\": %.1f}",
-                   first ? "" : ",", model, tname, nt, pd_cpu_simd_name(), n_prompt, n_gen, best.prefill_tps,
-                   best.decode_tps);
         } else {
-            if (first)
-                printf("%-10s %-6s %-7s %-10s %14s %14s\n", "model", "type", "threads", "simd", "prefill tok/s",
-                       "decode tok/s");
-            printf("%-10s %-6s %-7ld %-10s %14.1f %14.1f\n", preset ? preset : "file", tname, nt, pd_cpu_simd_name(),
-                   best.prefill_tps, best.decode_tps);
+            /* --bandwidth: the machine's read bandwidth with nt threads,
+             * and decode's bytes of weights per second against it. */
+            double bw = 0;
+            const char *bw_how = "";
+            const size_t bw_bytes = bandwidth_on ? bw_buffer_bytes(bw_mib) : 0;
+            if (bandwidth_on && measure_bandwidth((int)nt, bw_bytes, &bw, &bw_how, &err)) {
+                fprintf(stderr, "prefix-bench: bandwidth: %s\n", err.msg);
+                return 1;
+            }
+            const uint64_t sbytes = decode_stored_bytes(m);
+            const double achieved = (double)sbytes * best.decode_tps;
+            char ctx_text[32] = "null";
+            if (decode_ctx >= 0) snprintf(ctx_text, sizeof ctx_text, "%ld", decode_ctx);
+            if (json) {
+                printf("%s\n  {\"model\": \"%s\", \"type\": \"%s\", \"threads\": %ld, \"simd\": \"%s\", "
+                       "\"prompt\": %ld, \"gen\": %ld, \"decode_ctx\": %s, \"prefill_tps\": %.1f, "
+                       "\"decode_tps\": %.2f, \"decode_weight_bytes\": %" PRIu64 ", ",
+                       first ? "" : ",", model, tname, nt, pd_cpu_simd_name(), n_prompt, n_gen, ctx_text,
+                       best.prefill_tps, best.decode_tps, sbytes);
+                if (bandwidth_on)
+                    printf("\"bandwidth_bytes_per_s\": %.6g, \"bandwidth_read\": \"%s\", \"bandwidth_buffer_bytes\": "
+                           "%zu, \"decode_bytes_per_s\": %.6g, \"decode_over_bound\": %.4f}",
+                           bw, bw_how, bw_bytes, achieved, bw > 0 ? achieved / bw : 0);
+                else
+                    printf("\"bandwidth_bytes_per_s\": null, \"bandwidth_read\": null, \"bandwidth_buffer_bytes\": "
+                           "null, \"decode_bytes_per_s\": %.6g, \"decode_over_bound\": null}",
+                           achieved);
+            } else {
+                if (first) {
+                    printf("%-10s %-6s %-7s %-10s %14s %14s", "model", "type", "threads", "simd", "prefill tok/s",
+                           "decode tok/s");
+                    if (bandwidth_on)
+                        printf(" %9s %10s %11s %8s", "MB/token", "bound GB/s", "decode GB/s", "of bound");
+                    printf("\n");
+                }
+                printf("%-10s %-6s %-7ld %-10s %14.1f %14.1f", preset ? preset : "file", tname, nt,
+                       pd_cpu_simd_name(), best.prefill_tps, best.decode_tps);
+                if (bandwidth_on)
+                    printf(" %9.1f %10.1f %11.1f %7.1f%%", (double)sbytes / 1e6, bw / 1e9, achieved / 1e9,
+                           bw > 0 ? 100 * achieved / bw : 0);
+                printf("\n");
+            }
         }
         first = false;
         /* --prefix runs on the last model loaded: the device's, or the
