@@ -72,6 +72,10 @@ float pd_fp16_to_fp32(uint16_t h);
 uint16_t pd_fp32_to_fp16(float f);
 float pd_bf16_to_fp32(uint16_t h);
 uint16_t pd_fp32_to_bf16(float f);
+/* n values at once, with F16C where the CPU has it: bit for bit the same
+ * results as the functions above (KV rows loaded, stored, converted). */
+void pd_fp32_to_fp16_row(const float *x, uint16_t *y, size_t n);
+void pd_fp16_to_fp32_row(const uint16_t *x, float *y, size_t n);
 
 /* ------------------------------------------------------------------------
  * Thread pool
@@ -145,17 +149,24 @@ typedef struct pd_rope_params {
 } pd_rope_params;
 
 /* One (layer, kv_head) run of cached keys and values. Rows are head_dim
- * floats; `pos` gives each row's original position (kept tokens keep theirs,
- * so positions may have gaps). `keep`, if not NULL, masks rows out (0 =
- * ignore this key), which tests use to check eviction against masking
- * (host-memory backends only). */
+ * elements of `type`: PD_TYPE_F32 (0, so a zeroed view is f32) or
+ * PD_TYPE_F16 (IEEE half, half the bytes; attention converts on load and
+ * computes in f32). Each view has its own type, so an f32 prefix and f16
+ * own rows can be attended to in one call. `pos` gives each row's original
+ * position (kept tokens keep theirs, so positions may have gaps). `keep`,
+ * if not NULL, masks rows out (0 = ignore this key), which tests use to
+ * check eviction against masking (host-memory backends only). */
 typedef struct pd_kv_view {
-    const float *k;
-    const float *v;
+    const void *k;
+    const void *v;
     const int32_t *pos;
     const uint8_t *keep;
     int64_t len;
+    pd_type type;
 } pd_kv_view;
+
+/* Element types a pd_kv_view may hold. */
+static inline bool pd_kv_type_ok(pd_type t) { return t == PD_TYPE_F32 || t == PD_TYPE_F16; }
 
 /* Attention of n_tokens queries over segments of KV per kv head, each
  * processed with an online softmax and merged with log-sum-exp, so the
@@ -171,10 +182,12 @@ typedef struct pd_kv_view {
  * device backend reads it once per call for all groups) and to its own
  * n_segments segments. At most PD_MAX_KV_SEGMENTS segments per group in
  * all. The pd_kv_view arrays and group_start are host memory; what the
- * views point to is backend memory. */
+ * views point to is backend memory. Whatever the views' types, scores,
+ * softmax and the weighted value sums are f32 (f16 rows are widened
+ * exactly as they are read), and out is f32. */
 #define PD_MAX_KV_SEGMENTS 4
 typedef struct pd_attn_args {
-    const float *q;       /* [n_tokens][n_head][head_dim] */
+    const float *q;       /* [n_tokens][n_head][head_dim], f32 whatever the KV type */
     const int32_t *q_pos; /* [n_tokens] */
     int64_t n_tokens;
     int n_head, n_head_kv, head_dim;
@@ -263,6 +276,13 @@ typedef struct pd_backend_ops {
      * device backend, where a decode step appends K/V rows to hundreds of
      * (layer, kv head, sequence) streams. Copies must not overlap. */
     int (*copy2d_batch)(pd_backend *be, const pd_copy2d *descs, int64_t n, pd_error *err);
+    /* dst[i] = src[i] for i < n, from src_type to dst_type, within
+     * backend memory: f32 -> f16 (round to nearest even; beyond +-65504
+     * gives +-inf, as F16C and __float2half_rn do), f16 -> f32 (exact), or
+     * a copy when the types are equal. Other types: PD_EUNSUPPORTED.
+     * Regions may not overlap. */
+    int (*convert)(pd_backend *be, void *dst, pd_type dst_type, const void *src, pd_type src_type, int64_t n,
+                   pd_error *err);
     /* dst[i] = src[idx[i]] for rows of row_bytes; idx is host memory;
      * dst and src must not overlap. */
     int (*gather)(pd_backend *be, void *dst, const void *src, const int32_t *idx, int64_t n, size_t row_bytes,

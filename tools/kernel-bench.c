@@ -17,7 +17,7 @@
  * larger than the caches does; without it a matrix stays in cache between
  * calls. --attn also times attention for SmolLM2-135M's shape (9 query
  * heads, 3 kv heads of 64): prefill of 256 tokens (causal) and decode of one
- * token over 256 and 2048 cached keys.
+ * token over 256 and 2048 cached keys, with f32 and with f16 K/V rows.
  *
  * Each figure is the best of five rounds (other load only adds time).
  * The tool re-executes itself with OPENBLAS_NUM_THREADS=1 unless that is
@@ -97,8 +97,8 @@ static int time_matmul(pd_backend *be, const pd_weight *w, long n_copies, const 
     return PD_OK;
 }
 
-/* Attention timing for one configuration. */
-static int time_attention(pd_backend *be, long n_tokens, long n_keys, bool causal, double min_time,
+/* Attention timing for one configuration, K/V rows of kv_type (f32, f16). */
+static int time_attention(pd_backend *be, long n_tokens, long n_keys, bool causal, pd_type kv_type, double min_time,
                           double *out, pd_error *err) {
     const int nh = 9, nkv = 3, hd = 64;
     float *q = malloc(sizeof(float) * (size_t)(n_tokens * nh * hd));
@@ -115,10 +115,18 @@ static int time_attention(pd_backend *be, long n_tokens, long n_keys, bool causa
     }
     for (long j = 0; j < n_keys; j++) kpos[j] = (int32_t)j;
     for (long t = 0; t < n_tokens; t++) qpos[t] = (int32_t)(n_keys - n_tokens + t);
+    const size_t esz = kv_type == PD_TYPE_F16 ? 2 : 4, kv_vals = (size_t)(nkv * n_keys * hd);
+    uint16_t *k16 = kv_type == PD_TYPE_F16 ? malloc(2 * kv_vals) : NULL, *v16 = k16 ? malloc(2 * kv_vals) : NULL;
+    if (kv_type == PD_TYPE_F16 && (!k16 || !v16)) return pd_errorf(err, PD_ENOMEM, "out of memory");
+    if (k16) {
+        pd_fp32_to_fp16_row(k, k16, kv_vals);
+        pd_fp32_to_fp16_row(v, v16, kv_vals);
+    }
+    const char *kb = k16 ? (const char *)k16 : (const char *)k, *vb = k16 ? (const char *)v16 : (const char *)v;
     pd_kv_view kv[3];
     for (int g = 0; g < nkv; g++)
-        kv[g] = (pd_kv_view){k + (size_t)g * (size_t)n_keys * hd, v + (size_t)g * (size_t)n_keys * hd, kpos,
-                             NULL, n_keys};
+        kv[g] = (pd_kv_view){kb + (size_t)g * (size_t)n_keys * hd * esz, vb + (size_t)g * (size_t)n_keys * hd * esz,
+                             kpos, NULL, n_keys, kv_type};
     pd_attn_args a = {.q = q, .q_pos = qpos, .n_tokens = n_tokens, .n_head = nh, .n_head_kv = nkv,
                       .head_dim = hd, .n_segments = 1, .kv = kv, .scale = 0.125f, .causal = causal,
                       .out = o};
@@ -140,6 +148,8 @@ static int time_attention(pd_backend *be, long n_tokens, long n_keys, bool causa
     free(o);
     free(k);
     free(v);
+    free(k16);
+    free(v16);
     free(kpos);
     free(qpos);
     return rc;
@@ -306,7 +316,7 @@ int main(int argc, char **argv) {
         }
     }
     if (attn) {
-        printf("%-28s %3s %12s\n", "attention (9/3 heads x 64)", "thr", "us/call");
+        printf("%-28s %3s %12s %12s\n", "attention (9/3 heads x 64)", "thr", "f32 us/call", "f16 us/call");
         for (int hi = 0; hi < n_threads; hi++) {
             pd_backend *be;
             if (pd_backend_cpu_create((int)threads[hi], &be, &err)) goto fail;
@@ -318,12 +328,14 @@ int main(int argc, char **argv) {
                        {"decode 1 over 256 keys", 1, 256, true},
                        {"decode 1 over 2048 keys", 1, 2048, true}};
             for (int i = 0; i < 3; i++) {
-                double sec = 0;
-                if (time_attention(be, cfg[i].nt, cfg[i].nk, cfg[i].causal, min_time, &sec, &err)) {
-                    pd_backend_free(be);
-                    goto fail;
-                }
-                printf("%-28s %3ld %12.1f\n", cfg[i].name, threads[hi], sec * 1e6);
+                double sec[2] = {0, 0};
+                for (int t = 0; t < 2; t++)
+                    if (time_attention(be, cfg[i].nt, cfg[i].nk, cfg[i].causal, t ? PD_TYPE_F16 : PD_TYPE_F32,
+                                       min_time, &sec[t], &err)) {
+                        pd_backend_free(be);
+                        goto fail;
+                    }
+                printf("%-28s %3ld %12.1f %12.1f\n", cfg[i].name, threads[hi], sec[0] * 1e6, sec[1] * 1e6);
             }
             pd_backend_free(be);
         }

@@ -11,7 +11,8 @@
  *     M = max_s m_s,  L = sum_s l_s e^(m_s - M),  out = sum_s o_s e^(m_s - M) / L
  * which equals softmax attention over the concatenated segments. Keys that
  * are masked (keep[j] == 0, or pos > q_pos under causal) get a score of
- * -inf, hence weight exactly 0, and their values are never read. Only the
+ * -inf, hence weight exactly 0, and their values are never used (nor read,
+ * except as part of a widened f16 block, see below). Only the
  * span from the first to the last visible key of a block is scored, so a
  * block nobody can see costs one scan of its positions.
  *
@@ -21,7 +22,15 @@
  * each kv head is also cut into chunks of whole key blocks: an item is
  * (token block, kv head, key chunk) and leaves an unnormalised partial
  * (m, l, o) per query, and the partials are merged with the same
- * log-sum-exp rule afterwards. */
+ * log-sum-exp rule afterwards.
+ *
+ * f16 views (f16 KV caches) are read at half the bytes and computed in
+ * f32. When a block of keys serves several tokens (prefill) its K and V rows
+ * are widened once into per-thread scratch and the f32 kernels run on that;
+ * for one token (decode) the f16 variants of the score and P.V kernels
+ * widen each element as they load it, which is cheaper than storing and
+ * reloading a widened block even though each of the n_rep query heads
+ * converts the rows again. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -43,10 +52,29 @@ typedef struct attn_ctx {
     int64_t n_tblocks;
     int64_t n_items;   /* n_tblocks * n_head_kv * n_chunks */
     int64_t n_chunks;  /* key chunks per kv head (1: no split) */
+    bool widen;        /* f16 blocks are widened into scratch (KEY_BLOCK x hd for K, then V) */
     int64_t chunk_keys; /* keys per chunk (a multiple of KEY_BLOCK) */
     float *part;       /* n_chunks > 1: partials [chunk][kv head][token][rep] x (m, l, o[hd]) */
     atomic_llong next;
 } attn_ctx;
+
+/* Scores of keys [row, row + n) of a view against q, and o += P V over
+ * its values [row, row + n), in the view's element type. */
+static inline void view_scores(const cpu_kernels *k, const pd_kv_view *kv, const float *q, int64_t row, int64_t hd,
+                               int64_t n, float scale, float *s) {
+    if (kv->type == PD_TYPE_F16)
+        k->attn_scores_f16(q, (const uint16_t *)kv->k + row * hd, hd, n, scale, s);
+    else
+        k->attn_scores(q, (const float *)kv->k + row * hd, hd, n, scale, s);
+}
+
+static inline void view_pv(const cpu_kernels *k, const pd_kv_view *kv, const float *p, int64_t row, int64_t hd,
+                           int64_t n, float *o) {
+    if (kv->type == PD_TYPE_F16)
+        k->attn_pv_f16(p, (const uint16_t *)kv->v + row * hd, hd, n, o);
+    else
+        k->attn_pv(p, (const float *)kv->v + row * hd, hd, n, o);
+}
 
 /* Visibility of keys [j0, j0 + nk) for a query at qpos: vis[j] = 0/1, the
  * first and last visible offsets (-1 if none); returns true when every key
@@ -108,6 +136,8 @@ static void attn_item(const attn_ctx *c, int64_t t0, int64_t t1, int g, int64_t 
     float *pr = sc + KEY_BLOCK;      /* KEY_BLOCK probabilities */
     float *ml = pr + KEY_BLOCK;      /* nstate x (m, l) */
     float *os = ml + 2 * nstate;     /* nstate x hd */
+    float *kw = os + nstate * hd;    /* c->widen: KEY_BLOCK x hd widened K rows, then V rows */
+    float *vw = kw + KEY_BLOCK * hd;
     uint8_t vis[KEY_BLOCK];
 #define ST(tt, r, s) ((((tt) * n_rep) + (r)) * (int64_t)(nseg > 0 ? nseg : 1) + (s))
 
@@ -125,20 +155,30 @@ static void attn_item(const attn_ctx *c, int64_t t0, int64_t t1, int g, int64_t 
         seg_off += kv->len;
         for (int64_t j0 = jb; j0 < je; j0 += KEY_BLOCK) {
             const int64_t nk = je - j0 < KEY_BLOCK ? je - j0 : KEY_BLOCK;
+            /* The rows the kernels read: kv's, or the block widened to f32,
+             * whose row 0 is kv's row j0 (off). */
+            pd_kv_view wide;
+            const pd_kv_view *src = kv;
+            int64_t off = 0;
+            if (c->widen && kv->type == PD_TYPE_F16) {
+                k->f16_to_f32((const uint16_t *)kv->k + j0 * hd, nk * hd, kw);
+                k->f16_to_f32((const uint16_t *)kv->v + j0 * hd, nk * hd, vw);
+                wide = (pd_kv_view){.k = kw, .v = vw, .type = PD_TYPE_F32};
+                src = &wide;
+                off = j0;
+            }
             for (int64_t tt = 0; tt < nt; tt++) {
                 const int64_t t = t0 + tt;
                 const int32_t qpos = a->q_pos ? a->q_pos[t] : 0;
                 int64_t first, last;
                 const bool dense = block_visibility(k, kv, a->causal, qpos, j0, nk, vis, &first, &last);
                 if (first < 0) continue;
-                const int64_t span = last - first + 1;
-                const float *kb = kv->k + (j0 + first) * hd;
-                const float *vb = kv->v + (j0 + first) * hd;
+                const int64_t span = last - first + 1, row = j0 + first;
                 for (int r = 0; r < n_rep; r++) {
                     const float *q = a->q + (t * a->n_head + h0 + r) * (int64_t)hd;
                     float *m = &ml[2 * ST(tt, r, s)], *l = m + 1;
                     float *o = os + ST(tt, r, s) * hd;
-                    k->attn_scores(q, kb, hd, span, a->scale, sc);
+                    view_scores(k, src, q, row - off, hd, span, a->scale, sc);
                     float bmax = -INFINITY;
                     if (dense) {
                         bmax = k->max_f32(sc, span);
@@ -161,7 +201,7 @@ static void attn_item(const attn_ctx *c, int64_t t0, int64_t t1, int g, int64_t 
                     if (*m == -INFINITY) continue; /* NaN scores only */
                     *l += k->softmax_exp(sc, *m, span, pr);
                     if (dense) {
-                        k->attn_pv(pr, vb, hd, span, o);
+                        view_pv(k, src, pr, row - off, hd, span, o);
                     } else { /* runs of visible keys: masked rows are never read */
                         for (int64_t j = 0; j < span;) {
                             if (!vis[first + j]) {
@@ -170,7 +210,7 @@ static void attn_item(const attn_ctx *c, int64_t t0, int64_t t1, int g, int64_t 
                             }
                             int64_t e = j + 1;
                             while (e < span && vis[first + e]) e++;
-                            k->attn_pv(pr + j, vb + j * hd, hd, e - j, o);
+                            view_pv(k, src, pr + j, row - off + j, hd, e - j, o);
                             j = e;
                         }
                     }
@@ -279,6 +319,10 @@ static int attention_one_group(cpu_backend *cb, const pd_attn_args *a, pd_error 
             if (kv->len > 0 && (!kv->k || !kv->v || (a->causal && !kv->pos)))
                 return pd_errorf(err, PD_EINVAL, "attention: segment %d kv head %d has NULL k, v or pos", s,
                                  g);
+            if (kv->len > 0 && !pd_kv_type_ok(kv->type))
+                return pd_errorf(err, PD_EUNSUPPORTED,
+                                 "attention: segment %d kv head %d holds %s rows; KV rows must be f32 or f16", s, g,
+                                 pd_type_get(kv->type) ? pd_type_get(kv->type)->name : "unknown");
         }
 
     const int nth = cb->n_threads;
@@ -313,7 +357,15 @@ static int attention_one_group(cpu_backend *cb, const pd_attn_args *a, pd_error 
     c.n_tblocks = (a->n_tokens + tb - 1) / tb;
     c.n_items = c.n_tblocks * a->n_head_kv * c.n_chunks;
     const size_t nstate = (size_t)tb * (size_t)c.n_rep * (size_t)(a->n_segments > 0 ? a->n_segments : 1);
-    c.per_thread = (2 * KEY_BLOCK + 2 * nstate + nstate * (size_t)a->head_dim + 15) & ~(size_t)15;
+    bool any_f16 = false;
+    for (int64_t i = 0; i < (int64_t)a->n_segments * a->n_head_kv; i++) any_f16 |= a->kv[i].type == PD_TYPE_F16;
+    /* Widening pays off when a block serves several tokens (prefill). For
+     * one token (decode), storing and reloading a widened block costs more
+     * than converting as the f16 kernels load, even n_rep times over. */
+    c.widen = any_f16 && tb > 1;
+    c.per_thread = (2 * KEY_BLOCK + 2 * nstate + nstate * (size_t)a->head_dim +
+                    (c.widen ? 2 * (size_t)KEY_BLOCK * (size_t)a->head_dim : 0) + 15) &
+                   ~(size_t)15;
     void *work = cb->work;
     size_t cap_bytes = cb->work_cap * sizeof(float);
     const size_t part_floats = c.n_chunks > 1 ? (size_t)c.n_chunks * (size_t)a->n_head_kv *

@@ -366,6 +366,47 @@ static int cpu_gather(pd_backend *be, void *dst, const void *src, const int32_t 
     return PD_OK;
 }
 
+typedef struct convert_ctx {
+    const cpu_kernels *k;
+    void *dst;
+    const void *src;
+    bool to_f16;
+    int64_t n;
+} convert_ctx;
+
+static void convert_range(const convert_ctx *c, int64_t a, int64_t b) {
+    if (c->to_f16)
+        c->k->f32_to_f16((const float *)c->src + a, b - a, (uint16_t *)c->dst + a);
+    else
+        c->k->f16_to_f32((const uint16_t *)c->src + a, b - a, (float *)c->dst + a);
+}
+
+static void convert_worker(void *p, int ith, int nth) {
+    const convert_ctx *c = p;
+    const int64_t nv = (c->n + 63) / 64; /* slices of whole vectors */
+    int64_t a = nv * ith / nth * 64, b = nv * (ith + 1) / nth * 64;
+    if (b > c->n) b = c->n;
+    if (a < b) convert_range(c, a, b);
+}
+
+static int cpu_convert(pd_backend *be, void *dst, pd_type dst_type, const void *src, pd_type src_type, int64_t n,
+                       pd_error *err) {
+    const cpu_backend *cb = be->impl;
+    if (n < 0) return pd_errorf(err, PD_EINVAL, "convert: negative count %lld", (long long)n);
+    if (!pd_kv_type_ok(dst_type) || !pd_kv_type_ok(src_type))
+        return pd_errorf(err, PD_EUNSUPPORTED, "convert: only f32 and f16 are supported, not %s -> %s",
+                         pd_type_get(src_type) ? pd_type_get(src_type)->name : "unknown",
+                         pd_type_get(dst_type) ? pd_type_get(dst_type)->name : "unknown");
+    if (n == 0) return PD_OK;
+    if (dst_type == src_type) return cpu_copy(be, dst, src, (size_t)n * (dst_type == PD_TYPE_F16 ? 2 : 4), err);
+    convert_ctx c = {&cb->k, dst, src, dst_type == PD_TYPE_F16, n};
+    if (n < PAR_MIN_ELEMS)
+        convert_range(&c, 0, n);
+    else
+        pd_threadpool_run(cb->tp, convert_worker, &c);
+    return PD_OK;
+}
+
 static int cpu_sync(pd_backend *be, pd_error *err) {
     (void)be;
     (void)err;
@@ -395,6 +436,7 @@ static void cpu_free(pd_backend *be) {
     .copy = cpu_copy, \
     .copy2d = cpu_copy2d, \
     .copy2d_batch = cpu_copy2d_batch, \
+    .convert = cpu_convert, \
     .gather = cpu_gather, \
     .sync = cpu_sync, \
     .prepare_weight = NULL, \

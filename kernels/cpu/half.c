@@ -2,9 +2,13 @@
  * patterns so the result never depends on the compiler, the FPU mode or the
  * presence of F16C: round to nearest, ties to even; infinities, NaNs and
  * subnormals handled exactly. */
-#include "kernels/kernels.h"
+#include "kernels/cpu/cpu_internal.h"
 
 #include <string.h>
+
+#if PD_X86
+#include <immintrin.h>
+#endif
 
 static inline uint32_t f32_bits(float f) {
     uint32_t u;
@@ -89,4 +93,42 @@ uint16_t pd_fp32_to_bf16(float f) {
      * to infinity as it should. */
     const uint32_t rounded = x + 0x7fffu + ((x >> 16) & 1u);
     return (uint16_t)(rounded >> 16);
+}
+
+#if PD_X86
+/* F16C rounds to nearest even and handles subnormals, infinities and NaNs
+ * as the bit-pattern code above does (MXCSR's DAZ/FTZ are never set here). */
+PD_TARGET_AVX2 static size_t fp32_to_fp16_f16c(const float *x, uint16_t *y, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    return i;
+}
+
+PD_TARGET_AVX2 static size_t fp16_to_fp32_f16c(const uint16_t *x, float *y, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
+    return i;
+}
+
+static bool have_f16c(void) {
+    __builtin_cpu_init(); /* idempotent; needed when called before constructors ran */
+    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+}
+#endif
+
+void pd_fp32_to_fp16_row(const float *x, uint16_t *y, size_t n) {
+    size_t i = 0;
+#if PD_X86
+    if (have_f16c()) i = fp32_to_fp16_f16c(x, y, n);
+#endif
+    for (; i < n; i++) y[i] = pd_fp32_to_fp16(x[i]);
+}
+
+void pd_fp16_to_fp32_row(const uint16_t *x, float *y, size_t n) {
+    size_t i = 0;
+#if PD_X86
+    if (have_f16c()) i = fp16_to_fp32_f16c(x, y, n);
+#endif
+    for (; i < n; i++) y[i] = pd_fp16_to_fp32(x[i]);
 }

@@ -253,6 +253,28 @@ static void attn_pv_scalar(const float *p, const float *v, int64_t hd, int64_t n
     for (int64_t j = 0; j < nk; j++) axpy_f32_scalar(p[j], v + j * hd, hd, o);
 }
 
+static void attn_scores_f16_scalar(const float *q, const uint16_t *k, int64_t hd, int64_t nk, float scale,
+                                   float *s) {
+    for (int64_t j = 0; j < nk; j++) {
+        float acc = 0.0f;
+        for (int64_t d = 0; d < hd; d++) acc += q[d] * pd_fp16_to_fp32(k[j * hd + d]);
+        s[j] = scale * acc;
+    }
+}
+
+static void attn_pv_f16_scalar(const float *p, const uint16_t *v, int64_t hd, int64_t nk, float *o) {
+    for (int64_t j = 0; j < nk; j++)
+        for (int64_t d = 0; d < hd; d++) o[d] += p[j] * pd_fp16_to_fp32(v[j * hd + d]);
+}
+
+static void f32_to_f16_scalar(const float *x, int64_t n, uint16_t *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = pd_fp32_to_fp16(x[i]);
+}
+
+static void f16_to_f32_scalar(const uint16_t *x, int64_t n, float *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = pd_fp16_to_fp32(x[i]);
+}
+
 static void scale_mul_scalar(const float *x, float a, const float *w, int64_t n, float *o) {
     if (w)
         for (int64_t i = 0; i < n; i++) o[i] = x[i] * a * w[i];
@@ -294,4 +316,8 @@ void cpu_kernels_scalar(cpu_kernels *k) {
     k->max_i32 = max_i32_scalar;
     k->attn_scores = attn_scores_scalar;
     k->attn_pv = attn_pv_scalar;
+    k->attn_scores_f16 = attn_scores_f16_scalar;
+    k->attn_pv_f16 = attn_pv_f16_scalar;
+    k->f32_to_f16 = f32_to_f16_scalar;
+    k->f16_to_f32 = f16_to_f32_scalar;
 }

@@ -1,8 +1,12 @@
 // Attention over segmented, grouped KV on the GPU (pd_attn_args in
 // kernels/kernels.h; kernels/cpu/attention.c is the reference).
 //
-// Everything is f32. One kernel, attn_tile_kernel, does the work of both
-// paths; what differs is the list of work items the host builds for it.
+// Queries, scores, softmax, accumulators and output are f32. K/V rows are
+// f32 or f16 per view (an f16 KV cache, or an f16 prefix): f16 rows are
+// widened to f32 as a tile is loaded into shared memory, so they cost half
+// the DRAM bytes and the arithmetic is the f32 path's. One kernel,
+// attn_tile_kernel, does the work of both paths; what differs is the list
+// of work items the host builds for it.
 //
 // Work item (attn_item) x kv head = one block of 8 warps. An item names
 //   - a query set: the tokens from t_begin on, flattened into queries
@@ -60,7 +64,7 @@
 //   directly and there is no merge.
 //
 // Descriptors. The pd_kv_view arrays are host memory; the host packs one
-// attn_seg {k, v, pos, len} per (segment, kv head): the shared views first,
+// attn_seg {k, v, pos, len, f16} per (segment, kv head): the shared views first,
 // index s * n_head_kv + h, then group g's own views at n_shared * n_head_kv
 // + (g * n_segments + s) * n_head_kv + h. An item stores, per segment of its
 // key list, the index for kv head 0 (the block adds its kv head). Segment
@@ -70,10 +74,12 @@
 // part_ml[slot][token][head] = (m, l) and part_o[slot][token][head][hd].
 //
 // Not supported on the GPU: `keep` masks (a host-backend test feature),
-// head_dim above 256 or not a multiple of 4, and K/V/q/out pointers that are
-// not 16-byte aligned (backend memory and row offsets of it always are).
+// head_dim above 256 or not a multiple of 4, and q/out or f32 K/V pointers
+// that are not 16-byte aligned, f16 K/V not 8-byte aligned (backend memory
+// and row offsets of it always are).
 #include "kernels/cuda/cuda_internal.h"
 
+#include <cuda_fp16.h>
 #include <limits.h>
 #include <math.h>
 #include <stdint.h>
@@ -95,10 +101,11 @@
 
 // One (segment, kv head) view, on the device.
 typedef struct attn_seg {
-    const float *k;
-    const float *v;
+    const void *k; // [len][head_dim] f32, or f16 when f16 != 0
+    const void *v;
     const int32_t *pos;
     long long len;
+    int f16;
 } attn_seg;
 
 // One block's work for every kv head (blockIdx.y). See the comment above.
@@ -127,6 +134,17 @@ typedef struct attn_params {
     float scale;
     int causal;
 } attn_params;
+
+// Four consecutive elements (the c-th group of four) of rows of f32 or
+// f16, as float4. f16 groups are 8 bytes: one load, widened exactly.
+static __device__ __forceinline__ float4 attn_load4(const void *base, long long c, int f16) {
+    if (!f16) return reinterpret_cast<const float4 *>(base)[c];
+    const uint2 u = reinterpret_cast<const uint2 *>(base)[c];
+    return make_float4(__half2float(__ushort_as_half((unsigned short)(u.x & 0xffffu))),
+                       __half2float(__ushort_as_half((unsigned short)(u.x >> 16))),
+                       __half2float(__ushort_as_half((unsigned short)(u.y & 0xffffu))),
+                       __half2float(__ushort_as_half((unsigned short)(u.y >> 16))));
+}
 
 static __device__ __forceinline__ int attn_warp_min_int(int v) {
     for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -215,8 +233,9 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2) attn_tile_kernel(const attn_p
                 const int row = idx / hd4, c = idx - row * hd4;
                 float4 kx = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vx = kx;
                 if (row < nk) {
-                    kx = reinterpret_cast<const float4 *>(sg.k + (j0 + row) * hd)[c];
-                    vx = reinterpret_cast<const float4 *>(sg.v + (j0 + row) * hd)[c];
+                    const long long c4 = (j0 + row) * hd4 + c; // float4 / half4 index
+                    kx = attn_load4(sg.k, c4, sg.f16);
+                    vx = attn_load4(sg.v, c4, sg.f16);
                 }
                 reinterpret_cast<float4 *>(ks + row * p.kstride)[c] = kx;
                 reinterpret_cast<float4 *>(vs + row * hd)[c] = vx;
@@ -387,9 +406,13 @@ static int check_view(const pd_attn_args *a, const pd_kv_view *kv, const char *w
     if (kv->len == 0) return PD_OK;
     if (!kv->k || !kv->v || (a->causal && !kv->pos))
         return pd_errorf(err, PD_EINVAL, "attention: %s has NULL k, v or pos", where);
-    if (misaligned16(kv->k) || misaligned16(kv->v))
-        return pd_errorf(err, PD_EUNSUPPORTED, "attention: %s: k and v must be 16-byte aligned device memory",
-                         where);
+    if (!pd_kv_type_ok(kv->type))
+        return pd_errorf(err, PD_EUNSUPPORTED, "attention: %s holds rows of type %d; KV rows must be f32 or f16",
+                         where, (int)kv->type);
+    const uintptr_t align = kv->type == PD_TYPE_F16 ? 8u : 16u;
+    if (((uintptr_t)kv->k | (uintptr_t)kv->v) % align)
+        return pd_errorf(err, PD_EUNSUPPORTED, "attention: %s: k and v must be %u-byte aligned device memory", where,
+                         (unsigned)align);
     return PD_OK;
 }
 
@@ -669,13 +692,14 @@ extern "C" int cuda_attention(pd_backend *be, const pd_attn_args *a, pd_error *e
     for (int s = 0; s < a->n_shared; s++)
         for (int h = 0; h < nkv; h++) {
             const pd_kv_view *kv = &a->shared[(int64_t)s * nkv + h];
-            segs[shared_seg(a, s) + h] = attn_seg{kv->k, kv->v, kv->pos, (long long)kv->len};
+            segs[shared_seg(a, s) + h] = attn_seg{kv->k, kv->v, kv->pos, (long long)kv->len, kv->type == PD_TYPE_F16};
         }
     for (int g = 0; g < pl.n_groups; g++)
         for (int s = 0; s < a->n_segments; s++)
             for (int h = 0; h < nkv; h++) {
                 const pd_kv_view *kv = own_view(a, g, s, h);
-                segs[own_seg(a, g, s) + h] = attn_seg{kv->k, kv->v, kv->pos, (long long)kv->len};
+                segs[own_seg(a, g, s) + h] =
+                    attn_seg{kv->k, kv->v, kv->pos, (long long)kv->len, kv->type == PD_TYPE_F16};
             }
     emit_items(a, &pl, (attn_item *)(host + seg_bytes));
 

@@ -555,6 +555,7 @@ static pd_backend_ops make_cuda_ops(void) {
     o.copy = cuda_copy_op;
     o.copy2d = cuda_copy2d_op;
     o.copy2d_batch = cuda_copy2d_batch_op;
+    o.convert = cuda_convert;
     o.forget_weight = cuda_forget_weight_op;
     o.gather = cuda_gather_op;
     o.sync = cuda_sync_op;

@@ -119,6 +119,8 @@ int cuda_rope(pd_backend *be, float *x, const int32_t *pos, int64_t n, int n_hea
 int cuda_swiglu(pd_backend *be, const float *gate, const float *up, int64_t n, float *out, pd_error *err);
 int cuda_add(pd_backend *be, float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride,
              pd_error *err);
+int cuda_convert(pd_backend *be, void *dst, pd_type dst_type, const void *src, pd_type src_type, int64_t n,
+                 pd_error *err);
 
 // attention.cu
 int cuda_attention(pd_backend *be, const pd_attn_args *a, pd_error *err);

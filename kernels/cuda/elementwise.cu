@@ -1,10 +1,12 @@
-// The light per-element ops: rmsnorm, rope, swiglu, add. Each mirrors the
+// The light per-element ops: rmsnorm, rope, swiglu, add, f32 <-> f16
+// conversion (KV rows). Each mirrors the
 // CPU backend's formula (kernels/cpu/backend_cpu.c and the scalar kernels
 // in simd_scalar.c) operation for operation; the explicit _rn intrinsics
 // keep nvcc from fusing a multiply and an add into one FMA where the CPU
 // rounds twice.
 #include "kernels/cuda/cuda_internal.h"
 
+#include <cuda_fp16.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -163,4 +165,44 @@ int cuda_add(pd_backend *be, float *y, const float *x, int64_t rows, int64_t wid
                          (long long)x_stride, (long long)width);
     add_kernel<<<cuda_grid_blocks(cb, rows * width, 256), 256, 0, cb->stream>>>(y, x, rows, width, x_stride);
     return cuda_check_launch(err, "add");
+}
+
+/* ------------------------------------------------------------------------
+ * convert: f32 <-> f16 (KV rows appended to an f16 cache)
+ * ------------------------------------------------------------------------ */
+
+// Round to nearest even (__float2half_rn), as F16C and pd_fp32_to_fp16 do,
+// so an f16 cache holds the CPU's bits; f16 -> f32 is exact.
+__global__ void f32_to_f16_kernel(const float *__restrict__ x, unsigned short *__restrict__ y, int64_t n) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = __half_as_ushort(__float2half_rn(x[i]));
+}
+
+__global__ void f16_to_f32_kernel(const unsigned short *__restrict__ x, float *__restrict__ y, int64_t n) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = __half2float(__ushort_as_half(x[i]));
+}
+
+int cuda_convert(pd_backend *be, void *dst, pd_type dst_type, const void *src, pd_type src_type, int64_t n,
+                 pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (n < 0) return pd_errorf(err, PD_EINVAL, "convert: negative count %lld", (long long)n);
+    if (!pd_kv_type_ok(dst_type) || !pd_kv_type_ok(src_type))
+        return pd_errorf(err, PD_EUNSUPPORTED, "convert: only f32 and f16 are supported (types %d -> %d)",
+                         (int)src_type, (int)dst_type);
+    if (n == 0) return PD_OK;
+    if (!dst || !src) return pd_errorf(err, PD_EINVAL, "convert: NULL input or output");
+    if (dst_type == src_type)
+        return be->ops->copy(be, dst, src, (size_t)n * (dst_type == PD_TYPE_F16 ? 2u : 4u), err);
+    if (dst_type == PD_TYPE_F16)
+        f32_to_f16_kernel<<<cuda_grid_blocks(cb, n, 256), 256, 0, cb->stream>>>((const float *)src,
+                                                                                (unsigned short *)dst, n);
+    else
+        f16_to_f32_kernel<<<cuda_grid_blocks(cb, n, 256), 256, 0, cb->stream>>>((const unsigned short *)src,
+                                                                                (float *)dst, n);
+    return cuda_check_launch(err, "convert");
 }
