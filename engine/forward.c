@@ -34,6 +34,7 @@ typedef struct fwd_bufs {
     float *k;       /* [R][kv_dim] */
     float *v;       /* [R][kv_dim] */
     float *k_pre;   /* [R][kv_dim], only with a hook */
+    uint16_t *k16, *v16; /* [R][kv_dim], k and v rounded to f16 (f16 KV caches only) */
     int32_t *pos;   /* [R] */
     float *h;       /* [C][max(d, q_dim)] */
     float *attn;    /* [C][q_dim] */
@@ -102,13 +103,15 @@ static int alloc_bufs(pd_model *m, int64_t R, int n_es, bool want_logits, const 
                  kvd = (size_t)hp->n_head_kv * hp->head_dim, ff = (size_t)hp->n_ff, r = (size_t)R;
     const size_t c = (size_t)(R < ROW_CHUNK ? R : ROW_CHUNK), hw = d > qd ? d : qd;
     const size_t lc = (size_t)(R < LOGIT_CHUNK ? R : LOGIT_CHUNK);
+    const size_t kv16 = m->kv_type == PD_TYPE_F16 ? r * kvd * 2 : 0;
     size_t dev_sizes[] = {
-        r * d * 4, r * qd * 4, r * kvd * 4, r * kvd * 4, hook ? r * kvd * 4 : 0, r * 4,
+        r * d * 4, r * qd * 4, r * kvd * 4, r * kvd * 4, hook ? r * kvd * 4 : 0, kv16, kv16, r * 4,
         c * hw * 4, c * qd * 4, c * ff * 4, c * ff * 4, want_logits ? lc * (size_t)hp->n_vocab * 4 : 0,
     };
-    void **dev_slots[] = {(void **)&b->x,    (void **)&b->q,    (void **)&b->k,    (void **)&b->v,
-                          (void **)&b->k_pre, (void **)&b->pos, (void **)&b->h,    (void **)&b->attn,
-                          (void **)&b->gate, (void **)&b->up,   (void **)&b->logits};
+    void **dev_slots[] = {(void **)&b->x,    (void **)&b->q,   (void **)&b->k,    (void **)&b->v,
+                          (void **)&b->k_pre, (void **)&b->k16, (void **)&b->v16, (void **)&b->pos,
+                          (void **)&b->h,    (void **)&b->attn, (void **)&b->gate, (void **)&b->up,
+                          (void **)&b->logits};
     int rc = carve(m, true, dev_sizes, dev_slots, sizeof dev_sizes / sizeof *dev_sizes, err);
     if (rc) return rc;
     size_t host_sizes[] = {
@@ -126,22 +129,35 @@ static kv_stream *seq_stream(pd_seq *s, int layer, int head) {
 }
 
 /* Append every entry's new K/V rows of one layer to its sequence's streams:
- * one batch of 2-D copies ([row][kv head][dim] -> [kv head][row][dim]). */
-static int append_kv(pd_model *m, const fwd_entry *es, int n_es, int layer, const fwd_bufs *b, pd_error *err) {
+ * one batch of 2-D copies ([row][kv head][dim] -> [kv head][row][dim]). An
+ * f16 cache takes the rows rounded once, for the whole batch, first. */
+static int append_kv(pd_model *m, const fwd_entry *es, int n_es, int64_t R, int layer, const fwd_bufs *b,
+                     pd_error *err) {
     const pd_hparams *hp = &m->hp;
     pd_backend *be = m->backend;
     const int hd = hp->head_dim, nkv = hp->n_head_kv;
-    const size_t row = (size_t)hd * sizeof(float), src_pitch = (size_t)nkv * row;
+    const size_t esz = kv_elem_size(m->kv_type), row = (size_t)hd * esz, src_pitch = (size_t)nkv * row;
+    const char *ksrc = (const char *)b->k, *vsrc = (const char *)b->v;
+    if (m->kv_type == PD_TYPE_F16) {
+        const int64_t n = R * nkv * hd;
+        int rc;
+        if ((rc = be->ops->convert(be, b->k16, PD_TYPE_F16, b->k, PD_TYPE_F32, n, err)) ||
+            (rc = be->ops->convert(be, b->v16, PD_TYPE_F16, b->v, PD_TYPE_F32, n, err)))
+            return rc;
+        ksrc = (const char *)b->k16, vsrc = (const char *)b->v16;
+    }
     int64_t n_copies = 0;
     for (int i = 0; i < n_es; i++) {
         const fwd_entry *e = &es[i];
         for (int h = 0; h < nkv; h++) {
             kv_stream *st = seq_stream(e->seq, layer, h);
-            int rc = kv_stream_reserve(st, be, st->len + e->n, hd, err);
+            int rc = kv_stream_reserve(st, be, st->len + e->n, row, err);
             if (rc) return rc;
-            const int64_t first = (e->row0 * nkv + h) * hd;
-            b->copies[n_copies++] = (pd_copy2d){st->k + st->len * hd, b->k + first, row, src_pitch, row, (size_t)e->n};
-            b->copies[n_copies++] = (pd_copy2d){st->v + st->len * hd, b->v + first, row, src_pitch, row, (size_t)e->n};
+            const size_t first = (size_t)((e->row0 * nkv + h) * hd) * esz, end = (size_t)st->len * row;
+            b->copies[n_copies++] =
+                (pd_copy2d){(char *)st->k + end, ksrc + first, row, src_pitch, row, (size_t)e->n};
+            b->copies[n_copies++] =
+                (pd_copy2d){(char *)st->v + end, vsrc + first, row, src_pitch, row, (size_t)e->n};
             if (st->dpos)
                 b->copies[n_copies++] = (pd_copy2d){st->dpos + st->len, b->pos + e->row0, sizeof(int32_t),
                                                     sizeof(int32_t), (size_t)e->n * sizeof(int32_t), 1};
@@ -166,8 +182,7 @@ static int append_kv(pd_model *m, const fwd_entry *es, int n_es, int layer, cons
 static int compact_kv(pd_model *m, const fwd_entry *e, int layer, const uint8_t *keep, fwd_bufs *b, pd_error *err) {
     const pd_hparams *hp = &m->hp;
     pd_backend *be = m->backend;
-    const int hd = hp->head_dim;
-    const size_t row = (size_t)hd * sizeof(float);
+    const size_t row = (size_t)hp->head_dim * kv_elem_size(m->kv_type);
     for (int h = 0; h < hp->n_head_kv; h++) {
         kv_stream *st = seq_stream(e->seq, layer, h);
         const uint8_t *kh = keep + (int64_t)h * e->n;
@@ -176,20 +191,21 @@ static int compact_kv(pd_model *m, const fwd_entry *e, int layer, const uint8_t 
         for (int64_t i = 0; i < e->n; i++)
             if (kh[i]) b->idx[n_kept++] = (int32_t)i;
         if (n_kept == e->n) continue;
+        char *k = (char *)st->k + (size_t)base * row, *v = (char *)st->v + (size_t)base * row;
         if (host_backend(m)) {
             for (int64_t j = 0; j < n_kept; j++) {
-                const int64_t src = base + b->idx[j], dst = base + j;
-                memmove(st->k + dst * hd, st->k + src * hd, row);
-                memmove(st->v + dst * hd, st->v + src * hd, row);
-                if (st->keep) st->keep[dst] = st->keep[src];
+                const size_t src = (size_t)b->idx[j], dst = (size_t)j;
+                memmove(k + dst * row, k + src * row, row);
+                memmove(v + dst * row, v + src * row, row);
+                if (st->keep) st->keep[base + j] = st->keep[base + b->idx[j]];
             }
         } else {
             /* Gather into the activation buffers (free by now), then back. */
             int rc;
-            if ((rc = be->ops->gather(be, b->q, st->k + base * hd, b->idx, n_kept, row, err)) ||
-                (rc = be->ops->copy(be, st->k + base * hd, b->q, (size_t)n_kept * row, err)) ||
-                (rc = be->ops->gather(be, b->q, st->v + base * hd, b->idx, n_kept, row, err)) ||
-                (rc = be->ops->copy(be, st->v + base * hd, b->q, (size_t)n_kept * row, err)))
+            if ((rc = be->ops->gather(be, b->q, k, b->idx, n_kept, row, err)) ||
+                (rc = be->ops->copy(be, k, b->q, (size_t)n_kept * row, err)) ||
+                (rc = be->ops->gather(be, b->q, v, b->idx, n_kept, row, err)) ||
+                (rc = be->ops->copy(be, v, b->q, (size_t)n_kept * row, err)))
                 return rc;
         }
         for (int64_t j = 0; j < n_kept; j++) st->pos[base + j] = st->pos[base + b->idx[j]];
@@ -202,11 +218,12 @@ static int compact_kv(pd_model *m, const fwd_entry *e, int layer, const uint8_t 
     return PD_OK;
 }
 
-/* Views of one stream array as the backend reads it. */
-static void stream_views(const kv_stream *streams, int nkv, int layer, pd_kv_view *out) {
+/* Views of one stream array (rows of `type`) as the backend reads it. */
+static void stream_views(const kv_stream *streams, pd_type type, int nkv, int layer, pd_kv_view *out) {
     for (int h = 0; h < nkv; h++) {
         const kv_stream *st = &streams[(int64_t)layer * nkv + h];
-        out[h] = (pd_kv_view){.k = st->k, .v = st->v, .pos = kv_stream_dpos(st), .keep = st->keep, .len = st->len};
+        out[h] = (pd_kv_view){
+            .k = st->k, .v = st->v, .pos = kv_stream_dpos(st), .keep = st->keep, .len = st->len, .type = type};
     }
 }
 
@@ -228,10 +245,10 @@ static int attend(pd_model *m, const fwd_entry *es, int i0, int i1, int64_t r0, 
         rc = pd_errorf(err, PD_ENOMEM, "out of memory for attention views");
         goto done;
     }
-    if (prefix) stream_views(es[i0].seq->prefix_streams, nkv, layer, shared);
+    if (prefix) stream_views(es[i0].seq->prefix_streams, prefix->type, nkv, layer, shared);
     for (int g = 0; g < n_groups; g++) {
         const fwd_entry *e = &es[i0 + g];
-        stream_views(e->seq->streams, nkv, layer, own + (int64_t)g * nkv);
+        stream_views(e->seq->streams, m->kv_type, nkv, layer, own + (int64_t)g * nkv);
         /* A chunk of one long entry is one group; entries of one token each
          * are one group each. */
         int64_t a = e->row0 > r0 ? e->row0 : r0;
@@ -335,7 +352,7 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
     if (b->k_pre && (rc = ops->copy(be, b->k_pre, b->k, sizeof(float) * (size_t)(R * kvd), err))) return rc;
     if ((rc = ops->rope(be, b->q, b->pos, R, hp->n_head, hp->head_dim, &hp->rope, err)) ||
         (rc = ops->rope(be, b->k, b->pos, R, hp->n_head_kv, hp->head_dim, &hp->rope, err)) ||
-        (rc = append_kv(m, es, n_es, layer, b, err)))
+        (rc = append_kv(m, es, n_es, R, layer, b, err)))
         return rc;
 
     /* Attention and output projection: a long entry chunk by chunk, a run

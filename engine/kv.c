@@ -9,14 +9,14 @@
 static bool on_device(const pd_backend *be) { return be && !be->ops->host_memory; }
 
 /* Device streams grow by allocate, copy, release: backend memory has no realloc. */
-static int reserve_device(kv_stream *s, pd_backend *be, int64_t new_cap, int head_dim, pd_error *err) {
-    const size_t row = (size_t)head_dim * sizeof(float), rows = (size_t)new_cap;
+static int reserve_device(kv_stream *s, pd_backend *be, int64_t new_cap, size_t row, pd_error *err) {
+    const size_t rows = (size_t)new_cap;
     const pd_backend_ops *ops = be->ops;
     int32_t *pos = realloc(s->pos, rows * sizeof *pos);
     if (!pos) return pd_errorf(err, PD_ENOMEM, "out of memory growing the KV cache to %" PRId64 " rows", new_cap);
     s->pos = pos;
-    float *k = ops->alloc(be, rows * row, err);
-    float *v = k ? ops->alloc(be, rows * row, err) : NULL;
+    void *k = ops->alloc(be, rows * row, err);
+    void *v = k ? ops->alloc(be, rows * row, err) : NULL;
     int32_t *dpos = v ? ops->alloc(be, rows * sizeof *dpos, err) : NULL;
     int rc = dpos ? PD_OK : PD_ENOMEM;
     if (!rc && s->len > 0 && !(rc = ops->copy(be, k, s->k, (size_t)s->len * row, err)) &&
@@ -38,21 +38,21 @@ static int reserve_device(kv_stream *s, pd_backend *be, int64_t new_cap, int hea
     return PD_OK;
 }
 
-int kv_stream_reserve(kv_stream *s, pd_backend *be, int64_t cap, int head_dim, pd_error *err) {
+int kv_stream_reserve(kv_stream *s, pd_backend *be, int64_t cap, size_t row_bytes, pd_error *err) {
     if (cap <= s->cap) return PD_OK;
     int64_t new_cap = s->cap ? s->cap : 64;
     while (new_cap < cap) new_cap *= 2;
     if (on_device(be)) {
         if (s->keep) return pd_errorf(err, PD_EUNSUPPORTED, "attention masks are a host-backend feature");
-        return reserve_device(s, be, new_cap, head_dim, err);
+        return reserve_device(s, be, new_cap, row_bytes, err);
     }
-    size_t rows = (size_t)new_cap, hd = (size_t)head_dim;
+    size_t rows = (size_t)new_cap;
     /* Each array is grown in turn; one that failed leaves the others larger
      * but valid, and cap unchanged, so the stream stays consistent. */
-    float *k = realloc(s->k, rows * hd * sizeof *k);
+    void *k = realloc(s->k, rows * row_bytes);
     if (!k) goto oom;
     s->k = k;
-    float *v = realloc(s->v, rows * hd * sizeof *v);
+    void *v = realloc(s->v, rows * row_bytes);
     if (!v) goto oom;
     s->v = v;
     int32_t *pos = realloc(s->pos, rows * sizeof *pos);
@@ -98,15 +98,19 @@ static void streams_free(kv_stream *s, int64_t n, pd_backend *be) {
 
 /* ---- prefixes --------------------------------------------------------- */
 
-int pd_kv_prefix_create(const pd_hparams *hp, int32_t n_orig, pd_kv_prefix **out, pd_error *err) {
+int pd_kv_prefix_create(const pd_hparams *hp, int32_t n_orig, pd_type type, pd_kv_prefix **out, pd_error *err) {
     *out = NULL;
     if (n_orig < 0) return pd_errorf(err, PD_EINVAL, "prefix length %d is negative", n_orig);
+    if (!pd_kv_type_ok(type))
+        return pd_errorf(err, PD_EINVAL, "a KV prefix holds f16 or f32 rows, not %s",
+                         pd_type_get(type) ? pd_type_get(type)->name : "an unknown type");
     pd_kv_prefix *p = calloc(1, sizeof *p);
     if (!p) return pd_errorf(err, PD_ENOMEM, "out of memory for a KV prefix");
     p->n_layer = hp->n_layer;
     p->n_head_kv = hp->n_head_kv;
     p->head_dim = hp->head_dim;
     p->n_orig = n_orig;
+    p->type = type;
     int rc = streams_alloc(p->n_layer, p->n_head_kv, &p->streams, err);
     if (!rc && pthread_mutex_init(&p->dev_lock, NULL) != 0) {
         free(p->streams);
@@ -144,28 +148,60 @@ int pd_kv_prefix_set(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos
     if (rc) return rc;
     kv_stream *s = &p->streams[(int64_t)layer * p->n_head_kv + kv_head];
     if (s->borrowed) memset(s, 0, sizeof *s);
-    if ((rc = kv_stream_reserve(s, NULL, len, p->head_dim, err))) return rc;
-    size_t row = (size_t)p->head_dim * sizeof(float);
+    const size_t vals = (size_t)len * (size_t)p->head_dim;
+    if ((rc = kv_stream_reserve(s, NULL, len, (size_t)p->head_dim * kv_elem_size(p->type), err))) return rc;
     if (len) {
-        memcpy(s->k, k, (size_t)len * row);
-        memcpy(s->v, v, (size_t)len * row);
+        if (p->type == PD_TYPE_F16) {
+            pd_fp32_to_fp16_row(k, s->k, vals);
+            pd_fp32_to_fp16_row(v, s->v, vals);
+        } else {
+            memcpy(s->k, k, vals * sizeof(float));
+            memcpy(s->v, v, vals * sizeof(float));
+        }
         memcpy(s->pos, pos, (size_t)len * sizeof *pos);
     }
     s->len = len;
     return PD_OK;
 }
 
-int pd_kv_prefix_set_borrowed(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos, const float *k,
-                              const float *v, int64_t len, pd_error *err) {
+int pd_kv_prefix_set_borrowed(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos, const void *k,
+                              const void *v, int64_t len, pd_error *err) {
     int rc = check_prefix_stream(p, layer, kv_head, pos, len, err);
     if (rc) return rc;
-    if (((uintptr_t)pos | (uintptr_t)k | (uintptr_t)v) % _Alignof(float))
-        return pd_errorf(err, PD_EINVAL, "prefix stream (layer %d, kv head %d): rows are not 4-byte aligned", layer,
-                         kv_head);
+    const size_t esz = kv_elem_size(p->type);
+    if ((uintptr_t)pos % _Alignof(int32_t) || ((uintptr_t)k | (uintptr_t)v) % esz)
+        return pd_errorf(err, PD_EINVAL,
+                         "prefix stream (layer %d, kv head %d): positions must be 4-byte and %s rows %zu-byte aligned",
+                         layer, kv_head, pd_type_get(p->type)->name, esz);
     kv_stream *s = &p->streams[(int64_t)layer * p->n_head_kv + kv_head];
     kv_stream_free(s, NULL);
     /* The engine only reads prefix streams, so dropping const is safe. */
-    *s = (kv_stream){.k = (float *)k, .v = (float *)v, .pos = (int32_t *)pos, .len = len, .cap = len, .borrowed = true};
+    *s = (kv_stream){.k = (void *)k, .v = (void *)v, .pos = (int32_t *)pos, .len = len, .cap = len, .borrowed = true};
+    return PD_OK;
+}
+
+int pd_kv_prefix_clone(const pd_kv_prefix *p, pd_kv_prefix **out, pd_error *err) {
+    const pd_hparams hp = {.n_layer = p->n_layer, .n_head_kv = p->n_head_kv, .head_dim = p->head_dim};
+    pd_kv_prefix *c;
+    int rc = pd_kv_prefix_create(&hp, p->n_orig, p->type, &c, err);
+    if (rc) return rc;
+    const size_t row = (size_t)p->head_dim * kv_elem_size(p->type);
+    for (int64_t i = 0; i < (int64_t)p->n_layer * p->n_head_kv && !rc; i++) {
+        const kv_stream *s = &p->streams[i];
+        kv_stream *d = &c->streams[i];
+        if ((rc = kv_stream_reserve(d, NULL, s->len, row, err))) break;
+        if (s->len) {
+            memcpy(d->k, s->k, (size_t)s->len * row);
+            memcpy(d->v, s->v, (size_t)s->len * row);
+            memcpy(d->pos, s->pos, (size_t)s->len * sizeof *d->pos);
+        }
+        d->len = s->len;
+    }
+    if (rc) {
+        pd_kv_prefix_free(c);
+        return rc;
+    }
+    *out = c;
     return PD_OK;
 }
 
@@ -183,7 +219,7 @@ void pd_kv_prefix_free(pd_kv_prefix *p) {
  * from the store's map go straight from the page cache to the device). */
 static int upload_prefix(pd_kv_prefix *p, pd_backend *be, pd_error *err) {
     const int64_t n = (int64_t)p->n_layer * p->n_head_kv;
-    const size_t row = (size_t)p->head_dim * sizeof(float);
+    const size_t row = (size_t)p->head_dim * kv_elem_size(p->type);
     size_t bytes = 0;
     for (int64_t i = 0; i < n; i++) bytes += (size_t)p->streams[i].len * (2 * row + sizeof(int32_t)) + 3 * 256;
     kv_stream *ds = calloc((size_t)n, sizeof *ds);
@@ -199,8 +235,8 @@ static int upload_prefix(pd_kv_prefix *p, pd_backend *be, pd_error *err) {
         const kv_stream *hs = &p->streams[i];
         const size_t len = (size_t)hs->len;
         kv_stream *d = &ds[i];
-        d->k = (float *)at, at += (len * row + 255) & ~(size_t)255;
-        d->v = (float *)at, at += (len * row + 255) & ~(size_t)255;
+        d->k = at, at += (len * row + 255) & ~(size_t)255;
+        d->v = at, at += (len * row + 255) & ~(size_t)255;
         d->dpos = (int32_t *)at, at += (len * sizeof(int32_t) + 255) & ~(size_t)255;
         d->pos = hs->pos;
         d->len = d->cap = hs->len;
@@ -244,14 +280,16 @@ static int kv_prefix_streams_for(const pd_kv_prefix *cp, pd_backend *be, const k
 
 int32_t pd_kv_prefix_n_orig(const pd_kv_prefix *p) { return p->n_orig; }
 
+pd_type pd_kv_prefix_type(const pd_kv_prefix *p) { return p->type; }
+
 void pd_kv_prefix_shape(const pd_kv_prefix *p, int32_t *n_layer, int32_t *n_head_kv, int32_t *head_dim) {
     *n_layer = p->n_layer;
     *n_head_kv = p->n_head_kv;
     *head_dim = p->head_dim;
 }
 
-int64_t pd_kv_prefix_stream(const pd_kv_prefix *p, int layer, int kv_head, const int32_t **pos, const float **k,
-                            const float **v) {
+int64_t pd_kv_prefix_stream(const pd_kv_prefix *p, int layer, int kv_head, const int32_t **pos, const void **k,
+                            const void **v) {
     const kv_stream *s = &p->streams[(int64_t)layer * p->n_head_kv + kv_head];
     if (pos) *pos = s->pos;
     if (k) *k = s->k;
@@ -259,10 +297,30 @@ int64_t pd_kv_prefix_stream(const pd_kv_prefix *p, int layer, int kv_head, const
     return s->len;
 }
 
+int64_t pd_kv_prefix_stream_f32(const pd_kv_prefix *p, int layer, int kv_head, float *k, float *v) {
+    const kv_stream *s = &p->streams[(int64_t)layer * p->n_head_kv + kv_head];
+    const size_t vals = (size_t)s->len * (size_t)p->head_dim;
+    float *dst[2] = {k, v};
+    const void *src[2] = {s->k, s->v};
+    for (int i = 0; i < 2; i++) {
+        if (!dst[i] || !vals) continue;
+        if (p->type == PD_TYPE_F16)
+            pd_fp16_to_fp32_row(src[i], dst[i], vals);
+        else
+            memcpy(dst[i], src[i], vals * sizeof(float));
+    }
+    return s->len;
+}
+
 int64_t pd_kv_prefix_kept_rows(const pd_kv_prefix *p) {
     int64_t n = 0;
     for (int64_t i = 0; i < (int64_t)p->n_layer * p->n_head_kv; i++) n += p->streams[i].len;
     return n;
+}
+
+uint64_t pd_kv_prefix_bytes(const pd_kv_prefix *p) {
+    const uint64_t row = 2 * (uint64_t)p->head_dim * kv_elem_size(p->type) + sizeof(int32_t);
+    return (uint64_t)pd_kv_prefix_kept_rows(p) * row;
 }
 
 /* ---- sequences -------------------------------------------------------- */
@@ -313,26 +371,30 @@ int64_t pd_seq_stream_len(const pd_seq *s, int layer, int kv_head) {
     return s->streams[(int64_t)layer * s->model->hp.n_head_kv + kv_head].len;
 }
 
+uint64_t pd_seq_kv_bytes(const pd_seq *s) {
+    const pd_hparams *hp = &s->model->hp;
+    const uint64_t row = 2 * (uint64_t)hp->head_dim * kv_elem_size(s->model->kv_type) + sizeof(int32_t);
+    uint64_t rows = 0;
+    for (int64_t i = 0; i < (int64_t)hp->n_layer * hp->n_head_kv; i++) rows += (uint64_t)s->streams[i].len;
+    return rows * row;
+}
+
 int pd_seq_to_prefix(const pd_seq *s, pd_kv_prefix **out, pd_error *err) {
     *out = NULL;
     if (s->prefix) return pd_errorf(err, PD_EINVAL, "a sequence that continues a prefix cannot be snapshotted as one");
     const pd_hparams *hp = &s->model->hp;
     pd_kv_prefix *p;
-    int rc = pd_kv_prefix_create(hp, s->next_pos, &p, err);
+    int rc = pd_kv_prefix_create(hp, s->next_pos, s->model->kv_type, &p, err);
     if (rc) return rc;
     pd_backend *be = s->model->backend;
-    const size_t row = (size_t)hp->head_dim * sizeof(float);
+    const size_t row = (size_t)hp->head_dim * kv_elem_size(p->type);
     for (int l = 0; l < hp->n_layer && !rc; l++)
         for (int h = 0; h < hp->n_head_kv && !rc; h++) {
             const kv_stream *st = &s->streams[(int64_t)l * hp->n_head_kv + h];
-            if (!on_device(be)) {
-                rc = pd_kv_prefix_set(p, l, h, st->pos, st->k, st->v, st->len, err);
-                continue;
-            }
-            /* Download straight into the prefix's own rows: the positions
-             * came from the engine, so the checks of _set are not needed. */
+            /* Copy the rows as they are (same type): the positions came
+             * from the engine, so the checks of _set are not needed. */
             kv_stream *d = &p->streams[(int64_t)l * hp->n_head_kv + h];
-            if ((rc = kv_stream_reserve(d, NULL, st->len, hp->head_dim, err))) break;
+            if ((rc = kv_stream_reserve(d, NULL, st->len, row, err))) break;
             if (st->len && ((rc = be->ops->download(be, d->k, st->k, (size_t)st->len * row, err)) ||
                             (rc = be->ops->download(be, d->v, st->v, (size_t)st->len * row, err))))
                 break;

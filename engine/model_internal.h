@@ -37,14 +37,16 @@ struct pd_model {
     size_t norms_len;
     float *dev_norms; /* the same in backend memory (== norms on a host backend) */
     float *rope_freqs;
+    pd_type kv_type; /* PD_TYPE_F16 or PD_TYPE_F32: its sequences' K/V rows */
     fwd_scratch scratch;
 };
 
 /* One (layer, kv_head) stream of cached rows. A sequence's streams live in
  * its model's backend memory (k, v, dpos); positions are also kept on the
- * host (pos), where the engine reads them. */
+ * host (pos), where the engine reads them. The element type of k and v is
+ * the owner's (the model's kv_type, or the prefix's type). */
 typedef struct kv_stream {
-    float *k, *v;    /* [cap][head_dim] */
+    void *k, *v;     /* [cap][head_dim] elements */
     int32_t *pos;    /* [cap], host */
     int32_t *dpos;   /* [cap] in backend memory; NULL on a host backend (pos serves) */
     uint8_t *keep;   /* NULL, or [cap] attention mask (host backends only) */
@@ -58,6 +60,7 @@ static inline const int32_t *kv_stream_dpos(const kv_stream *s) { return s->dpos
 struct pd_kv_prefix {
     int32_t n_layer, n_head_kv, head_dim;
     int32_t n_orig;
+    pd_type type;       /* of every stream's rows: PD_TYPE_F16 or PD_TYPE_F32 */
     kv_stream *streams; /* [n_layer][n_head_kv], host memory */
     /* A copy on a device backend, made when the prefix is first attached to
      * a sequence of a model on that backend, and shared by every sequence
@@ -77,9 +80,12 @@ struct pd_seq {
     kv_stream *streams; /* [n_layer][n_head_kv] */
 };
 
+/* Bytes of one element of a KV type. */
+static inline size_t kv_elem_size(pd_type t) { return t == PD_TYPE_F16 ? 2 : 4; }
+
 /* kv.c. `be` is the backend whose memory holds k, v and dpos; NULL or a
- * host backend means plain heap memory. */
-int kv_stream_reserve(kv_stream *s, pd_backend *be, int64_t cap, int head_dim, pd_error *err);
+ * host backend means plain heap memory. row_bytes: head_dim elements. */
+int kv_stream_reserve(kv_stream *s, pd_backend *be, int64_t cap, size_t row_bytes, pd_error *err);
 void kv_stream_free(kv_stream *s, pd_backend *be);
 
 #endif
