@@ -6,8 +6,10 @@
  * ids and kept counts) and, per (layer, kv head), one stream value holding
  * the kept positions, K rows and V rows, checksummed in fixed-size pages of
  * `page_tokens` rows. A stream is one LMDB value so its rows are contiguous
- * in the memory map: f32 streams are attended to in place (zero-copy); f16
- * and bf16 streams are converted on read. The byte layout is in
+ * in the memory map: streams whose dtype is the store's kv_type (f16 by
+ * default, as the engine's KV cache) are attended to in place (zero-copy);
+ * others (f32 records under an f16 cache, bf16 ones) are converted on read.
+ * The byte layout is in
  * docs/store.md and is stable across builds (little-endian, versioned).
  *
  * Thread safety: one pd_store may be used from any number of threads
@@ -95,6 +97,10 @@ typedef struct pd_store_opts {
     int32_t page_tokens;       /* rows per checksummed page (default 64) */
     unsigned max_readers;      /* concurrent read handles (default 126) */
     bool read_only;
+    /* The element type readers attend with (the model's pd_model_kv_type):
+     * PD_TYPE_F16 (default) or PD_TYPE_F32. pd_store_get hands out prefixes
+     * of this type, borrowing rows stored in it and converting the rest. */
+    pd_type kv_type;
 } pd_store_opts;
 
 void pd_store_opts_default(pd_store_opts *o);
@@ -116,8 +122,9 @@ void pd_store_close(pd_store *s);
 int pd_store_put(pd_store *s, pd_prefix_info *info, const pd_token *tokens, int64_t n, const pd_kv_prefix *kv,
                  bool *existed, pd_error *err);
 
-/* A verified, readable prefix. Its kv borrows f32 rows from the map (kept
- * valid by the handle's read transaction) or owns converted rows. */
+/* A verified, readable prefix. Its kv (of the store's kv_type) borrows rows
+ * of that dtype from the map (kept valid by the handle's read transaction)
+ * or owns converted rows. */
 typedef struct pd_prefix_ref pd_prefix_ref;
 
 /* Every checksum (header and every page) is verified before returning.
@@ -128,6 +135,10 @@ int pd_store_get(pd_store *s, const pd_prefix_id *id, pd_prefix_ref **out, pd_er
 const pd_prefix_info *pd_prefix_ref_info(const pd_prefix_ref *r);
 const pd_token *pd_prefix_ref_tokens(const pd_prefix_ref *r);
 const pd_kv_prefix *pd_prefix_ref_kv(const pd_prefix_ref *r);
+/* Whether its kv borrows rows from the map (the handle then holds a read
+ * transaction, i.e. one of max_readers slots and a snapshot, until it is
+ * released). */
+bool pd_prefix_ref_borrows(const pd_prefix_ref *r);
 void pd_prefix_ref_release(pd_prefix_ref *r);
 
 /* Header only (checksum verified). */
@@ -171,32 +182,44 @@ int pd_store_lookup(pd_store *s, const uint8_t fingerprint[PD_SHA256_LEN], const
                     const pd_token *tokens, int64_t n, pd_prefix_id *out, int32_t *matched, pd_error *err);
 
 /* ------------------------------------------------------------------------
- * The hot tier: an in-memory, byte-bounded LRU of f32 copies of stored
- * prefixes, reference-counted so an entry in use is never freed.
+ * The hot tier: a byte-bounded LRU of loaded (verified) stored prefixes,
+ * reference-counted so an entry in use is never freed. An entry keeps the
+ * store handle: rows stored in the store's kv_type stay borrowed from the
+ * map (no copy), other dtypes are converted once at load.
  * ------------------------------------------------------------------------ */
 
 typedef struct pd_hot pd_hot;
 typedef struct pd_hot_entry pd_hot_entry;
 
-/* max_bytes: the bound on the entries' f32 bytes (K, V, positions, tokens). */
+/* max_bytes: the bound on the entries' bytes (K and V rows in the store's
+ * kv_type, positions, tokens), whether borrowed from the map or owned. */
 int pd_hot_create(pd_store *s, uint64_t max_bytes, pd_hot **out, pd_error *err);
 /* Every entry must have been released. */
 void pd_hot_free(pd_hot *h);
 /* A hit returns the cached entry; a miss loads it with pd_store_get (errors
- * pass through: PD_ENOTFOUND, PD_EFORMAT), copies it to f32 and inserts
- * it, evicting least recently used entries nobody holds. An entry larger
- * than max_bytes is returned uncached (freed on release). */
+ * pass through: PD_ENOTFOUND, PD_EFORMAT) and inserts it, evicting least
+ * recently used entries nobody holds. An entry larger than max_bytes is
+ * returned uncached (freed on release). Read snapshots are bounded: at most
+ * half of the store's max_readers entries borrow rows (beyond that a
+ * borrowed load is copied), and a borrowing entry older than
+ * PD_HOT_SNAPSHOT_MAX_S is reloaded on its next acquire (holders keep the
+ * old one), so writers can reuse the pages freed since. */
+#define PD_HOT_SNAPSHOT_MAX_S 60
 int pd_hot_acquire(pd_hot *h, const pd_prefix_id *id, pd_hot_entry **out, pd_error *err);
 const pd_kv_prefix *pd_hot_entry_kv(const pd_hot_entry *e);
 const pd_prefix_info *pd_hot_entry_info(const pd_hot_entry *e);
 const pd_token *pd_hot_entry_tokens(const pd_hot_entry *e);
 void pd_hot_release(pd_hot *h, pd_hot_entry *e);
+/* Seconds a borrowing entry is served before its next acquire reloads it
+ * (default PD_HOT_SNAPSHOT_MAX_S; tests shorten it). */
+void pd_hot_set_max_age(pd_hot *h, double seconds);
 /* Drop an id (after a delete): freed now, or when its last holder releases. */
 void pd_hot_invalidate(pd_hot *h, const pd_prefix_id *id);
 
 typedef struct pd_hot_stats {
     uint64_t bytes, max_bytes;
     int64_t entries, in_use, hits, misses, evictions;
+    int64_t borrowing; /* cached entries whose rows are borrowed from the map (each holds a read snapshot) */
 } pd_hot_stats;
 
 void pd_hot_stats_get(pd_hot *h, pd_hot_stats *out);

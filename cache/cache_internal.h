@@ -136,6 +136,11 @@ struct pd_store {
     int64_t evicted;
 };
 
+/* Replace a handle's kv, when it borrows rows from the map, by an owned
+ * copy and give its read transaction back (the hot tier, when reader slots
+ * run short). */
+int cache_ref_own(pd_prefix_ref *r, pd_error *err);
+
 /* The last-use stamp (microseconds) of a record; 0 when unknown. */
 uint64_t cache_meta_stamp(pd_store *s, MDB_txn *txn, const pd_prefix_id *id);
 

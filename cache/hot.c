@@ -1,5 +1,4 @@
-/* The hot tier: an in-memory, byte-bounded LRU of f32 copies of stored
- * prefixes.
+/* The hot tier: a byte-bounded LRU of loaded stored prefixes.
  *
  * Entries live in a hash map keyed by prefix id (the id is a SHA-256, so its
  * first bytes are already a good hash). An entry nobody holds (refcount 0)
@@ -9,9 +8,15 @@
  * bound is restored as soon as they are released.
  *
  * A miss loads the record with pd_store_get outside the lock (the store's
- * checksum verification and f16/bf16 conversion are the slow part), copies
- * it into an owned f32 pd_kv_prefix and releases the store handle at once,
- * so no LMDB read transaction stays open for the life of a hot entry. Two
+ * checksum verification, and conversion of rows stored in another dtype
+ * than the store's kv_type, are the slow part) and keeps the store handle:
+ * rows in the kv_type stay borrowed from the map, zero-copy. Such an entry
+ * holds an LMDB read transaction, which takes one of max_readers slots and
+ * pins a snapshot (pages freed after it cannot be reused by writers), so
+ * both are bounded: at most half of max_readers cached entries borrow (a
+ * load beyond that is copied and its handle released), and a borrowing
+ * entry older than max_age is dropped from the map on its next acquire and
+ * loaded afresh (its holders keep the old one until they release it). Two
  * threads missing the same id both load; the first to insert wins and the
  * other frees its copy and takes the winner's.
  *
@@ -23,12 +28,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cache/cache.h"
+#include "cache/cache_internal.h"
 
 struct pd_hot_entry {
     pd_prefix_info info;
-    pd_token *tokens;
-    pd_kv_prefix *kv;
+    pd_prefix_ref *ref;             /* the store handle: tokens and kv */
+    bool borrows;                   /* ref holds a read transaction */
+    double loaded_at;               /* pd_now_seconds() at load */
     uint64_t bytes;
     int64_t refs;
     bool cached;                    /* in the map (and counted in the stats) */
@@ -45,6 +51,9 @@ struct pd_hot {
     pd_hot_entry *lru_tail;         /* next to evict */
     uint64_t bytes, max_bytes;
     int64_t entries, in_use, hits, misses, evictions;
+    int64_t borrowing;              /* cached entries that borrow (hold a read transaction) */
+    int64_t max_borrowing;          /* half the store's reader slots */
+    double max_age;                 /* seconds a borrowing entry is served before it is reloaded */
     /* Bumped by every invalidate: a load that started before an invalidate
      * may hold the deleted record's data, so it is not inserted. */
     uint64_t generation;
@@ -54,8 +63,7 @@ struct pd_hot {
 
 static void entry_free(pd_hot_entry *e) {
     if (!e) return;
-    pd_kv_prefix_free(e->kv);
-    free(e->tokens);
+    pd_prefix_ref_release(e->ref);
     free(e);
 }
 
@@ -122,6 +130,15 @@ static void lru_push_front(pd_hot *h, pd_hot_entry *e) {
     h->lru_head = e;
 }
 
+/* Take a cached entry out of the map and the stats (not off the LRU list). */
+static void uncache_locked(pd_hot *h, pd_hot_entry *e) {
+    map_unlink(h, e);
+    e->cached = false;
+    h->bytes -= e->bytes;
+    h->entries--;
+    if (e->borrows) h->borrowing--;
+}
+
 /* Evict unheld entries, least recently used first, until `incoming` more
  * bytes fit under the bound or nothing evictable is left. Victims are
  * chained on *victims to be freed after the lock is dropped. */
@@ -129,10 +146,7 @@ static void evict_locked(pd_hot *h, uint64_t incoming, pd_hot_entry **victims) {
     while (h->lru_tail && (h->bytes > h->max_bytes || incoming > h->max_bytes - h->bytes)) {
         pd_hot_entry *e = h->lru_tail;
         lru_remove(h, e);
-        map_unlink(h, e);
-        e->cached = false;
-        h->bytes -= e->bytes;
-        h->entries--;
+        uncache_locked(h, e);
         h->evictions++;
         e->hnext = *victims;
         *victims = e;
@@ -166,6 +180,8 @@ int pd_hot_create(pd_store *s, uint64_t max_bytes, pd_hot **out, pd_error *err) 
     h->n_buckets = HOT_MIN_BUCKETS;
     h->store = s;
     h->max_bytes = max_bytes;
+    h->max_borrowing = s->opts.max_readers / 2;
+    h->max_age = PD_HOT_SNAPSHOT_MAX_S;
     *out = h;
     return PD_OK;
 }
@@ -180,57 +196,35 @@ void pd_hot_free(pd_hot *h) {
     free(h);
 }
 
-/* Bytes an entry accounts for: f32 K and V rows, positions, token ids. */
-static int entry_bytes(const pd_prefix_info *info, int64_t kept_rows, uint64_t *out, pd_error *err) {
-    uint64_t row, rows_bytes, tok_bytes;
-    if (info->head_dim < 0 || kept_rows < 0 || info->n_tokens < 0 ||
-        !pd_mul_ok((uint64_t)info->head_dim, 2 * sizeof(float), &row) || !pd_add_ok(row, sizeof(int32_t), &row) ||
-        !pd_mul_ok(row, (uint64_t)kept_rows, &rows_bytes) ||
-        !pd_mul_ok((uint64_t)info->n_tokens, sizeof(pd_token), &tok_bytes) ||
-        !pd_add_ok(rows_bytes, tok_bytes, out))
-        return pd_errorf(err, PD_ERANGE, "hot tier: size of a prefix with %" PRId64 " rows of %d floats overflows",
-                         kept_rows, info->head_dim);
-    return PD_OK;
+/* Bytes an entry accounts for: K and V rows in its type, positions, token
+ * ids (rows are bounded by the map, so the sum cannot overflow). */
+static uint64_t entry_bytes(const pd_hot_entry *e) {
+    return pd_kv_prefix_bytes(pd_hot_entry_kv(e)) + (uint64_t)e->info.n_tokens * sizeof(pd_token);
 }
 
-/* Copy a verified store record into an owned f32 entry. */
-static int entry_from_ref(const pd_prefix_ref *r, pd_hot_entry **out, pd_error *err) {
+/* An entry for a verified store handle (taken over: released with the
+ * entry). With `copy`, a kv borrowed from the map is copied and the handle's
+ * read transaction given back. */
+static int entry_from_ref(pd_prefix_ref *r, bool copy, pd_hot_entry **out, pd_error *err) {
     *out = NULL;
-    const pd_prefix_info *info = pd_prefix_ref_info(r);
-    const pd_kv_prefix *src = pd_prefix_ref_kv(r);
     pd_hot_entry *e = calloc(1, sizeof *e);
-    if (!e) return pd_errorf(err, PD_ENOMEM, "out of memory for a hot-tier entry");
-    e->info = *info;
-    if (info->n_tokens > 0) {
-        e->tokens = malloc((size_t)info->n_tokens * sizeof *e->tokens);
-        if (!e->tokens) {
+    if (!e) {
+        pd_prefix_ref_release(r);
+        return pd_errorf(err, PD_ENOMEM, "out of memory for a hot-tier entry");
+    }
+    e->info = *pd_prefix_ref_info(r);
+    e->ref = r;
+    e->borrows = pd_prefix_ref_borrows(r);
+    e->loaded_at = pd_now_seconds();
+    if (copy && e->borrows) {
+        int rc = cache_ref_own(r, err);
+        if (rc) {
             entry_free(e);
-            return pd_errorf(err, PD_ENOMEM, "out of memory for %d prefix token ids", info->n_tokens);
+            return pd_error_prefix(err, "hot tier: copying a stored prefix");
         }
-        memcpy(e->tokens, pd_prefix_ref_tokens(r), (size_t)info->n_tokens * sizeof *e->tokens);
+        e->borrows = false;
     }
-    /* pd_kv_prefix_create reads only the shape from the hparams. */
-    pd_hparams hp;
-    memset(&hp, 0, sizeof hp);
-    hp.n_layer = info->n_layer;
-    hp.n_head_kv = info->n_head_kv;
-    hp.head_dim = info->head_dim;
-    int rc = pd_kv_prefix_create(&hp, pd_kv_prefix_n_orig(src), &e->kv, err);
-    int64_t rows = 0;
-    for (int l = 0; l < info->n_layer && rc == PD_OK; l++)
-        for (int k = 0; k < info->n_head_kv && rc == PD_OK; k++) {
-            const int32_t *pos;
-            const float *kr, *vr;
-            int64_t len = pd_kv_prefix_stream(src, l, k, &pos, &kr, &vr);
-            rc = pd_kv_prefix_set(e->kv, l, k, pos, kr, vr, len, err);
-            rows += len;
-        }
-    if (rc == PD_OK) rc = entry_bytes(info, rows, &e->bytes, err);
-    if (rc != PD_OK) {
-        entry_free(e);
-        pd_error_prefix(err, "hot tier: copying a stored prefix");
-        return rc;
-    }
+    e->bytes = entry_bytes(e);
     *out = e;
     return PD_OK;
 }
@@ -246,7 +240,18 @@ static void take_locked(pd_hot *h, pd_hot_entry *e) {
 int pd_hot_acquire(pd_hot *h, const pd_prefix_id *id, pd_hot_entry **out, pd_error *err) {
     *out = NULL;
     pthread_mutex_lock(&h->mu);
-    pd_hot_entry *e = map_find(h, id);
+    pd_hot_entry *e = map_find(h, id), *stale = NULL;
+    if (e && e->borrows && pd_now_seconds() - e->loaded_at > h->max_age) {
+        /* Its snapshot is old: drop it from the map and load afresh. */
+        uncache_locked(h, e);
+        if (e->refs == 0) {
+            lru_remove(h, e);
+            stale = e;
+        } else {
+            h->in_use--; /* its holders keep it; the last release frees it */
+        }
+        e = NULL;
+    }
     if (e) {
         take_locked(h, e);
         h->hits++;
@@ -256,15 +261,15 @@ int pd_hot_acquire(pd_hot *h, const pd_prefix_id *id, pd_hot_entry **out, pd_err
     }
     h->misses++;
     uint64_t gen = h->generation;
+    const bool copy = h->borrowing >= h->max_borrowing;
     pthread_mutex_unlock(&h->mu);
+    entry_free(stale);
 
     pd_prefix_ref *r = NULL;
     int rc = pd_store_get(h->store, id, &r, err);
     if (rc != PD_OK) return rc;
     pd_hot_entry *ne = NULL;
-    rc = entry_from_ref(r, &ne, err);
-    pd_prefix_ref_release(r); /* no read transaction outlives the copy */
-    if (rc != PD_OK) return rc;
+    if ((rc = entry_from_ref(r, copy, &ne, err)) != PD_OK) return rc;
 
     pd_hot_entry *victims = NULL;
     pthread_mutex_lock(&h->mu);
@@ -293,6 +298,7 @@ int pd_hot_acquire(pd_hot *h, const pd_prefix_id *id, pd_hot_entry **out, pd_err
     h->entries++;
     h->in_use++;
     h->bytes += ne->bytes;
+    if (ne->borrows) h->borrowing++;
     map_maybe_grow(h);
     pthread_mutex_unlock(&h->mu);
     free_chain(victims);
@@ -300,9 +306,15 @@ int pd_hot_acquire(pd_hot *h, const pd_prefix_id *id, pd_hot_entry **out, pd_err
     return PD_OK;
 }
 
-const pd_kv_prefix *pd_hot_entry_kv(const pd_hot_entry *e) { return e->kv; }
+const pd_kv_prefix *pd_hot_entry_kv(const pd_hot_entry *e) { return pd_prefix_ref_kv(e->ref); }
 const pd_prefix_info *pd_hot_entry_info(const pd_hot_entry *e) { return &e->info; }
-const pd_token *pd_hot_entry_tokens(const pd_hot_entry *e) { return e->tokens; }
+const pd_token *pd_hot_entry_tokens(const pd_hot_entry *e) { return pd_prefix_ref_tokens(e->ref); }
+
+void pd_hot_set_max_age(pd_hot *h, double seconds) {
+    pthread_mutex_lock(&h->mu);
+    h->max_age = seconds;
+    pthread_mutex_unlock(&h->mu);
+}
 
 void pd_hot_release(pd_hot *h, pd_hot_entry *e) {
     if (!e) return;
@@ -329,10 +341,7 @@ void pd_hot_invalidate(pd_hot *h, const pd_prefix_id *id) {
     h->generation++;
     pd_hot_entry *e = map_find(h, id);
     if (e) {
-        map_unlink(h, e);
-        e->cached = false;
-        h->bytes -= e->bytes;
-        h->entries--;
+        uncache_locked(h, e);
         if (e->refs == 0) {
             lru_remove(h, e);
             victim = e;
@@ -353,5 +362,6 @@ void pd_hot_stats_get(pd_hot *h, pd_hot_stats *out) {
     out->hits = h->hits;
     out->misses = h->misses;
     out->evictions = h->evictions;
+    out->borrowing = h->borrowing;
     pthread_mutex_unlock(&h->mu);
 }

@@ -308,22 +308,41 @@ static uint64_t page_checksum(const uint8_t *pos, const uint8_t *k, const uint8_
     return XXH3_64bits_withSeed(v + r0 * row_bytes, (r1 - r0) * row_bytes, h);
 }
 
-static void convert_rows(uint8_t *dst, const float *src, uint64_t n, pd_kv_dtype dtype) {
-    if (dtype == PD_KV_F32) {
-        memcpy(dst, src, n * sizeof(float));
+/* n values of a prefix's rows (src_type f32 or f16) as dtype into dst (only
+ * 2-byte aligned: written through memcpy), through a small f32 buffer. */
+static void convert_rows(uint8_t *dst, const void *src, pd_type src_type, uint64_t n, pd_kv_dtype dtype) {
+    const size_t src_size = src_type == PD_TYPE_F16 ? 2 : 4, dst_size = cache_dtype_size(dtype);
+    if ((src_type == PD_TYPE_F16 && dtype == PD_KV_F16) || (src_type == PD_TYPE_F32 && dtype == PD_KV_F32)) {
+        memcpy(dst, src, n * src_size);
         return;
     }
-    for (uint64_t i = 0; i < n; i++) {
-        uint16_t h = dtype == PD_KV_F16 ? pd_fp32_to_fp16(src[i]) : pd_fp32_to_bf16(src[i]);
-        memcpy(dst + 2 * i, &h, 2);
+    enum { CHUNK = 256 };
+    float f[CHUNK];
+    uint16_t h[CHUNK];
+    for (uint64_t i0 = 0; i0 < n; i0 += CHUNK) {
+        const size_t c = n - i0 < CHUNK ? (size_t)(n - i0) : CHUNK;
+        if (src_type == PD_TYPE_F16)
+            pd_fp16_to_fp32_row((const uint16_t *)src + i0, f, c);
+        else
+            memcpy(f, (const float *)src + i0, c * sizeof *f);
+        if (dtype == PD_KV_F32) {
+            memcpy(dst + i0 * dst_size, f, c * sizeof *f);
+            continue;
+        }
+        if (dtype == PD_KV_F16)
+            pd_fp32_to_fp16_row(f, h, c);
+        else
+            for (size_t i = 0; i < c; i++) h[i] = pd_fp32_to_bf16(f[i]);
+        memcpy(dst + i0 * dst_size, h, c * sizeof *h);
     }
 }
 
 void cache_stream_write(uint8_t *dst, size_t size, const pd_kv_prefix *kv, int32_t layer, int32_t head,
                         int32_t head_dim, pd_kv_dtype dtype, int32_t page_tokens) {
     const int32_t *pos;
-    const float *k, *v;
+    const void *k, *v;
     uint64_t len = (uint64_t)pd_kv_prefix_stream(kv, layer, head, &pos, &k, &v);
+    const pd_type src_type = pd_kv_prefix_type(kv);
     stream_layout L;
     stream_layout_of(len, (uint64_t)head_dim, dtype, (uint64_t)page_tokens, &L);
     memset(dst, 0, L.off_pos); /* header and padding; rows are written in full below */
@@ -345,8 +364,8 @@ void cache_stream_write(uint8_t *dst, size_t size, const pd_kv_prefix *kv, int32
     memset(dk + len * L.row_bytes, 0, L.off_v - L.off_k - len * L.row_bytes);
     if (len) {
         memcpy(dpos, pos, 4 * len);
-        convert_rows(dk, k, len * (uint64_t)head_dim, dtype);
-        convert_rows(dv, v, len * (uint64_t)head_dim, dtype);
+        convert_rows(dk, k, src_type, len * (uint64_t)head_dim, dtype);
+        convert_rows(dv, v, src_type, len * (uint64_t)head_dim, dtype);
     }
     for (uint64_t p = 0; p < L.n_pages; p++) {
         uint64_t r0 = p * (uint64_t)page_tokens, r1 = r0 + (uint64_t)page_tokens;

@@ -28,6 +28,7 @@ void pd_store_opts_default(pd_store_opts *o) {
     o->map_size = DEFAULT_MAP_SIZE;
     o->page_tokens = 64;
     o->max_readers = 126;
+    o->kv_type = PD_TYPE_F16;
 }
 
 /* ---- errors -------------------------------------------------------------- */
@@ -389,6 +390,8 @@ int pd_store_open(const pd_store_opts *o, pd_store **out, pd_error *err) {
     if (o->page_tokens < 1 || o->page_tokens > MAX_PAGE_TOKENS)
         return pd_errorf(err, PD_EINVAL, "page_tokens %d is outside [1, %d] (cache.page_tokens)", o->page_tokens,
                          MAX_PAGE_TOKENS);
+    if (!pd_kv_type_ok(o->kv_type))
+        return pd_errorf(err, PD_EINVAL, "the store's kv_type must be f16 or f32 (the model's KV type, model.kv_type)");
     pd_store *s = calloc(1, sizeof *s);
     if (!s) return pd_errorf(err, PD_ENOMEM, "out of memory for the prefix store");
     s->opts = *o;
@@ -817,6 +820,19 @@ struct pd_prefix_ref {
 const pd_prefix_info *pd_prefix_ref_info(const pd_prefix_ref *r) { return &r->info; }
 const pd_token *pd_prefix_ref_tokens(const pd_prefix_ref *r) { return r->tokens; }
 const pd_kv_prefix *pd_prefix_ref_kv(const pd_prefix_ref *r) { return r->kv; }
+bool pd_prefix_ref_borrows(const pd_prefix_ref *r) { return r->txn != NULL; }
+
+int cache_ref_own(pd_prefix_ref *r, pd_error *err) {
+    if (!r->txn) return PD_OK;
+    pd_kv_prefix *copy;
+    int rc = pd_kv_prefix_clone(r->kv, &copy, err);
+    if (rc) return rc;
+    pd_kv_prefix_free(r->kv); /* before the txn: it points into the map */
+    r->kv = copy;
+    mdb_txn_abort(r->txn);
+    r->txn = NULL;
+    return PD_OK;
+}
 
 void pd_prefix_ref_release(pd_prefix_ref *r) {
     if (!r) return;
@@ -859,20 +875,25 @@ static int conv_reserve(conv_buf *b, size_t rows, size_t head_dim, pd_error *err
     return PD_OK;
 }
 
+/* Stored values are 2-byte aligned, so 16-bit rows can be read in place. */
 static void rows_to_f32(float *dst, const uint8_t *src, size_t n, pd_kv_dtype dtype) {
     if (dtype == PD_KV_F32) {
         memcpy(dst, src, n * sizeof *dst);
-        return;
-    }
-    for (size_t i = 0; i < n; i++) {
-        uint16_t h;
-        memcpy(&h, src + 2 * i, 2);
-        dst[i] = dtype == PD_KV_F16 ? pd_fp16_to_fp32(h) : pd_bf16_to_fp32(h);
+    } else if (dtype == PD_KV_F16) {
+        pd_fp16_to_fp32_row((const uint16_t *)(const void *)src, dst, n);
+    } else {
+        for (size_t i = 0; i < n; i++) dst[i] = pd_bf16_to_fp32(((const uint16_t *)(const void *)src)[i]);
     }
 }
 
-/* Verify every stream of a record; with kv, also fill it (borrowing f32
- * rows that are aligned, converting the rest). *borrowed: any borrowed. */
+/* The stored dtype whose rows a prefix of kv type t can borrow. */
+static bool borrowable(pd_kv_dtype stored, pd_type t) {
+    return (stored == PD_KV_F32 && t == PD_TYPE_F32) || (stored == PD_KV_F16 && t == PD_TYPE_F16);
+}
+
+/* Verify every stream of a record; with kv, also fill it (borrowing rows
+ * stored in kv's type when aligned, converting the rest). *borrowed: any
+ * borrowed. */
 static int load_streams(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, const cache_header *h, pd_kv_prefix *kv,
                         bool *borrowed, uint64_t *bytes, pd_error *err) {
     conv_buf cb = {0};
@@ -899,14 +920,14 @@ static int load_streams(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, const
             if (!kv) continue;
             const size_t len = (size_t)st.len, vals = len * (size_t)h->head_dim;
             const uintptr_t addr_bits = (uintptr_t)st.pos | (uintptr_t)st.k | (uintptr_t)st.v;
-            if (h->dtype == PD_KV_F32 && addr_bits % _Alignof(float) == 0) {
-                rc = pd_kv_prefix_set_borrowed(kv, l, hd, (const int32_t *)(const void *)st.pos,
-                                               (const float *)(const void *)st.k, (const float *)(const void *)st.v,
-                                               st.len, err);
+            if (borrowable(h->dtype, pd_kv_prefix_type(kv)) && addr_bits % _Alignof(int32_t) == 0) {
+                rc = pd_kv_prefix_set_borrowed(kv, l, hd, (const int32_t *)(const void *)st.pos, st.k, st.v, st.len,
+                                               err);
                 if (!rc && borrowed) *borrowed = true;
             } else {
                 /* Small values sit in LMDB leaf pages with 2-byte alignment,
-                 * and f16/bf16 rows need converting anyway. */
+                 * and other dtypes need converting anyway (an f16 value
+                 * through f32 and back is exact). */
                 if ((rc = conv_reserve(&cb, len ? len : 1, (size_t)h->head_dim, err))) break;
                 if (len) memcpy(cb.pos, st.pos, len * sizeof *cb.pos);
                 rows_to_f32(cb.k, st.k, vals, h->dtype);
@@ -947,7 +968,7 @@ int pd_store_get(pd_store *s, const pd_prefix_id *id, pd_prefix_ref **out, pd_er
     }
     memcpy(r->tokens, h.tokens, (size_t)h.n_tokens * sizeof *r->tokens);
     pd_hparams hp = {.n_layer = h.n_layer, .n_head_kv = h.n_head_kv, .head_dim = h.head_dim};
-    if ((rc = pd_kv_prefix_create(&hp, h.n_tokens, &r->kv, err))) goto fail;
+    if ((rc = pd_kv_prefix_create(&hp, h.n_tokens, s->opts.kv_type, &r->kv, err))) goto fail;
     bool borrowed;
     if ((rc = load_streams(s, r->txn, id, &h, r->kv, &borrowed, NULL, err))) {
         if (rc == PD_EFORMAT) corrupt_error(id, err);
