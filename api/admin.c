@@ -285,7 +285,7 @@ static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len
     if (!root) return BAD(e, NULL, "the body is not valid JSON: %s (line %d, column %d)", je.text, je.line, je.column);
     int rc = PD_OK;
     reg r = {0};
-    pd_job_spec spec = {.dtype = PD_KV_F32};
+    pd_job_spec spec = {.dtype = PD_KV_F16}; /* half the bytes; read zero-copy by an f16 KV cache */
     json_t *text = NULL, *msgs = NULL, *segs = NULL, *v = NULL;
     bool wait = false;
     if (!json_is_object(root)) {

@@ -201,6 +201,7 @@ typedef struct pd_jobs_opts {
     int n_threads;               /* the worker's compute threads (default 1) */
     pd_device device;            /* where the worker computes (default cpu); on a GPU it keeps its
                                     own copy of the weights and scores on the device */
+    bool kv_f32;                 /* the worker's KV cache in f32 (model.kv_type); default f16 */
     pd_store *store;             /* where prefixes go (not owned) */
     pd_hot *hot;                 /* optional: invalidated on delete (not owned) */
     int max_jobs;                /* jobs remembered, queued or finished (default 256) */
@@ -231,7 +232,7 @@ typedef struct pd_job_spec {
     double quality;              /* > 1: choose the retention by calibration (tau) */
     const char *ns;              /* namespace ("" or NULL = none) */
     bool pin;
-    pd_kv_dtype dtype;
+    pd_kv_dtype dtype;           /* how the rows are stored (the admin API defaults to f16) */
 } pd_job_spec;
 
 typedef enum pd_job_state {

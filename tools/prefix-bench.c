@@ -74,6 +74,7 @@ static void usage(FILE *f) {
           "  --preset    generate a model: tiny, stories260k, smollm2-135m, llama-3.2-1b, qwen2.5-0.5b\n"
           "  --type      weight type of the generated model (default q8_0)\n"
           "  --device    cpu (default), cuda, cuda:N or auto\n"
+          "  --kv-type   KV cache element type: f16 (default) or f32\n"
           "  --threads   comma-separated CPU thread counts to measure (default 1,2)\n"
           "  --prompt    prompt tokens for prefill (default 256)\n"
           "  --gen       decode steps (default 64)\n"
@@ -468,12 +469,12 @@ int main(int argc, char **argv) {
         {"reps", required_argument, 0, 'r'},    {"json", no_argument, 0, 'j'},
         {"device", required_argument, 0, 'd'},  {"prefix", required_argument, 0, 'x'},
         {"decode-ctx", required_argument, 0, 'D'}, {"bandwidth", no_argument, 0, 'B'},
-        {"bw-mib", required_argument, 0, 'M'},  {"help", no_argument, 0, 'h'},
-        {0, 0, 0, 0}};
+        {"bw-mib", required_argument, 0, 'M'},  {"kv-type", required_argument, 0, 'K'},
+        {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     const char *model = NULL, *preset = NULL, *type_name = "q8_0", *threads = "1,2";
     const char *device_text = "cpu", *prefix_text = NULL;
     long n_vocab = 0, seed = 1, n_prompt = 256, n_gen = 64, reps = 3, decode_ctx = -1, bw_mib = 0;
-    bool json = false, bandwidth_on = false;
+    bool json = false, bandwidth_on = false, kv_f32 = false;
     int c;
     while ((c = getopt_long(argc, argv, "m:h", opts, NULL)) != -1) {
         switch (c) {
@@ -492,6 +493,13 @@ int main(int argc, char **argv) {
         case 'D': decode_ctx = strtol(optarg, NULL, 10); break;
         case 'B': bandwidth_on = true; break;
         case 'M': bw_mib = strtol(optarg, NULL, 10); break;
+        case 'K':
+            if (strcmp(optarg, "f16") != 0 && strcmp(optarg, "f32") != 0) {
+                fprintf(stderr, "prefix-bench: --kv-type '%s': use f16 (the default) or f32\n", optarg);
+                return 2;
+            }
+            kv_f32 = strcmp(optarg, "f32") == 0;
+            break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -579,7 +587,7 @@ int main(int argc, char **argv) {
     for (int ti = 0; ti < n_rows; ti++) {
         const long nt = thread_counts[ti];
         pd_model *m = NULL;
-        pd_model_params mp = {.n_threads = (int)nt, .backend = dev_be};
+        pd_model_params mp = {.n_threads = (int)nt, .backend = dev_be, .kv_f32 = kv_f32};
         if (pd_model_load(model, &mp, &m, &err)) {
             fprintf(stderr, "prefix-bench: %s\n", err.msg);
             return 1;

@@ -47,9 +47,10 @@ static void usage(FILE *f) {
           "      [--ids]                   print token ids instead of text\n"
           "      [--threads N]             CPU threads (default: all)\n"
           "      [--device D]              cpu (default), cuda, cuda:N or auto\n"
+          "      [--kv-type f16|f32]       KV cache element type (default f16: half the memory)\n"
           "  nll --model FILE --context TEXT --text TEXT\n"
           "                                mean negative log-likelihood of TEXT after CONTEXT\n"
-          "      [--threads N] [--device D]  as for generate\n"
+          "      [--threads N] [--device D] [--kv-type T]  as for generate\n"
           "  compress --model FILE --policy SPEC --text FILE\n"
           "                                compress the text's KV cache with a policy and report it\n"
           "      [--retention R]           fraction of tokens kept, in (0, 1] (overrides the spec's)\n"
@@ -59,8 +60,9 @@ static void usage(FILE *f) {
           "      [--eval FILE]             mean NLL of this continuation, full vs compressed prefix\n"
           "      [--threads N]             CPU threads (default: all)\n"
           "      [--device D]              cpu (default), cuda, cuda:N or auto\n"
+          "      [--kv-type f16|f32]       KV cache element type (default f16)\n"
           "      [--store DIR]             also write the compressed prefix into the store at DIR\n"
-          "      [--namespace NS] [--dtype f32|f16|bf16] [--pin]   how it is stored (default f32)\n"
+          "      [--namespace NS] [--dtype f32|f16|bf16] [--pin]   how it is stored (default f16)\n"
           "  compress --list | policies    list the policies with their keys and defaults\n"
           "  store --dir DIR ACTION        inspect and maintain a prefix store (--help for actions)\n"
           "  prefix ACTION                 register and manage prefixes through a running prefixd's\n"
@@ -255,11 +257,21 @@ static int parse_device_opt(const char *cmd, const char *arg, pd_device *out) {
     return 0;
 }
 
-/* Create the backend `dev` names, then load the model onto it. The model
- * borrows the backend: free the model first, then the backend. On failure
- * nothing is left to free. */
-static int load_model_on(const char *path, const pd_device *dev, int threads, pd_backend **be, pd_model **m,
-                         pd_error *err) {
+/* --kv-type f16|f32 for the commands that load a model. */
+static int parse_kv_type_opt(const char *cmd, const char *arg, bool *kv_f32) {
+    if (strcmp(arg, "f16") != 0 && strcmp(arg, "f32") != 0) {
+        fprintf(stderr, "prefixctl %s: --kv-type '%s': use f16 (the default) or f32\n", cmd, arg);
+        return 2;
+    }
+    *kv_f32 = strcmp(arg, "f32") == 0;
+    return 0;
+}
+
+/* Create the backend `dev` names, then load the model onto it with KV rows
+ * in f16, or f32 with kv_f32. The model borrows the backend: free the model
+ * first, then the backend. On failure nothing is left to free. */
+static int load_model_on(const char *path, const pd_device *dev, int threads, bool kv_f32, pd_backend **be,
+                         pd_model **m, pd_error *err) {
     *be = NULL;
     *m = NULL;
     int rc = pd_backend_create(dev, threads, be, err);
@@ -269,7 +281,7 @@ static int load_model_on(const char *path, const pd_device *dev, int threads, pd
         pd_error_prefix(err, "--device %s", name);
         return rc;
     }
-    pd_model_params mp = {.n_threads = threads, .backend = *be};
+    pd_model_params mp = {.n_threads = threads, .backend = *be, .kv_f32 = kv_f32};
     rc = pd_model_load(path, &mp, m, err);
     if (rc) {
         pd_backend_free(*be);
@@ -294,9 +306,11 @@ static int cmd_generate(int argc, char **argv) {
         {"min-p", required_argument, 0, 'M'}, {"seed", required_argument, 0, 's'},
         {"stop", required_argument, 0, 'S'},  {"ids", no_argument, 0, 'i'},
         {"threads", required_argument, 0, 'T'}, {"device", required_argument, 0, 'd'},
-        {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+        {"kv-type", required_argument, 0, 'K'}, {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
     const char *model = NULL, *prompt = NULL;
     pd_device device = {.kind = PD_DEVICE_CPU};
+    bool kv_f32 = false;
     const char *stops[MAX_STOPS];
     size_t n_stops = 0;
     long n_predict = 64, threads = 0, v;
@@ -326,6 +340,7 @@ static int cmd_generate(int argc, char **argv) {
         case 'i': ids_out = true; break;
         case 'T': if ((rc = parse_long("--threads", optarg, 0, 1024, &threads))) return rc; break;
         case 'd': if ((rc = parse_device_opt("generate", optarg, &device))) return rc; break;
+        case 'K': if ((rc = parse_kv_type_opt("generate", optarg, &kv_f32))) return rc; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -337,7 +352,7 @@ static int cmd_generate(int argc, char **argv) {
     pd_error err = {0};
     pd_model *m = NULL;
     pd_backend *be = NULL;
-    if (load_model_on(model, &device, (int)threads, &be, &m, &err)) return fail(&err);
+    if (load_model_on(model, &device, (int)threads, kv_f32, &be, &m, &err)) return fail(&err);
     const pd_tokenizer *tok = pd_model_tokenizer(m);
     const int32_t V = pd_model_hparams(m)->n_vocab;
     pd_token *ids = NULL;
@@ -398,10 +413,11 @@ static int cmd_nll(int argc, char **argv) {
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"context", required_argument, 0, 'c'},
         {"text", required_argument, 0, 't'},  {"threads", required_argument, 0, 'T'},
-        {"device", required_argument, 0, 'd'}, {"help", no_argument, 0, 'h'},
-        {0, 0, 0, 0}};
+        {"device", required_argument, 0, 'd'}, {"kv-type", required_argument, 0, 'K'},
+        {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
     const char *model = NULL, *context = NULL, *text = NULL;
     pd_device device = {.kind = PD_DEVICE_CPU};
+    bool kv_f32 = false;
     long threads = 0;
     int c, rc;
     while ((c = getopt_long(argc, argv, "m:h", opts, NULL)) != -1) {
@@ -411,6 +427,7 @@ static int cmd_nll(int argc, char **argv) {
         case 't': text = optarg; break;
         case 'T': if ((rc = parse_long("--threads", optarg, 0, 1024, &threads))) return rc; break;
         case 'd': if ((rc = parse_device_opt("nll", optarg, &device))) return rc; break;
+        case 'K': if ((rc = parse_kv_type_opt("nll", optarg, &kv_f32))) return rc; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -422,7 +439,7 @@ static int cmd_nll(int argc, char **argv) {
     pd_error err = {0};
     pd_model *m = NULL;
     pd_backend *be = NULL;
-    if (load_model_on(model, &device, (int)threads, &be, &m, &err)) return fail(&err);
+    if (load_model_on(model, &device, (int)threads, kv_f32, &be, &m, &err)) return fail(&err);
     pd_token *ctx_ids = NULL, *text_ids = NULL;
     size_t n_ctx = 0, n_text = 0;
     double nll = 0;
@@ -525,12 +542,13 @@ static int cmd_compress(int argc, char **argv) {
         {"threads", required_argument, 0, 'T'}, {"list", no_argument, 0, 'l'},
         {"store", required_argument, 0, 'S'},   {"namespace", required_argument, 0, 'N'},
         {"dtype", required_argument, 0, 'D'},   {"pin", no_argument, 0, 'P'},
-        {"device", required_argument, 0, 'd'},  {"help", no_argument, 0, 'h'},
-        {0, 0, 0, 0}};
+        {"device", required_argument, 0, 'd'},  {"kv-type", required_argument, 0, 'K'},
+        {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     pd_device device = {.kind = PD_DEVICE_CPU};
+    bool kv_f32 = false;
     const char *model = NULL, *policy = NULL, *text_path = NULL, *spans_path = NULL, *eval_path = NULL;
     const char *store_dir = NULL, *ns = "";
-    pd_kv_dtype dtype = PD_KV_F32;
+    pd_kv_dtype dtype = PD_KV_F16;
     bool pin = false;
     double retention = 0, tau = 0;
     bool have_retention = false, have_quality = false, have_holdout = false, list = false;
@@ -560,6 +578,7 @@ static int cmd_compress(int argc, char **argv) {
             break;
         case 'P': pin = true; break;
         case 'd': if ((rc = parse_device_opt("compress", optarg, &device))) return rc; break;
+        case 'K': if ((rc = parse_kv_type_opt("compress", optarg, &kv_f32))) return rc; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -617,7 +636,7 @@ static int cmd_compress(int argc, char **argv) {
     const double t0 = pd_now_seconds();
     pd_model *m = NULL;
     pd_backend *be = NULL;
-    if (load_model_on(model, &device, (int)threads, &be, &m, &err)) return fail(&err);
+    if (load_model_on(model, &device, (int)threads, kv_f32, &be, &m, &err)) return fail(&err);
     const pd_hparams *hp = pd_model_hparams(m);
     pd_token *ids = NULL, *eval_ids = NULL;
     size_t n = 0, n_eval = 0;
