@@ -61,7 +61,7 @@ static uint64_t make_record(uint64_t *rng, record *r) {
     hp.n_layer = r->n_layer;
     hp.n_head_kv = r->n_head_kv;
     hp.head_dim = r->head_dim;
-    if (!r->tokens || !k || !v || !pos || pd_kv_prefix_create(&hp, r->n, &r->kv, &err) != PD_OK) {
+    if (!r->tokens || !k || !v || !pos || pd_kv_prefix_create(&hp, r->n, PD_TYPE_F32, &r->kv, &err) != PD_OK) {
         fprintf(stderr, "store_writer: out of memory: %s\n", err.msg);
         exit(1);
     }

@@ -134,6 +134,7 @@ Test(admin, text_registration_is_used_listed_shown_and_deleted) {
     cr_assert_float_eq(frac, (double)kept / (double)full, 1e-9);
     cr_assert(frac >= 0.4 && frac <= 0.6, "retention 0.5 kept %.3f", frac);
     cr_assert(strstr(json_string_value(json_object_get(p, "policy")), "retention=0.5"));
+    cr_assert_str_eq(json_string_value(json_object_get(p, "dtype")), "f16", "prefixes are stored as f16 by default");
     char id[80];
     snprintf(id, sizeof id, "%s", json_string_value(json_object_get(p, "id")));
     cr_assert_eq(strlen(id), 64);
@@ -306,12 +307,14 @@ Test(admin, separate_listener_serves_only_admin_routes) {
     free(out);
 }
 
+/* An f32 record is served by the default f16 KV cache (converted at load),
+ * and, after a restart with model.kv_type = f32, read in place. */
 Test(admin, a_restart_keeps_the_prefix) {
     start_daemon("--set admin.token=" TOKEN);
-    json_t *job = register_story(",\"pin\":true,\"dtype\":\"f16\"");
+    json_t *job = register_story(",\"pin\":true,\"dtype\":\"f32\"");
     json_t *p = json_object_get(job, "prefix");
     cr_assert(json_is_true(json_object_get(p, "pinned")));
-    cr_assert_str_eq(json_string_value(json_object_get(p, "dtype")), "f16");
+    cr_assert_str_eq(json_string_value(json_object_get(p, "dtype")), "f32");
     json_decref(job);
     json_int_t n = story_tokens();
     cr_assert_eq(story_cached(), n);
@@ -320,8 +323,8 @@ Test(admin, a_restart_keeps_the_prefix) {
     cr_assert_eq(waitpid(daemon_pid, &st, 0), daemon_pid);
     daemon_pid = 0;
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d", st);
-    start_daemon("--set admin.token=" TOKEN);
-    cr_assert_eq(story_cached(), n, "the prefix survived the restart");
+    start_daemon("--set admin.token=" TOKEN " --set model.kv_type=f32");
+    cr_assert_eq(story_cached(), n, "the prefix survived the restart (served by an f32 KV cache)");
 }
 
 Test(admin, segments_with_a_kept_span) {

@@ -110,7 +110,9 @@ static bool parse_line(world *w, const char *line) {
     return false;
 }
 
-/* The same hash as store_writer's, over what the store returns. */
+/* The same hash as store_writer's, over what the store returns widened to
+ * f32 (the writer's values, multiples of 1/64 below 2, are exact in every
+ * dtype). */
 static uint64_t hash_ref(const pd_prefix_ref *r) {
     const pd_prefix_info *info = pd_prefix_ref_info(r);
     const pd_kv_prefix *kv = pd_prefix_ref_kv(r);
@@ -123,13 +125,18 @@ static uint64_t hash_ref(const pd_prefix_ref *r) {
     for (int l = 0; l < info->n_layer; l++)
         for (int h = 0; h < info->n_head_kv; h++) {
             const int32_t *pos;
-            const float *k, *v;
-            int64_t len = pd_kv_prefix_stream(kv, l, h, &pos, &k, &v);
+            int64_t len = pd_kv_prefix_stream(kv, l, h, &pos, NULL, NULL);
+            float *k = malloc(sizeof(float) * (size_t)(len * info->head_dim + 1));
+            float *v = malloc(sizeof(float) * (size_t)(len * info->head_dim + 1));
+            cr_assert(k && v);
+            pd_kv_prefix_stream_f32(kv, l, h, k, v);
             int32_t len32 = (int32_t)len;
             XXH3_64bits_update(st, &len32, sizeof len32);
             XXH3_64bits_update(st, pos, (size_t)len * sizeof *pos);
             XXH3_64bits_update(st, k, (size_t)len * (size_t)info->head_dim * sizeof *k);
             XXH3_64bits_update(st, v, (size_t)len * (size_t)info->head_dim * sizeof *v);
+            free(k);
+            free(v);
         }
     uint64_t hash = XXH3_64bits_digest(st);
     XXH3_freeState(st);

@@ -56,11 +56,11 @@ static void gen_make(gen *g, uint64_t seed, int32_t n_layer, int32_t n_head_kv, 
     hp.n_head_kv = n_head_kv;
     hp.head_dim = head_dim;
     pd_error err = {0};
-    cr_assert_eq(pd_kv_prefix_create(&hp, n, &g->kv, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_kv_prefix_create(&hp, n, PD_TYPE_F32, &g->kv, &err), PD_OK, "%s", err.msg);
     for (int32_t i = 0; i < kept; i++) pos[i] = (int32_t)((int64_t)i * n / kept);
     for (int l = 0; l < n_layer; l++)
         for (int h = 0; h < n_head_kv; h++) {
-            for (int64_t j = 0; j < (int64_t)kept * head_dim; j++) {
+            for (int64_t j = 0; j < (int64_t)kept * head_dim; j++) { /* multiples of 2^-9 below 2: exact in f16 */
                 k[j] = (float)((int64_t)(pd_splitmix64(&rng) % 2001) - 1000) / 512.0f;
                 v[j] = (float)((int64_t)(pd_splitmix64(&rng) % 2001) - 1000) / 512.0f;
             }
@@ -103,7 +103,26 @@ static void put(pd_store *s, const gen *g, pd_kv_dtype dtype, pd_prefix_id *id) 
     *id = info.id;
 }
 
-/* A hot entry equals the prefix as written (f32) bit for bit. */
+/* Stream (l, h) of two prefixes holds the same positions and values
+ * (compared widened to f32: the generated values are exact in f16). */
+static bool same_stream(const pd_kv_prefix *a, const pd_kv_prefix *b, int l, int h, int32_t head_dim) {
+    const int32_t *p1, *p2;
+    const int64_t n1 = pd_kv_prefix_stream(a, l, h, &p1, NULL, NULL), n2 = pd_kv_prefix_stream(b, l, h, &p2, NULL, NULL);
+    if (n1 != n2 || (n1 && memcmp(p1, p2, (size_t)n1 * sizeof *p1) != 0)) return false;
+    const size_t vals = (size_t)n1 * (size_t)head_dim;
+    float *k1 = malloc(sizeof(float) * (vals + 1)), *k2 = malloc(sizeof(float) * (vals + 1));
+    float *v1 = malloc(sizeof(float) * (vals + 1)), *v2 = malloc(sizeof(float) * (vals + 1));
+    bool same = k1 && k2 && v1 && v2;
+    if (same) {
+        pd_kv_prefix_stream_f32(a, l, h, k1, v1);
+        pd_kv_prefix_stream_f32(b, l, h, k2, v2);
+        same = memcmp(k1, k2, vals * sizeof(float)) == 0 && memcmp(v1, v2, vals * sizeof(float)) == 0;
+    }
+    free(k1), free(k2), free(v1), free(v2);
+    return same;
+}
+
+/* A hot entry holds the prefix as written, in the tier's KV type (f16). */
 static void expect_same(const pd_hot_entry *e, const gen *g) {
     const pd_prefix_info *info = pd_hot_entry_info(e);
     cr_assert_eq(info->n_layer, g->n_layer);
@@ -113,18 +132,10 @@ static void expect_same(const pd_hot_entry *e, const gen *g) {
     cr_assert_eq(memcmp(pd_hot_entry_tokens(e), g->tokens, (size_t)g->n * sizeof(pd_token)), 0);
     const pd_kv_prefix *kv = pd_hot_entry_kv(e);
     cr_assert_eq(pd_kv_prefix_n_orig(kv), g->n);
+    cr_assert_eq(pd_kv_prefix_type(kv), PD_TYPE_F16);
     for (int l = 0; l < g->n_layer; l++)
-        for (int h = 0; h < g->n_head_kv; h++) {
-            const int32_t *p1, *p2;
-            const float *k1, *k2, *v1, *v2;
-            int64_t n1 = pd_kv_prefix_stream(kv, l, h, &p1, &k1, &v1);
-            int64_t n2 = pd_kv_prefix_stream(g->kv, l, h, &p2, &k2, &v2);
-            cr_assert_eq(n1, n2);
-            size_t rows = (size_t)n1 * (size_t)g->head_dim * sizeof(float);
-            cr_assert_eq(memcmp(p1, p2, (size_t)n1 * sizeof *p1), 0);
-            cr_assert_eq(memcmp(k1, k2, rows), 0, "K of (%d, %d) differ", l, h);
-            cr_assert_eq(memcmp(v1, v2, rows), 0, "V of (%d, %d) differ", l, h);
-        }
+        for (int h = 0; h < g->n_head_kv; h++)
+            cr_assert(same_stream(kv, g->kv, l, h, g->head_dim), "stream (%d, %d) differs", l, h);
 }
 
 static pd_hot_entry *acquire(pd_hot *h, const pd_prefix_id *id) {
@@ -167,10 +178,11 @@ static int flip_all(const char *path, const void *pat, size_t n) {
     return hits;
 }
 
-/* The bytes an entry of this shape accounts for (K, V, positions, tokens). */
+/* The bytes an entry of this shape accounts for (f16 K and V, positions,
+ * tokens), whether its rows are borrowed from the map or converted. */
 static uint64_t entry_bytes(const gen *g) {
     uint64_t rows = (uint64_t)g->n_layer * (uint64_t)g->n_head_kv * (uint64_t)g->kept;
-    return rows * (2 * (uint64_t)g->head_dim * 4 + 4) + (uint64_t)g->n * 4;
+    return rows * (2 * (uint64_t)g->head_dim * 2 + 4) + (uint64_t)g->n * 4;
 }
 
 Test(cache_hot, hits_and_misses_are_counted_and_data_match) {
@@ -179,8 +191,8 @@ Test(cache_hot, hits_and_misses_are_counted_and_data_match) {
     gen_make(&a, 1, 2, 2, 16, 40, 20);
     gen_make(&b, 2, 3, 1, 32, 70, 70);
     pd_prefix_id ia, ib;
-    put(s, &a, PD_KV_F32, &ia);
-    put(s, &b, PD_KV_F32, &ib);
+    put(s, &a, PD_KV_F16, &ia);
+    put(s, &b, PD_KV_F16, &ib);
     pd_hot *h = NULL;
     pd_error err = {0};
     cr_assert_eq(pd_hot_create(s, 64ull << 20, &h, &err), PD_OK, "%s", err.msg);
@@ -192,6 +204,7 @@ Test(cache_hot, hits_and_misses_are_counted_and_data_match) {
     cr_assert_eq(st.hits, 0);
     cr_assert_eq(st.entries, 1);
     cr_assert_eq(st.in_use, 1);
+    cr_assert_eq(st.borrowing, 1, "f16 rows under an f16 cache are borrowed from the map, not copied");
     cr_assert_eq(st.bytes, entry_bytes(&a));
     cr_assert_eq(st.max_bytes, 64ull << 20);
     pd_hot_release(h, e);
@@ -211,6 +224,7 @@ Test(cache_hot, hits_and_misses_are_counted_and_data_match) {
     cr_assert_eq(st.in_use, 2);
     cr_assert_eq(st.bytes, entry_bytes(&a) + entry_bytes(&b));
     cr_assert_eq(st.evictions, 0);
+    cr_assert_eq(st.borrowing, 2);
     pd_hot_release(h, e2);
     cr_assert_eq(stats(h).in_use, 2, "still held once");
     pd_hot_release(h, e3);
@@ -222,39 +236,76 @@ Test(cache_hot, hits_and_misses_are_counted_and_data_match) {
     gen_free(&b);
 }
 
-Test(cache_hot, half_precision_records_are_cached_as_their_f32_reading) {
+/* Records in another dtype than the tier's KV type (f32, bf16 under f16)
+ * are converted once at load: the entry owns its rows (no read snapshot)
+ * and equals what pd_store_get hands out. */
+Test(cache_hot, other_dtypes_are_converted_once) {
     pd_store *s = open_store();
     pd_hot *h = NULL;
     pd_error err = {0};
     cr_assert_eq(pd_hot_create(s, 64ull << 20, &h, &err), PD_OK, "%s", err.msg);
-    const pd_kv_dtype types[] = {PD_KV_F16, PD_KV_BF16};
+    const pd_kv_dtype types[] = {PD_KV_F32, PD_KV_BF16};
     for (int t = 0; t < 2; t++) {
         gen g;
         gen_make(&g, 10 + (uint64_t)t, 2, 2, 8, 33, 17);
         pd_prefix_id id;
         put(s, &g, types[t], &id);
         pd_hot_entry *e = acquire(h, &id);
+        cr_assert_eq(stats(h).borrowing, 0, "%s rows are converted, not borrowed", pd_kv_dtype_name(types[t]));
+        cr_assert_eq(stats(h).bytes, entry_bytes(&g) * (uint64_t)(t + 1), "bytes count f16 rows");
         pd_prefix_ref *r = NULL;
         cr_assert_eq(pd_store_get(s, &id, &r, &err), PD_OK, "%s", err.msg);
+        cr_assert(!pd_prefix_ref_borrows(r));
         const pd_kv_prefix *want = pd_prefix_ref_kv(r);
         cr_assert_eq(pd_hot_entry_info(e)->dtype, types[t]);
+        cr_assert_eq(pd_kv_prefix_type(pd_hot_entry_kv(e)), PD_TYPE_F16);
         for (int l = 0; l < 2; l++)
-            for (int hd = 0; hd < 2; hd++) {
-                const int32_t *p1, *p2;
-                const float *k1, *k2, *v1, *v2;
-                int64_t n1 = pd_kv_prefix_stream(pd_hot_entry_kv(e), l, hd, &p1, &k1, &v1);
-                int64_t n2 = pd_kv_prefix_stream(want, l, hd, &p2, &k2, &v2);
-                cr_assert_eq(n1, n2);
-                cr_assert_eq(memcmp(p1, p2, (size_t)n1 * 4), 0);
-                cr_assert_eq(memcmp(k1, k2, (size_t)n1 * 8 * 4), 0);
-                cr_assert_eq(memcmp(v1, v2, (size_t)n1 * 8 * 4), 0);
-            }
+            for (int hd = 0; hd < 2; hd++) cr_assert(same_stream(pd_hot_entry_kv(e), want, l, hd, 8));
+        if (types[t] == PD_KV_F32) expect_same(e, &g); /* exact in f16, not all in bf16 */
         pd_prefix_ref_release(r);
         pd_hot_release(h, e);
         gen_free(&g);
     }
     pd_hot_free(h);
     pd_store_close(s);
+}
+
+/* A borrowing entry's snapshot is bounded in age: past max_age its next
+ * acquire reloads it (a miss, fresh snapshot), while a holder of the old
+ * entry keeps reading valid rows until it releases. */
+Test(cache_hot, old_snapshots_are_reloaded) {
+    pd_store *s = open_store();
+    gen g;
+    gen_make(&g, 21, 2, 2, 16, 50, 25);
+    pd_prefix_id id;
+    put(s, &g, PD_KV_F16, &id);
+    pd_hot *h = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_hot_create(s, 64ull << 20, &h, &err), PD_OK, "%s", err.msg);
+    pd_hot_entry *old = acquire(h, &id);
+    cr_assert_eq(acquire(h, &id), old, "young: a hit");
+    pd_hot_release(h, old);
+    pd_hot_set_max_age(h, 0);
+    pd_hot_entry *fresh = acquire(h, &id);
+    cr_assert_neq(fresh, old, "old: reloaded");
+    expect_same(old, &g); /* still held, still valid */
+    expect_same(fresh, &g);
+    pd_hot_stats st = stats(h);
+    cr_assert_eq(st.misses, 2);
+    cr_assert_eq(st.hits, 1);
+    cr_assert_eq(st.entries, 1, "the old entry left the map");
+    cr_assert_eq(st.borrowing, 1);
+    cr_assert_eq(st.bytes, entry_bytes(&g));
+    pd_hot_release(h, old); /* its last holder: freed now */
+    pd_hot_release(h, fresh);
+    pd_hot_set_max_age(h, PD_HOT_SNAPSHOT_MAX_S);
+    cr_assert_eq(acquire(h, &id), fresh, "young again: a hit");
+    pd_hot_release(h, fresh);
+    st = stats(h);
+    cr_assert_eq(st.in_use, 0);
+    pd_hot_free(h);
+    pd_store_close(s);
+    gen_free(&g);
 }
 
 /* The bound fits two entries. One is held throughout while others stream
@@ -267,7 +318,7 @@ Test(cache_hot, held_entry_survives_eviction_pressure) {
     pd_prefix_id id[N];
     for (int i = 0; i < N; i++) {
         gen_make(&g[i], 100 + (uint64_t)i, 2, 2, 16, 64, 32);
-        put(s, &g[i], PD_KV_F32, &id[i]);
+        put(s, &g[i], PD_KV_F16, &id[i]);
     }
     uint64_t one = entry_bytes(&g[0]);
     pd_hot *h = NULL;
@@ -328,7 +379,7 @@ Test(cache_hot, least_recently_used_goes_first) {
     pd_prefix_id id[N];
     for (int i = 0; i < N; i++) {
         gen_make(&g[i], 200 + (uint64_t)i, 1, 2, 32, 50, 25);
-        put(s, &g[i], PD_KV_F32, &id[i]);
+        put(s, &g[i], PD_KV_F16, &id[i]);
     }
     uint64_t one = entry_bytes(&g[0]);
     pd_hot *h = NULL;
@@ -382,7 +433,7 @@ Test(cache_hot, invalidate_while_held) {
     gen a;
     gen_make(&a, 300, 2, 1, 16, 30, 10);
     pd_prefix_id ia;
-    put(s, &a, PD_KV_F32, &ia);
+    put(s, &a, PD_KV_F16, &ia);
     pd_hot *h = NULL;
     pd_error err = {0};
     cr_assert_eq(pd_hot_create(s, 64ull << 20, &h, &err), PD_OK, "%s", err.msg);
@@ -428,8 +479,8 @@ Test(cache_hot, oversize_entry_is_returned_uncached) {
     gen_make(&big, 400, 2, 2, 64, 100, 100);
     gen_make(&small, 401, 1, 1, 8, 10, 5);
     pd_prefix_id ib, is;
-    put(s, &big, PD_KV_F32, &ib);
-    put(s, &small, PD_KV_F32, &is);
+    put(s, &big, PD_KV_F16, &ib);
+    put(s, &small, PD_KV_F16, &is);
     pd_hot *h = NULL;
     pd_error err = {0};
     cr_assert_eq(pd_hot_create(s, entry_bytes(&big) - 1, &h, &err), PD_OK, "%s", err.msg);
@@ -530,15 +581,8 @@ static bool same_data(const pd_hot_entry *e, const gen *g) {
         memcmp(pd_hot_entry_tokens(e), g->tokens, (size_t)g->n * sizeof(pd_token)) != 0)
         return false;
     for (int l = 0; l < g->n_layer; l++)
-        for (int hd = 0; hd < g->n_head_kv; hd++) {
-            const int32_t *p1, *p2;
-            const float *k1, *k2, *v1, *v2;
-            int64_t n1 = pd_kv_prefix_stream(pd_hot_entry_kv(e), l, hd, &p1, &k1, &v1);
-            int64_t n2 = pd_kv_prefix_stream(g->kv, l, hd, &p2, &k2, &v2);
-            size_t rows = (size_t)n1 * (size_t)g->head_dim * sizeof(float);
-            if (n1 != n2 || memcmp(p1, p2, (size_t)n1 * 4) || memcmp(k1, k2, rows) || memcmp(v1, v2, rows))
-                return false;
-        }
+        for (int hd = 0; hd < g->n_head_kv; hd++)
+            if (!same_stream(pd_hot_entry_kv(e), g->kv, l, hd, g->head_dim)) return false;
     return true;
 }
 
@@ -581,7 +625,7 @@ Test(cache_hot, concurrent_acquire_release_from_eight_threads, .timeout = 100) {
     cr_assert(g && id);
     for (int i = 0; i < CONC_IDS; i++) {
         gen_make(&g[i], 500 + (uint64_t)i, 1 + i % 3, 1 + i % 2, 16, 20 + i, 10 + i / 2);
-        put(s, &g[i], PD_KV_F32, &id[i]);
+        put(s, &g[i], i % 2 ? PD_KV_F32 : PD_KV_F16, &id[i]); /* converted and borrowed entries */
     }
     pd_hot *h = NULL;
     pd_error err = {0};

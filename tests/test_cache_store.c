@@ -44,9 +44,13 @@ static int64_t rng_range(uint64_t *s, int64_t lo, int64_t hi) { /* [lo, hi] */
 }
 static float rng_float(uint64_t *s) { return (float)((double)(rng_next(s) >> 11) / 9007199254740992.0 * 8.0 - 4.0); }
 
-static pd_store *open_store_at(const char *dir, uint64_t map_size, uint64_t max_bytes, int32_t page_tokens, bool ro) {
+/* Readers attend with kv_type. */
+static pd_store *open_store_kv(const char *dir, uint64_t map_size, uint64_t max_bytes, int32_t page_tokens, bool ro,
+                               pd_type kv_type) {
     pd_store_opts o;
     pd_store_opts_default(&o);
+    cr_assert_eq(o.kv_type, PD_TYPE_F16, "readers attend with f16 rows by default");
+    o.kv_type = kv_type;
     o.dir = dir;
     if (map_size) o.map_size = map_size;
     o.max_bytes = max_bytes;
@@ -56,6 +60,10 @@ static pd_store *open_store_at(const char *dir, uint64_t map_size, uint64_t max_
     pd_error err = {0};
     cr_assert_eq(pd_store_open(&o, &s, &err), PD_OK, "open %s: %s", dir, err.msg);
     return s;
+}
+
+static pd_store *open_store_at(const char *dir, uint64_t map_size, uint64_t max_bytes, int32_t page_tokens, bool ro) {
+    return open_store_kv(dir, map_size, max_bytes, page_tokens, ro, PD_TYPE_F16);
 }
 
 static char *store_dir(void) {
@@ -78,7 +86,7 @@ static pd_kv_prefix *random_kv(uint64_t *rng, int32_t n_layer, int32_t n_head_kv
     pd_hparams hp = {.n_layer = n_layer, .n_head_kv = n_head_kv, .head_dim = head_dim};
     pd_kv_prefix *kv = NULL;
     pd_error err = {0};
-    cr_assert_eq(pd_kv_prefix_create(&hp, n, &kv, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_kv_prefix_create(&hp, n, PD_TYPE_F32, &kv, &err), PD_OK, "%s", err.msg);
     int32_t cap = max_rows < n ? max_rows : n;
     int32_t *pos = malloc((size_t)(cap ? cap : 1) * sizeof *pos);
     float *k = malloc((size_t)(cap ? cap : 1) * (size_t)head_dim * sizeof *k);
@@ -118,26 +126,40 @@ static float stored_value(float x, pd_kv_dtype dt) {
     }
 }
 
-/* Every stream of got equals want after rounding to dt. */
+/* What a reader attending with kv type t gets for a stored value. */
+static float read_value(float x, pd_kv_dtype dt, pd_type t) {
+    const float stored = stored_value(x, dt);
+    return t == PD_TYPE_F16 ? pd_fp16_to_fp32(pd_fp32_to_fp16(stored)) : stored;
+}
+
+/* Every stream of got equals want (f32) after rounding to dt, then to
+ * got's type (the reader's). */
 static void assert_same_kv(const pd_kv_prefix *want, const pd_kv_prefix *got, int32_t n_layer, int32_t n_head_kv,
                            int32_t head_dim, pd_kv_dtype dt) {
     cr_assert_eq(pd_kv_prefix_n_orig(got), pd_kv_prefix_n_orig(want));
     cr_assert_eq(pd_kv_prefix_kept_rows(got), pd_kv_prefix_kept_rows(want));
+    cr_assert_eq(pd_kv_prefix_type(want), PD_TYPE_F32);
+    const pd_type t = pd_kv_prefix_type(got);
     for (int32_t l = 0; l < n_layer; l++)
         for (int32_t h = 0; h < n_head_kv; h++) {
             const int32_t *wp, *gp;
-            const float *wk, *wv, *gk, *gv;
-            int64_t wl = pd_kv_prefix_stream(want, l, h, &wp, &wk, &wv);
-            int64_t gl = pd_kv_prefix_stream(got, l, h, &gp, &gk, &gv);
+            const void *wkr, *wvr;
+            int64_t wl = pd_kv_prefix_stream(want, l, h, &wp, &wkr, &wvr);
+            int64_t gl = pd_kv_prefix_stream(got, l, h, &gp, NULL, NULL);
+            const float *wk = wkr, *wv = wvr;
             cr_assert_eq(gl, wl, "stream (%d, %d) length", l, h);
             if (!wl) continue;
             cr_assert(memcmp(gp, wp, (size_t)wl * sizeof *wp) == 0, "stream (%d, %d) positions", l, h);
+            float *gk = malloc(sizeof(float) * (size_t)(wl * head_dim)), *gv = malloc(sizeof(float) * (size_t)(wl * head_dim));
+            cr_assert(gk && gv);
+            pd_kv_prefix_stream_f32(got, l, h, gk, gv);
             for (int64_t i = 0; i < wl * head_dim; i++) {
-                float ek = stored_value(wk[i], dt), ev = stored_value(wv[i], dt);
-                cr_assert(memcmp(&gk[i], &ek, sizeof ek) == 0, "stream (%d, %d) K[%ld]: %g != %g (%s)", l, h, (long)i,
-                          gk[i], ek, pd_kv_dtype_name(dt));
+                float ek = read_value(wk[i], dt, t), ev = read_value(wv[i], dt, t);
+                cr_assert(memcmp(&gk[i], &ek, sizeof ek) == 0, "stream (%d, %d) K[%ld]: %g != %g (%s, read as %s)", l,
+                          h, (long)i, gk[i], ek, pd_kv_dtype_name(dt), pd_type_get(t)->name);
                 cr_assert(memcmp(&gv[i], &ev, sizeof ev) == 0, "stream (%d, %d) V[%ld]", l, h, (long)i);
             }
+            free(gk), free(gv);
         }
 }
 
@@ -365,23 +387,29 @@ static bool data_map_range(const char *dir, uintptr_t *lo, uintptr_t *hi) {
     return found;
 }
 
-Test(store, zero_copy_f32_rows_live_in_the_map) {
+/* Rows stored in the readers' KV type are read in place (zero-copy, a
+ * snapshot that outlives a delete); the other dtype is converted at load
+ * into owned rows of the readers' type (an f32 record under an f16 cache,
+ * an f16 record under an f32 one). */
+static void zero_copy_rows(pd_type reader) {
     uint64_t rng = 7;
-    pd_store *s = open_store(0, 0);
+    pd_store *s = open_store_kv(store_dir(), 0, 0, 0, false, reader);
     const int32_t n = 600;
     pd_token *t = random_tokens(&rng, n);
     /* Large streams (LMDB overflow pages), f32 and f16. */
     pd_hparams hp = {.n_layer = 2, .n_head_kv = 2, .head_dim = 64};
     pd_kv_prefix *kv = NULL;
     pd_error err = {0};
-    cr_assert_eq(pd_kv_prefix_create(&hp, n, &kv, &err), PD_OK);
+    cr_assert_eq(pd_kv_prefix_create(&hp, n, PD_TYPE_F32, &kv, &err), PD_OK);
     int32_t *pos = malloc(200 * sizeof *pos);
     float *k = malloc(200 * 64 * sizeof *k), *v = malloc(200 * 64 * sizeof *v);
+    uint16_t *k16 = malloc(200 * 64 * 2);
     for (int i = 0; i < 200; i++) pos[i] = 3 * i;
     for (int i = 0; i < 200 * 64; i++) {
         k[i] = rng_float(&rng);
         v[i] = rng_float(&rng);
     }
+    pd_fp32_to_fp16_row(k, k16, 200 * 64);
     for (int l = 0; l < 2; l++)
         for (int h = 0; h < 2; h++) cr_assert_eq(pd_kv_prefix_set(kv, l, h, pos, k, v, 200, &err), PD_OK);
     pd_prefix_info i32 = base_info(1, "h2o:r=0.33", "", PD_KV_F32), i16 = base_info(1, "h2o:r=0.33", "", PD_KV_F16);
@@ -392,38 +420,56 @@ Test(store, zero_copy_f32_rows_live_in_the_map) {
     pd_prefix_ref *r32 = NULL, *r16 = NULL;
     cr_assert_eq(pd_store_get(s, &i32.id, &r32, &err), PD_OK, "%s", err.msg);
     cr_assert_eq(pd_store_get(s, &i16.id, &r16, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_kv_prefix_type(pd_prefix_ref_kv(r32)), reader, "prefixes come in the readers' type");
+    cr_assert_eq(pd_kv_prefix_type(pd_prefix_ref_kv(r16)), reader);
+    /* The record in the readers' type is borrowed; the other one owns converted rows. */
+    pd_prefix_ref *same = reader == PD_TYPE_F16 ? r16 : r32, *other = reader == PD_TYPE_F16 ? r32 : r16;
+    const void *want = reader == PD_TYPE_F16 ? (const void *)k16 : (const void *)k;
+    const size_t row_bytes = 64 * (reader == PD_TYPE_F16 ? 2 : 4);
+    cr_assert(pd_prefix_ref_borrows(same));
+    cr_assert(!pd_prefix_ref_borrows(other), "a converted record holds no read transaction");
     uintptr_t lo = 0, hi = 0;
     cr_assert(data_map_range(store_dir(), &lo, &hi), "the environment's data.mdb is mapped");
+    float *back = malloc(200 * 64 * sizeof *back);
     for (int l = 0; l < 2; l++)
         for (int h = 0; h < 2; h++) {
             const int32_t *p;
-            const float *kk, *vv;
-            cr_assert_eq(pd_kv_prefix_stream(pd_prefix_ref_kv(r32), l, h, &p, &kk, &vv), 200);
-            cr_assert((uintptr_t)kk >= lo && (uintptr_t)(kk + 200 * 64) <= hi, "f32 K rows are read in place");
-            cr_assert((uintptr_t)vv >= lo && (uintptr_t)(vv + 200 * 64) <= hi, "f32 V rows are read in place");
+            const void *kk, *vv;
+            cr_assert_eq(pd_kv_prefix_stream(pd_prefix_ref_kv(same), l, h, &p, &kk, &vv), 200);
+            cr_assert((uintptr_t)kk >= lo && (uintptr_t)kk + 200 * row_bytes <= hi, "K rows are read in place");
+            cr_assert((uintptr_t)vv >= lo && (uintptr_t)vv + 200 * row_bytes <= hi, "V rows are read in place");
             cr_assert((uintptr_t)p >= lo && (uintptr_t)p < hi);
             cr_assert_eq((uintptr_t)kk % 16, 0, "rows are 16-byte aligned in the map");
-            cr_assert(memcmp(kk, k, 200 * 64 * sizeof *k) == 0);
-            cr_assert_eq(pd_kv_prefix_stream(pd_prefix_ref_kv(r16), l, h, &p, &kk, &vv), 200);
-            cr_assert((uintptr_t)kk < lo || (uintptr_t)kk >= hi, "f16 rows are converted into owned memory");
+            cr_assert(memcmp(kk, want, 200 * row_bytes) == 0);
+            cr_assert_eq(pd_kv_prefix_stream(pd_prefix_ref_kv(other), l, h, &p, &kk, &vv), 200);
+            cr_assert((uintptr_t)kk < lo || (uintptr_t)kk >= hi, "the other dtype is converted into owned memory");
+            /* f32 rows under an f16 cache are rounded once; f16 rows widen exactly. */
+            pd_kv_prefix_stream_f32(pd_prefix_ref_kv(other), l, h, back, NULL);
+            for (int i = 0; i < 200 * 64; i++) cr_assert_eq(back[i], pd_fp16_to_fp32(k16[i]));
         }
     /* A borrowed prefix stays valid while the record is deleted under it. */
-    cr_assert_eq(pd_store_delete(s, &i32.id, &err), PD_OK, "%s", err.msg);
-    const float *kk;
-    pd_kv_prefix_stream(pd_prefix_ref_kv(r32), 1, 1, NULL, &kk, NULL);
-    cr_assert(memcmp(kk, k, 200 * 64 * sizeof *k) == 0, "the snapshot outlives the delete");
+    const pd_prefix_id *same_id = same == r16 ? &i16.id : &i32.id;
+    cr_assert_eq(pd_store_delete(s, same_id, &err), PD_OK, "%s", err.msg);
+    const void *kk;
+    pd_kv_prefix_stream(pd_prefix_ref_kv(same), 1, 1, NULL, &kk, NULL);
+    cr_assert(memcmp(kk, want, 200 * row_bytes) == 0, "the snapshot outlives the delete");
     pd_prefix_ref_release(r32);
     pd_prefix_ref_release(r16);
     pd_prefix_ref *gone = NULL;
-    cr_assert_eq(pd_store_get(s, &i32.id, &gone, &err), PD_ENOTFOUND);
+    cr_assert_eq(pd_store_get(s, same_id, &gone, &err), PD_ENOTFOUND);
     cr_assert_null(gone);
     pd_store_close(s);
     pd_kv_prefix_free(kv);
     free(pos);
     free(k);
     free(v);
+    free(k16);
+    free(back);
     free(t);
 }
+
+Test(store, zero_copy_f16_rows_live_in_the_map) { zero_copy_rows(PD_TYPE_F16); }
+Test(store, zero_copy_f32_rows_live_in_the_map) { zero_copy_rows(PD_TYPE_F32); }
 
 /* ---- lookup ------------------------------------------------------------------------ */
 
@@ -609,7 +655,7 @@ static pd_kv_prefix *cc_kv(int k) {
     pd_hparams hp = {.n_layer = CC_LAYERS, .n_head_kv = CC_HEADS, .head_dim = CC_DIM};
     pd_kv_prefix *kv = NULL;
     pd_error err = {0};
-    if (pd_kv_prefix_create(&hp, CC_N, &kv, &err)) return NULL;
+    if (pd_kv_prefix_create(&hp, CC_N, PD_TYPE_F32, &kv, &err)) return NULL;
     int32_t pos[CC_N];
     static float kk[CC_N * CC_DIM], vv[CC_N * CC_DIM]; /* only the writer thread calls this */
     for (int l = 0; l < CC_LAYERS; l++)
@@ -646,24 +692,33 @@ static void cc_fail(cc_shared *c, const char *what, const char *msg) {
     pthread_mutex_unlock(&c->mu);
 }
 
+/* The record of key k, read back (widened from the store's kv_type: the
+ * values are exact in f16). */
 static bool cc_check(int k, const pd_prefix_ref *r) {
     const pd_kv_prefix *kv = pd_prefix_ref_kv(r);
     if (pd_kv_prefix_n_orig(kv) != CC_N || pd_prefix_ref_info(r)->n_tokens != CC_N) return false;
     pd_token t[CC_N];
     cc_tokens(k, t);
     if (memcmp(t, pd_prefix_ref_tokens(r), sizeof t) != 0) return false;
-    for (int l = 0; l < CC_LAYERS; l++)
-        for (int h = 0; h < CC_HEADS; h++) {
+    float *kk = malloc(sizeof(float) * CC_N * CC_DIM), *vv = malloc(sizeof(float) * CC_N * CC_DIM);
+    bool ok = kk && vv;
+    for (int l = 0; l < CC_LAYERS && ok; l++)
+        for (int h = 0; h < CC_HEADS && ok; h++) {
             const int32_t *pos;
-            const float *kk, *vv;
-            if (pd_kv_prefix_stream(kv, l, h, &pos, &kk, &vv) != cc_len(k, l, h)) return false;
-            for (int32_t i = 0; i < cc_len(k, l, h); i++)
+            if (pd_kv_prefix_stream(kv, l, h, &pos, NULL, NULL) != cc_len(k, l, h)) {
+                ok = false;
+                break;
+            }
+            pd_kv_prefix_stream_f32(kv, l, h, kk, vv);
+            for (int32_t i = 0; i < cc_len(k, l, h) && ok; i++)
                 for (int d = 0; d < CC_DIM; d++)
                     if (kk[i * CC_DIM + d] != cc_value(k, l, h, pos[i], d, 0) ||
                         vv[i * CC_DIM + d] != cc_value(k, l, h, pos[i], d, 1))
-                        return false;
+                        ok = false;
         }
-    return true;
+    free(kk);
+    free(vv);
+    return ok;
 }
 
 static void *cc_reader(void *arg) {

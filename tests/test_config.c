@@ -276,6 +276,23 @@ Test(config_errors, bad_enum_lists_choices, .init = setup_dir, .fini = teardown_
     expect_file_error("[log]\nlevel = verbose\n", "bad.conf:2:", "log.level",
                       "error, warn, info, debug", NULL);
     expect_file_error("[log]\nformat = xml\n", "bad.conf:2:", "log.format", "text, json", NULL);
+    expect_file_error("[model]\nkv_type = bf16\n", "bad.conf:2:", "model.kv_type = bf16", "f16, f32", NULL);
+}
+
+/* model.kv_type: f16 by default, f32 on request (any letter case). */
+Test(config_errors, kv_type_parses_and_defaults_to_f16) {
+    pd_config cfg;
+    pd_config_defaults(&cfg);
+    cr_assert_eq(cfg.model.kv_type, PD_KV_CACHE_F16);
+    cr_assert_str_eq(pd_kv_cache_type_name(cfg.model.kv_type), "f16");
+    set_ok(&cfg, "model.kv_type=F32");
+    cr_assert_eq(cfg.model.kv_type, PD_KV_CACHE_F32);
+    cr_assert_str_eq(pd_kv_cache_type_name(cfg.model.kv_type), "f32");
+    pd_error err = {0};
+    cr_assert_neq(pd_config_set(&cfg, "model.kv_type=q8_0", &err), PD_OK);
+    cr_assert(contains(err.msg, "--set") && contains(err.msg, "model.kv_type") && contains(err.msg, "f16, f32"), "%s",
+              err.msg);
+    cr_assert_eq(cfg.model.kv_type, PD_KV_CACHE_F32, "a refused value changes nothing");
 }
 
 Test(config_errors, bad_double, .init = setup_dir, .fini = teardown_dir) {
@@ -645,6 +662,7 @@ static const char *const every_key_changed[] = {
     "model.n_ctx=32768",
     "model.device=cuda:1",
     "model.n_threads=7",
+    "model.kv_type=f32",
     "cache.path=/var/lib/prefixd",
     "cache.map_size_mb=65536",
     "cache.hot_tier_mb=0",

@@ -707,6 +707,7 @@ typedef struct attn_case {
     int n_segments;
     int64_t seg_len[MAX_GROUPS][PD_MAX_KV_SEGMENTS];
     uint64_t seed;
+    pd_type shared_type, own_type; /* K/V rows: f32 (0) or f16, uploaded as such to both backends */
 } attn_case;
 
 /* Host data of one segment for every kv head: positions shared by the
@@ -743,19 +744,31 @@ static void free_seg(host_seg *s, int n_head_kv) {
     }
 }
 
-/* A segment's views on one backend: uploads pos/k/v per kv head into
- * views[h] and remembers the allocations in owned[] for release. */
-static void put_seg(pd_backend *be, const host_seg *s, int n_head_kv, int hd, pd_kv_view *views, void **owned,
-                    int *n_owned) {
+/* A segment's views on one backend: uploads pos/k/v per kv head (rows
+ * rounded to f16 for an f16 type) into views[h] and remembers the
+ * allocations in owned[] for release. */
+static void put_seg(pd_backend *be, const host_seg *s, int n_head_kv, int hd, pd_type type, pd_kv_view *views,
+                    void **owned, int *n_owned) {
     const void *dpos = be_put(be, s->pos, sizeof(int32_t) * (size_t)s->len);
     owned[(*n_owned)++] = (void *)dpos;
+    const size_t n = (size_t)(s->len * hd);
+    uint16_t *h16 = type == PD_TYPE_F16 ? xmalloc(2 * n + 2) : NULL;
     for (int h = 0; h < n_head_kv; h++) {
-        const float *dk = be_put(be, s->k[h], sizeof(float) * (size_t)(s->len * hd));
-        const float *dv = be_put(be, s->v[h], sizeof(float) * (size_t)(s->len * hd));
+        const void *dk, *dv;
+        if (h16) {
+            pd_fp32_to_fp16_row(s->k[h], h16, n);
+            dk = be_put(be, h16, 2 * n);
+            pd_fp32_to_fp16_row(s->v[h], h16, n);
+            dv = be_put(be, h16, 2 * n);
+        } else {
+            dk = be_put(be, s->k[h], sizeof(float) * n);
+            dv = be_put(be, s->v[h], sizeof(float) * n);
+        }
         owned[(*n_owned)++] = (void *)dk;
         owned[(*n_owned)++] = (void *)dv;
-        views[h] = (pd_kv_view){.k = dk, .v = dv, .pos = dpos, .keep = NULL, .len = s->len};
+        views[h] = (pd_kv_view){.k = dk, .v = dv, .pos = dpos, .keep = NULL, .len = s->len, .type = type};
     }
+    free(h16);
 }
 
 typedef struct attn_data {
@@ -821,10 +834,12 @@ static void run_attention(pd_backend *be, const attn_case *c, const attn_data *d
     int n_owned = 0;
     pd_kv_view shared_views[2 * 16];
     pd_kv_view *own_views = xmalloc(sizeof(pd_kv_view) * (size_t)(c->n_groups * c->n_segments * H));
-    for (int s = 0; s < c->n_shared; s++) put_seg(be, &d->shared[s], H, hd, shared_views + s * H, owned, &n_owned);
+    for (int s = 0; s < c->n_shared; s++)
+        put_seg(be, &d->shared[s], H, hd, c->shared_type, shared_views + s * H, owned, &n_owned);
     for (int g = 0; g < c->n_groups; g++)
         for (int s = 0; s < c->n_segments; s++)
-            put_seg(be, &d->own[g][s], H, hd, own_views + ((int64_t)g * c->n_segments + s) * H, owned, &n_owned);
+            put_seg(be, &d->own[g][s], H, hd, c->own_type, own_views + ((int64_t)g * c->n_segments + s) * H, owned,
+                    &n_owned);
     const size_t qb = sizeof(float) * (size_t)(d->n_tokens * c->n_head * hd);
     float *dq = be_put(be, d->q, qb);
     int32_t *dqp = be_put(be, d->q_pos, sizeof(int32_t) * (size_t)d->n_tokens);
@@ -862,7 +877,8 @@ static void check_attention(backends *b, const attn_case *c) {
     run_attention(b->cpu, c, &d, oc);
     run_attention(b->gpu, c, &d, og);
     /* Both backends use f32 with an online softmax and a log-sum-exp merge
-     * of segments; only the order of the sums differs. Each output is a
+     * of segments (f16 rows, the same on both, widened exactly as they
+     * are read); only the order of the sums differs. Each output is a
      * convex combination of value rows, so its error scales with the
      * largest |v|: ~1e-6 of it in practice, asserted at 1e-4 (which still
      * catches one wrong or missing key: its weight is rarely below 1e-3
@@ -879,9 +895,10 @@ static void check_attention(backends *b, const attn_case *c) {
     }
     const int64_t per_tok = (int64_t)c->n_head * c->head_dim;
     cr_assert_leq(worst, tol,
-                  "attention %s (n_head %d, n_head_kv %d, head_dim %d): token %lld (pos %d) head %lld dim %lld: "
-                  "GPU %.8g, CPU %.8g (|diff| %.3g > %.3g = 1e-4 max|v|)",
-                  c->name, c->n_head, c->n_head_kv, c->head_dim, (long long)(wi / per_tok), d.q_pos[wi / per_tok],
+                  "attention %s (n_head %d, n_head_kv %d, head_dim %d, %s/%s rows): token %lld (pos %d) head %lld "
+                  "dim %lld: GPU %.8g, CPU %.8g (|diff| %.3g > %.3g = 1e-4 max|v|)",
+                  c->name, c->n_head, c->n_head_kv, c->head_dim, c->shared_type == PD_TYPE_F16 ? "f16" : "f32",
+                  c->own_type == PD_TYPE_F16 ? "f16" : "f32", (long long)(wi / per_tok), d.q_pos[wi / per_tok],
                   (long long)(wi % per_tok / c->head_dim), (long long)(wi % c->head_dim), (double)og[wi],
                   (double)oc[wi], worst, tol);
     free(oc);
@@ -906,6 +923,10 @@ Test(cuda_parity, attention_prefill_two_segments_with_gaps) {
                              .seg_len = {{300, 77}},
                              .seed = 2000 + i};
         check_attention(&b, &c);
+        attn_case c16 = c; /* an f16 KV cache */
+        c16.name = "prefill, f16 rows";
+        c16.own_type = PD_TYPE_F16;
+        check_attention(&b, &c16);
         /* Several sequences prefilled together over a shared prefix, one of
          * them with an empty first segment. */
         const attn_case cb = {.name = "batched prefill",
@@ -943,6 +964,14 @@ Test(cuda_parity, attention_decode_eight_groups_shared_prefix) {
                              .seg_len = {{1}, {2}, {17}, {64}, {65}, {300}, {1000}, {2500}},
                              .seed = 3000 + i};
         check_attention(&b, &c);
+        attn_case c16 = c; /* f16 KV caches over an f16 prefix */
+        c16.name = "decode, f16 rows";
+        c16.shared_type = c16.own_type = PD_TYPE_F16;
+        check_attention(&b, &c16);
+        attn_case mixed = c; /* f16 own rows over an f32 prefix */
+        mixed.name = "decode, f32 prefix, f16 rows";
+        mixed.own_type = PD_TYPE_F16;
+        check_attention(&b, &mixed);
     }
     close_backends(&b);
 }
@@ -1264,9 +1293,12 @@ Test(cuda_parity, compactor_prefix_kept_sets_and_continuations) {
     for (int l = 0; l < hp->n_layer; l++)
         for (int h = 0; h < hp->n_head_kv; h++) {
             const int32_t *posc, *posg;
-            const float *kc, *vc, *kg, *vg;
-            const int64_t nc = pd_kv_prefix_stream(pc, l, h, &posc, &kc, &vc);
-            const int64_t ng = pd_kv_prefix_stream(pg, l, h, &posg, &kg, &vg);
+            const int64_t nc = pd_kv_prefix_stream(pc, l, h, &posc, NULL, NULL);
+            const int64_t ng = pd_kv_prefix_stream(pg, l, h, &posg, NULL, NULL);
+            float *kc = xmalloc(sizeof(float) * (size_t)(nc * hp->head_dim + 1)), *vc = xmalloc(sizeof(float) * (size_t)(nc * hp->head_dim + 1));
+            float *kg = xmalloc(sizeof(float) * (size_t)(ng * hp->head_dim + 1)), *vg = xmalloc(sizeof(float) * (size_t)(ng * hp->head_dim + 1));
+            pd_kv_prefix_stream_f32(pc, l, h, kc, vc); /* in the models' KV type; widened to compare */
+            pd_kv_prefix_stream_f32(pg, l, h, kg, vg);
             int64_t common = 0;
             double kmax = 0, vmax = 0, kdiff = 0, vdiff = 0;
             for (int64_t i = 0; i < nc * hp->head_dim; i++) {
@@ -1305,6 +1337,7 @@ Test(cuda_parity, compactor_prefix_kept_sets_and_continuations) {
                           kmax);
             cr_assert_leq(vdiff, 2e-2 * vmax, "layer %d head %d: kept values differ by %.3g (max |v| %.3g)", l, h,
                           vdiff, vmax);
+            free(kc), free(vc), free(kg), free(vg);
         }
     cr_log_info("compactor kept-set overlap CPU/GPU: %.2f%% overall, lowest %.2f%% (layer %d head %d)",
                 100 * total_common / (total_kept > 0 ? total_kept : 1), 100 * min_overlap, min_l, min_h);

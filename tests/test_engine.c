@@ -1,6 +1,7 @@
-/* The forward pass: reference output of a real model, agreement of every
- * weight type with an F32 computation of the same weights, compressed-prefix
- * attention, the per-layer prefill hook, batching and NLL. */
+/* The forward pass: reference output of a real model (with f16 and f32 KV
+ * caches), agreement of every weight type with an F32 computation of the
+ * same weights, f16 against f32 KV, compressed-prefix attention (prefixes of
+ * either type), the per-layer prefill hook, batching and NLL. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -26,13 +27,17 @@ static void teardown(void) {
 
 TestSuite(engine, .init = setup, .fini = teardown);
 
-static pd_model *load(const char *path, int threads) {
+static pd_model *load_kv(const char *path, int threads, bool kv_f32) {
     pd_model *m = NULL;
     pd_error err = {0};
-    pd_model_params p = {.n_threads = threads};
+    pd_model_params p = {.n_threads = threads, .kv_f32 = kv_f32};
     cr_assert_eq(pd_model_load(path, &p, &m, &err), PD_OK, "%s: %s", path, err.msg);
+    cr_assert_eq(pd_model_kv_type(m), kv_f32 ? PD_TYPE_F32 : PD_TYPE_F16);
     return m;
 }
+
+/* With the default KV cache (f16). */
+static pd_model *load(const char *path, int threads) { return load_kv(path, threads, false); }
 
 /* A generated model; K-quant friendly shape (rows of 256) unless `small`. */
 static void gen(const char *arch, pd_type type, uint64_t seed, bool small, const char *path) {
@@ -82,10 +87,10 @@ static const pd_token reference_ids[64] = {
     419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432, 352, 266, 268, 388, 426,
     338, 391, 266, 267, 337, 335, 312, 432, 398, 312, 286, 267, 414, 270, 333, 415, 426, 13,  438, 310};
 
-static void greedy_from_bos(int threads) {
+static void greedy_from_bos(int threads, bool kv_f32) {
     char path[1024];
     cr_assert(th_shared_file("tinystories/stories260K.gguf", path, sizeof path));
-    pd_model *m = load(path, threads);
+    pd_model *m = load_kv(path, threads, kv_f32);
     const int32_t V = pd_model_hparams(m)->n_vocab;
     float *logits = malloc(sizeof(float) * (size_t)V);
     pd_seq *s = NULL;
@@ -96,8 +101,8 @@ static void greedy_from_bos(int threads) {
     cr_assert_eq(pd_prefill(m, s, &tok, 1, NULL, logits, &err), PD_OK, "%s", err.msg);
     for (int i = 0; i < 64; i++) {
         tok = argmax(logits, V);
-        cr_assert_eq(tok, reference_ids[i], "%d threads: token %d is %d, the reference says %d", threads, i, tok,
-                     reference_ids[i]);
+        cr_assert_eq(tok, reference_ids[i], "%s KV, %d threads: token %d is %d, the reference says %d",
+                     kv_f32 ? "f32" : "f16", threads, i, tok, reference_ids[i]);
         if (i < 63) cr_assert_eq(pd_decode(m, &s, &tok, 1, logits, &err), PD_OK, "%s", err.msg);
     }
     cr_assert_eq(pd_seq_pos(s), 64);
@@ -108,12 +113,22 @@ static void greedy_from_bos(int threads) {
 
 Test(engine, stories260k_greedy_matches_reference_1_thread) {
     TH_REQUIRE_SHARED();
-    greedy_from_bos(1);
+    greedy_from_bos(1, false);
 }
 
 Test(engine, stories260k_greedy_matches_reference_2_threads) {
     TH_REQUIRE_SHARED();
-    greedy_from_bos(2);
+    greedy_from_bos(2, false);
+}
+
+Test(engine, stories260k_greedy_matches_reference_f32_kv_1_thread) {
+    TH_REQUIRE_SHARED();
+    greedy_from_bos(1, true);
+}
+
+Test(engine, stories260k_greedy_matches_reference_f32_kv_2_threads) {
+    TH_REQUIRE_SHARED();
+    greedy_from_bos(2, true);
 }
 
 Test(engine, stories260k_hparams) {
@@ -291,12 +306,13 @@ Test(engine, prefix_at_retention_1_equals_full_prefill_llama) { prefix_matches_f
 Test(engine, prefix_at_retention_1_equals_full_prefill_qwen2) { prefix_matches_full_prefill("qwen2"); }
 
 /* A prefix whose streams borrow another prefix's rows (as the store's
- * zero-copy reads do) attends exactly like the owning copy. */
-Test(engine, borrowed_prefix_streams_equal_copied_ones) {
+ * zero-copy reads do) attends exactly like the owning copy, for both KV
+ * types. */
+static void borrowed_equals_copied(bool kv_f32) {
     char path[1024];
     snprintf(path, sizeof path, "%s/llama-f32.gguf", tmpdir);
     gen("llama", PD_TYPE_F32, 3, true, path);
-    pd_model *m = load(path, 2);
+    pd_model *m = load_kv(path, 2, kv_f32);
     const pd_hparams *hp = pd_model_hparams(m);
     pd_token toks[NP + NS];
     prompt_tokens(toks, NP + NS, hp->n_vocab, 1);
@@ -306,14 +322,16 @@ Test(engine, borrowed_prefix_streams_equal_copied_ones) {
     cr_assert_eq(pd_seq_create(m, 0, &pre, &err), PD_OK);
     cr_assert_eq(pd_prefill(m, pre, toks, NP, NULL, NULL, &err), PD_OK);
     cr_assert_eq(pd_seq_to_prefix(pre, &owned, &err), PD_OK, "%s", err.msg);
-    cr_assert_eq(pd_kv_prefix_create(hp, NP, &borrowed, &err), PD_OK);
+    const pd_type t = pd_kv_prefix_type(owned);
+    cr_assert_eq(t, pd_model_kv_type(m), "a snapshot keeps the model's KV type");
+    cr_assert_eq(pd_kv_prefix_create(hp, NP, t, &borrowed, &err), PD_OK);
     for (int l = 0; l < hp->n_layer; l++)
         for (int h = 0; h < hp->n_head_kv; h++) {
             const int32_t *pos;
-            const float *k, *v;
+            const void *k, *v;
             int64_t len = pd_kv_prefix_stream(owned, l, h, &pos, &k, &v);
             cr_assert_eq(pd_kv_prefix_set_borrowed(borrowed, l, h, pos, k, v, len, &err), PD_OK, "%s", err.msg);
-            const float *bk;
+            const void *bk;
             cr_assert_eq(pd_kv_prefix_stream(borrowed, l, h, NULL, &bk, NULL), len);
             cr_assert_eq(bk, k, "borrowed rows must not be copied");
         }
@@ -324,19 +342,149 @@ Test(engine, borrowed_prefix_streams_equal_copied_ones) {
 
     /* Misaligned rows and bad positions are refused. */
     const int32_t *pos;
-    const float *k, *v;
+    const void *k, *v;
     int64_t len = pd_kv_prefix_stream(owned, 0, 0, &pos, &k, &v);
-    cr_assert_eq(pd_kv_prefix_set_borrowed(borrowed, 0, 0, pos, (const float *)((const char *)k + 1), v, len - 1, &err),
-                 PD_EINVAL);
+    cr_assert_eq(pd_kv_prefix_set_borrowed(borrowed, 0, 0, pos, (const char *)k + 1, v, len - 1, &err), PD_EINVAL);
     cr_assert(strstr(err.msg, "aligned"), "%s", err.msg);
     int32_t backwards[2] = {3, 1};
     cr_assert_eq(pd_kv_prefix_set_borrowed(borrowed, 0, 0, backwards, k, v, 2, &err), PD_EINVAL);
-    /* Replacing a borrowed stream by a copy works (and frees nothing borrowed). */
-    cr_assert_eq(pd_kv_prefix_set(borrowed, 0, 0, pos, k, v, len, &err), PD_OK, "%s", err.msg);
+    /* Replacing a borrowed stream by a copy (from f32 rows) works, frees
+     * nothing borrowed, and gives back the same rows. */
+    float *k32 = malloc(sizeof(float) * (size_t)(len * hp->head_dim)), *v32 = malloc(sizeof(float) * (size_t)(len * hp->head_dim));
+    cr_assert_eq(pd_kv_prefix_stream_f32(owned, 0, 0, k32, v32), len);
+    cr_assert_eq(pd_kv_prefix_set(borrowed, 0, 0, pos, k32, v32, len, &err), PD_OK, "%s", err.msg);
+    const void *ck;
+    cr_assert_eq(pd_kv_prefix_stream(borrowed, 0, 0, NULL, &ck, NULL), len);
+    cr_assert_neq(ck, k);
+    cr_assert(memcmp(ck, k, (size_t)(len * hp->head_dim) * (t == PD_TYPE_F16 ? 2 : 4)) == 0,
+              "f32 rows of an %s prefix go back to the same bits", t == PD_TYPE_F16 ? "f16" : "f32");
+    free(k32), free(v32);
     pd_kv_prefix_free(borrowed);
     pd_kv_prefix_free(owned);
     pd_seq_free(pre);
     pd_model_free(m);
+}
+
+Test(engine, borrowed_prefix_streams_equal_copied_ones) { borrowed_equals_copied(false); }
+Test(engine, borrowed_prefix_streams_equal_copied_ones_f32_kv) { borrowed_equals_copied(true); }
+
+/* An f16 KV cache holds half the bytes per token of an f32 one (K and V;
+ * the 4-byte positions stay), for a sequence and for its snapshot. */
+Test(engine, f16_kv_halves_memory_per_token) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/bytes.gguf", tmpdir);
+    gen("llama", PD_TYPE_F32, 3, true, path);
+    pd_model *m16 = load_kv(path, 1, false), *m32 = load_kv(path, 1, true);
+    const pd_hparams *hp = pd_model_hparams(m16);
+    pd_token toks[NP];
+    prompt_tokens(toks, NP, hp->n_vocab, 2);
+    pd_error err = {0};
+    pd_seq *s16 = NULL, *s32 = NULL;
+    cr_assert_eq(pd_seq_create(m16, 0, &s16, &err), PD_OK);
+    cr_assert_eq(pd_seq_create(m32, 0, &s32, &err), PD_OK);
+    cr_assert_eq(pd_seq_kv_bytes(s16), 0);
+    cr_assert_eq(pd_prefill(m16, s16, toks, NP, NULL, NULL, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_prefill(m32, s32, toks, NP, NULL, NULL, &err), PD_OK, "%s", err.msg);
+    const uint64_t rows = (uint64_t)NP * (uint64_t)hp->n_layer * (uint64_t)hp->n_head_kv;
+    const uint64_t kv32 = rows * 2 * (uint64_t)hp->head_dim * 4, kv16 = kv32 / 2, posb = rows * 4;
+    cr_assert_eq(pd_seq_kv_bytes(s32), kv32 + posb);
+    cr_assert_eq(pd_seq_kv_bytes(s16), kv16 + posb);
+    cr_log_info("KV bytes per token: f32 %.0f, f16 %.0f", (double)pd_seq_kv_bytes(s32) / NP,
+                (double)pd_seq_kv_bytes(s16) / NP);
+    pd_kv_prefix *p16 = NULL, *p32 = NULL;
+    cr_assert_eq(pd_seq_to_prefix(s16, &p16, &err), PD_OK);
+    cr_assert_eq(pd_seq_to_prefix(s32, &p32, &err), PD_OK);
+    cr_assert_eq(pd_kv_prefix_type(p16), PD_TYPE_F16);
+    cr_assert_eq(pd_kv_prefix_type(p32), PD_TYPE_F32);
+    cr_assert_eq(pd_kv_prefix_bytes(p16), kv16 + posb);
+    cr_assert_eq(pd_kv_prefix_bytes(p32), kv32 + posb);
+    /* Layer 0's f16 rows are its f32 rows rounded once (later layers see
+     * attention over rounded rows): |x16 - x32| <= 2^-11 |x32|, plus half
+     * the subnormal step. */
+    const size_t n = (size_t)NP * (size_t)hp->head_dim;
+    float *a = malloc(sizeof(float) * n), *b = malloc(sizeof(float) * n);
+    for (int l = 0; l < 1; l++)
+        for (int h = 0; h < hp->n_head_kv; h++) {
+            cr_assert_eq(pd_kv_prefix_stream_f32(p16, l, h, a, NULL), NP);
+            cr_assert_eq(pd_kv_prefix_stream_f32(p32, l, h, b, NULL), NP);
+            for (size_t i = 0; i < n; i++)
+                cr_assert_leq(fabsf(a[i] - b[i]), ldexpf(fabsf(b[i]), -11) + 0x1p-24f, "layer %d head %d value %zu: %g vs %g",
+                              l, h, i, a[i], b[i]);
+        }
+    free(a), free(b);
+    pd_kv_prefix_free(p16), pd_kv_prefix_free(p32);
+    pd_seq_free(s16), pd_seq_free(s32);
+    pd_model_free(m16), pd_model_free(m32);
+}
+
+/* The same model with an f16 and an f32 KV cache: the logits of a prompt
+ * and of decode steps agree to the f16 rounding of K and V. Each K/V element
+ * carries a relative error of at most 2^-11 (4.9e-4); a score q.k then moves
+ * by about 2^-11 |q||k| / sqrt(head_dim) at random signs and the attention
+ * output by the same relative amount, so logits after a few layers differ
+ * by ~1e-3 of their norm; we allow 1e-2. Greedy tokens agree on the
+ * stories260K reference either way (above). */
+Test(engine, f16_kv_agrees_with_f32_kv) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/kvtype.gguf", tmpdir);
+    gen("llama", PD_TYPE_F32, 7, false, path);
+    enum { N = 20 };
+    for (int threads = 1; threads <= 2; threads++) {
+        pd_model *m16 = load_kv(path, threads, false), *m32 = load_kv(path, threads, true);
+        const int32_t V = pd_model_hparams(m16)->n_vocab;
+        float *l16 = malloc(sizeof(float) * V * (N + 3)), *l32 = malloc(sizeof(float) * V * (N + 3));
+        run_prompt(m16, l16, N);
+        run_prompt(m32, l32, N);
+        double worst = 0;
+        for (int r = 0; r < N + 3; r++) {
+            double e = rel_err(l16 + (int64_t)r * V, l32 + (int64_t)r * V, V);
+            worst = fmax(worst, e);
+            cr_assert_lt(e, 1e-2, "%d threads, row %d: f16 KV logits are %.3g (relative) from f32 KV", threads, r, e);
+        }
+        cr_assert_gt(worst, 0.0, "the f16 cache should round something");
+        if (threads == 1) cr_log_info("f16 vs f32 KV: worst relative logit error %.2e", worst);
+        free(l16), free(l32);
+        pd_model_free(m16), pd_model_free(m32);
+    }
+}
+
+/* A sequence attends to a prefix of the other KV type: an f32 copy of an
+ * f16 prefix (exact widening) scores the same text as the f16 original on
+ * an f16 model, and an f16 prefix works under an f32 model. */
+Test(engine, prefix_of_the_other_kv_type) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/mixed.gguf", tmpdir);
+    gen("llama", PD_TYPE_F32, 3, true, path);
+    pd_model *m16 = load_kv(path, 2, false), *m32 = load_kv(path, 2, true);
+    const pd_hparams *hp = pd_model_hparams(m16);
+    pd_token toks[NP + NS];
+    prompt_tokens(toks, NP + NS, hp->n_vocab, 5);
+    pd_error err = {0};
+    pd_seq *pre = NULL;
+    pd_kv_prefix *p16 = NULL, *p32 = NULL;
+    cr_assert_eq(pd_seq_create(m16, 0, &pre, &err), PD_OK);
+    cr_assert_eq(pd_prefill(m16, pre, toks, NP, NULL, NULL, &err), PD_OK);
+    cr_assert_eq(pd_seq_to_prefix(pre, &p16, &err), PD_OK);
+    cr_assert_eq(pd_kv_prefix_create(hp, NP, PD_TYPE_F32, &p32, &err), PD_OK);
+    const size_t n = (size_t)NP * (size_t)hp->head_dim;
+    float *k = malloc(sizeof(float) * n), *v = malloc(sizeof(float) * n);
+    for (int l = 0; l < hp->n_layer; l++)
+        for (int h = 0; h < hp->n_head_kv; h++) {
+            const int32_t *pos;
+            int64_t len = pd_kv_prefix_stream(p16, l, h, &pos, NULL, NULL);
+            cr_assert_eq(pd_kv_prefix_stream_f32(p16, l, h, k, v), len);
+            cr_assert_eq(pd_kv_prefix_set(p32, l, h, pos, k, v, len, &err), PD_OK, "%s", err.msg);
+        }
+    double a, b, c;
+    cr_assert_eq(pd_nll(m16, p16, NULL, 0, toks + NP, NS, &a, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_nll(m16, p32, NULL, 0, toks + NP, NS, &b, &err), PD_OK, "%s", err.msg);
+    cr_assert_float_eq(a, b, 1e-6, "the same values as f16 and as f32 rows: %.9g vs %.9g", a, b);
+    cr_assert_eq(pd_nll(m32, p16, NULL, 0, toks + NP, NS, &c, &err), PD_OK, "%s", err.msg);
+    cr_assert_float_eq(a, c, 1e-2, "an f16 prefix under an f32 cache: %.9g vs %.9g", a, c);
+    free(k), free(v);
+    pd_kv_prefix_free(p16), pd_kv_prefix_free(p32);
+    pd_seq_free(pre);
+    pd_model_free(m16), pd_model_free(m32);
 }
 
 typedef struct hook_state {

@@ -123,8 +123,7 @@ static int64_t check_streams(const pd_kv_prefix *p, const pd_hparams *hp, int64_
     for (int l = 0; l < hp->n_layer; l++)
         for (int h = 0; h < hp->n_head_kv; h++) {
             const int32_t *pos;
-            const float *k, *v;
-            const int64_t len = pd_kv_prefix_stream(p, l, h, &pos, &k, &v);
+            const int64_t len = pd_kv_prefix_stream(p, l, h, &pos, NULL, NULL);
             cr_assert_eq(len, st->kept[l * hp->n_head_kv + h], "%s: layer %d head %d stats say %lld, stream has %lld",
                          what, l, h, (long long)st->kept[l * hp->n_head_kv + h], (long long)len);
             for (int64_t i = 0; i < len; i++) {
@@ -215,12 +214,13 @@ static void assert_same_prefix(const pd_kv_prefix *a, const pd_kv_prefix *b, con
     for (int l = 0; l < hp->n_layer; l++)
         for (int h = 0; h < hp->n_head_kv; h++) {
             const int32_t *pa, *pb;
-            const float *ka, *kb, *va, *vb;
+            const void *ka, *kb, *va, *vb;
             const int64_t la = pd_kv_prefix_stream(a, l, h, &pa, &ka, &va);
             const int64_t lb = pd_kv_prefix_stream(b, l, h, &pb, &kb, &vb);
             cr_assert_eq(la, lb, "%s: layer %d head %d lengths %lld vs %lld", what, l, h, (long long)la, (long long)lb);
+            cr_assert_eq(pd_kv_prefix_type(a), pd_kv_prefix_type(b), "%s", what);
             if (!la) continue;
-            const size_t rows = (size_t)la * (size_t)hp->head_dim * sizeof(float);
+            const size_t rows = (size_t)la * (size_t)hp->head_dim * (pd_kv_prefix_type(a) == PD_TYPE_F16 ? 2 : 4);
             cr_assert_eq(memcmp(pa, pb, sizeof *pa * (size_t)la), 0, "%s: layer %d head %d positions differ", what, l,
                          h);
             cr_assert_eq(memcmp(ka, kb, rows), 0, "%s: layer %d head %d K rows differ", what, l, h);
@@ -1271,11 +1271,11 @@ Test(compress, observed_compression_reports_each_layer_and_can_stop) {
     for (int l = 0; l < 4; l++)
         for (int h = 0; h < 2; h++) {
             const int32_t *pa, *pb;
-            const float *ka, *kb;
+            const void *ka, *kb;
             int64_t na = pd_kv_prefix_stream(a, l, h, &pa, &ka, NULL), nb = pd_kv_prefix_stream(b, l, h, &pb, &kb, NULL);
             cr_assert_eq(na, nb);
             cr_assert_eq(memcmp(pa, pb, sizeof *pa * (size_t)na), 0);
-            cr_assert_eq(memcmp(ka, kb, sizeof *ka * (size_t)na * (size_t)pd_model_hparams(m)->head_dim), 0);
+            cr_assert_eq(memcmp(ka, kb, 2 * (size_t)na * (size_t)pd_model_hparams(m)->head_dim), 0); /* f16 rows */
         }
     pd_kv_prefix_free(a);
     pd_kv_prefix_free(b);

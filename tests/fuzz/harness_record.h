@@ -536,7 +536,7 @@ static inline void pd_fuzz_record_build(pd_fuzz_rd *r, pd_fuzz_record *rec) {
     hp.n_head_kv = h->n_head_kv;
     hp.head_dim = h->head_dim;
     pd_error err = {0};
-    PD_FUZZ_CHECK(pd_kv_prefix_create(&hp, h->n_tokens, &rec->kv, &err) == PD_OK, "%s", err.msg);
+    PD_FUZZ_CHECK(pd_kv_prefix_create(&hp, h->n_tokens, PD_TYPE_F32, &rec->kv, &err) == PD_OK, "%s", err.msg);
     int32_t pos[PD_FUZZ_ENC_TOKENS];
     float *k = malloc(sizeof(float) * PD_FUZZ_ENC_TOKENS * PD_FUZZ_ENC_DIM);
     float *v = malloc(sizeof(float) * PD_FUZZ_ENC_TOKENS * PD_FUZZ_ENC_DIM);
@@ -602,8 +602,9 @@ static inline bool pd_fuzz_header_matches(const cache_header *got, const pd_fuzz
 static inline bool pd_fuzz_stream_matches(const cache_stream *st, const pd_fuzz_record *rec, int32_t layer,
                                           int32_t head) {
     const int32_t *pos;
-    const float *k, *v;
-    int64_t len = pd_kv_prefix_stream(rec->kv, layer, head, &pos, &k, &v);
+    const void *kr, *vr;
+    int64_t len = pd_kv_prefix_stream(rec->kv, layer, head, &pos, &kr, &vr);
+    const float *k = kr, *v = vr; /* the record's prefix is f32 */
     if (st->len != len || (len && memcmp(st->pos, pos, 4 * (size_t)len) != 0)) return false;
     pd_kv_dtype dt = rec->h.dtype;
     for (int64_t i = 0; i < len * rec->h.head_dim; i++) {
