@@ -147,7 +147,7 @@ static const pd_type all_types[] = {PD_TYPE_F32,  PD_TYPE_F16,  PD_TYPE_BF16, PD
 /* Check one (type, rows, cols) against the reference for several n and
  * thread counts on the given SIMD level. */
 static void check_matmul(pd_type t, int64_t rows, int64_t cols, const char *simd, uint64_t seed) {
-    static const int64_t ns[] = {1, 3, 7, 64, 200};
+    static const int64_t ns[] = {1, 2, 3, 7, 8, 9, 64, 200}; /* both sides of CPU_DECODE_MAX_N */
     static const int threads[] = {1, 2};
     uint64_t s = seed;
     pd_weight w;
@@ -644,7 +644,14 @@ typedef struct attn_case {
     float scale;
 } attn_case;
 
-/* Naive reference: softmax over the concatenation of all visible keys. */
+/* Element i of a view's K or V rows, whatever its type. */
+static double kv_at(const pd_kv_view *kv, const void *rows, int64_t i) {
+    return kv->type == PD_TYPE_F16 ? (double)pd_fp16_to_fp32(((const uint16_t *)rows)[i])
+                                   : (double)((const float *)rows)[i];
+}
+
+/* Naive reference: softmax over the concatenation of all visible keys, in
+ * double, over the values the views hold (f16 rows widened exactly). */
 static void attn_ref(const pd_attn_args *a, double *out) {
     const int hd = a->head_dim;
     for (int64_t t = 0; t < a->n_tokens; t++)
@@ -663,14 +670,14 @@ static void attn_ref(const pd_attn_args *a, double *out) {
                         if (kv->keep && !kv->keep[j]) continue;
                         if (a->causal && kv->pos[j] > a->q_pos[t]) continue;
                         double sc = 0;
-                        for (int d = 0; d < hd; d++) sc += (double)q[d] * kv->k[j * hd + d];
+                        for (int d = 0; d < hd; d++) sc += (double)q[d] * kv_at(kv, kv->k, j * hd + d);
                         sc *= a->scale;
                         if (pass == 0) {
                             if (sc > m) m = sc;
                         } else {
                             const double p = exp(sc - m);
                             l += p;
-                            for (int d = 0; d < hd; d++) o[d] += p * kv->v[j * hd + d];
+                            for (int d = 0; d < hd; d++) o[d] += p * kv_at(kv, kv->v, j * hd + d);
                         }
                     }
                 }
@@ -684,15 +691,36 @@ static void attn_ref(const pd_attn_args *a, double *out) {
         }
 }
 
-static void run_attn_case(const attn_case *c, uint64_t seed, int threads, const char *simd) {
+/* How far attention over f16-rounded K/V may be from attention over the
+ * f32 rows, for one query (every K/V element in [-1, 1), as the tests draw
+ * them). Rounding to f16 changes an element x by at most u |x|, u = 2^-11.
+ * A score scale * q.k then moves by at most e = scale * u * sum_d |q_d|, so
+ * every softmax weight changes by a factor within [e^-2e, e^2e] (its own
+ * score and the normaliser), which moves a weighted mean of values in
+ * [-1, 1] by at most 2 (e^2e - 1); the values' own rounding adds u. Plus
+ * 1e-5 for float summation. */
+static double attn_f16_bound(const float *q, int hd, float scale) {
+    const double u = 0x1p-11;
+    double l1 = 0;
+    for (int d = 0; d < hd; d++) l1 += fabs((double)q[d]);
+    const double e = fabs((double)scale) * u * l1;
+    return 2.0 * expm1(2.0 * e) + u + 1e-5;
+}
+
+/* With kv_type f16 the kernel reads f16 copies of the rows: it must match
+ * the reference over those copies as closely as f32 rows match theirs, and
+ * the reference over the original f32 rows within what the rounding of K
+ * and V allows (attn_f16_bound). */
+static void run_attn_case(const attn_case *c, uint64_t seed, int threads, const char *simd, pd_type kv_type) {
     uint64_t s = seed;
     const int hd = c->head_dim;
     const int64_t nq = c->n_tokens * c->n_head * hd;
     float *q = malloc(sizeof(float) * (size_t)nq);
     float *out = malloc(sizeof(float) * (size_t)nq);
     double *want = malloc(sizeof(double) * (size_t)nq);
+    double *want32 = malloc(sizeof(double) * (size_t)nq);
     int32_t *qpos = malloc(sizeof(int32_t) * (size_t)c->n_tokens);
-    pd_kv_view kv[PD_MAX_KV_SEGMENTS * 8];
+    pd_kv_view kv[PD_MAX_KV_SEGMENTS * 8], kv32[PD_MAX_KV_SEGMENTS * 8];
     cr_assert(c->n_head_kv <= 8);
     for (int64_t i = 0; i < nq; i++) q[i] = rng_uniform(&s);
     /* positions: segment s holds keys at increasing positions with gaps;
@@ -723,6 +751,16 @@ static void run_attn_case(const attn_case *c, uint64_t seed, int threads, const 
             v->pos = pos;
             v->keep = keep;
             v->len = len;
+            v->type = PD_TYPE_F32;
+            kv32[sg * c->n_head_kv + g] = *v;
+            if (kv_type == PD_TYPE_F16) {
+                uint16_t *k16 = malloc(2 * (size_t)(len * hd + 1)), *v16 = malloc(2 * (size_t)(len * hd + 1));
+                pd_fp32_to_fp16_row(k, k16, (size_t)(len * hd));
+                pd_fp32_to_fp16_row(vv, v16, (size_t)(len * hd));
+                v->k = k16;
+                v->v = v16;
+                v->type = PD_TYPE_F16;
+            }
         }
     }
     for (int64_t t = 0; t < c->n_tokens; t++) {
@@ -741,28 +779,46 @@ static void run_attn_case(const attn_case *c, uint64_t seed, int threads, const 
                       .causal = c->causal,
                       .out = out};
     attn_ref(&a, want);
+    pd_attn_args a32 = a;
+    a32.kv = kv32;
+    attn_ref(&a32, want32);
     pd_backend *be = make_backend(threads, simd);
     pd_error err = {0};
     for (int64_t i = 0; i < nq; i++) out[i] = NAN;
     cr_assert_eq(be->ops->attention(be, &a, &err), PD_OK, "%s", err.msg);
+    const char *tn = kv_type == PD_TYPE_F16 ? "f16" : "f32";
     for (int64_t i = 0; i < nq; i++)
         cr_assert(fabs((double)out[i] - want[i]) <= 1e-5,
-                  "%s threads %d heads %d/%d hd %d segs %d causal %d masks %d: out[%lld] %.9g vs %.9g",
+                  "%s KV, %s threads %d heads %d/%d hd %d segs %d causal %d masks %d: out[%lld] %.9g vs %.9g", tn,
                   simd ? simd : "auto", threads, c->n_head, c->n_head_kv, hd, c->n_seg, c->causal, c->masks,
                   (long long)i, (double)out[i], want[i]);
+    if (kv_type == PD_TYPE_F16)
+        for (int64_t t = 0; t < c->n_tokens; t++)
+            for (int h = 0; h < c->n_head; h++) {
+                const int64_t row = (t * c->n_head + h) * hd;
+                const double bound = attn_f16_bound(q + row, hd, c->scale);
+                for (int d = 0; d < hd; d++)
+                    cr_assert(fabs((double)out[row + d] - want32[row + d]) <= bound,
+                              "f16 KV vs f32 reference, %s threads %d hd %d scale %g: out[%lld] %.9g vs %.9g "
+                              "(bound %.3g)",
+                              simd ? simd : "auto", threads, hd, (double)c->scale, (long long)(row + d),
+                              (double)out[row + d], want32[row + d], bound);
+            }
     /* under causal the first query sits before every key: all zeros */
     if (c->causal)
         for (int64_t i = 0; i < c->n_head * hd; i++) cr_assert_eq(out[i], 0.0f, "query with no key");
     pd_backend_free(be);
     for (int i = 0; i < c->n_seg * c->n_head_kv; i++) {
-        free((void *)kv[i].k);
-        free((void *)kv[i].v);
+        if (kv[i].k != kv32[i].k) free((void *)kv[i].k), free((void *)kv[i].v);
+        free((void *)kv32[i].k);
+        free((void *)kv32[i].v);
         free((void *)kv[i].pos);
         free((void *)kv[i].keep);
     }
     free(q);
     free(out);
     free(want);
+    free(want32);
     free(qpos);
 }
 
@@ -785,7 +841,10 @@ Test(attention, matches_naive_reference, .timeout = 120) {
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++)
         for (int l = 0; l < 3; l++) {
             if (l == 1 && !cpu_has("avx2")) continue;
-            for (int th = 1; th <= 3; th++) run_attn_case(&cases[ci], 10000 + ci, th, levels[l]);
+            for (int th = 1; th <= 3; th++) {
+                run_attn_case(&cases[ci], 10000 + ci, th, levels[l], PD_TYPE_F32);
+                run_attn_case(&cases[ci], 10000 + ci, th, levels[l], PD_TYPE_F16);
+            }
         }
 }
 
@@ -794,21 +853,33 @@ Test(attention, masked_and_future_keys_are_never_read) {
     pd_backend *be = make_backend(2, NULL);
     const int hd = 16;
     float k[4 * 16], v[4 * 16], q[16], out[16];
+    uint16_t k16[4 * 16], v16[4 * 16];
     for (int i = 0; i < 4 * hd; i++) k[i] = v[i] = (float)(i % 7) * 0.1f;
     for (int d = 0; d < hd; d++) {
         k[1 * hd + d] = v[1 * hd + d] = NAN; /* keep = 0 */
         k[3 * hd + d] = v[3 * hd + d] = NAN; /* future */
         q[d] = 0.5f;
     }
+    pd_fp32_to_fp16_row(k, k16, 4 * (size_t)hd);
+    pd_fp32_to_fp16_row(v, v16, 4 * (size_t)hd);
     const int32_t pos[4] = {0, 1, 2, 9};
     const uint8_t keep[4] = {1, 0, 1, 1};
     const int32_t qpos = 5;
-    pd_kv_view kv = {k, v, pos, keep, 4};
+    pd_kv_view kv = {k, v, pos, keep, 4, PD_TYPE_F32};
     pd_attn_args a = {.q = q, .q_pos = &qpos, .n_tokens = 1, .n_head = 1, .n_head_kv = 1, .head_dim = hd,
                       .n_segments = 1, .kv = &kv, .scale = 0.25f, .causal = true, .out = out};
     pd_error err = {0};
     cr_assert_eq(be->ops->attention(be, &a, &err), PD_OK, "%s", err.msg);
     for (int d = 0; d < hd; d++) cr_assert(isfinite(out[d]), "out[%d] = %g", d, (double)out[d]);
+    pd_kv_view kv16 = {k16, v16, pos, keep, 4, PD_TYPE_F16};
+    a.kv = &kv16;
+    cr_assert_eq(be->ops->attention(be, &a, &err), PD_OK, "%s", err.msg);
+    for (int d = 0; d < hd; d++) cr_assert(isfinite(out[d]), "f16: out[%d] = %g", d, (double)out[d]);
+    /* only f32 and f16 rows */
+    kv16.type = PD_TYPE_BF16;
+    cr_assert_eq(be->ops->attention(be, &a, &err), PD_EUNSUPPORTED);
+    cr_assert(strstr(err.msg, "f32 or f16"), "%s", err.msg);
+    a.kv = &kv;
     /* bad shapes */
     a.n_head = 3;
     a.n_head_kv = 2;
@@ -823,7 +894,7 @@ Test(attention, masked_and_future_keys_are_never_read) {
 /* Batched attention (groups over a shared segment) equals attending each
  * group on its own over [shared, own]: the decode path of a batch of
  * sequences that continue one compressed prefix. */
-Test(attention, groups_over_a_shared_segment_match_one_call_per_group) {
+static void groups_over_shared(pd_type shared_type) {
     pd_backend *be = make_backend(3, NULL);
     uint64_t s = 77;
     enum { HD = 32, NH = 4, NKV = 2, NG = 3, SHARED = 700 };
@@ -851,9 +922,17 @@ Test(attention, groups_over_a_shared_segment_match_one_call_per_group) {
             qpos[t] = 2 * SHARED + (int32_t)own_len[g] - 1 + (int32_t)(t - starts[g]); /* sees all but its own future */
         for (int h = 0; h < NKV; h++)
             own[g * NKV + h] = (pd_kv_view){ok[g] + own_len[g] * HD * h, ov[g] + own_len[g] * HD * h, opos[g], NULL,
-                                            own_len[g]};
+                                            own_len[g], PD_TYPE_F32};
     }
-    for (int h = 0; h < NKV; h++) shared[h] = (pd_kv_view){sk + SHARED * HD * h, sv + SHARED * HD * h, spos, NULL, SHARED};
+    for (int h = 0; h < NKV; h++)
+        shared[h] = (pd_kv_view){sk + SHARED * HD * h, sv + SHARED * HD * h, spos, NULL, SHARED, PD_TYPE_F32};
+    uint16_t *sk16 = malloc(2 * SHARED * HD * NKV), *sv16 = malloc(2 * SHARED * HD * NKV);
+    if (shared_type == PD_TYPE_F16) { /* an f16 prefix shared by sequences with f32 rows of their own */
+        pd_fp32_to_fp16_row(sk, sk16, SHARED * HD * NKV);
+        pd_fp32_to_fp16_row(sv, sv16, SHARED * HD * NKV);
+        for (int h = 0; h < NKV; h++)
+            shared[h] = (pd_kv_view){sk16 + SHARED * HD * h, sv16 + SHARED * HD * h, spos, NULL, SHARED, PD_TYPE_F16};
+    }
     pd_error err = {0};
     for (int g = 0; g < NG; g++) {
         pd_kv_view segs[2 * NKV];
@@ -878,8 +957,61 @@ Test(attention, groups_over_a_shared_segment_match_one_call_per_group) {
     all.n_segments = PD_MAX_KV_SEGMENTS;
     cr_assert_eq(be->ops->attention(be, &all, &err), PD_EINVAL);
     for (int g = 0; g < NG; g++) free(ok[g]), free(ov[g]), free(opos[g]);
-    free(sk), free(sv), free(spos);
+    free(sk), free(sv), free(spos), free(sk16), free(sv16);
     pd_backend_free(be);
+}
+
+Test(attention, groups_over_a_shared_segment_match_one_call_per_group) { groups_over_shared(PD_TYPE_F32); }
+Test(attention, groups_over_an_f16_shared_segment_match_one_call_per_group) { groups_over_shared(PD_TYPE_F16); }
+
+/* f32 <-> f16 conversion: every SIMD level's kernels (through the backend's
+ * convert op) and the row helpers give pd_fp32_to_fp16's bits, for
+ * ordinary values, ties, subnormals, overflow, infinities and NaNs, at
+ * lengths that leave vector tails. */
+Test(attention, f16_conversions_match_the_reference_bit_for_bit) {
+    enum { N = 4099 };
+    float *x = malloc(sizeof(float) * N), *back = malloc(sizeof(float) * N), *ref_back = malloc(sizeof(float) * N);
+    uint16_t *h = malloc(2 * N), *ref = malloc(2 * N);
+    uint64_t s = 5;
+    for (int i = 0; i < N; i++) {
+        const int kind = i % 8;
+        float v = rng_uniform(&s);
+        if (kind == 1) v *= 70000.0f;                  /* some overflow to inf */
+        if (kind == 2) v *= 1e-6f;                     /* f16 subnormals */
+        if (kind == 3) v = ldexpf(1.0f + (float)(i % 1024) / 1024.0f + 0x1p-11f, (i % 30) - 15); /* ties */
+        if (kind == 4) v *= 1e-9f;                     /* underflow to zero */
+        if (i == 5) v = INFINITY;
+        if (i == 13) v = -INFINITY;
+        if (i == 21) v = NAN;
+        x[i] = v;
+        ref[i] = pd_fp32_to_fp16(v);
+    }
+    for (int i = 0; i < N; i++) ref_back[i] = pd_fp16_to_fp32(ref[i]);
+    const char *levels[] = {"scalar", "avx2", NULL};
+    for (int l = 0; l < 3; l++) {
+        if (l == 1 && !cpu_has("avx2")) continue;
+        for (int th = 1; th <= 2; th++) {
+            pd_backend *be = make_backend(th, levels[l]);
+            pd_error err = {0};
+            for (int n = N; n >= N - 17; n -= 17) { /* tails of every length mod 16 */
+                memset(h, 0xab, 2 * N);
+                cr_assert_eq(be->ops->convert(be, h, PD_TYPE_F16, x, PD_TYPE_F32, n, &err), PD_OK, "%s", err.msg);
+                for (int i = 0; i < n; i++)
+                    cr_assert_eq(h[i], ref[i], "%s: f16(%a) is %#x, the reference %#x", levels[l] ? levels[l] : "auto",
+                                 (double)x[i], h[i], ref[i]);
+                for (int i = n; i < N; i++) cr_assert_eq(h[i], 0xabab, "wrote past n");
+                cr_assert_eq(be->ops->convert(be, back, PD_TYPE_F32, ref, PD_TYPE_F16, n, &err), PD_OK, "%s", err.msg);
+                cr_assert(memcmp(back, ref_back, sizeof(float) * (size_t)n) == 0, "f16 -> f32 differs");
+            }
+            cr_assert_eq(be->ops->convert(be, h, PD_TYPE_BF16, x, PD_TYPE_F32, 4, &err), PD_EUNSUPPORTED);
+            pd_backend_free(be);
+        }
+    }
+    pd_fp32_to_fp16_row(x, h, N);
+    cr_assert(memcmp(h, ref, 2 * N) == 0, "pd_fp32_to_fp16_row differs from pd_fp32_to_fp16");
+    pd_fp16_to_fp32_row(ref, back, N);
+    cr_assert(memcmp(back, ref_back, sizeof(float) * N) == 0, "pd_fp16_to_fp32_row differs from pd_fp16_to_fp32");
+    free(x), free(back), free(ref_back), free(h), free(ref);
 }
 
 /* The memory half of the contract on a host backend. */

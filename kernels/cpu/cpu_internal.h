@@ -76,6 +76,13 @@ typedef struct cpu_mm {
 } cpu_mm;
 
 typedef void (*cpu_mm_fn)(const cpu_mm *m, int64_t r0, int64_t r1);
+
+/* Up to this many activation rows a matmul is a decode step: the kernels
+ * read the weights one row at a time, front to back, so each thread is one
+ * sequential stream the hardware prefetcher follows (tiles of 4 rows, four
+ * interleaved streams, ran at half the memory bandwidth), and every weight
+ * byte is loaded once for all n tokens. */
+#define CPU_DECODE_MAX_N 8
 /* Quantize one row of cols floats (cols a multiple of the block size). */
 typedef void (*cpu_quant_fn)(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
                              int16_t *bsums);
@@ -91,6 +98,9 @@ typedef struct cpu_kernels {
     cpu_dequant_fn dequant[PD_TYPE_COUNT];
     cpu_quant_fn quant_q8_0;
     cpu_quant_fn quant_q8_K;
+    /* The activations a type's kernel wants when they differ from
+     * quant_q8_0 / quant_q8_K's; NULL = those. */
+    cpu_quant_fn quant_act[PD_TYPE_COUNT];
     /* out[i] = silu(g[i]) * u[i] */
     void (*swiglu)(const float *g, const float *u, int64_t n, float *out);
     /* p[i] = exp(s[i] - m) for i < n; returns the sum (masked entries are
@@ -113,6 +123,15 @@ typedef struct cpu_kernels {
     /* o += sum_j p[j] * v[j * hd ...] for j < nk (every row is read: the
      * caller passes only runs of visible keys) */
     void (*attn_pv)(const float *p, const float *v, int64_t hd, int64_t nk, float *o);
+    /* The same two over f16 rows (f16 KV caches): each element is widened
+     * to f32 exactly as it is loaded, the arithmetic stays f32. */
+    void (*attn_scores_f16)(const float *q, const uint16_t *k, int64_t hd, int64_t nk, float scale,
+                            float *s);
+    void (*attn_pv_f16)(const float *p, const uint16_t *v, int64_t hd, int64_t nk, float *o);
+    /* y[i] = x[i] as f16 / as f32; bit for bit pd_fp32_to_fp16 and
+     * pd_fp16_to_fp32 (round to nearest even) at every level. */
+    void (*f32_to_f16)(const float *x, int64_t n, uint16_t *y);
+    void (*f16_to_f32)(const uint16_t *x, int64_t n, float *y);
 } cpu_kernels;
 
 void cpu_kernels_scalar(cpu_kernels *k);
@@ -154,6 +173,9 @@ void cpu_quant_q8_0_scalar(const float *x, int64_t cols, int8_t *qs, float *d, i
                            int16_t *bsums);
 void cpu_quant_q8_K_scalar(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
                            int16_t *bsums);
+#if PD_X86
+void cpu_quant_q8_K_avx2(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c, int16_t *bsums);
+#endif
 
 /* The CPU backend object (pd_backend.impl points at it). Used by one
  * thread at a time; the scratch buffers only grow. */

@@ -96,7 +96,9 @@ static int quantize_acts(cpu_backend *cb, pd_type wt, const float *x, int64_t n,
         q->bsums = (int16_t *)(void *)(base + qs_bytes + d_bytes);
     else
         q->c = (int32_t *)(void *)(base + qs_bytes + d_bytes);
-    quant_ctx c = {x, q, kq ? cb->k.quant_q8_K : cb->k.quant_q8_0, cols / 16};
+    cpu_quant_fn fn = kq ? cb->k.quant_q8_K : cb->k.quant_q8_0;
+    if (cb->k.quant_act[wt]) fn = cb->k.quant_act[wt];
+    quant_ctx c = {x, q, fn, cols / 16};
     if (n >= 4 && n * cols >= 65536)
         pd_threadpool_run(cb->tp, quant_worker, &c);
     else

@@ -64,8 +64,8 @@ PD_TARGET_AVX2 static void quant_q8_0(const float *x, int64_t cols, int8_t *qs, 
     }
 }
 
-PD_TARGET_AVX2 static void quant_q8_K(const float *x, int64_t cols, int8_t *qs, float *d,
-                                      int32_t *c, int16_t *bsums) {
+PD_TARGET_AVX2 void cpu_quant_q8_K_avx2(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
+                                        int16_t *bsums) {
     (void)c;
     for (int64_t b = 0; b < cols / PD_QK_K; b++, x += PD_QK_K, qs += PD_QK_K, bsums += 16) {
         const float amax = amax_n(x, PD_QK_K);
@@ -126,11 +126,8 @@ PD_UNROLL
 
 PD_TARGET_AVX2 static void mm_q8_0(const cpu_mm *m, int64_t r0, int64_t r1) {
     int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        if (m->n <= 4 && r + PD_PF_AHEAD + 4 <= r1)
-            pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 4, m->rb);
+    for (; m->n > CPU_DECODE_MAX_N && r + 4 <= r1; r += 4) /* decode: one row at a time */
         q8_0_rows(m, r, 4);
-    }
     for (; r < r1; r++) q8_0_rows(m, r, 1);
 }
 
@@ -181,11 +178,8 @@ PD_UNROLL
 
 PD_TARGET_AVX2 static void mm_q4_0(const cpu_mm *m, int64_t r0, int64_t r1) {
     int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        if (m->n <= 4 && r + PD_PF_AHEAD + 4 <= r1)
-            pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 4, m->rb);
+    for (; m->n > CPU_DECODE_MAX_N && r + 4 <= r1; r += 4) /* decode: one row at a time */
         q4_0_rows(m, r, 4);
-    }
     for (; r < r1; r++) q4_0_rows(m, r, 1);
 }
 
@@ -277,11 +271,8 @@ PD_UNROLL
 
 PD_TARGET_AVX2 static void mm_q4_K(const cpu_mm *m, int64_t r0, int64_t r1) {
     int64_t r = r0;
-    for (; r + KQ_ROWS <= r1; r += KQ_ROWS) {
-        if (m->n <= 4 && r + PD_PF_AHEAD + KQ_ROWS <= r1)
-            pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, KQ_ROWS, m->rb);
+    for (; m->n > CPU_DECODE_MAX_N && r + KQ_ROWS <= r1; r += KQ_ROWS) /* decode: one row at a time */
         q4_K_rows(m, r, KQ_ROWS);
-    }
     for (; r < r1; r++) q4_K_rows(m, r, 1);
 }
 
@@ -393,11 +384,8 @@ static inline float load1_bf16(const uint8_t *p) {
     }                                                                                            \
     PD_TARGET_AVX2 static void NAME(const cpu_mm *m, int64_t r0, int64_t r1) {                   \
         int64_t r = r0;                                                                          \
-        for (; r + 4 <= r1; r += 4) {                                                            \
-            if (m->n <= 4 && r + PD_PF_AHEAD + 4 <= r1)                                          \
-                pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 4, m->rb);     \
+        for (; m->n > CPU_DECODE_MAX_N && r + 4 <= r1; r += 4) /* decode: one row at a time */   \
             NAME##_rows(m, r, 4);                                                                \
-        }                                                                                        \
         for (; r < r1; r++) NAME##_rows(m, r, 1);                                                \
     }
 
@@ -551,6 +539,82 @@ PD_TARGET_AVX2 static void attn_pv(const float *p, const float *v, int64_t hd, i
     }
 }
 
+/* Eight f16 elements widened to f32 (F16C). */
+PD_TARGET_AVX2 static inline __m256 kv_load8_f16(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+PD_TARGET_AVX2 static void attn_scores_f16(const float *q, const uint16_t *k, int64_t hd, int64_t nk,
+                                           float scale, float *s) {
+    const int64_t hd8 = hd & ~(int64_t)7; /* F16C has no masked load: the rest is scalar */
+    int64_t j = 0;
+    for (; j + 4 <= nk; j += 4) {
+        const uint16_t *k0 = k + j * hd;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < hd8; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(qv, kv_load8_f16(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qv, kv_load8_f16(k0 + hd + d), a1);
+            a2 = _mm256_fmadd_ps(qv, kv_load8_f16(k0 + 2 * hd + d), a2);
+            a3 = _mm256_fmadd_ps(qv, kv_load8_f16(k0 + 3 * hd + d), a3);
+        }
+        float t[4];
+        _mm_storeu_ps(t, pd_reduce4_ps_avx2(a0, a1, a2, a3));
+        for (int i = 0; i < 4; i++) {
+            for (int64_t d = hd8; d < hd; d++) t[i] += q[d] * pd_fp16_to_fp32(k0[i * hd + d]);
+            s[j + i] = scale * t[i];
+        }
+    }
+    for (; j < nk; j++) {
+        const uint16_t *kj = k + j * hd;
+        __m256 a0 = _mm256_setzero_ps();
+        for (int64_t d = 0; d < hd8; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kv_load8_f16(kj + d), a0);
+        float t = pd_hsum_ps_avx2(a0);
+        for (int64_t d = hd8; d < hd; d++) t += q[d] * pd_fp16_to_fp32(kj[d]);
+        s[j] = scale * t;
+    }
+}
+
+PD_TARGET_AVX2 static void attn_pv_f16(const float *p, const uint16_t *v, int64_t hd, int64_t nk, float *o) {
+    int64_t d = 0;
+    for (; d + 32 <= hd; d += 32) {
+        __m256 o0 = _mm256_loadu_ps(o + d), o1 = _mm256_loadu_ps(o + d + 8);
+        __m256 o2 = _mm256_loadu_ps(o + d + 16), o3 = _mm256_loadu_ps(o + d + 24);
+        for (int64_t j = 0; j < nk; j++) {
+            const __m256 b = _mm256_set1_ps(p[j]);
+            const uint16_t *vj = v + j * hd + d;
+            o0 = _mm256_fmadd_ps(b, kv_load8_f16(vj), o0);
+            o1 = _mm256_fmadd_ps(b, kv_load8_f16(vj + 8), o1);
+            o2 = _mm256_fmadd_ps(b, kv_load8_f16(vj + 16), o2);
+            o3 = _mm256_fmadd_ps(b, kv_load8_f16(vj + 24), o3);
+        }
+        _mm256_storeu_ps(o + d, o0);
+        _mm256_storeu_ps(o + d + 8, o1);
+        _mm256_storeu_ps(o + d + 16, o2);
+        _mm256_storeu_ps(o + d + 24, o3);
+    }
+    for (; d + 8 <= hd; d += 8) {
+        __m256 o0 = _mm256_loadu_ps(o + d);
+        for (int64_t j = 0; j < nk; j++) o0 = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), kv_load8_f16(v + j * hd + d), o0);
+        _mm256_storeu_ps(o + d, o0);
+    }
+    for (; d < hd; d++)
+        for (int64_t j = 0; j < nk; j++) o[d] += p[j] * pd_fp16_to_fp32(v[j * hd + d]);
+}
+
+PD_TARGET_AVX2 static void f32_to_f16(const float *x, int64_t n, uint16_t *y) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) y[i] = pd_fp32_to_fp16(x[i]);
+}
+
+PD_TARGET_AVX2 static void f16_to_f32(const uint16_t *x, int64_t n, float *y) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, kv_load8_f16(x + i));
+    for (; i < n; i++) y[i] = pd_fp16_to_fp32(x[i]);
+}
+
 PD_TARGET_AVX2 static float max_f32(const float *x, int64_t n) {
     int64_t i = 0;
     float m = x[0];
@@ -604,7 +668,7 @@ void cpu_kernels_avx2(cpu_kernels *k) {
     k->dequant[PD_TYPE_F16] = dequant_f16;
     k->dequant[PD_TYPE_BF16] = dequant_bf16;
     k->quant_q8_0 = quant_q8_0;
-    k->quant_q8_K = quant_q8_K;
+    k->quant_q8_K = cpu_quant_q8_K_avx2;
     k->swiglu = swiglu;
     k->softmax_exp = softmax_exp;
     k->dot_f32 = dot_f32;
@@ -613,6 +677,10 @@ void cpu_kernels_avx2(cpu_kernels *k) {
     k->scale_mul = scale_mul;
     k->attn_scores = attn_scores;
     k->attn_pv = attn_pv;
+    k->attn_scores_f16 = attn_scores_f16;
+    k->attn_pv_f16 = attn_pv_f16;
+    k->f32_to_f16 = f32_to_f16;
+    k->f16_to_f32 = f16_to_f32;
     k->max_f32 = max_f32;
     k->max_i32 = max_i32;
 }

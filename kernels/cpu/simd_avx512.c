@@ -1,13 +1,14 @@
 /* AVX-512 (F/BW/VL/DQ) + VNNI kernels, run-time dispatched.
  *
- * q8_0 weights use an integer GEMM tile kernel for every n: a tile of up to
- * 4 weight rows x 4 activation rows, two 32-blocks per 512-bit register.
- * vpdpbusd multiplies unsigned by signed bytes, so the weights are flipped
- * to unsigned with XOR 0x80 (w + 128) and the accumulator starts at
+ * Decode (n <= CPU_DECODE_MAX_N) reads each weight row once, front to back,
+ * for all n tokens. Prefill of q8_0 uses an integer GEMM tile kernel: up to
+ * 4 weight rows x 4 activation rows, two 32-blocks per 512-bit register;
+ * the K-quants use their row kernels over blocks of 8 tokens. vpdpbusd
+ * multiplies unsigned by signed bytes, so q8_0 weights are flipped to
+ * unsigned with XOR 0x80 (w + 128) and the accumulator starts at
  * -128 * sum(x) for the block (precomputed when x was quantized); the
  * result is the exact integer dot(w, x) of each block, which is then scaled
- * by d_w * d_x in float. The K-quants (q4_K, q6_K) take up to 4 weight
- * rows per pass against q8_K activations (maddubs + vpdpwssd). */
+ * by d_w * d_x in float. K-quant codes are unsigned already. */
 #include "kernels/cpu/cpu_internal.h"
 
 #if PD_X86
@@ -135,7 +136,7 @@ PD_TARGET_AVX512 static void q8_0_tile_any(const uint8_t *w, size_t rb, int nr, 
     }
 }
 
-PD_TARGET_AVX512 static void mm_q8_0(const cpu_mm *m, int64_t r0, int64_t r1) {
+PD_TARGET_AVX512 static void mm_q8_0_tiles(const cpu_mm *m, int64_t r0, int64_t r1) {
     for (int64_t tb = 0; tb < m->n; tb += TOKEN_BLOCK) {
         const int64_t te = tb + TOKEN_BLOCK < m->n ? tb + TOKEN_BLOCK : m->n;
         for (int64_t r = r0; r < r1; r += TILE_M) {
@@ -153,7 +154,7 @@ PD_TARGET_AVX512 static void mm_q8_0(const cpu_mm *m, int64_t r0, int64_t r1) {
 }
 
 /* ------------------------------------------------------------------------
- * q4_0 x q8_0 (VNNI on 256-bit halves)
+ * q4_0 x q8_0: codes unpacked to bytes for VNNI (see q4_0_row)
  * ------------------------------------------------------------------------ */
 
 PD_TARGET_AVX512 static inline __m256i unpack_q4_0_512(const uint8_t *qs) {
@@ -162,67 +163,23 @@ PD_TARGET_AVX512 static inline __m256i unpack_q4_0_512(const uint8_t *qs) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
 }
 
-PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
-q4_0_rows(const cpu_mm *m, int64_t r, const int nr) {
-    const cpu_qact *q = m->q;
-    const int64_t nb = q->nblocks;
-    for (int64_t t = 0; t < m->n; t++) {
-        const int8_t *xq = q->qs + t * q->cols;
-        const float *xd = q->d + t * nb;
-        const int32_t *xc = q->c + t * nb;
-        __m256 acc[4];
-PD_UNROLL
-        for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
-            const __m256i corr = _mm256_maskz_mov_epi32((__mmask8)1, _mm256_set1_epi32(xc[b] / 16));
-PD_UNROLL
-            for (int i = 0; i < nr; i++) {
-                const uint8_t *blk = m->w + (size_t)(r + i) * m->rb + (size_t)Q4_0_BYTES * (size_t)b;
-                const __m256i p = _mm256_dpbusd_epi32(corr, unpack_q4_0_512(blk + 2), xv);
-                const __m256 s = _mm256_set1_ps(_cvtsh_ss(pd_ld16(blk)) * xd[b]);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[i]);
-            }
-        }
-PD_UNROLL
-        for (int i = 0; i < nr; i++) m->y[t * m->ldy + r + i] = pd_hsum_ps_avx2(acc[i]);
-    }
-}
-
-PD_TARGET_AVX512 static void mm_q4_0(const cpu_mm *m, int64_t r0, int64_t r1) {
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        if (m->n <= 4 && r + PD_PF_AHEAD + 4 <= r1)
-            pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 4, m->rb);
-        q4_0_rows(m, r, 4);
-    }
-    for (; r < r1; r++) q4_0_rows(m, r, 1);
-}
 
 /* ------------------------------------------------------------------------
- * q4_K / q6_K x q8_K: up to 4 weight rows per pass, so each super-block of
- * activations is loaded once for all of them. Codes times activations are
- * paired into int16 with maddubs (no overflow: 15 * 127 * 2 and
- * 63 * 127 * 2 fit), then multiplied by the sub-block scales and summed into
- * int32 with vpdpwssd. Integer sums are exact; only the float additions are
- * in another order than the scalar reference.
+ * q4_K / q6_K x q8_K: shared pieces of the row kernels below
  * ------------------------------------------------------------------------ */
 
 #define Q4_K_BYTES 144
 #define Q6_K_BYTES 210
-#define KQ_ROWS 4
 
-/* The 8 six-bit scales (bytes 0..7) and mins (bytes 8..15) of a q4_K block. */
+/* The 8 six-bit scales (bytes 0..7) and mins (bytes 8..15) of a q4_K block,
+ * computed in a register (12 bytes read as 16: the codes follow). */
 PD_TARGET_AVX512 static inline __m128i q4k_scales_mins(const uint8_t *s) {
-    uint32_t u[4];
-    memcpy(u, s, 12);
-    const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
-    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-    const uint32_t aux = u[1] & k1;
-    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-    u[2] = aux;
-    u[0] &= k1;
-    return _mm_loadu_si128((const __m128i *)(const void *)u);
+    const __m128i u = _mm_loadu_si128((const __m128i *)(const void *)s); /* words u0 u1 u2 */
+    const __m128i lo = _mm_and_si128(u, _mm_set1_epi8(0x3f));            /* sc0-3 mn0-3 */
+    const __m128i u2 = _mm_shuffle_epi32(u, 0xaa);
+    const __m128i hl = _mm_and_si128(_mm_srlv_epi32(u2, _mm_setr_epi32(0, 4, 0, 4)), _mm_set1_epi8(0x0f));
+    const __m128i hh = _mm_and_si128(_mm_slli_epi32(_mm_srli_epi32(u, 6), 4), _mm_set1_epi8(0x30));
+    return _mm_unpacklo_epi32(lo, _mm_or_si128(hl, hh)); /* sc0-3 sc4-7 mn0-3 mn4-7 */
 }
 
 /* 16-bit lanes: `a` in words 0..15, `b` in words 16..31. */
@@ -230,154 +187,293 @@ PD_TARGET_AVX512 static inline __m512i halves_epi16(short a, short b) {
     return _mm512_inserti64x4(_mm512_set1_epi16(a), _mm256_set1_epi16(b), 1);
 }
 
+/* ------------------------------------------------------------------------
+ * Decode (n <= CPU_DECODE_MAX_N): one weight row at a time, front to back,
+ * all n tokens per weight load. Bytes ahead of the block in use that are
+ * prefetched: enough to keep a memory stream's worth of loads in flight.
+ * ------------------------------------------------------------------------ */
+
+#define DECODE_PF 4096
+
+static inline void decode_prefetch(const uint8_t *p) {
+    _mm_prefetch((const char *)((uintptr_t)p + DECODE_PF), _MM_HINT_T0);
+}
+
+/* ROW(m, r, t0, NT) for rows [ra, rz) and tokens [t0, t0 + nt), nt <= 8,
+ * with NT a constant so the kernels' per-token loops unroll into
+ * registers. */
+#define ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                        \
+    switch (nt) {                                                                                \
+    case 1: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 1); break;                       \
+    case 2: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 2); break;                       \
+    case 3: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 3); break;                       \
+    case 4: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 4); break;                       \
+    case 5: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 5); break;                       \
+    case 6: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 6); break;                       \
+    case 7: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 7); break;                       \
+    default: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 8); break;                      \
+    }
+
+/* Prefill with a row kernel: rows in groups that stay in L2 while every
+ * block of 8 tokens passes over them. */
+#define PREFILL_ROWS 64
+#define ROW_KERNEL_ALL_N(ROW, m, r0, r1)                                                         \
+    for (int64_t ra = (r0); ra < (r1); ra += PREFILL_ROWS) {                                     \
+        const int64_t rz = ra + PREFILL_ROWS < (r1) ? ra + PREFILL_ROWS : (r1);                  \
+        for (int64_t t0 = 0; t0 < (m)->n; t0 += CPU_DECODE_MAX_N) {                             \
+            const int64_t nt = (m)->n - t0 < CPU_DECODE_MAX_N ? (m)->n - t0 : CPU_DECODE_MAX_N;  \
+            ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                    \
+        }                                                                                        \
+    }
+
+/* q8_0: two blocks per register, as in the tile kernel. */
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
-q4_K_rows(const cpu_mm *m, int64_t r, const int nr, int64_t ta, int64_t tz) {
+q8_0_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const cpu_qact *q = m->q;
     const int64_t nb = q->nblocks;
+    const uint8_t *w = m->w + (size_t)r * m->rb;
+    const __m512i idx01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i x80 = _mm512_set1_epi8((char)0x80);
+    __m512 acc[CPU_DECODE_MAX_N];
+PD_UNROLL
+    for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p + 2 <= nb; p += 2) {
+        const uint8_t *blk = w + (size_t)Q8_0_BYTES * (size_t)p;
+        decode_prefetch(blk);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + Q8_0_BYTES + 2));
+        const __m512i wv = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), x80);
+        const uint32_t h2 = (uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + Q8_0_BYTES) << 16);
+        const __m128 dw2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h2));
+PD_UNROLL
+        for (int j = 0; j < nt; j++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(q->qs + (t0 + j) * q->cols + 32 * p));
+            const __m128i c2 = _mm_loadl_epi64((const __m128i *)(const void *)(q->c + (t0 + j) * nb + p));
+            const __m512i cv = _mm512_maskz_permutexvar_epi32((__mmask16)0x0101, idx01, _mm512_castsi128_si512(c2));
+            const __m128 d2 = _mm_mul_ps(dw2, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(const void *)(q->d + (t0 + j) * nb + p))));
+            const __m512 dv = _mm512_permutexvar_ps(idx01, _mm512_castps128_ps512(d2));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cv, wv, xv)), dv, acc[j]);
+        }
+    }
+    if (p < nb) { /* odd block count */
+        const uint8_t *blk = w + (size_t)Q8_0_BYTES * (size_t)p;
+        const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
+        const float dw = _cvtsh_ss(pd_ld16(blk));
+PD_UNROLL
+        for (int j = 0; j < nt; j++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)(q->qs + (t0 + j) * q->cols + 32 * p));
+            const __m256i cv = _mm256_maskz_mov_epi32((__mmask8)1, _mm256_set1_epi32(q->c[(t0 + j) * nb + p]));
+            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(cv, wv, xv)),
+                                           _mm256_set1_ps(dw * q->d[(t0 + j) * nb + p]));
+            acc[j] = _mm512_add_ps(acc[j], _mm512_zextps256_ps512(s));
+        }
+    }
+PD_UNROLL
+    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]);
+}
+
+/* q4_0: two blocks per register, codes 0..15 unpacked in natural order
+ * (low nibbles are elements 0..15, high nibbles 16..31); the -8 offset is
+ * c / 16 = -8 * sum(x), added per block like q8_0's correction. */
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
+q4_0_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
+    const cpu_qact *q = m->q;
+    const int64_t nb = q->nblocks;
+    const uint8_t *w = m->w + (size_t)r * m->rb;
+    const __m512i idx01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512 acc[CPU_DECODE_MAX_N];
+PD_UNROLL
+    for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p + 2 <= nb; p += 2) {
+        const uint8_t *blk = w + (size_t)Q4_0_BYTES * (size_t)p;
+        decode_prefetch(blk);
+        const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(unpack_q4_0_512(blk + 2)),
+                                              unpack_q4_0_512(blk + Q4_0_BYTES + 2), 1);
+        const uint32_t h2 = (uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + Q4_0_BYTES) << 16);
+        const __m128 dw2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h2));
+PD_UNROLL
+        for (int j = 0; j < nt; j++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(q->qs + (t0 + j) * q->cols + 32 * p));
+            const __m128i c2 = _mm_srai_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(q->c + (t0 + j) * nb + p)), 4);
+            const __m512i cv = _mm512_maskz_permutexvar_epi32((__mmask16)0x0101, idx01, _mm512_castsi128_si512(c2));
+            const __m128 d2 = _mm_mul_ps(dw2, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(const void *)(q->d + (t0 + j) * nb + p))));
+            const __m512 dv = _mm512_permutexvar_ps(idx01, _mm512_castps128_ps512(d2));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cv, wv, xv)), dv, acc[j]);
+        }
+    }
+    if (p < nb) { /* odd block count */
+        const uint8_t *blk = w + (size_t)Q4_0_BYTES * (size_t)p;
+        const __m256i wv = unpack_q4_0_512(blk + 2);
+        const float dw = _cvtsh_ss(pd_ld16(blk));
+PD_UNROLL
+        for (int j = 0; j < nt; j++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)(q->qs + (t0 + j) * q->cols + 32 * p));
+            const __m256i cv = _mm256_maskz_mov_epi32((__mmask8)1, _mm256_set1_epi32(q->c[(t0 + j) * nb + p] / 16));
+            const __m256 sv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(cv, wv, xv)),
+                                            _mm256_set1_ps(dw * q->d[(t0 + j) * nb + p]));
+            acc[j] = _mm512_add_ps(acc[j], _mm512_zextps256_ps512(sv));
+        }
+    }
+PD_UNROLL
+    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]);
+}
+
+/* q4_K against activations in the decode layout (quant_q8_K4): each
+ * 64-byte load of codes gives, in its low nibbles, two sub-blocks whose
+ * activations are contiguous there, and its high nibbles the next 64. The
+ * 4-byte VNNI sums of codes (0..15) times activations are at most 7620 in
+ * magnitude, so two registers of them pack into 16-bit words and meet their
+ * sub-block scales in one vpmaddwd: 4 dot products, 2 packs, 2 multiplies
+ * per 256 weights. */
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
+q4_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
+    const cpu_qact *q = m->q;
+    const int64_t nb = q->nblocks;
+    const uint8_t *w = m->w + (size_t)r * m->rb;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
-    const __m512i sh = halves_epi16(0, 4); /* low nibbles | high nibbles */
-    const __m512i idx0 = halves_epi16(0, 1), idx1 = halves_epi16(2, 3);
-    const __m512i idx2 = halves_epi16(4, 5), idx3 = halves_epi16(6, 7);
-    for (int64_t t = ta; t < tz; t++) {
-        const int8_t *xq = q->qs + t * q->cols;
-        const float *xd = q->d + t * nb;
-        const int16_t *bs = q->bsums + t * (q->cols / 16);
-        __m512 acc[KQ_ROWS];
-        __m128 accm[KQ_ROWS];
+    /* 128-bit lane k of packs(p0, p1): 4 words of p0's sub-block, 4 of p1's */
+    const __m512i ia = _mm512_set_epi16(3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2,
+                                        1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(4));
+    __m512 acc[CPU_DECODE_MAX_N];
+    __m128 accm[CPU_DECODE_MAX_N];
 PD_UNROLL
-        for (int i = 0; i < nr; i++) {
-            acc[i] = _mm512_setzero_ps();
-            accm[i] = _mm_setzero_ps();
-        }
-        for (int64_t b = 0; b < nb; b++) {
-            const int8_t *xb = xq + PD_QK_K * b;
-            const __m512i x0 = _mm512_loadu_si512((const void *)xb);
-            const __m512i x1 = _mm512_loadu_si512((const void *)(xb + 64));
-            const __m512i x2 = _mm512_loadu_si512((const void *)(xb + 128));
-            const __m512i x3 = _mm512_loadu_si512((const void *)(xb + 192));
-            /* sums of the activations of each 32-sub-block (for the mins) */
-            const __m256i bp = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(bs + 16 * b)),
-                                                 _mm256_set1_epi16(1));
-            const __m128i bsp = _mm_packs_epi32(_mm256_castsi256_si128(bp), _mm256_extracti128_si256(bp, 1));
-PD_UNROLL
-            for (int i = 0; i < nr; i++) {
-                const uint8_t *blk = m->w + (size_t)(r + i) * m->rb + (size_t)Q4_K_BYTES * (size_t)b;
-                const __m128i sm = q4k_scales_mins(blk + 4);
-                const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
-                const __m128i mn = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
-                const uint8_t *qs = blk + 16;
-#define Q4K_STEP(J, X, IDX)                                                                        \
-    {                                                                                              \
-        const __m512i qv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * (J)))); \
-        const __m512i nib = _mm512_and_si512(_mm512_srlv_epi16(qv, sh), m4);                       \
-        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(nib, X), _mm512_permutexvar_epi16(IDX, sc)); \
+    for (int j = 0; j < nt; j++) {
+        acc[j] = _mm512_setzero_ps();
+        accm[j] = _mm_setzero_ps();
     }
-                __m512i sumi = _mm512_setzero_si512();
-                Q4K_STEP(0, x0, idx0)
-                Q4K_STEP(1, x1, idx1)
-                Q4K_STEP(2, x2, idx2)
-                Q4K_STEP(3, x3, idx3)
-#undef Q4K_STEP
-                const float dd = _cvtsh_ss(pd_ld16(blk)) * xd[b];
-                const float dmin = _cvtsh_ss(pd_ld16(blk + 2)) * xd[b];
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(dd), acc[i]);
-                accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn, bsp)), _mm_set1_ps(dmin), accm[i]);
-            }
-        }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)Q4_K_BYTES * (size_t)b;
+        decode_prefetch(blk);
+        decode_prefetch(blk + 64);
+        decode_prefetch(blk + 128);
+        const __m128i sm = q4k_scales_mins(blk + 4);
+        const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
+        const __m512i sa = _mm512_permutexvar_epi16(ia, sc16), sb = _mm512_permutexvar_epi16(ib, sc16);
+        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+        const __m512i qa = _mm512_loadu_si512((const void *)(blk + 16));
+        const __m512i qb = _mm512_loadu_si512((const void *)(blk + 80));
+        const __m512i n0 = _mm512_and_si512(qa, m4), n1 = _mm512_and_si512(_mm512_srli_epi16(qa, 4), m4);
+        const __m512i n2 = _mm512_and_si512(qb, m4), n3 = _mm512_and_si512(_mm512_srli_epi16(qb, 4), m4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + 2) << 16))));
 PD_UNROLL
-        for (int i = 0; i < nr; i++)
-            m->y[t * m->ldy + r + i] = _mm512_reduce_add_ps(acc[i]) - pd_hsum_ps_sse(accm[i]);
+        for (int j = 0; j < nt; j++) {
+            const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
+            const __m512i z = _mm512_setzero_si512();
+            const __m512i p0 = _mm512_dpbusd_epi32(z, n0, _mm512_loadu_si512((const void *)x));
+            const __m512i p1 = _mm512_dpbusd_epi32(z, n1, _mm512_loadu_si512((const void *)(x + 64)));
+            const __m512i p2 = _mm512_dpbusd_epi32(z, n2, _mm512_loadu_si512((const void *)(x + 128)));
+            const __m512i p3 = _mm512_dpbusd_epi32(z, n3, _mm512_loadu_si512((const void *)(x + 192)));
+            const __m512i si = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_packs_epi32(p0, p1), sa),
+                                                   _mm512_packs_epi32(p2, p3), sb);
+            const __m128 dx = _mm_mul_ps(dm, _mm_set1_ps(q->d[(t0 + j) * nb + b])); /* d * xd, dmin * xd */
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_broadcastss_ps(dx), acc[j]);
+            const __m128i bs = _mm_loadu_si128((const __m128i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b));
+            accm[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn16, bs)), _mm_permute_ps(dx, 0x55), accm[j]);
+        }
     }
+PD_UNROLL
+    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]) - pd_hsum_ps_sse(accm[j]);
 }
 
-/* Tokens in blocks of TOKEN_BLOCK, so their activations stay in L2 while
- * every row tile of the chunk passes over them. */
-PD_TARGET_AVX512 static void mm_q4_K(const cpu_mm *m, int64_t r0, int64_t r1) {
-    for (int64_t ta = 0; ta < m->n; ta += TOKEN_BLOCK) {
-        const int64_t tz = ta + TOKEN_BLOCK < m->n ? ta + TOKEN_BLOCK : m->n;
-        int64_t r = r0;
-        for (; r + KQ_ROWS <= r1; r += KQ_ROWS) {
-            if (m->n <= 4 && r + PD_PF_AHEAD + KQ_ROWS <= r1)
-                pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, KQ_ROWS, m->rb);
-            q4_K_rows(m, r, KQ_ROWS, ta, tz);
+/* q8_K activations in the order q4_K_row reads them: per 256-block the
+ * 32-sub-blocks 0 2 1 3 4 6 5 7, and in the first 8 bsums of the block the
+ * sums of each sub-block, in natural order. Same quantized values as
+ * quant_q8_K. */
+PD_TARGET_AVX512 static void quant_q8_K4(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
+                                          int16_t *bsums) {
+    cpu_quant_q8_K_avx2(x, cols, qs, d, c, bsums);
+    for (int64_t b = 0; b < cols / PD_QK_K; b++) {
+        int8_t *xb = qs + PD_QK_K * b;
+        for (int h = 0; h < 2; h++) { /* swap sub-blocks 1 and 2 of each half */
+            const __m256i t = _mm256_loadu_si256((const __m256i *)(const void *)(xb + 128 * h + 32));
+            _mm256_storeu_si256((__m256i *)(void *)(xb + 128 * h + 32),
+                                _mm256_loadu_si256((const __m256i *)(const void *)(xb + 128 * h + 64)));
+            _mm256_storeu_si256((__m256i *)(void *)(xb + 128 * h + 64), t);
         }
-        for (; r < r1; r++) q4_K_rows(m, r, 1, ta, tz);
+        int16_t *bs = bsums + 16 * b;
+        for (int s = 0; s < 8; s++) bs[s] = (int16_t)(bs[2 * s] + bs[2 * s + 1]);
     }
 }
 
-/* word k of each 128-bit lane i (8 words) gets scale base + i */
-PD_TARGET_AVX512 static inline __m512i q6k_idx(short base) {
-    return _mm512_set_epi16(base + 3, base + 3, base + 3, base + 3, base + 3, base + 3, base + 3, base + 3,
-                            base + 2, base + 2, base + 2, base + 2, base + 2, base + 2, base + 2, base + 2,
-                            base + 1, base + 1, base + 1, base + 1, base + 1, base + 1, base + 1, base + 1,
-                            base, base, base, base, base, base, base, base);
-}
-
+/* q6_K: codes 0..63 (stored + 32) from the low nibbles and two high bits;
+ * 4-byte VNNI sums are at most 4 * 63 * 127 = 32004, so they pack into
+ * words as in q4_K_row. Natural activation order (quant_q8_K). */
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
-q6_K_rows(const cpu_mm *m, int64_t r, const int nr, int64_t ta, int64_t tz) {
+q6_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const cpu_qact *q = m->q;
     const int64_t nb = q->nblocks;
+    const uint8_t *w = m->w + (size_t)r * m->rb;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     const __m512i m30 = _mm512_set1_epi8(0x30);
     const __m512i shl = halves_epi16(4, 2); /* qh bits 0-1 | 2-3 to bits 4-5 */
     const __m512i shr = halves_epi16(0, 2); /* qh bits 4-5 | 6-7 to bits 4-5 */
-    const __m512i idx[4] = {q6k_idx(0), q6k_idx(4), q6k_idx(8), q6k_idx(12)};
-    for (int64_t t = ta; t < tz; t++) {
-        const int8_t *xq = q->qs + t * q->cols;
-        const float *xd = q->d + t * nb;
-        const int16_t *bs = q->bsums + t * (q->cols / 16);
-        __m512 acc[KQ_ROWS];
+    /* lane k of packs(p0, p1): sub-blocks (of 16) k and 4 + k; of
+     * packs(p2, p3): 8 + k and 12 + k */
+    const __m512i ia = _mm512_set_epi16(7, 7, 7, 7, 3, 3, 3, 3, 6, 6, 6, 6, 2, 2, 2, 2,
+                                        5, 5, 5, 5, 1, 1, 1, 1, 4, 4, 4, 4, 0, 0, 0, 0);
+    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(8));
+    __m512 acc[CPU_DECODE_MAX_N];
 PD_UNROLL
-        for (int i = 0; i < nr; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const int8_t *xb = xq + PD_QK_K * b;
-            __m512i xv[4];
-            for (int k = 0; k < 4; k++) xv[k] = _mm512_loadu_si512((const void *)(xb + 64 * k));
-            const __m256i bsv = _mm256_loadu_si256((const __m256i *)(const void *)(bs + 16 * b));
+    for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)Q6_K_BYTES * (size_t)b;
+        decode_prefetch(blk);
+        decode_prefetch(blk + 64);
+        decode_prefetch(blk + 128);
+        decode_prefetch(blk + 192);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const __m512i sa = _mm512_permutexvar_epi16(ia, _mm512_castsi256_si512(sc16));
+        const __m512i sb = _mm512_permutexvar_epi16(ib, _mm512_castsi256_si512(sc16));
+        __m512i cd[4];
 PD_UNROLL
-            for (int i = 0; i < nr; i++) {
-                const uint8_t *blk = m->w + (size_t)(r + i) * m->rb + (size_t)Q6_K_BYTES * (size_t)b;
-                const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-                const __m512i sc = _mm512_castsi256_si512(sc16);
-                /* the codes are stored + 32: subtract 32 * sum(scale * bsum) */
-                const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsv), 5);
-                __m512i sumi = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_zextsi256_si512(corr));
-PD_UNROLL
-                for (int h = 0; h < 2; h++) {
-                    const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
-                    const __m512i hb =
-                        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-                    const __m512i lo = _mm512_or_si512(_mm512_and_si512(l, m4),
-                                                       _mm512_and_si512(_mm512_sllv_epi16(hb, shl), m30));
-                    const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                                       _mm512_and_si512(_mm512_srlv_epi16(hb, shr), m30));
-                    sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(lo, xv[2 * h]),
-                                               _mm512_permutexvar_epi16(idx[2 * h], sc));
-                    sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(hi, xv[2 * h + 1]),
-                                               _mm512_permutexvar_epi16(idx[2 * h + 1], sc));
-                }
-                const float dd = _cvtsh_ss(pd_ld16(blk + 208)) * xd[b];
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(dd), acc[i]);
-            }
+        for (int h = 0; h < 2; h++) {
+            const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
+            const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+            cd[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(hb, shl), m30));
+            cd[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                            _mm512_and_si512(_mm512_srlv_epi16(hb, shr), m30));
         }
+        const float dw = _cvtsh_ss(pd_ld16(blk + 208));
 PD_UNROLL
-        for (int i = 0; i < nr; i++) m->y[t * m->ldy + r + i] = _mm512_reduce_add_ps(acc[i]);
+        for (int j = 0; j < nt; j++) {
+            const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
+            const __m512i z = _mm512_setzero_si512();
+            const __m512i p0 = _mm512_dpbusd_epi32(z, cd[0], _mm512_loadu_si512((const void *)x));
+            const __m512i p1 = _mm512_dpbusd_epi32(z, cd[1], _mm512_loadu_si512((const void *)(x + 64)));
+            const __m512i p2 = _mm512_dpbusd_epi32(z, cd[2], _mm512_loadu_si512((const void *)(x + 128)));
+            const __m512i p3 = _mm512_dpbusd_epi32(z, cd[3], _mm512_loadu_si512((const void *)(x + 192)));
+            /* the codes are stored + 32: subtract 32 * sum(scale * bsum) */
+            const __m256i bsv = _mm256_loadu_si256((const __m256i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b));
+            const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsv), 5);
+            __m512i si = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_packs_epi32(p0, p1), sa),
+                                             _mm512_packs_epi32(p2, p3), sb);
+            si = _mm512_sub_epi32(si, _mm512_zextsi256_si512(corr));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_set1_ps(dw * q->d[(t0 + j) * nb + b]), acc[j]);
+        }
     }
+PD_UNROLL
+    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]);
 }
 
-/* Tokens in blocks of TOKEN_BLOCK, so their activations stay in L2 while
- * every row tile of the chunk passes over them. */
+PD_TARGET_AVX512 static void mm_q8_0(const cpu_mm *m, int64_t r0, int64_t r1) {
+    if (m->n > CPU_DECODE_MAX_N) return mm_q8_0_tiles(m, r0, r1); /* 4x4 tiles win at large n */
+    ROW_RANGE(q8_0_row, m, r0, r1, 0, m->n)
+}
+
+/* The K-quant row kernels beat tiles at every n (twice the GFLOP/s). */
+PD_TARGET_AVX512 static void mm_q4_K(const cpu_mm *m, int64_t r0, int64_t r1) {
+    ROW_KERNEL_ALL_N(q4_K_row, m, r0, r1)
+}
+
 PD_TARGET_AVX512 static void mm_q6_K(const cpu_mm *m, int64_t r0, int64_t r1) {
-    for (int64_t ta = 0; ta < m->n; ta += TOKEN_BLOCK) {
-        const int64_t tz = ta + TOKEN_BLOCK < m->n ? ta + TOKEN_BLOCK : m->n;
-        int64_t r = r0;
-        for (; r + KQ_ROWS <= r1; r += KQ_ROWS) {
-            if (m->n <= 4 && r + PD_PF_AHEAD + KQ_ROWS <= r1)
-                pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, KQ_ROWS, m->rb);
-            q6_K_rows(m, r, KQ_ROWS, ta, tz);
-        }
-        for (; r < r1; r++) q6_K_rows(m, r, 1, ta, tz);
-    }
+    ROW_KERNEL_ALL_N(q6_K_row, m, r0, r1)
+}
+
+PD_TARGET_AVX512 static void mm_q4_0(const cpu_mm *m, int64_t r0, int64_t r1) {
+    ROW_KERNEL_ALL_N(q4_0_row, m, r0, r1)
 }
 
 /* ------------------------------------------------------------------------
@@ -439,11 +535,8 @@ static inline float load1_bf16(const uint8_t *p) {
     }                                                                                            \
     PD_TARGET_AVX512 static void NAME(const cpu_mm *m, int64_t r0, int64_t r1) {                 \
         int64_t r = r0;                                                                          \
-        for (; r + 4 <= r1; r += 4) {                                                            \
-            if (m->n <= 4 && r + PD_PF_AHEAD + 4 <= r1)                                          \
-                pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 4, m->rb);     \
+        for (; m->n > CPU_DECODE_MAX_N && r + 4 <= r1; r += 4) /* decode: one row at a time */   \
             NAME##_rows(m, r, 4);                                                                \
-        }                                                                                        \
         for (; r < r1; r++) NAME##_rows(m, r, 1);                                                \
     }
 
@@ -593,6 +686,119 @@ PD_TARGET_AVX512 static void attn_pv(const float *p, const float *v, int64_t hd,
     }
 }
 
+/* Sixteen f16 elements widened to f32; the masked form reads only the
+ * first lanes of m (row tails). */
+PD_TARGET_AVX512 static inline __m512 kv_load16_f16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+PD_TARGET_AVX512 static inline __m512 kv_maskload16_f16(__mmask16 m, const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+
+/* attn_scores over f16 keys: the same loop as the f32 kernel, loads widened. */
+PD_TARGET_AVX512 static void attn_scores_f16(const float *q, const uint16_t *k, int64_t hd, int64_t nk,
+                                             float scale, float *s) {
+    int64_t j = 0;
+    if (hd == 64) {
+        const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
+        const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
+        const __m128 vs = _mm_set1_ps(scale);
+        for (; j + 8 <= nk; j += 8) {
+            const uint16_t *k0 = k + j * 64;
+            __m512 acc[8];
+            PD_UNROLL
+            for (int i = 0; i < 8; i++) {
+                const uint16_t *ki = k0 + i * 64;
+                const __m512 x = _mm512_mul_ps(q0, kv_load16_f16(ki));
+                const __m512 y = _mm512_mul_ps(q1, kv_load16_f16(ki + 16));
+                acc[i] = _mm512_add_ps(_mm512_fmadd_ps(q2, kv_load16_f16(ki + 32), x),
+                                       _mm512_fmadd_ps(q3, kv_load16_f16(ki + 48), y));
+            }
+            _mm_storeu_ps(s + j, _mm_mul_ps(pd_reduce4_ps_avx512(acc[0], acc[1], acc[2], acc[3]), vs));
+            _mm_storeu_ps(s + j + 4, _mm_mul_ps(pd_reduce4_ps_avx512(acc[4], acc[5], acc[6], acc[7]), vs));
+        }
+    }
+    for (; j + 4 <= nk; j += 4) {
+        const uint16_t *k0 = k + j * hd;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < hd; d += 16) {
+            const __mmask16 m = pd_tail_mask16(hd - d);
+            const __m512 qv = _mm512_maskz_loadu_ps(m, q + d);
+            a0 = _mm512_fmadd_ps(qv, kv_maskload16_f16(m, k0 + d), a0);
+            a1 = _mm512_fmadd_ps(qv, kv_maskload16_f16(m, k0 + hd + d), a1);
+            a2 = _mm512_fmadd_ps(qv, kv_maskload16_f16(m, k0 + 2 * hd + d), a2);
+            a3 = _mm512_fmadd_ps(qv, kv_maskload16_f16(m, k0 + 3 * hd + d), a3);
+        }
+        _mm_storeu_ps(s + j, _mm_mul_ps(pd_reduce4_ps_avx512(a0, a1, a2, a3), _mm_set1_ps(scale)));
+    }
+    for (; j < nk; j++) {
+        __m512 a0 = _mm512_setzero_ps();
+        for (int64_t d = 0; d < hd; d += 16) {
+            const __mmask16 m = pd_tail_mask16(hd - d);
+            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), kv_maskload16_f16(m, k + j * hd + d), a0);
+        }
+        s[j] = scale * _mm512_reduce_add_ps(a0);
+    }
+}
+
+PD_TARGET_AVX512 static void attn_pv_f16(const float *p, const uint16_t *v, int64_t hd, int64_t nk, float *o) {
+    int64_t d = 0;
+    for (; d + 64 <= hd; d += 64) {
+        __m512 a[8];
+        a[0] = _mm512_loadu_ps(o + d), a[1] = _mm512_loadu_ps(o + d + 16);
+        a[2] = _mm512_loadu_ps(o + d + 32), a[3] = _mm512_loadu_ps(o + d + 48);
+        a[4] = a[5] = a[6] = a[7] = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 2 <= nk; j += 2) {
+            const __m512 b0 = _mm512_set1_ps(p[j]), b1 = _mm512_set1_ps(p[j + 1]);
+            const uint16_t *v0 = v + j * hd + d, *v1 = v0 + hd;
+            PD_UNROLL
+            for (int c = 0; c < 4; c++) {
+                a[c] = _mm512_fmadd_ps(b0, kv_load16_f16(v0 + 16 * c), a[c]);
+                a[4 + c] = _mm512_fmadd_ps(b1, kv_load16_f16(v1 + 16 * c), a[4 + c]);
+            }
+        }
+        if (j < nk) {
+            const __m512 b0 = _mm512_set1_ps(p[j]);
+            const uint16_t *v0 = v + j * hd + d;
+            PD_UNROLL
+            for (int c = 0; c < 4; c++) a[c] = _mm512_fmadd_ps(b0, kv_load16_f16(v0 + 16 * c), a[c]);
+        }
+        PD_UNROLL
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + d + 16 * c, _mm512_add_ps(a[c], a[4 + c]));
+    }
+    for (; d < hd; d += 16) {
+        const __mmask16 m = pd_tail_mask16(hd - d);
+        __m512 o0 = _mm512_maskz_loadu_ps(m, o + d);
+        for (int64_t j = 0; j < nk; j++)
+            o0 = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), kv_maskload16_f16(m, v + j * hd + d), o0);
+        _mm512_mask_storeu_ps(o + d, m, o0);
+    }
+}
+
+/* Masks only for the tail: masked stores are slow on some cores. */
+PD_TARGET_AVX512 static void f32_to_f16(const float *x, int64_t n, uint16_t *y) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(y + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    if (i < n) {
+        const __mmask16 m = pd_tail_mask16(n - i);
+        const __m256i h =
+            _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_mask_storeu_epi16(y + i, m, h);
+    }
+}
+
+PD_TARGET_AVX512 static void f16_to_f32(const uint16_t *x, int64_t n, float *y) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, kv_load16_f16(x + i));
+    if (i < n) {
+        const __mmask16 m = pd_tail_mask16(n - i);
+        _mm512_mask_storeu_ps(y + i, m, kv_maskload16_f16(m, x + i));
+    }
+}
+
 PD_TARGET_AVX512 static void scale_mul(const float *x, float a, const float *w, int64_t n, float *o) {
     const __m512 va = _mm512_set1_ps(a);
     int64_t i = 0;
@@ -610,10 +816,12 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     k->mm[PD_TYPE_Q8_0] = mm_q8_0;
     k->mm_any_n[PD_TYPE_Q8_0] = true;
     k->mm[PD_TYPE_Q4_0] = mm_q4_0;
+    k->mm_any_n[PD_TYPE_Q4_0] = true;
     k->mm[PD_TYPE_Q4_K] = mm_q4_K;
     k->mm[PD_TYPE_Q6_K] = mm_q6_K;
     k->mm_any_n[PD_TYPE_Q4_K] = true;
     k->mm_any_n[PD_TYPE_Q6_K] = true;
+    k->quant_act[PD_TYPE_Q4_K] = quant_q8_K4;
     k->mm[PD_TYPE_F32] = mm_f32;
     k->mm[PD_TYPE_F16] = mm_f16;
     k->mm[PD_TYPE_BF16] = mm_bf16;
@@ -625,6 +833,10 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     k->scale_mul = scale_mul;
     k->attn_scores = attn_scores;
     k->attn_pv = attn_pv;
+    k->attn_scores_f16 = attn_scores_f16;
+    k->attn_pv_f16 = attn_pv_f16;
+    k->f32_to_f16 = f32_to_f16;
+    k->f16_to_f32 = f16_to_f32;
 }
 
 #endif /* PD_X86 */
