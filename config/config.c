@@ -21,6 +21,7 @@
 static_assert(sizeof(pd_backend_kind) == sizeof(int), "pd_backend_kind must be int-sized");
 static_assert(sizeof(pd_log_level) == sizeof(int), "pd_log_level must be int-sized");
 static_assert(sizeof(pd_log_format) == sizeof(int), "pd_log_format must be int-sized");
+static_assert(sizeof(pd_kv_cache_type) == sizeof(int), "pd_kv_cache_type must be int-sized");
 
 /* A config file is a few kilobytes; anything far larger is a mistake
  * (or /dev/zero) and is refused before it is read. */
@@ -59,7 +60,7 @@ typedef struct key_desc {
 #define ENUM_FIELD(member) \
     (offsetof(pd_config, member) + \
      0 * sizeof(_Generic(((pd_config *)0)->member, pd_backend_kind : 1, pd_log_level : 1, \
-                         pd_log_format : 1)))
+                         pd_log_format : 1, pd_kv_cache_type : 1)))
 
 #define INT_KEY(sec, key, lo, hi, def) \
     { .section = #sec, .name = #key, .kind = KIND_INT, .offset = FIELD(sec.key, int), \
@@ -100,6 +101,7 @@ static const retired_key retired_keys[] = {
      "device = cuda:N"},
 };
 static const char *const log_level_names[] = {"error", "warn", "info", "debug", NULL};
+static const char *const kv_type_names[] = {"f16", "f32", NULL};
 static const char *const log_format_names[] = {"text", "json", NULL};
 
 static const char *check_address(const char *s);
@@ -128,6 +130,8 @@ static const key_desc keys[] = {
     INT_KEY(model, n_ctx, 0, 16777216, "0"),
     DEVICE_KEY(model, device, "auto"),
     INT_KEY(model, n_threads, 0, 1024, "0"),
+    ENUM_KEY(model, kv_type, kv_type_names, "f16"),
+    BOOL_KEY(model, mmap, "false"),
 
     STRING_KEY(cache, path, check_not_empty, false, "var/prefixd"),
     I64_KEY(cache, map_size_mb, 16, INT64_C(16777216), "4096"),
@@ -603,6 +607,9 @@ void pd_config_device_text(const pd_config *c, char *buf, size_t cap) {
     const key_desc *k = find_key("model", "device");
     if (k && k->kind == KIND_DEVICE) format_value(c, k, buf, cap);
     else if (cap) buf[0] = '\0';
+}
+const char *pd_kv_cache_type_name(pd_kv_cache_type t) {
+    return (unsigned)t < 2 ? kv_type_names[t] : "unknown";
 }
 const char *pd_log_level_name(pd_log_level l) {
     return (unsigned)l < 4 ? log_level_names[l] : "unknown";

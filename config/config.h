@@ -41,6 +41,14 @@ typedef enum pd_backend_kind {
 /* The longest text of a model.device value ("cuda:255"), terminator included. */
 #define PD_CONFIG_DEVICE_TEXT_CAP 16
 
+/* Element type of the KV cache (model.kv_type). The engine's is a pd_type
+ * (kernels/kernels.h); config does not depend on kernels/, so the daemon
+ * converts between the two. */
+typedef enum pd_kv_cache_type {
+    PD_KV_CACHE_F16 = 0, /* IEEE half: half the KV memory per token (default) */
+    PD_KV_CACHE_F32 = 1,
+} pd_kv_cache_type;
+
 typedef enum pd_log_level {
     PD_LOG_ERROR = 0,
     PD_LOG_WARN = 1,
@@ -79,6 +87,8 @@ typedef struct pd_config {
         pd_backend_kind device;
         int device_index;
         int n_threads;                  /* compute threads; 0 = number of CPUs */
+        pd_kv_cache_type kv_type;       /* KV rows in memory (and the type stored prefixes are read as) */
+        bool mmap;                      /* CPU: map the GGUF file instead of reading it into memory */
     } model;
     struct {
         char path[PD_CONFIG_STR_CAP];   /* LMDB environment directory */
@@ -132,6 +142,7 @@ bool pd_config_equal(const pd_config *a, const pd_config *b);
  * whole model.device value ("cpu", "cuda:1", "auto") into buf (at least
  * PD_CONFIG_DEVICE_TEXT_CAP bytes). */
 const char *pd_backend_kind_name(pd_backend_kind b);
+const char *pd_kv_cache_type_name(pd_kv_cache_type t); /* "f16", "f32" */
 void pd_config_device_text(const pd_config *c, char *buf, size_t cap);
 const char *pd_log_level_name(pd_log_level l);
 const char *pd_log_format_name(pd_log_format f);

@@ -39,6 +39,7 @@ struct pd_jobs {
     char *model_path;
     char *default_policy;
     int n_threads;
+    bool kv_f32;
     pd_store *store;
     int max_jobs;
 
@@ -159,7 +160,9 @@ static int load_model(pd_jobs *j, pd_error *err) {
         int rc = pd_backend_create(&j->device, j->n_threads, &j->backend, err);
         if (rc) return pd_error_prefix(err, "the compute backend for precompression");
     }
-    pd_model_params mp = {.n_threads = j->n_threads, .backend = j->backend};
+    /* mapped: prefill is bound by compute, and serving holds a copy already */
+    pd_model_params mp = {.n_threads = j->n_threads, .backend = j->backend, .kv_f32 = j->kv_f32,
+                          .mmap_weights = true};
     int rc = pd_model_load(j->model_path, &mp, &j->model, err);
     if (rc) return pd_error_prefix(err, "loading the model for precompression");
     pthread_mutex_lock(&j->mu);
@@ -305,6 +308,7 @@ int pd_jobs_create(const pd_jobs_opts *o, pd_jobs **out, pd_error *err) {
     pd_jobs *j = calloc(1, sizeof *j);
     if (!j) return pd_errorf(err, PD_ENOMEM, "out of memory for the jobs service");
     j->n_threads = o->n_threads;
+    j->kv_f32 = o->kv_f32;
     j->device = o->device;
     j->store = o->store;
     j->max_jobs = o->max_jobs;

@@ -165,6 +165,26 @@ static void log_compute(const pd_backend *be, const pd_device *d, int n_threads)
                 err.msg);
 }
 
+/* One token through the whole model before the first request: every
+ * weight page is touched, the scratch buffers are sized and the CPU
+ * threads are up, so the first request after a start takes no longer than
+ * the next ones. */
+static int warm_up(pd_model *m, pd_error *err) {
+    const double t0 = pd_now_seconds();
+    const pd_hparams *hp = pd_model_hparams(m);
+    float *logits = malloc(sizeof(float) * (size_t)hp->n_vocab);
+    if (!logits) return pd_errorf(err, PD_ENOMEM, "out of memory warming up the model");
+    pd_seq *s = NULL;
+    const pd_token tok = 0;
+    int rc = pd_seq_create(m, 2, &s, err);
+    if (!rc) rc = pd_prefill(m, s, &tok, 1, NULL, logits, err);
+    pd_seq_free(s);
+    free(logits);
+    if (rc) return pd_error_prefix(err, "warming up the model");
+    fprintf(stderr, "prefixd: model warmed up in %.0f ms\n", (pd_now_seconds() - t0) * 1e3);
+    return PD_OK;
+}
+
 static int run(const pd_config *cfg) {
     sigset_t set;
     sigemptyset(&set);
@@ -210,12 +230,16 @@ static int run(const pd_config *cfg) {
                 cfg->admin.port ? pd_server_admin_port(server) : pd_server_port(server));
     if (!rc && !cfg->model.path[0])
         rc = pd_errorf(&err, PD_EINVAL, "model.path is not set: give a GGUF file (--set model.path=FILE)");
-    pd_model_params mp = {.n_threads = cfg->model.n_threads, .backend = backend};
+    const bool kv_f32 = cfg->model.kv_type == PD_KV_CACHE_F32;
+    pd_model_params mp = {.n_threads = cfg->model.n_threads, .backend = backend, .kv_f32 = kv_f32,
+                          .mmap_weights = cfg->model.mmap};
     if (!rc) rc = pd_model_load(cfg->model.path, &mp, &model, &err);
+    if (!rc) rc = warm_up(model, &err);
 
     pd_store_opts sto;
     pd_store_opts_default(&sto);
     sto.dir = cfg->cache.path;
+    sto.kv_type = kv_f32 ? PD_TYPE_F32 : PD_TYPE_F16; /* stored rows of this dtype are read zero-copy */
     sto.map_size = (uint64_t)cfg->cache.map_size_mb << 20;
     sto.page_tokens = cfg->cache.page_tokens;
     if (!rc) rc = pd_store_open(&sto, &store, &err);
@@ -237,6 +261,7 @@ static int run(const pd_config *cfg) {
     pd_jobs_opts_default(&jo);
     jo.model_path = cfg->model.path;
     jo.n_threads = cfg->model.n_threads > 0 ? cfg->model.n_threads : 1;
+    jo.kv_f32 = kv_f32;
     /* Precompression computes where serving does (auto resolved already). */
     jo.device = backend && !backend->ops->host_memory ? (pd_device){PD_DEVICE_CUDA, device.index}
                                                        : (pd_device){PD_DEVICE_CPU, 0};
@@ -254,8 +279,9 @@ static int run(const pd_config *cfg) {
         b.n_ctx = cfg->model.n_ctx > 0 && cfg->model.n_ctx < hp->n_ctx_train ? cfg->model.n_ctx : hp->n_ctx_train;
         pd_api_model_id(pd_model_gguf(model), cfg->model.path, b.model_id, sizeof b.model_id);
         pd_server_set_ready(server, &b);
-        fprintf(stderr, "prefixd: serving %s (%s, chat template: %s), prefix store %s\n", b.model_id,
-                hp->arch_name, pd_chat_family_name(b.family), cfg->cache.path);
+        fprintf(stderr, "prefixd: serving %s (%s, chat template: %s, %s KV cache), prefix store %s\n", b.model_id,
+                hp->arch_name, pd_chat_family_name(b.family), pd_kv_cache_type_name(cfg->model.kv_type),
+                cfg->cache.path);
         sd_notify(0, "READY=1\nSTATUS=serving");
         wait_for_stop(&set);
         sd_notify(0, "STOPPING=1\nSTATUS=draining");

@@ -57,7 +57,10 @@ struct pd_sched_request {
     char ns[PD_PREFIX_NS_MAX];
     char *spec;             /* NULL = any */
 
-    /* the prefix (explicit: acquired at submit; auto: at admission) */
+    /* the prefix, looked up (cache auto) and acquired at submit, on the
+     * caller's thread: loading and verifying a stored prefix never stalls
+     * the engine thread and the sequences it is running */
+    bool looked_up;
     pd_hot_entry *hot;
     pd_prefix_ref *ref;
     const pd_kv_prefix *prefix;
@@ -78,7 +81,6 @@ struct pd_scheduler {
     pd_scheduler_opts o;
     int32_t n_ctx, n_vocab;
     uint8_t fingerprint[PD_SHA256_LEN];
-    int64_t row_bytes;      /* KV bytes of one cached (layer, head, token) row */
 
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -221,17 +223,12 @@ static void emit_error(pd_sched_request *r, int code, const char *msg) {
     emit(r, &ev);
 }
 
-/* The own KV bytes of a request's live sequences. */
-static int64_t request_kv_bytes(const pd_scheduler *s, const pd_sched_request *r) {
-    const pd_hparams *hp = pd_model_hparams(s->model);
-    int64_t rows = 0;
-    for (int i = 0; i < r->n_choices; i++) {
-        const pd_seq *q = r->choices[i].seq;
-        if (!q) continue;
-        for (int l = 0; l < hp->n_layer; l++)
-            for (int h = 0; h < hp->n_head_kv; h++) rows += pd_seq_stream_len(q, l, h);
-    }
-    return rows * s->row_bytes;
+/* The own KV bytes of a request's live sequences (in the model's KV type). */
+static int64_t request_kv_bytes(const pd_sched_request *r) {
+    uint64_t bytes = 0;
+    for (int i = 0; i < r->n_choices; i++)
+        if (r->choices[i].seq) bytes += pd_seq_kv_bytes(r->choices[i].seq);
+    return (int64_t)bytes;
 }
 
 /* ---- prefix resolution ------------------------------------------------- */
@@ -391,6 +388,9 @@ int pd_scheduler_submit(pd_scheduler *s, const pd_sched_params *p, pd_sched_sink
                 rc = pd_errorf(err, PD_ENOTFOUND, "no stored prefix has id %s", hex);
             }
         }
+    } else if (!rc && r->cache == PD_CACHE_AUTO && s->o.store) {
+        prefix_lookup(s, r);
+        r->looked_up = true;
     }
     if (!rc) {
         pthread_mutex_lock(&s->mu);
@@ -447,7 +447,7 @@ typedef enum { END_DONE, END_FAILED, END_CANCELLED } end_kind;
 /* Recompute the KV gauge from the live sequences (each step, and when sequences go). */
 static void update_kv(pd_scheduler *s) {
     int64_t kv = 0;
-    for (int i = 0; i < s->n_run; i++) kv += request_kv_bytes(s, s->run[i]);
+    for (int i = 0; i < s->n_run; i++) kv += request_kv_bytes(s->run[i]);
     pthread_mutex_lock(&s->mu);
     s->st.kv_bytes = kv;
     publish_gauges_locked(s);
@@ -499,8 +499,7 @@ static void end_unadmitted(pd_scheduler *s, pd_sched_request *r, end_kind kind, 
 /* Admission on the engine thread: prefix, sequences, STARTED. */
 static int admit(pd_scheduler *s, pd_sched_request *r, pd_error *err) {
     int rc;
-    if (r->cache == PD_CACHE_AUTO && !r->prefix && s->o.store) {
-        prefix_lookup(s, r);
+    if (r->looked_up) {
         pthread_mutex_lock(&s->mu);
         if (r->prefix) s->st.prefix_hits++;
         else s->st.prefix_misses++;
@@ -781,7 +780,6 @@ int pd_scheduler_create(pd_model *m, const pd_scheduler_opts *o, pd_scheduler **
     s->o = *o;
     s->n_ctx = o->n_ctx ? o->n_ctx : hp->n_ctx_train;
     s->n_vocab = hp->n_vocab;
-    s->row_bytes = (int64_t)hp->head_dim * 2 * (int64_t)sizeof(float) + (int64_t)sizeof(int32_t);
     pd_model_fingerprint(m, s->fingerprint);
     size_t B = (size_t)o->max_batch;
     uint64_t logit_bytes;

@@ -95,8 +95,11 @@ typedef struct pd_gguf_tensor {
 
 typedef struct pd_gguf pd_gguf;
 
-/* Open and validate a GGUF v2/v3 file. */
+/* Open and validate a GGUF v2/v3 file, mapped from the page cache. */
 int pd_gguf_open(const char *path, pd_gguf **out, pd_error *err);
+/* The same, read into private huge-page memory (pd_load_file): what the
+ * CPU computes from, since decode streams the weights at memory speed. */
+int pd_gguf_load(const char *path, pd_gguf **out, pd_error *err);
 /* Parse a GGUF image already in memory (not copied; must outlive the handle).
  * Used by the fuzzer and by tests. */
 int pd_gguf_open_memory(const void *data, size_t size, pd_gguf **out, pd_error *err);
@@ -282,6 +285,12 @@ int pd_detokenize(const pd_tokenizer *t, const pd_token *ids, size_t n, bool spe
  * after RoPE; a kept token keeps its original position, and a sequence that
  * continues a prefix of original length n starts at position n.
  *
+ * KV rows are stored as IEEE f16 by default (half the memory per token of
+ * f32; pd_model_params.kv_f32 keeps f32). K and V are computed in f32 and
+ * rounded once when appended; attention widens them back as it reads and
+ * computes scores, softmax and the value sums in f32; queries stay f32.
+ * The prefill hook still sees this call's f32 arrays.
+ *
  * One pd_model may serve many sequences, but the forward functions use the
  * model's backend and scratch, so calls on one model are serialised by the
  * caller (the daemon's scheduler batches sequences into one call instead).
@@ -315,6 +324,9 @@ typedef struct pd_model_params {
     int n_threads;         /* CPU threads; <= 0 = all CPUs */
     pd_backend *backend;   /* use this backend (not owned; it must outlive the model and every
                               prefix attached to the model's sequences); NULL = a CPU backend */
+    bool kv_f32;           /* keep KV rows in f32; false (the default, and NULL params): f16 */
+    bool mmap_weights;     /* CPU: map the file instead of reading it into memory (faster start,
+                              pages shared with other processes, slower decode: pd_gguf_load) */
 } pd_model_params;
 
 int pd_model_load(const char *path, const pd_model_params *params, pd_model **out, pd_error *err);
@@ -324,31 +336,49 @@ const pd_tokenizer *pd_model_tokenizer(const pd_model *m);
 const pd_gguf *pd_model_gguf(const pd_model *m);
 /* The backend the model computes on (CPU, or a CUDA device). */
 pd_backend *pd_model_backend(const pd_model *m);
+/* Element type of its sequences' KV rows: PD_TYPE_F16 or PD_TYPE_F32. */
+pd_type pd_model_kv_type(const pd_model *m);
 /* SHA-256 model fingerprint (see pd_gguf_fingerprint). */
 void pd_model_fingerprint(const pd_model *m, uint8_t out[PD_SHA256_LEN]);
 
 /* A shared, read-only KV prefix: for every (layer, kv_head) the kept
- * positions and their post-RoPE K and V rows, plus the original length n. */
+ * positions and their post-RoPE K and V rows, plus the original length n.
+ * Its rows have one element type (PD_TYPE_F16 or PD_TYPE_F32), chosen at
+ * creation; a sequence attends to a prefix of either type whatever its
+ * own KV type. */
 typedef struct pd_kv_prefix pd_kv_prefix;
 
-int pd_kv_prefix_create(const pd_hparams *hp, int32_t n_orig, pd_kv_prefix **out, pd_error *err);
-/* Set one stream (copies). Positions must be strictly increasing and < n_orig. */
+/* type: PD_TYPE_F16 or PD_TYPE_F32 (PD_EINVAL otherwise). */
+int pd_kv_prefix_create(const pd_hparams *hp, int32_t n_orig, pd_type type, pd_kv_prefix **out, pd_error *err);
+/* Set one stream from f32 rows (copied, rounded to f16 for an f16
+ * prefix). Positions must be strictly increasing and < n_orig. */
 int pd_kv_prefix_set(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos, const float *k,
                      const float *v, int64_t len, pd_error *err);
-/* Set one stream without copying: pos, k and v (4-byte aligned) must stay
+/* Set one stream without copying: k and v hold rows of the prefix's type
+ * (aligned to its element size, pos to 4 bytes) and, with pos, must stay
  * valid and unchanged until the stream is replaced or the prefix freed —
  * for example rows inside a store's memory map. Same checks as _set. */
-int pd_kv_prefix_set_borrowed(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos, const float *k,
-                              const float *v, int64_t len, pd_error *err);
+int pd_kv_prefix_set_borrowed(pd_kv_prefix *p, int layer, int kv_head, const int32_t *pos, const void *k,
+                              const void *v, int64_t len, pd_error *err);
+/* A deep copy with owned rows (of the same type), e.g. of a borrowing one. */
+int pd_kv_prefix_clone(const pd_kv_prefix *p, pd_kv_prefix **out, pd_error *err);
 void pd_kv_prefix_free(pd_kv_prefix *p);
 int32_t pd_kv_prefix_n_orig(const pd_kv_prefix *p);
+/* The element type of its rows. */
+pd_type pd_kv_prefix_type(const pd_kv_prefix *p);
 /* The shape the prefix was created for. */
 void pd_kv_prefix_shape(const pd_kv_prefix *p, int32_t *n_layer, int32_t *n_head_kv, int32_t *head_dim);
-/* Read access to one stream; rows are head_dim floats. */
+/* Read access to one stream as stored: rows are head_dim elements of
+ * pd_kv_prefix_type(p). Returns the row count. */
 int64_t pd_kv_prefix_stream(const pd_kv_prefix *p, int layer, int kv_head, const int32_t **pos,
-                            const float **k, const float **v);
+                            const void **k, const void **v);
+/* The same stream's rows widened to f32 into k and v (NULL: skipped), each
+ * room for len * head_dim floats. Returns the row count. */
+int64_t pd_kv_prefix_stream_f32(const pd_kv_prefix *p, int layer, int kv_head, float *k, float *v);
 /* Total kept (layer, head, token) rows, and the same if nothing were dropped. */
 int64_t pd_kv_prefix_kept_rows(const pd_kv_prefix *p);
+/* Bytes of its kept rows: K and V in its type plus the 4-byte positions. */
+uint64_t pd_kv_prefix_bytes(const pd_kv_prefix *p);
 
 typedef struct pd_seq pd_seq;
 
@@ -363,8 +393,13 @@ int pd_seq_attach_prefix(pd_seq *s, const pd_kv_prefix *p, pd_error *err);
 int32_t pd_seq_pos(const pd_seq *s);
 /* Own cached rows of one (layer, kv_head) stream. */
 int64_t pd_seq_stream_len(const pd_seq *s, int layer, int kv_head);
-/* Snapshot the sequence's own cache as a prefix (deep copy). The sequence
- * must not have a prefix attached; n_orig = pd_seq_pos(s). */
+/* Bytes of the sequence's own cached rows (every stream's K and V in the
+ * model's KV type plus the 4-byte positions; a prefix and spare capacity
+ * are not counted). */
+uint64_t pd_seq_kv_bytes(const pd_seq *s);
+/* Snapshot the sequence's own cache as a prefix (deep copy, in the model's
+ * KV type). The sequence must not have a prefix attached; n_orig =
+ * pd_seq_pos(s). */
 int pd_seq_to_prefix(const pd_seq *s, pd_kv_prefix **out, pd_error *err);
 /* Mask rows of the sequence's own stream out of attention (keep[i] = 0 hides
  * row i) without removing them; NULL clears the mask. For evaluating

@@ -487,10 +487,10 @@ int pd_gguf_open_memory(const void *data, size_t size, pd_gguf **out, pd_error *
     return PD_OK;
 }
 
-int pd_gguf_open(const char *path, pd_gguf **out, pd_error *err) {
+static int open_file(const char *path, bool in_memory, pd_gguf **out, pd_error *err) {
     *out = NULL;
     pd_mapped_file map;
-    int rc = pd_map_file(path, &map, err);
+    int rc = in_memory ? pd_load_file(path, &map, err) : pd_map_file(path, &map, err);
     if (rc) return rc;
     pd_gguf *g = NULL;
     rc = pd_gguf_open_memory(map.data, map.size, &g, err);
@@ -501,6 +501,14 @@ int pd_gguf_open(const char *path, pd_gguf **out, pd_error *err) {
     g->map = map;
     *out = g;
     return PD_OK;
+}
+
+int pd_gguf_open(const char *path, pd_gguf **out, pd_error *err) {
+    return open_file(path, false, out, err);
+}
+
+int pd_gguf_load(const char *path, pd_gguf **out, pd_error *err) {
+    return open_file(path, true, out, err);
 }
 
 void pd_gguf_close(pd_gguf *g) {

@@ -264,7 +264,12 @@ int pd_model_load(const char *path, const pd_model_params *params, pd_model **ou
     *out = NULL;
     pd_model *m = calloc(1, sizeof *m);
     if (!m) return pd_errorf(err, PD_ENOMEM, "out of memory loading a model");
-    int rc = pd_gguf_open(path, &m->gguf, err);
+    m->kv_type = params && params->kv_f32 ? PD_TYPE_F32 : PD_TYPE_F16;
+    /* The CPU computes from the file's bytes: read them into huge-page
+     * memory. A device backend uploads them, so a mapping is enough. */
+    const bool host = !params || !params->backend || params->backend->ops->host_memory;
+    const bool in_memory = host && !(params && params->mmap_weights);
+    int rc = in_memory ? pd_gguf_load(path, &m->gguf, err) : pd_gguf_open(path, &m->gguf, err);
     if (!rc && (rc = read_hparams(m->gguf, &m->hp, err))) pd_error_prefix(err, "%s", path);
     if (!rc && (rc = pd_tokenizer_load(m->gguf, &m->tok, err))) pd_error_prefix(err, "%s: tokenizer", path);
     if (!rc && (rc = load_weights(m, err))) pd_error_prefix(err, "%s", path);
@@ -315,4 +320,5 @@ const pd_hparams *pd_model_hparams(const pd_model *m) { return &m->hp; }
 const pd_tokenizer *pd_model_tokenizer(const pd_model *m) { return m->tok; }
 const pd_gguf *pd_model_gguf(const pd_model *m) { return m->gguf; }
 pd_backend *pd_model_backend(const pd_model *m) { return m->backend; }
+pd_type pd_model_kv_type(const pd_model *m) { return m->kv_type; }
 void pd_model_fingerprint(const pd_model *m, uint8_t out[PD_SHA256_LEN]) { pd_gguf_fingerprint(m->gguf, out); }

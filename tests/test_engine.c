@@ -448,6 +448,55 @@ Test(engine, f16_kv_agrees_with_f32_kv) {
     }
 }
 
+/* Whether the line of /proc/self/maps holding address p names a file
+ * ending in `name`. */
+static bool mapped_from(const void *p, const char *name) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    cr_assert_not_null(f);
+    char line[1024];
+    bool found = false, named = false;
+    while (!found && fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx", &lo, &hi) != 2) continue;
+        if ((uintptr_t)p < lo || (uintptr_t)p >= hi) continue;
+        found = true;
+        line[strcspn(line, "\n")] = '\0';
+        const size_t n = strlen(line), k = strlen(name);
+        named = n >= k && strcmp(line + n - k, name) == 0;
+    }
+    fclose(f);
+    cr_assert(found, "address %p is in no mapping", p);
+    return named;
+}
+
+/* Weights read into memory (the CPU default) and mapped from the file
+ * (mmap_weights) are the same bytes: bit-identical logits, prefill and
+ * decode, for a quantized model; only the mapped model points into the
+ * file. */
+Test(engine, weights_in_memory_equal_mapped_weights) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/mmap.gguf", tmpdir);
+    gen("llama", PD_TYPE_Q4_K, 11, false, path);
+    enum { N = 12 };
+    pd_model *mem = NULL, *map = NULL;
+    pd_error err = {0};
+    pd_model_params pm = {.n_threads = 2}, pp = {.n_threads = 2, .mmap_weights = true};
+    cr_assert_eq(pd_model_load(path, &pm, &mem, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_model_load(path, &pp, &map, &err), PD_OK, "%s", err.msg);
+    const pd_gguf_tensor *tm = pd_gguf_find_tensor(pd_model_gguf(mem), "blk.0.ffn_down.weight");
+    const pd_gguf_tensor *tp = pd_gguf_find_tensor(pd_model_gguf(map), "blk.0.ffn_down.weight");
+    cr_assert(tm && tp);
+    cr_assert(!mapped_from(tm->data, "/mmap.gguf"), "the default reads the weights into memory");
+    cr_assert(mapped_from(tp->data, "/mmap.gguf"), "mmap_weights maps the file");
+    const int32_t V = pd_model_hparams(mem)->n_vocab;
+    float *a = malloc(sizeof(float) * V * (N + 3)), *b = malloc(sizeof(float) * V * (N + 3));
+    run_prompt(mem, a, N);
+    run_prompt(map, b, N);
+    cr_assert(memcmp(a, b, sizeof(float) * V * (N + 3)) == 0, "in-memory and mapped weights give other logits");
+    free(a), free(b);
+    pd_model_free(mem), pd_model_free(map);
+}
+
 /* A sequence attends to a prefix of the other KV type: an f32 copy of an
  * f16 prefix (exact widening) scores the same text as the f16 original on
  * an f16 model, and an f16 prefix works under an f32 model. */

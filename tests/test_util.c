@@ -73,6 +73,47 @@ Test(util, map_and_read_files) {
     snprintf(path, sizeof path, "%s/missing", dir);
     cr_assert_eq(pd_map_file(path, &m, &err), PD_EIO);
     cr_assert(strstr(err.msg, "missing"));
+    cr_assert_eq(pd_load_file(path, &m, &err), PD_EIO);
+    cr_assert_eq(pd_load_file(dir, &m, &err), PD_EINVAL, "a directory is not a file");
+    th_rmtree(dir);
+    free(dir);
+}
+
+Test(util, load_file_copies_into_aligned_read_only_memory) {
+    char *dir = th_mkdtemp();
+    char path[600];
+    snprintf(path, sizeof path, "%s/f", dir);
+    /* larger than a huge page and not a multiple of one */
+    const size_t n = ((size_t)5 << 20) + 12345;
+    uint8_t *want = malloc(n);
+    cr_assert_not_null(want);
+    for (size_t i = 0; i < n; i++) want[i] = (uint8_t)(i * 2654435761u >> 13);
+    FILE *f = fopen(path, "wb");
+    cr_assert_eq(fwrite(want, 1, n, f), n);
+    fclose(f);
+    pd_mapped_file m, mm;
+    pd_error err = {0};
+    cr_assert_eq(pd_load_file(path, &m, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_map_file(path, &mm, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(m.size, n);
+    cr_assert_eq((uintptr_t)m.data % ((uintptr_t)2 << 20), 0, "2 MiB aligned for huge pages");
+    cr_assert(memcmp(m.data, want, n) == 0);
+    cr_assert(memcmp(mm.data, want, n) == 0);
+    /* a copy: rewriting the file does not change it */
+    f = fopen(path, "wb");
+    fputs("x", f);
+    fclose(f);
+    cr_assert(memcmp(m.data, want, n) == 0);
+    pd_unmap_file(&m);
+    pd_unmap_file(&mm);
+    cr_assert_null(m.data);
+    /* an empty file is an empty answer */
+    f = fopen(path, "wb");
+    fclose(f);
+    cr_assert_eq(pd_load_file(path, &m, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(m.size, 0);
+    pd_unmap_file(&m);
+    free(want);
     th_rmtree(dir);
     free(dir);
 }
