@@ -605,89 +605,13 @@ PD_TARGET_AVX512 static void scale_f32(float a, int64_t n, float *y) {
     for (; i < n; i++) y[i] *= a;
 }
 
-PD_TARGET_AVX512 static void attn_scores(const float *q, const float *k, int64_t hd, int64_t nk,
-                                         float scale, float *s) {
-    int64_t j = 0;
-    if (hd == 64) { /* the common head size: q in registers, plain loads, 8 keys per pass */
-        const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
-        const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
-        const __m128 vs = _mm_set1_ps(scale);
-        for (; j + 8 <= nk; j += 8) {
-            const float *k0 = k + j * 64;
-            __m512 acc[8];
-            PD_UNROLL
-            for (int i = 0; i < 8; i++) {
-                const float *ki = k0 + i * 64;
-                const __m512 x = _mm512_mul_ps(q0, _mm512_loadu_ps(ki));
-                const __m512 y = _mm512_mul_ps(q1, _mm512_loadu_ps(ki + 16));
-                acc[i] = _mm512_add_ps(_mm512_fmadd_ps(q2, _mm512_loadu_ps(ki + 32), x),
-                                       _mm512_fmadd_ps(q3, _mm512_loadu_ps(ki + 48), y));
-            }
-            _mm_storeu_ps(s + j, _mm_mul_ps(pd_reduce4_ps_avx512(acc[0], acc[1], acc[2], acc[3]), vs));
-            _mm_storeu_ps(s + j + 4, _mm_mul_ps(pd_reduce4_ps_avx512(acc[4], acc[5], acc[6], acc[7]), vs));
-        }
-    }
-    for (; j + 4 <= nk; j += 4) {
-        const float *k0 = k + j * hd;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t d = 0; d < hd; d += 16) {
-            const __mmask16 m = pd_tail_mask16(hd - d);
-            const __m512 qv = _mm512_maskz_loadu_ps(m, q + d);
-            a0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + d), a0);
-            a1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + hd + d), a1);
-            a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + 2 * hd + d), a2);
-            a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k0 + 3 * hd + d), a3);
-        }
-        _mm_storeu_ps(s + j, _mm_mul_ps(pd_reduce4_ps_avx512(a0, a1, a2, a3), _mm_set1_ps(scale)));
-    }
-    for (; j < nk; j++) {
-        __m512 a0 = _mm512_setzero_ps();
-        for (int64_t d = 0; d < hd; d += 16) {
-            const __mmask16 m = pd_tail_mask16(hd - d);
-            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), _mm512_maskz_loadu_ps(m, k + j * hd + d), a0);
-        }
-        s[j] = scale * _mm512_reduce_add_ps(a0);
-    }
+/* Sixteen K/V elements as f32 lanes: f32 rows as they are, f16 rows
+ * widened as they are loaded; the masked forms read only the first lanes of
+ * m (row tails). */
+PD_TARGET_AVX512 static inline __m512 kv_load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+PD_TARGET_AVX512 static inline __m512 kv_maskload16_f32(__mmask16 m, const float *p) {
+    return _mm512_maskz_loadu_ps(m, p);
 }
-
-PD_TARGET_AVX512 static void attn_pv(const float *p, const float *v, int64_t hd, int64_t nk, float *o) {
-    int64_t d = 0;
-    for (; d + 64 <= hd; d += 64) {
-        /* two sets of accumulators: consecutive keys do not wait on each other */
-        __m512 a[8];
-        a[0] = _mm512_loadu_ps(o + d), a[1] = _mm512_loadu_ps(o + d + 16);
-        a[2] = _mm512_loadu_ps(o + d + 32), a[3] = _mm512_loadu_ps(o + d + 48);
-        a[4] = a[5] = a[6] = a[7] = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j + 2 <= nk; j += 2) {
-            const __m512 b0 = _mm512_set1_ps(p[j]), b1 = _mm512_set1_ps(p[j + 1]);
-            const float *v0 = v + j * hd + d, *v1 = v0 + hd;
-            PD_UNROLL
-            for (int c = 0; c < 4; c++) {
-                a[c] = _mm512_fmadd_ps(b0, _mm512_loadu_ps(v0 + 16 * c), a[c]);
-                a[4 + c] = _mm512_fmadd_ps(b1, _mm512_loadu_ps(v1 + 16 * c), a[4 + c]);
-            }
-        }
-        if (j < nk) {
-            const __m512 b0 = _mm512_set1_ps(p[j]);
-            const float *v0 = v + j * hd + d;
-            PD_UNROLL
-            for (int c = 0; c < 4; c++) a[c] = _mm512_fmadd_ps(b0, _mm512_loadu_ps(v0 + 16 * c), a[c]);
-        }
-        PD_UNROLL
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + d + 16 * c, _mm512_add_ps(a[c], a[4 + c]));
-    }
-    for (; d < hd; d += 16) {
-        const __mmask16 m = pd_tail_mask16(hd - d);
-        __m512 o0 = _mm512_maskz_loadu_ps(m, o + d);
-        for (int64_t j = 0; j < nk; j++)
-            o0 = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, v + j * hd + d), o0);
-        _mm512_mask_storeu_ps(o + d, m, o0);
-    }
-}
-
-/* Sixteen f16 elements widened to f32; the masked form reads only the
- * first lanes of m (row tails). */
 PD_TARGET_AVX512 static inline __m512 kv_load16_f16(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
@@ -695,86 +619,87 @@ PD_TARGET_AVX512 static inline __m512 kv_maskload16_f16(__mmask16 m, const uint1
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
 
-/* attn_scores over f16 keys: the same loop as the f32 kernel, loads widened. */
-PD_TARGET_AVX512 static void attn_scores_f16(const float *q, const uint16_t *k, int64_t hd, int64_t nk,
-                                             float scale, float *s) {
-    int64_t j = 0;
-    if (hd == 64) {
-        const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
-        const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
-        const __m128 vs = _mm_set1_ps(scale);
-        for (; j + 8 <= nk; j += 8) {
-            const uint16_t *k0 = k + j * 64;
-            __m512 acc[8];
-            PD_UNROLL
-            for (int i = 0; i < 8; i++) {
-                const uint16_t *ki = k0 + i * 64;
-                const __m512 x = _mm512_mul_ps(q0, kv_load16_f16(ki));
-                const __m512 y = _mm512_mul_ps(q1, kv_load16_f16(ki + 16));
-                acc[i] = _mm512_add_ps(_mm512_fmadd_ps(q2, kv_load16_f16(ki + 32), x),
-                                       _mm512_fmadd_ps(q3, kv_load16_f16(ki + 48), y));
-            }
-            _mm_storeu_ps(s + j, _mm_mul_ps(pd_reduce4_ps_avx512(acc[0], acc[1], acc[2], acc[3]), vs));
-            _mm_storeu_ps(s + j + 4, _mm_mul_ps(pd_reduce4_ps_avx512(acc[4], acc[5], acc[6], acc[7]), vs));
-        }
+/* attn_scores and attn_pv over rows of element type T (f32 or f16), the
+ * arithmetic f32 either way. */
+#define ATTN_KERNELS_512(SUFFIX, T)                                                              \
+    PD_TARGET_AVX512 static void attn_scores##SUFFIX(const float *q, const T *k, int64_t hd, int64_t nk, \
+                                                     float scale, float *s) {                    \
+        int64_t j = 0;                                                                           \
+        if (hd == 64) { /* the common head size: q in registers, 8 keys per pass */              \
+            const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);                  \
+            const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);             \
+            const __m128 vs = _mm_set1_ps(scale);                                                \
+            for (; j + 8 <= nk; j += 8) {                                                        \
+                const T *k0 = k + j * 64;                                                        \
+                __m512 acc[8];                                                                   \
+                PD_UNROLL for (int i = 0; i < 8; i++) {                                          \
+                    const T *ki = k0 + i * 64;                                                   \
+                    const __m512 x = _mm512_mul_ps(q0, kv_load16##SUFFIX(ki));                   \
+                    const __m512 y = _mm512_mul_ps(q1, kv_load16##SUFFIX(ki + 16));              \
+                    acc[i] = _mm512_add_ps(_mm512_fmadd_ps(q2, kv_load16##SUFFIX(ki + 32), x),   \
+                                           _mm512_fmadd_ps(q3, kv_load16##SUFFIX(ki + 48), y));  \
+                }                                                                                \
+                _mm_storeu_ps(s + j, _mm_mul_ps(pd_reduce4_ps_avx512(acc[0], acc[1], acc[2], acc[3]), vs)); \
+                _mm_storeu_ps(s + j + 4, _mm_mul_ps(pd_reduce4_ps_avx512(acc[4], acc[5], acc[6], acc[7]), vs)); \
+            }                                                                                    \
+        }                                                                                        \
+        for (; j + 4 <= nk; j += 4) {                                                            \
+            const T *k0 = k + j * hd;                                                            \
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                          \
+            for (int64_t d = 0; d < hd; d += 16) {                                               \
+                const __mmask16 m = pd_tail_mask16(hd - d);                                      \
+                const __m512 qv = _mm512_maskz_loadu_ps(m, q + d);                               \
+                a0 = _mm512_fmadd_ps(qv, kv_maskload16##SUFFIX(m, k0 + d), a0);                  \
+                a1 = _mm512_fmadd_ps(qv, kv_maskload16##SUFFIX(m, k0 + hd + d), a1);             \
+                a2 = _mm512_fmadd_ps(qv, kv_maskload16##SUFFIX(m, k0 + 2 * hd + d), a2);         \
+                a3 = _mm512_fmadd_ps(qv, kv_maskload16##SUFFIX(m, k0 + 3 * hd + d), a3);         \
+            }                                                                                    \
+            _mm_storeu_ps(s + j, _mm_mul_ps(pd_reduce4_ps_avx512(a0, a1, a2, a3), _mm_set1_ps(scale))); \
+        }                                                                                        \
+        for (; j < nk; j++) {                                                                    \
+            __m512 a0 = _mm512_setzero_ps();                                                     \
+            for (int64_t d = 0; d < hd; d += 16) {                                               \
+                const __mmask16 m = pd_tail_mask16(hd - d);                                      \
+                a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), kv_maskload16##SUFFIX(m, k + j * hd + d), a0); \
+            }                                                                                    \
+            s[j] = scale * _mm512_reduce_add_ps(a0);                                             \
+        }                                                                                        \
+    }                                                                                            \
+    PD_TARGET_AVX512 static void attn_pv##SUFFIX(const float *p, const T *v, int64_t hd, int64_t nk, float *o) { \
+        int64_t d = 0;                                                                           \
+        for (; d + 64 <= hd; d += 64) {                                                          \
+            /* two sets of accumulators: consecutive keys do not wait on each other */           \
+            __m512 a[8];                                                                         \
+            a[0] = _mm512_loadu_ps(o + d), a[1] = _mm512_loadu_ps(o + d + 16);                   \
+            a[2] = _mm512_loadu_ps(o + d + 32), a[3] = _mm512_loadu_ps(o + d + 48);              \
+            a[4] = a[5] = a[6] = a[7] = _mm512_setzero_ps();                                     \
+            int64_t j = 0;                                                                       \
+            for (; j + 2 <= nk; j += 2) {                                                        \
+                const __m512 b0 = _mm512_set1_ps(p[j]), b1 = _mm512_set1_ps(p[j + 1]);           \
+                const T *v0 = v + j * hd + d, *v1 = v0 + hd;                                     \
+                PD_UNROLL for (int c = 0; c < 4; c++) {                                          \
+                    a[c] = _mm512_fmadd_ps(b0, kv_load16##SUFFIX(v0 + 16 * c), a[c]);            \
+                    a[4 + c] = _mm512_fmadd_ps(b1, kv_load16##SUFFIX(v1 + 16 * c), a[4 + c]);    \
+                }                                                                                \
+            }                                                                                    \
+            if (j < nk) {                                                                        \
+                const __m512 b0 = _mm512_set1_ps(p[j]);                                          \
+                const T *v0 = v + j * hd + d;                                                    \
+                PD_UNROLL for (int c = 0; c < 4; c++) a[c] = _mm512_fmadd_ps(b0, kv_load16##SUFFIX(v0 + 16 * c), a[c]); \
+            }                                                                                    \
+            PD_UNROLL for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + d + 16 * c, _mm512_add_ps(a[c], a[4 + c])); \
+        }                                                                                        \
+        for (; d < hd; d += 16) {                                                                \
+            const __mmask16 m = pd_tail_mask16(hd - d);                                          \
+            __m512 o0 = _mm512_maskz_loadu_ps(m, o + d);                                         \
+            for (int64_t j = 0; j < nk; j++)                                                     \
+                o0 = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), kv_maskload16##SUFFIX(m, v + j * hd + d), o0); \
+            _mm512_mask_storeu_ps(o + d, m, o0);                                                 \
+        }                                                                                        \
     }
-    for (; j + 4 <= nk; j += 4) {
-        const uint16_t *k0 = k + j * hd;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t d = 0; d < hd; d += 16) {
-            const __mmask16 m = pd_tail_mask16(hd - d);
-            const __m512 qv = _mm512_maskz_loadu_ps(m, q + d);
-            a0 = _mm512_fmadd_ps(qv, kv_maskload16_f16(m, k0 + d), a0);
-            a1 = _mm512_fmadd_ps(qv, kv_maskload16_f16(m, k0 + hd + d), a1);
-            a2 = _mm512_fmadd_ps(qv, kv_maskload16_f16(m, k0 + 2 * hd + d), a2);
-            a3 = _mm512_fmadd_ps(qv, kv_maskload16_f16(m, k0 + 3 * hd + d), a3);
-        }
-        _mm_storeu_ps(s + j, _mm_mul_ps(pd_reduce4_ps_avx512(a0, a1, a2, a3), _mm_set1_ps(scale)));
-    }
-    for (; j < nk; j++) {
-        __m512 a0 = _mm512_setzero_ps();
-        for (int64_t d = 0; d < hd; d += 16) {
-            const __mmask16 m = pd_tail_mask16(hd - d);
-            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), kv_maskload16_f16(m, k + j * hd + d), a0);
-        }
-        s[j] = scale * _mm512_reduce_add_ps(a0);
-    }
-}
 
-PD_TARGET_AVX512 static void attn_pv_f16(const float *p, const uint16_t *v, int64_t hd, int64_t nk, float *o) {
-    int64_t d = 0;
-    for (; d + 64 <= hd; d += 64) {
-        __m512 a[8];
-        a[0] = _mm512_loadu_ps(o + d), a[1] = _mm512_loadu_ps(o + d + 16);
-        a[2] = _mm512_loadu_ps(o + d + 32), a[3] = _mm512_loadu_ps(o + d + 48);
-        a[4] = a[5] = a[6] = a[7] = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j + 2 <= nk; j += 2) {
-            const __m512 b0 = _mm512_set1_ps(p[j]), b1 = _mm512_set1_ps(p[j + 1]);
-            const uint16_t *v0 = v + j * hd + d, *v1 = v0 + hd;
-            PD_UNROLL
-            for (int c = 0; c < 4; c++) {
-                a[c] = _mm512_fmadd_ps(b0, kv_load16_f16(v0 + 16 * c), a[c]);
-                a[4 + c] = _mm512_fmadd_ps(b1, kv_load16_f16(v1 + 16 * c), a[4 + c]);
-            }
-        }
-        if (j < nk) {
-            const __m512 b0 = _mm512_set1_ps(p[j]);
-            const uint16_t *v0 = v + j * hd + d;
-            PD_UNROLL
-            for (int c = 0; c < 4; c++) a[c] = _mm512_fmadd_ps(b0, kv_load16_f16(v0 + 16 * c), a[c]);
-        }
-        PD_UNROLL
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + d + 16 * c, _mm512_add_ps(a[c], a[4 + c]));
-    }
-    for (; d < hd; d += 16) {
-        const __mmask16 m = pd_tail_mask16(hd - d);
-        __m512 o0 = _mm512_maskz_loadu_ps(m, o + d);
-        for (int64_t j = 0; j < nk; j++)
-            o0 = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), kv_maskload16_f16(m, v + j * hd + d), o0);
-        _mm512_mask_storeu_ps(o + d, m, o0);
-    }
-}
+ATTN_KERNELS_512(_f32, float)
+ATTN_KERNELS_512(_f16, uint16_t)
 
 /* Masks only for the tail: masked stores are slow on some cores. */
 PD_TARGET_AVX512 static void f32_to_f16(const float *x, int64_t n, uint16_t *y) {
@@ -831,8 +756,8 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     k->axpy_f32 = axpy_f32;
     k->scale_f32 = scale_f32;
     k->scale_mul = scale_mul;
-    k->attn_scores = attn_scores;
-    k->attn_pv = attn_pv;
+    k->attn_scores = attn_scores_f32;
+    k->attn_pv = attn_pv_f32;
     k->attn_scores_f16 = attn_scores_f16;
     k->attn_pv_f16 = attn_pv_f16;
     k->f32_to_f16 = f32_to_f16;
