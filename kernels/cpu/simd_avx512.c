@@ -226,60 +226,22 @@ static inline void decode_prefetch(const uint8_t *p) {
         }                                                                                        \
     }
 
-/* q8_0: two blocks per register, as in the tile kernel. */
-PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
-q8_0_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
-    const cpu_qact *q = m->q;
-    const int64_t nb = q->nblocks;
-    const uint8_t *w = m->w + (size_t)r * m->rb;
-    const __m512i idx01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i x80 = _mm512_set1_epi8((char)0x80);
-    __m512 acc[CPU_DECODE_MAX_N];
-PD_UNROLL
-    for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
-    int64_t p = 0;
-    for (; p + 2 <= nb; p += 2) {
-        const uint8_t *blk = w + (size_t)Q8_0_BYTES * (size_t)p;
-        decode_prefetch(blk);
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + Q8_0_BYTES + 2));
-        const __m512i wv = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), x80);
-        const uint32_t h2 = (uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + Q8_0_BYTES) << 16);
-        const __m128 dw2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h2));
-PD_UNROLL
-        for (int j = 0; j < nt; j++) {
-            const __m512i xv = _mm512_loadu_si512((const void *)(q->qs + (t0 + j) * q->cols + 32 * p));
-            const __m128i c2 = _mm_loadl_epi64((const __m128i *)(const void *)(q->c + (t0 + j) * nb + p));
-            const __m512i cv = _mm512_maskz_permutexvar_epi32((__mmask16)0x0101, idx01, _mm512_castsi128_si512(c2));
-            const __m128 d2 = _mm_mul_ps(dw2, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(const void *)(q->d + (t0 + j) * nb + p))));
-            const __m512 dv = _mm512_permutexvar_ps(idx01, _mm512_castps128_ps512(d2));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cv, wv, xv)), dv, acc[j]);
-        }
-    }
-    if (p < nb) { /* odd block count */
-        const uint8_t *blk = w + (size_t)Q8_0_BYTES * (size_t)p;
-        const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
-        const float dw = _cvtsh_ss(pd_ld16(blk));
-PD_UNROLL
-        for (int j = 0; j < nt; j++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)(q->qs + (t0 + j) * q->cols + 32 * p));
-            const __m256i cv = _mm256_maskz_mov_epi32((__mmask8)1, _mm256_set1_epi32(q->c[(t0 + j) * nb + p]));
-            const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(cv, wv, xv)),
-                                           _mm256_set1_ps(dw * q->d[(t0 + j) * nb + p]));
-            acc[j] = _mm512_add_ps(acc[j], _mm512_zextps256_ps512(s));
-        }
-    }
-PD_UNROLL
-    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]);
+/* q8_0 and q4_0 (Q4 true): two 32-blocks per register, their weights as
+ * unsigned bytes for vpdpbusd with a per-block correction: q8_0 codes
+ * flipped to w + 128 with c = -128 * sum(x), as in the tile kernel; q4_0
+ * codes 0..15 unpacked in natural order (low nibbles are elements 0..15,
+ * high nibbles 16..31), stored + 8, so the correction is c / 16. */
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) __m256i q8_or_q4_block(const uint8_t *blk, const bool q4) {
+    return q4 ? unpack_q4_0_512(blk + 2)
+              : _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
 }
 
-/* q4_0: two blocks per register, codes 0..15 unpacked in natural order
- * (low nibbles are elements 0..15, high nibbles 16..31); the -8 offset is
- * c / 16 = -8 * sum(x), added per block like q8_0's correction. */
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
-q4_0_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
+q8_or_q4_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt, const bool q4) {
     const cpu_qact *q = m->q;
     const int64_t nb = q->nblocks;
+    const size_t bytes = q4 ? Q4_0_BYTES : Q8_0_BYTES;
+    const int shift = q4 ? 4 : 0; /* c / 16 for q4_0: c is a multiple of 128 */
     const uint8_t *w = m->w + (size_t)r * m->rb;
     const __m512i idx01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     __m512 acc[CPU_DECODE_MAX_N];
@@ -287,16 +249,16 @@ PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
     int64_t p = 0;
     for (; p + 2 <= nb; p += 2) {
-        const uint8_t *blk = w + (size_t)Q4_0_BYTES * (size_t)p;
+        const uint8_t *blk = w + bytes * (size_t)p;
         decode_prefetch(blk);
-        const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(unpack_q4_0_512(blk + 2)),
-                                              unpack_q4_0_512(blk + Q4_0_BYTES + 2), 1);
-        const uint32_t h2 = (uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + Q4_0_BYTES) << 16);
+        const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(q8_or_q4_block(blk, q4)),
+                                              q8_or_q4_block(blk + bytes, q4), 1);
+        const uint32_t h2 = (uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + bytes) << 16);
         const __m128 dw2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h2));
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(q->qs + (t0 + j) * q->cols + 32 * p));
-            const __m128i c2 = _mm_srai_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(q->c + (t0 + j) * nb + p)), 4);
+            const __m128i c2 = _mm_srai_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(q->c + (t0 + j) * nb + p)), shift);
             const __m512i cv = _mm512_maskz_permutexvar_epi32((__mmask16)0x0101, idx01, _mm512_castsi128_si512(c2));
             const __m128 d2 = _mm_mul_ps(dw2, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(const void *)(q->d + (t0 + j) * nb + p))));
             const __m512 dv = _mm512_permutexvar_ps(idx01, _mm512_castps128_ps512(d2));
@@ -304,13 +266,13 @@ PD_UNROLL
         }
     }
     if (p < nb) { /* odd block count */
-        const uint8_t *blk = w + (size_t)Q4_0_BYTES * (size_t)p;
-        const __m256i wv = unpack_q4_0_512(blk + 2);
+        const uint8_t *blk = w + bytes * (size_t)p;
+        const __m256i wv = q8_or_q4_block(blk, q4);
         const float dw = _cvtsh_ss(pd_ld16(blk));
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)(q->qs + (t0 + j) * q->cols + 32 * p));
-            const __m256i cv = _mm256_maskz_mov_epi32((__mmask8)1, _mm256_set1_epi32(q->c[(t0 + j) * nb + p] / 16));
+            const __m256i cv = _mm256_maskz_mov_epi32((__mmask8)1, _mm256_set1_epi32(q->c[(t0 + j) * nb + p] / (1 << shift)));
             const __m256 sv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(cv, wv, xv)),
                                             _mm256_set1_ps(dw * q->d[(t0 + j) * nb + p]));
             acc[j] = _mm512_add_ps(acc[j], _mm512_zextps256_ps512(sv));
@@ -319,6 +281,9 @@ PD_UNROLL
 PD_UNROLL
     for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]);
 }
+
+#define q8_0_row(m, r, t0, nt) q8_or_q4_row(m, r, t0, nt, false)
+#define q4_0_row(m, r, t0, nt) q8_or_q4_row(m, r, t0, nt, true)
 
 /* q4_K against activations in the decode layout (quant_q8_K4): each
  * 64-byte load of codes gives, in its low nibbles, two sub-blocks whose
