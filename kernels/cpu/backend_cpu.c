@@ -19,12 +19,25 @@
  * SIMD level
  * ------------------------------------------------------------------------ */
 
+#if PD_X86
+/* cpuid, not __builtin_cpu_supports: clang 14 does not know "f16c". Asked
+ * once (cpuid traps to the hypervisor in a VM) and kept: a hardware fact. */
+bool cpu_has_f16c(void) {
+    static atomic_int known; /* 0 not asked yet, 1 no, 2 yes */
+    int k = atomic_load_explicit(&known, memory_order_relaxed);
+    if (!k) {
+        unsigned a, b, c, d;
+        k = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) && (c & bit_AVX) ? 2 : 1;
+        atomic_store_explicit(&known, k, memory_order_relaxed);
+    }
+    return k == 2;
+}
+#endif
+
 static cpu_simd_level best_level(void) {
 #if PD_X86
-    unsigned a, b, c, d;
-    const bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
     __builtin_cpu_init();
-    if (!(f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
+    if (!(cpu_has_f16c() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
         return CPU_SIMD_SCALAR;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&

@@ -111,16 +111,12 @@ PD_TARGET_AVX2 static size_t fp16_to_fp32_f16c(const uint16_t *x, float *y, size
     return i;
 }
 
-static bool have_f16c(void) {
-    __builtin_cpu_init(); /* idempotent; needed when called before constructors ran */
-    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-}
 #endif
 
 void pd_fp32_to_fp16_row(const float *x, uint16_t *y, size_t n) {
     size_t i = 0;
 #if PD_X86
-    if (have_f16c()) i = fp32_to_fp16_f16c(x, y, n);
+    if (cpu_has_f16c()) i = fp32_to_fp16_f16c(x, y, n);
 #endif
     for (; i < n; i++) y[i] = pd_fp32_to_fp16(x[i]);
 }
@@ -128,7 +124,7 @@ void pd_fp32_to_fp16_row(const float *x, uint16_t *y, size_t n) {
 void pd_fp16_to_fp32_row(const uint16_t *x, float *y, size_t n) {
     size_t i = 0;
 #if PD_X86
-    if (have_f16c()) i = fp16_to_fp32_f16c(x, y, n);
+    if (cpu_has_f16c()) i = fp16_to_fp32_f16c(x, y, n);
 #endif
     for (; i < n; i++) y[i] = pd_fp16_to_fp32(x[i]);
 }
