@@ -237,19 +237,25 @@ static void take_locked(pd_hot *h, pd_hot_entry *e) {
     e->refs++;
 }
 
+/* Take e out of the map; returns it when nobody holds it (the caller frees
+ * it after unlocking), else NULL: its last release frees it. */
+static pd_hot_entry *drop_locked(pd_hot *h, pd_hot_entry *e) {
+    uncache_locked(h, e);
+    if (e->refs > 0) {
+        h->in_use--;
+        return NULL;
+    }
+    lru_remove(h, e);
+    return e;
+}
+
 int pd_hot_acquire(pd_hot *h, const pd_prefix_id *id, pd_hot_entry **out, pd_error *err) {
     *out = NULL;
     pthread_mutex_lock(&h->mu);
     pd_hot_entry *e = map_find(h, id), *stale = NULL;
     if (e && e->borrows && pd_now_seconds() - e->loaded_at > h->max_age) {
         /* Its snapshot is old: drop it from the map and load afresh. */
-        uncache_locked(h, e);
-        if (e->refs == 0) {
-            lru_remove(h, e);
-            stale = e;
-        } else {
-            h->in_use--; /* its holders keep it; the last release frees it */
-        }
+        stale = drop_locked(h, e);
         e = NULL;
     }
     if (e) {
@@ -340,15 +346,7 @@ void pd_hot_invalidate(pd_hot *h, const pd_prefix_id *id) {
     pthread_mutex_lock(&h->mu);
     h->generation++;
     pd_hot_entry *e = map_find(h, id);
-    if (e) {
-        uncache_locked(h, e);
-        if (e->refs == 0) {
-            lru_remove(h, e);
-            victim = e;
-        } else {
-            h->in_use--; /* its holders keep it; the last release frees it */
-        }
-    }
+    if (e) victim = drop_locked(h, e);
     pthread_mutex_unlock(&h->mu);
     entry_free(victim);
 }

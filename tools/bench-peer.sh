@@ -56,6 +56,19 @@ TTFT_CTX=4096
 # What this build's kernels compute (README: weight types).
 OUR_TYPES=" f32 f16 bf16 q8_0 q4_0 q4_k q6_k "
 
+# awk helpers both result tables use: add(key, v) collects samples, med(key)
+# is their median (-1 when there are none).
+AWK_MEDIAN='
+    function median(a, n,    i, j, x, b) {
+        if (n < 1) return -1
+        for (i = 1; i <= n; i++) b[i] = a[i]
+        for (i = 2; i <= n; i++) { x = b[i]; for (j = i - 1; j >= 1 && b[j] > x; j--) b[j + 1] = b[j]; b[j + 1] = x }
+        return n % 2 ? b[(n + 1) / 2] : (b[n / 2] + b[n / 2 + 1]) / 2
+    }
+    function add(key, v) { cnt[key]++; val[key, cnt[key]] = v }
+    function med(key,    i, a) { for (i = 1; i <= cnt[key]; i++) a[i] = val[key, i]; return median(a, cnt[key]) }
+'
+
 say() { printf '%s\n' "$*"; }
 warn() { printf 'bench-peer: %s\n' "$*" >&2; }
 die() {
@@ -325,14 +338,7 @@ say "== engine throughput, medians of $ROUNDS round(s) (CPU: ${cpu:-unknown}, $c
 labels_file=$WORK/labels.tsv
 for mi in "${!MODELS[@]}"; do printf '%s\t%s\t%s\n' "$mi" "${LABELS[$mi]}" "${PROMPTS[$mi]}"; done > "$labels_file"
 awk -F'\t' -v gen="$GEN" -v threads="$THREADS" '
-    function median(a, n,    i, j, x, b) {
-        if (n < 1) return -1
-        for (i = 1; i <= n; i++) b[i] = a[i]
-        for (i = 2; i <= n; i++) { x = b[i]; for (j = i - 1; j >= 1 && b[j] > x; j--) b[j + 1] = b[j]; b[j + 1] = x }
-        return n % 2 ? b[(n + 1) / 2] : (b[n / 2] + b[n / 2 + 1]) / 2
-    }
-    function add(key, v) { cnt[key]++; val[key, cnt[key]] = v }
-    function med(key,    i, a) { for (i = 1; i <= cnt[key]; i++) a[i] = val[key, i]; return median(a, cnt[key]) }
+'"$AWK_MEDIAN"'
     function fmt(v, d) { return v < 0 ? "-" : sprintf("%." d "f", v) }
     FNR == NR { label[$1] = $2; prompt[$1] = $3; order[++nm] = $1; next }
     { v[$1, $2, $3, $4, $5] = $6; seen[$2, $3] = 1; if ($1 > rounds) rounds = $1 }
@@ -650,14 +656,7 @@ say ""
 say "== stored prefix and time to first token, medians of $ROUNDS round(s): $n_prefix-token prefix + $n_suffix-token suffix, 1 token generated, streaming, $TTFT_THREADS threads"
 cfg_list=$(printf '%s ' "${CONFIGS[@]}")
 awk -F'\t' -v cfgs="$cfg_list" -v nprefix="$n_prefix" -v nsuffix="$n_suffix" '
-    function median(a, n,    i, j, x, b) {
-        if (n < 1) return -1
-        for (i = 1; i <= n; i++) b[i] = a[i]
-        for (i = 2; i <= n; i++) { x = b[i]; for (j = i - 1; j >= 1 && b[j] > x; j--) b[j + 1] = b[j]; b[j + 1] = x }
-        return n % 2 ? b[(n + 1) / 2] : (b[n / 2] + b[n / 2 + 1]) / 2
-    }
-    function add(key, v) { cnt[key]++; val[key, cnt[key]] = v }
-    function med(key,    i, a) { for (i = 1; i <= cnt[key]; i++) a[i] = val[key, i]; return median(a, cnt[key]) }
+'"$AWK_MEDIAN"'
     function ms(v) { return v < 0 ? "-" : sprintf("%.1f", 1e3 * v) }
     function ratio(a, b) { return a < 0 || b <= 0 ? "-" : sprintf("%.2f", a / b) }
     { add($2 SUBSEP $3, $4) }

@@ -285,10 +285,13 @@ static int measure_bandwidth(int n_threads, size_t bytes, double *out, const cha
     return rc;
 }
 
-/* Bytes of weights one decode step reads on the CPU: every matrix as stored
- * in the file. The embedding table counts only when it is also the output
- * matrix (tied; otherwise one row per token is read). */
-static uint64_t decode_stored_bytes(const pd_model *m) {
+/* Bytes of weights one decode step reads: every matrix (2-D or more) as
+ * stored in the file (the CPU), or as the CUDA backend stores it
+ * (as_device: 4 bytes per element for f32 and 2 for every other type,
+ * f16/bf16 as they are, quantized types dequantized to bf16). The embedding
+ * table is read one row per token, so it counts only when it is also the
+ * output matrix (no output.weight). */
+static uint64_t decode_weight_bytes(const pd_model *m, bool as_device) {
     const pd_gguf *g = pd_model_gguf(m);
     const bool tied = pd_gguf_find_tensor(g, "output.weight") == NULL;
     uint64_t total = 0;
@@ -296,7 +299,7 @@ static uint64_t decode_stored_bytes(const pd_model *m) {
         const pd_gguf_tensor *t = pd_gguf_tensor_at(g, i);
         if (t->n_dims < 2) continue;
         if (!tied && strcmp(t->name, "token_embd.weight") == 0) continue;
-        total += t->n_bytes;
+        total += as_device ? t->n_elems * (t->type == PD_TYPE_F32 ? 4u : 2u) : t->n_bytes;
     }
     return total;
 }
@@ -425,24 +428,6 @@ static int prefix_once(pd_model *m, int64_t n, int n_gen, prefix_result *r, pd_e
     free(toks);
     free(logits);
     return rc;
-}
-
-/* Bytes of weights one decode step reads, as the CUDA backend stores them:
- * every matrix (2-D or more) at 4 bytes per element for f32 and 2 for every
- * other type (f16/bf16 as they are, quantized types dequantized to bf16).
- * The embedding table is read one row per token, so it counts only when it
- * is also the output matrix (no output.weight). */
-static uint64_t decode_weight_bytes(const pd_model *m) {
-    const pd_gguf *g = pd_model_gguf(m);
-    const bool tied = pd_gguf_find_tensor(g, "output.weight") == NULL;
-    uint64_t total = 0;
-    for (size_t i = 0; i < pd_gguf_tensor_count(g); i++) {
-        const pd_gguf_tensor *t = pd_gguf_tensor_at(g, i);
-        if (t->n_dims < 2) continue;
-        if (!tied && strcmp(t->name, "token_embd.weight") == 0) continue;
-        total += t->n_elems * (t->type == PD_TYPE_F32 ? 4u : 2u);
-    }
-    return total;
 }
 
 /* Parse "N1,N2,..." (each >= 1) into out; returns the count or -1. */
@@ -635,7 +620,7 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "prefix-bench: bandwidth: %s\n", err.msg);
                 return 1;
             }
-            const uint64_t sbytes = decode_stored_bytes(m);
+            const uint64_t sbytes = decode_weight_bytes(m, false);
             const double achieved = (double)sbytes * best.decode_tps;
             char ctx_text[32] = "null";
             if (decode_ctx >= 0) snprintf(ctx_text, sizeof ctx_text, "%ld", decode_ctx);
@@ -687,7 +672,7 @@ int main(int argc, char **argv) {
     pd_model *m = prefix_model;
     const pd_hparams *hp = pd_model_hparams(m);
     double bandwidth = 0, bound_tps = 0;
-    const uint64_t wbytes = on_cuda ? decode_weight_bytes(m) : 0;
+    const uint64_t wbytes = on_cuda ? decode_weight_bytes(m, true) : 0;
     if (on_cuda) {
         if (pd_cuda_copy_bandwidth(dev.index, BANDWIDTH_BYTES, &bandwidth, &err)) {
             fprintf(stderr, "prefix-bench: copy bandwidth of %s: %s\n", dev_name, err.msg);

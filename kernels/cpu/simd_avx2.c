@@ -602,18 +602,9 @@ PD_TARGET_AVX2 static void attn_pv_f16(const float *p, const uint16_t *v, int64_
         for (int64_t j = 0; j < nk; j++) o[d] += p[j] * pd_fp16_to_fp32(v[j * hd + d]);
 }
 
-PD_TARGET_AVX2 static void f32_to_f16(const float *x, int64_t n, uint16_t *y) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < n; i++) y[i] = pd_fp32_to_fp16(x[i]);
-}
-
-PD_TARGET_AVX2 static void f16_to_f32(const uint16_t *x, int64_t n, float *y) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, kv_load8_f16(x + i));
-    for (; i < n; i++) y[i] = pd_fp16_to_fp32(x[i]);
-}
+/* The F16C row conversions of half.c (this level implies F16C). */
+static void f32_to_f16(const float *x, int64_t n, uint16_t *y) { pd_fp32_to_fp16_row(x, y, (size_t)n); }
+static void f16_to_f32(const uint16_t *x, int64_t n, float *y) { pd_fp16_to_fp32_row(x, y, (size_t)n); }
 
 PD_TARGET_AVX2 static float max_f32(const float *x, int64_t n) {
     int64_t i = 0;
