@@ -35,13 +35,26 @@ typedef enum pd_type {
     PD_TYPE_Q5_K = 13,
     PD_TYPE_Q6_K = 14,
     PD_TYPE_Q8_K = 15,
+    PD_TYPE_IQ2_XXS = 16,
+    PD_TYPE_IQ2_XS = 17,
+    PD_TYPE_IQ3_XXS = 18,
+    PD_TYPE_IQ1_S = 19,
+    PD_TYPE_IQ4_NL = 20,
+    PD_TYPE_IQ3_S = 21,
+    PD_TYPE_IQ2_S = 22,
+    PD_TYPE_IQ4_XS = 23,
     PD_TYPE_I8 = 24,
     PD_TYPE_I16 = 25,
     PD_TYPE_I32 = 26,
     PD_TYPE_I64 = 27,
     PD_TYPE_F64 = 28,
+    PD_TYPE_IQ1_M = 29,
     PD_TYPE_BF16 = 30,
-    PD_TYPE_COUNT = 31 /* one past the largest id we know */
+    /* 31-33 (q4_0_4_4, q4_0_4_8, q4_0_8_8) and 36-38 (iq4_nl_4_4, ...) were
+     * repacked layouts that llama.cpp no longer reads from files. */
+    PD_TYPE_TQ1_0 = 34,
+    PD_TYPE_TQ2_0 = 35,
+    PD_TYPE_COUNT = 39 /* one past the largest id the GGUF spec defines */
 } pd_type;
 
 #define PD_QK_K 256 /* super-block size of the k-quants */
