@@ -19,6 +19,9 @@
 #   BENCH_GEN      decode tokens (default 64)
 #   BENCH_THROUGHPUT  0 skips part 1 (default 1)
 #   BENCH_TTFT     0 skips part 2 (default 1)
+#   BENCH_SET      part 1's models: core (the SmolLM2 Q8_0 and Llama-1B Q4_K and
+#                  Q4_K_M files, default), types (one row per weight type:
+#                  llama-quantize mixes of a 4-layer 1B shape) or all
 #   TMPDIR         the generated models are cached in ${TMPDIR:-/tmp}/prefixd-bench-peer
 #   KEEP_WORK      1 keeps the scratch folder (logs, stores, slot files)
 #
@@ -35,6 +38,7 @@ THREADS=${BENCH_THREADS:-1,2}
 GEN=${BENCH_GEN:-64}
 DO_TTFT=${BENCH_TTFT:-1}
 DO_THROUGHPUT=${BENCH_THROUGHPUT:-1}
+SET=${BENCH_SET:-core}
 CACHE=${TMPDIR:-/tmp}/prefixd-bench-peer
 KEEP_WORK=${KEEP_WORK:-0}
 
@@ -81,6 +85,7 @@ skip() {
 }
 
 [[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "BENCH_ROUNDS must be a positive integer, not '$ROUNDS'"
+[[ $SET =~ ^(core|types|all)$ ]] || die "BENCH_SET must be core, types or all, not '$SET'"
 [[ $GEN =~ ^[1-9][0-9]*$ ]] || die "BENCH_GEN must be a positive integer, not '$GEN'"
 [[ $THREADS =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] || die "BENCH_THREADS must look like 1,2, not '$THREADS'"
 IFS=, read -r -a THREAD_LIST <<< "$THREADS"
@@ -194,29 +199,30 @@ fi
 peer_build=$(awk -F'","' 'NR == 2 { gsub(/"/, "", $1); print "build " $2 " (" $1 ")" }' "$WORK/probe.csv")
 say "llama.cpp: $PEER_DIR, ${peer_build:-unknown build}"
 
-gen_model "$L1B_Q4K" --preset llama-3.2-1b --type q4_k --n-vocab 32000 --seed 1 || die "could not generate $L1B_Q4K"
-
-# The Q4_K_M mix: llama-quantize of a generated F16 file (deleted after).
-Q4KM_OK=1
-want_q4km="llama-quantize Q4_K_M of prefixctl gen-model --preset llama-3.2-1b --type f16 --n-vocab 32000 --seed 1"
-if ! cached "$L1B_Q4KM" "$want_q4km"; then
-    f16=$CACHE/llama-3.2-1b-f16-v32000-s1.gguf
-    rm -f "$L1B_Q4KM" "$L1B_Q4KM.opts"
-    if gen_model "$f16" --preset llama-3.2-1b --type f16 --n-vocab 32000 --seed 1; then
-        say "quantizing $L1B_Q4KM (llama-quantize Q4_K_M)"
-        if "$PEER_DIR/llama-quantize" "$f16" "$L1B_Q4KM.tmp" Q4_K_M > "$WORK/quantize.log" 2>&1; then
-            mv "$L1B_Q4KM.tmp" "$L1B_Q4KM" && printf '%s' "$want_q4km" > "$L1B_Q4KM.opts"
-        else
-            tail -5 "$WORK/quantize.log" >&2
-            say "llama-quantize failed: no Q4_K_M row"
-            rm -f "$L1B_Q4KM.tmp"
-            Q4KM_OK=0
-        fi
-        rm -f "$f16" "$f16.opts"
+# quantize_mix OUT MIX gen-model-options...: llama-quantize MIX of a generated
+# F16 file (the F16 file is deleted afterwards unless other mixes need it:
+# KEEP_F16=1). Returns nonzero, with a line saying why, on failure.
+KEEP_F16=0
+quantize_mix() {
+    local out=$1 mix=$2
+    shift 2
+    local want="llama-quantize $mix of prefixctl gen-model $* --type f16"
+    cached "$out" "$want" && return 0
+    local f16=$CACHE/f16-$(printf '%s' "$*" | tr -c 'A-Za-z0-9.\n-' '_').gguf
+    rm -f "$out" "$out.opts"
+    gen_model "$f16" "$@" --type f16 || return 1
+    say "quantizing $out (llama-quantize $mix)"
+    if "$PEER_DIR/llama-quantize" "$f16" "$out.tmp" "$mix" > "$WORK/quantize.log" 2>&1; then
+        mv "$out.tmp" "$out" && printf '%s' "$want" > "$out.opts"
     else
-        Q4KM_OK=0
+        tail -5 "$WORK/quantize.log" >&2
+        say "llama-quantize $mix failed: no row for it"
+        rm -f "$out.tmp"
+        ((KEEP_F16)) || rm -f "$f16" "$f16.opts"
+        return 1
     fi
-fi
+    ((KEEP_F16)) || rm -f "$f16" "$f16.opts"
+}
 
 # types_of FILE: "type xN, ..." of its matrices and vectors, or nothing when
 # our reader cannot open it.
@@ -254,9 +260,27 @@ add_model() { # FILE LABEL PROMPT
     PROMPTS+=("$prompt")
     say "model: $label  $(basename "$f")  $(du -m "$f" | cut -f1) MB  [$types]"
 }
-add_model "$SMOL" "smollm2-135m q8_0" "$PROMPT_SMALL"
-add_model "$L1B_Q4K" "llama-3.2-1b q4_k" "$PROMPT_1B"
-((Q4KM_OK)) && add_model "$L1B_Q4KM" "llama-3.2-1b q4_k_m" "$PROMPT_1B"
+if [[ $SET == core || $SET == all ]]; then
+    add_model "$SMOL" "smollm2-135m q8_0" "$PROMPT_SMALL"
+    gen_model "$L1B_Q4K" --preset llama-3.2-1b --type q4_k --n-vocab 32000 --seed 1 &&
+        add_model "$L1B_Q4K" "llama-3.2-1b q4_k" "$PROMPT_1B"
+    quantize_mix "$L1B_Q4KM" Q4_K_M --preset llama-3.2-1b --n-vocab 32000 --seed 1 &&
+        add_model "$L1B_Q4KM" "llama-3.2-1b q4_k_m" "$PROMPT_1B"
+fi
+# One row per weight type beyond the core set: llama-quantize's "mostly X"
+# file types of a 4-layer Llama-3.2-1B shape (every row width a multiple of
+# 256, so the K-quant types are not replaced by fallbacks; 4 layers keep a
+# run short while the weights, ~150-300 MB, are still far beyond the caches).
+if [[ $SET == types || $SET == all ]]; then
+    KEEP_F16=1
+    for mix in Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K_S Q4_K_S Q5_K_S Q6_K IQ4_NL IQ4_XS; do
+        lc=$(tr 'A-Z' 'a-z' <<< "$mix")
+        f=$CACHE/llama-1b-4l-$lc-v32000-s1.gguf
+        quantize_mix "$f" "$mix" --preset llama-3.2-1b --n-layer 4 --n-vocab 32000 --seed 1 &&
+            add_model "$f" "1b-4layer $lc" "$PROMPT_1B"
+    done
+    rm -f "$CACHE"/f16-*.gguf "$CACHE"/f16-*.gguf.opts
+fi
 ((${#MODELS[@]})) || die "no model that both sides can run"
 
 # ---- part 1: throughput, interleaved rounds ------------------------------------------

@@ -176,6 +176,7 @@ void cpu_quant_q8_K_scalar(const float *x, int64_t cols, int8_t *qs, float *d, i
 #if PD_X86
 /* The CPU has AVX and F16C (the vcvtph2ps/vcvtps2ph conversions). */
 bool cpu_has_f16c(void);
+void cpu_quant_q8_0_avx2(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c, int16_t *bsums);
 void cpu_quant_q8_K_avx2(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c, int16_t *bsums);
 #endif
 

@@ -50,7 +50,7 @@ PD_TARGET_AVX2 static inline float amax_n(const float *x, int n) {
     return pd_hmax_ps_avx2(m);
 }
 
-PD_TARGET_AVX2 static void quant_q8_0(const float *x, int64_t cols, int8_t *qs, float *d,
+PD_TARGET_AVX2 void cpu_quant_q8_0_avx2(const float *x, int64_t cols, int8_t *qs, float *d,
                                       int32_t *c, int16_t *bsums) {
     (void)bsums;
     for (int64_t b = 0; b < cols / 32; b++, x += 32, qs += 32) {
@@ -658,7 +658,7 @@ void cpu_kernels_avx2(cpu_kernels *k) {
     k->dequant[PD_TYPE_Q4_0] = dequant_q4_0;
     k->dequant[PD_TYPE_F16] = dequant_f16;
     k->dequant[PD_TYPE_BF16] = dequant_bf16;
-    k->quant_q8_0 = quant_q8_0;
+    k->quant_q8_0 = cpu_quant_q8_0_avx2;
     k->quant_q8_K = cpu_quant_q8_K_avx2;
     k->swiglu = swiglu;
     k->softmax_exp = softmax_exp;

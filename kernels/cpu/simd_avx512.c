@@ -226,39 +226,32 @@ static inline void decode_prefetch(const uint8_t *p) {
         }                                                                                        \
     }
 
-/* q8_0 and q4_0 (Q4 true): two 32-blocks per register, their weights as
- * unsigned bytes for vpdpbusd with a per-block correction: q8_0 codes
- * flipped to w + 128 with c = -128 * sum(x), as in the tile kernel; q4_0
- * codes 0..15 unpacked in natural order (low nibbles are elements 0..15,
- * high nibbles 16..31), stored + 8, so the correction is c / 16. */
-PD_TARGET_AVX512 static inline __attribute__((always_inline)) __m256i q8_or_q4_block(const uint8_t *blk, const bool q4) {
-    return q4 ? unpack_q4_0_512(blk + 2)
-              : _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
-}
-
+/* q8_0: two 32-blocks per register, codes flipped to unsigned bytes
+ * (w + 128) for vpdpbusd, the accumulator starting at c = -128 * sum(x) of
+ * each block, as in the tile kernel. */
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
-q8_or_q4_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt, const bool q4) {
+q8_0_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const cpu_qact *q = m->q;
     const int64_t nb = q->nblocks;
-    const size_t bytes = q4 ? Q4_0_BYTES : Q8_0_BYTES;
-    const int shift = q4 ? 4 : 0; /* c / 16 for q4_0: c is a multiple of 128 */
     const uint8_t *w = m->w + (size_t)r * m->rb;
     const __m512i idx01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m256i x80 = _mm256_set1_epi8((char)0x80);
     __m512 acc[CPU_DECODE_MAX_N];
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
     int64_t p = 0;
     for (; p + 2 <= nb; p += 2) {
-        const uint8_t *blk = w + bytes * (size_t)p;
+        const uint8_t *blk = w + Q8_0_BYTES * (size_t)p;
         decode_prefetch(blk);
-        const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(q8_or_q4_block(blk, q4)),
-                                              q8_or_q4_block(blk + bytes, q4), 1);
-        const uint32_t h2 = (uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + bytes) << 16);
+        const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), x80);
+        const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + Q8_0_BYTES + 2)), x80);
+        const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+        const uint32_t h2 = (uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + Q8_0_BYTES) << 16);
         const __m128 dw2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h2));
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(q->qs + (t0 + j) * q->cols + 32 * p));
-            const __m128i c2 = _mm_srai_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(q->c + (t0 + j) * nb + p)), shift);
+            const __m128i c2 = _mm_loadl_epi64((const __m128i *)(const void *)(q->c + (t0 + j) * nb + p));
             const __m512i cv = _mm512_maskz_permutexvar_epi32((__mmask16)0x0101, idx01, _mm512_castsi128_si512(c2));
             const __m128 d2 = _mm_mul_ps(dw2, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(const void *)(q->d + (t0 + j) * nb + p))));
             const __m512 dv = _mm512_permutexvar_ps(idx01, _mm512_castps128_ps512(d2));
@@ -266,13 +259,13 @@ PD_UNROLL
         }
     }
     if (p < nb) { /* odd block count */
-        const uint8_t *blk = w + bytes * (size_t)p;
-        const __m256i wv = q8_or_q4_block(blk, q4);
+        const uint8_t *blk = w + Q8_0_BYTES * (size_t)p;
+        const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), x80);
         const float dw = _cvtsh_ss(pd_ld16(blk));
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)(q->qs + (t0 + j) * q->cols + 32 * p));
-            const __m256i cv = _mm256_maskz_mov_epi32((__mmask8)1, _mm256_set1_epi32(q->c[(t0 + j) * nb + p] / (1 << shift)));
+            const __m256i cv = _mm256_maskz_mov_epi32((__mmask8)1, _mm256_set1_epi32(q->c[(t0 + j) * nb + p]));
             const __m256 sv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(cv, wv, xv)),
                                             _mm256_set1_ps(dw * q->d[(t0 + j) * nb + p]));
             acc[j] = _mm512_add_ps(acc[j], _mm512_zextps256_ps512(sv));
@@ -282,8 +275,84 @@ PD_UNROLL
     for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]);
 }
 
-#define q8_0_row(m, r, t0, nt) q8_or_q4_row(m, r, t0, nt, false)
-#define q4_0_row(m, r, t0, nt) q8_or_q4_row(m, r, t0, nt, true)
+/* q4_0 against activations in the layout quant_q8_0_q4 writes: per group of
+ * four 32-blocks, the first 16 elements of each block, then the last 16 of
+ * each. The 16 code bytes of four blocks then fill one register, whose low
+ * nibbles meet the first 64 activations and high nibbles the next 64 in two
+ * chained vpdpbusd, every 32-bit lane staying within one block. Codes are
+ * the unsigned nibbles (w + 8); the per-block correction c is stored
+ * already divided by 16 (-8 * sum(x)). A tail of fewer than 4 blocks keeps
+ * the natural order. */
+#define Q4_0_GROUP 4
+
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
+q4_0_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
+    const cpu_qact *q = m->q;
+    const int64_t nb = q->nblocks, ng = nb / Q4_0_GROUP;
+    const uint8_t *w = m->w + (size_t)r * m->rb;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc[CPU_DECODE_MAX_N];
+PD_UNROLL
+    for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *blk = w + (size_t)(Q4_0_GROUP * Q4_0_BYTES) * (size_t)g;
+        decode_prefetch(blk);
+        decode_prefetch(blk + 64);
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(blk + Q4_0_BYTES + 2)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(blk + 2 * Q4_0_BYTES + 2)), 2);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(blk + 3 * Q4_0_BYTES + 2)), 3);
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        const uint64_t h4 = (uint64_t)pd_ld16(blk) | ((uint64_t)pd_ld16(blk + Q4_0_BYTES) << 16) |
+                            ((uint64_t)pd_ld16(blk + 2 * Q4_0_BYTES) << 32) |
+                            ((uint64_t)pd_ld16(blk + 3 * Q4_0_BYTES) << 48);
+        const __m128 dw4 = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)h4));
+PD_UNROLL
+        for (int j = 0; j < nt; j++) {
+            const int8_t *x = q->qs + (t0 + j) * q->cols + 128 * g;
+            const __m128i c4 = _mm_loadu_si128((const __m128i *)(const void *)(q->c + (t0 + j) * nb + 4 * g));
+            const __m512i cv = _mm512_maskz_permutexvar_epi32((__mmask16)0x1111, idx, _mm512_castsi128_si512(c4));
+            const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(cv, lo, _mm512_loadu_si512((const void *)x)), hi,
+                                                  _mm512_loadu_si512((const void *)(x + 64)));
+            const __m128 d4 = _mm_mul_ps(dw4, _mm_loadu_ps(q->d + (t0 + j) * nb + 4 * g));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d4)), acc[j]);
+        }
+    }
+    for (int64_t p = ng * Q4_0_GROUP; p < nb; p++) {
+        const uint8_t *blk = w + Q4_0_BYTES * (size_t)p;
+        const __m256i wv = unpack_q4_0_512(blk + 2);
+        const float dw = _cvtsh_ss(pd_ld16(blk));
+PD_UNROLL
+        for (int j = 0; j < nt; j++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)(q->qs + (t0 + j) * q->cols + 32 * p));
+            const __m256i cv = _mm256_maskz_mov_epi32((__mmask8)1, _mm256_set1_epi32(q->c[(t0 + j) * nb + p]));
+            const __m256 sv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(cv, wv, xv)),
+                                            _mm256_set1_ps(dw * q->d[(t0 + j) * nb + p]));
+            acc[j] = _mm512_add_ps(acc[j], _mm512_zextps256_ps512(sv));
+        }
+    }
+PD_UNROLL
+    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]);
+}
+
+/* q8_0 activations in the order q4_0_row reads them (see there), with c
+ * divided by 16. Same quantized values as quant_q8_0. */
+PD_TARGET_AVX512 static void quant_q8_0_q4(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
+                                            int16_t *bsums) {
+    cpu_quant_q8_0_avx2(x, cols, qs, d, c, bsums);
+    const int64_t nb = cols / 32;
+    for (int64_t g = 0; g < nb / Q4_0_GROUP; g++) {
+        int8_t *xg = qs + 128 * g;
+        __m128i h[8];
+        for (int b = 0; b < 4; b++) {
+            h[b] = _mm_loadu_si128((const __m128i *)(const void *)(xg + 32 * b));
+            h[4 + b] = _mm_loadu_si128((const __m128i *)(const void *)(xg + 32 * b + 16));
+        }
+        for (int i = 0; i < 8; i++) _mm_storeu_si128((__m128i *)(void *)(xg + 16 * i), h[i]);
+    }
+    for (int64_t b = 0; b < nb; b++) c[b] /= 16; /* a multiple of 128 */
+}
 
 /* q4_K against activations in the decode layout (quant_q8_K4): each
  * 64-byte load of codes gives, in its low nibbles, two sub-blocks whose
@@ -712,6 +781,7 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     k->mm_any_n[PD_TYPE_Q4_K] = true;
     k->mm_any_n[PD_TYPE_Q6_K] = true;
     k->quant_act[PD_TYPE_Q4_K] = quant_q8_K4;
+    k->quant_act[PD_TYPE_Q4_0] = quant_q8_0_q4;
     k->mm[PD_TYPE_F32] = mm_f32;
     k->mm[PD_TYPE_F16] = mm_f16;
     k->mm[PD_TYPE_BF16] = mm_bf16;
