@@ -360,66 +360,116 @@ PD_TARGET_AVX512 static void quant_q8_0_q4(const float *x, int64_t cols, int8_t 
  * 4-byte VNNI sums of codes (0..15) times activations are at most 7620 in
  * magnitude, so two registers of them pack into 16-bit words and meet their
  * sub-block scales in one vpmaddwd: 4 dot products, 2 packs, 2 multiplies
- * per 256 weights. */
+ * per 256 weights. Blocks go in pairs, so that the scale/min unpacking and
+ * the min correction (mins x sub-block sums of x, which quant_q8_K4 stores
+ * side by side for the pair) run once per two blocks. */
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) __m512i
+q4_K_block_dot(const uint8_t *blk, const int8_t *x, __m512i sa, __m512i sb) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), z = _mm512_setzero_si512();
+    const __m512i qa = _mm512_loadu_si512((const void *)(blk + 16));
+    const __m512i qb = _mm512_loadu_si512((const void *)(blk + 80));
+    const __m512i p0 = _mm512_dpbusd_epi32(z, _mm512_and_si512(qa, m4), _mm512_loadu_si512((const void *)x));
+    const __m512i p1 = _mm512_dpbusd_epi32(z, _mm512_and_si512(_mm512_srli_epi16(qa, 4), m4),
+                                           _mm512_loadu_si512((const void *)(x + 64)));
+    const __m512i p2 = _mm512_dpbusd_epi32(z, _mm512_and_si512(qb, m4), _mm512_loadu_si512((const void *)(x + 128)));
+    const __m512i p3 = _mm512_dpbusd_epi32(z, _mm512_and_si512(_mm512_srli_epi16(qb, 4), m4),
+                                           _mm512_loadu_si512((const void *)(x + 192)));
+    return _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_packs_epi32(p0, p1), sa), _mm512_packs_epi32(p2, p3), sb);
+}
+
+/* The scales and mins of two q4_K blocks as 16-bit words: scales of the
+ * first in words 0..7, its mins 8..15, the second's in 16..23 and 24..31
+ * (q4k_scales_mins on both 128-bit halves at once). */
+PD_TARGET_AVX512 static inline __m512i q4k_scales_mins2(const uint8_t *s0, const uint8_t *s1) {
+    const __m256i u = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)s0)),
+                                              _mm_loadu_si128((const __m128i *)(const void *)s1), 1);
+    const __m256i lo = _mm256_and_si256(u, _mm256_set1_epi8(0x3f));
+    const __m256i u2 = _mm256_shuffle_epi32(u, 0xaa);
+    const __m256i hl = _mm256_and_si256(_mm256_srlv_epi32(u2, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)),
+                                        _mm256_set1_epi8(0x0f));
+    const __m256i hh = _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(u, 6), 4), _mm256_set1_epi8(0x30));
+    return _mm512_cvtepu8_epi16(_mm256_unpacklo_epi32(lo, _mm256_or_si256(hl, hh)));
+}
+
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
 q4_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const cpu_qact *q = m->q;
     const int64_t nb = q->nblocks;
     const uint8_t *w = m->w + (size_t)r * m->rb;
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
     /* 128-bit lane k of packs(p0, p1): 4 words of p0's sub-block, 4 of p1's */
     const __m512i ia = _mm512_set_epi16(3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2,
                                         1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(4));
+    const __m512i ia1 = _mm512_add_epi16(ia, _mm512_set1_epi16(16)), ib1 = _mm512_add_epi16(ib, _mm512_set1_epi16(16));
+    const __m512i imn = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
+    const __m256i i1 = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
     __m512 acc[CPU_DECODE_MAX_N];
-    __m128 accm[CPU_DECODE_MAX_N];
+    __m256 accm[CPU_DECODE_MAX_N];
 PD_UNROLL
     for (int j = 0; j < nt; j++) {
         acc[j] = _mm512_setzero_ps();
-        accm[j] = _mm_setzero_ps();
+        accm[j] = _mm256_setzero_ps();
     }
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)Q4_K_BYTES * (size_t)b;
-        decode_prefetch(blk);
-        decode_prefetch(blk + 64);
-        decode_prefetch(blk + 128);
-        const __m128i sm = q4k_scales_mins(blk + 4);
-        const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sm));
-        const __m512i sa = _mm512_permutexvar_epi16(ia, sc16), sb = _mm512_permutexvar_epi16(ib, sc16);
-        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
-        const __m512i qa = _mm512_loadu_si512((const void *)(blk + 16));
-        const __m512i qb = _mm512_loadu_si512((const void *)(blk + 80));
-        const __m512i n0 = _mm512_and_si512(qa, m4), n1 = _mm512_and_si512(_mm512_srli_epi16(qa, 4), m4);
-        const __m512i n2 = _mm512_and_si512(qb, m4), n3 = _mm512_and_si512(_mm512_srli_epi16(qb, 4), m4);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + 2) << 16))));
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *b0 = w + (size_t)Q4_K_BYTES * (size_t)b, *b1 = b0 + Q4_K_BYTES;
+        decode_prefetch(b0);
+        decode_prefetch(b0 + 64);
+        decode_prefetch(b0 + 128);
+        decode_prefetch(b0 + 192);
+        decode_prefetch(b0 + 256);
+        const __m512i sm = q4k_scales_mins2(b0 + 4, b1 + 4);
+        const __m512i sa0 = _mm512_permutexvar_epi16(ia, sm), sb0 = _mm512_permutexvar_epi16(ib, sm);
+        const __m512i sa1 = _mm512_permutexvar_epi16(ia1, sm), sb1 = _mm512_permutexvar_epi16(ib1, sm);
+        const __m256i mn = _mm512_castsi512_si256(_mm512_permutexvar_epi16(imn, sm));
+        /* d0 dmin0 d1 dmin1 */
+        const uint64_t h4 = (uint64_t)pd_ld16(b0) | ((uint64_t)pd_ld16(b0 + 2) << 16) |
+                            ((uint64_t)pd_ld16(b1) << 32) | ((uint64_t)pd_ld16(b1 + 2) << 48);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)h4));
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
             const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
-            const __m512i z = _mm512_setzero_si512();
-            const __m512i p0 = _mm512_dpbusd_epi32(z, n0, _mm512_loadu_si512((const void *)x));
-            const __m512i p1 = _mm512_dpbusd_epi32(z, n1, _mm512_loadu_si512((const void *)(x + 64)));
-            const __m512i p2 = _mm512_dpbusd_epi32(z, n2, _mm512_loadu_si512((const void *)(x + 128)));
-            const __m512i p3 = _mm512_dpbusd_epi32(z, n3, _mm512_loadu_si512((const void *)(x + 192)));
-            const __m512i si = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_packs_epi32(p0, p1), sa),
-                                                   _mm512_packs_epi32(p2, p3), sb);
-            const __m128 dx = _mm_mul_ps(dm, _mm_set1_ps(q->d[(t0 + j) * nb + b])); /* d * xd, dmin * xd */
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_broadcastss_ps(dx), acc[j]);
-            const __m128i bs = _mm_loadu_si128((const __m128i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b));
-            accm[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn16, bs)), _mm_permute_ps(dx, 0x55), accm[j]);
+            const __m128 xd = _mm_castpd_ps(_mm_loaddup_pd((const double *)(const void *)(q->d + (t0 + j) * nb + b)));
+            const __m128 dx = _mm_mul_ps(dm, _mm_unpacklo_ps(xd, xd)); /* d0 xd0, dmin0 xd0, d1 xd1, dmin1 xd1 */
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_K_block_dot(b0, x, sa0, sb0)), _mm512_broadcastss_ps(dx), acc[j]);
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_K_block_dot(b1, x + PD_QK_K, sa1, sb1)),
+                                     _mm512_broadcastss_ps(_mm_movehl_ps(dx, dx)), acc[j]);
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b));
+            accm[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs)),
+                                      _mm256_permutexvar_ps(i1, _mm256_castps128_ps256(dx)), accm[j]);
+        }
+    }
+    if (b < nb) { /* odd block count: the last one alone */
+        const uint8_t *b0 = w + (size_t)Q4_K_BYTES * (size_t)b;
+        const __m512i sm = q4k_scales_mins2(b0 + 4, b0 + 4);
+        const __m512i sa0 = _mm512_permutexvar_epi16(ia, sm), sb0 = _mm512_permutexvar_epi16(ib, sm);
+        const __m256i mn = _mm256_zextsi128_si256(_mm512_castsi512_si128(_mm512_permutexvar_epi16(imn, sm)));
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)pd_ld16(b0) | ((uint32_t)pd_ld16(b0 + 2) << 16))));
+PD_UNROLL
+        for (int j = 0; j < nt; j++) {
+            const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
+            const __m128 dx = _mm_mul_ps(dm, _mm_set1_ps(q->d[(t0 + j) * nb + b]));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_K_block_dot(b0, x, sa0, sb0)), _mm512_broadcastss_ps(dx), acc[j]);
+            const __m256i bs = _mm256_zextsi128_si256(
+                _mm_loadu_si128((const __m128i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b)));
+            accm[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs)),
+                                      _mm256_permutexvar_ps(i1, _mm256_castps128_ps256(dx)), accm[j]);
         }
     }
 PD_UNROLL
-    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]) - pd_hsum_ps_sse(accm[j]);
+    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]) - pd_hsum_ps_avx2(accm[j]);
 }
 
 /* q8_K activations in the order q4_K_row reads them: per 256-block the
- * 32-sub-blocks 0 2 1 3 4 6 5 7, and in the first 8 bsums of the block the
- * sums of each sub-block, in natural order. Same quantized values as
- * quant_q8_K. */
+ * 32-sub-blocks 0 2 1 3 4 6 5 7; the sums of each 32-sub-block (natural
+ * order) of a pair of blocks 2k, 2k+1 in bsums[32k .. 32k + 15] (a last
+ * odd block's in its first 8). Same quantized values as quant_q8_K. */
 PD_TARGET_AVX512 static void quant_q8_K4(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
                                           int16_t *bsums) {
     cpu_quant_q8_K_avx2(x, cols, qs, d, c, bsums);
-    for (int64_t b = 0; b < cols / PD_QK_K; b++) {
+    const int64_t nb = cols / PD_QK_K;
+    for (int64_t b = 0; b < nb; b++) {
         int8_t *xb = qs + PD_QK_K * b;
         for (int h = 0; h < 2; h++) { /* swap sub-blocks 1 and 2 of each half */
             const __m256i t = _mm256_loadu_si256((const __m256i *)(const void *)(xb + 128 * h + 32));
@@ -427,8 +477,13 @@ PD_TARGET_AVX512 static void quant_q8_K4(const float *x, int64_t cols, int8_t *q
                                 _mm256_loadu_si256((const __m256i *)(const void *)(xb + 128 * h + 64)));
             _mm256_storeu_si256((__m256i *)(void *)(xb + 128 * h + 64), t);
         }
-        int16_t *bs = bsums + 16 * b;
-        for (int s = 0; s < 8; s++) bs[s] = (int16_t)(bs[2 * s] + bs[2 * s + 1]);
+    }
+    for (int64_t b = 0; b < nb; b += 2) {
+        int16_t *bs = bsums + 16 * b, s32[16];
+        const int nblk = b + 1 < nb ? 2 : 1;
+        for (int k = 0; k < nblk; k++)
+            for (int s = 0; s < 8; s++) s32[8 * k + s] = (int16_t)(bs[16 * k + 2 * s] + bs[16 * k + 2 * s + 1]);
+        memcpy(bs, s32, sizeof(int16_t) * 8 * (size_t)nblk);
     }
 }
 
