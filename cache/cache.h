@@ -162,6 +162,24 @@ typedef struct pd_store_verify_report {
 int pd_store_verify(pd_store *s, bool repair, pd_store_visit_fn fn, void *ctx, pd_store_verify_report *out,
                     pd_error *err);
 
+typedef struct pd_store_salvage_report {
+    int64_t checked, copied, dropped; /* records seen, written to the new store, left behind */
+    uint64_t bytes;                   /* stored bytes of the copied records */
+    bool truncated;                   /* data.mdb was shorter than its last transaction */
+    uint64_t missing_bytes;           /* ... by this much */
+} pd_store_salvage_report;
+
+/* Copy every record of the store in src_dir whose checksums verify into a
+ * new store (dst->dir must not hold one yet; its map is made at least as
+ * large as the source's data). The source is only read, with pread, never
+ * mapped, so a truncated or damaged file is safe (a scratch store sits next
+ * to dst->dir while this runs). Dropped records go to fn (info NULL when
+ * even the header is lost). Damage is reported, not an error: the return is
+ * non-zero only when the salvage itself could not run (unreadable source
+ * meta pages, the new store cannot be written). */
+int pd_store_salvage(const char *src_dir, const pd_store_opts *dst, pd_store_visit_fn fn, void *ctx,
+                     pd_store_salvage_report *out, pd_error *err);
+
 typedef struct pd_store_stats {
     int64_t prefixes, pinned;
     uint64_t bytes;            /* sum of records' bytes */

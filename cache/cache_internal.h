@@ -40,6 +40,14 @@ static inline uint64_t cache_rd_be64(const uint8_t *p) {
     return v;
 }
 
+/* ---- the LMDB data file (store.c) ---------------------------------------- */
+
+/* Reads data.mdb's meta pages without mapping it: *size is the file's size,
+ * *needed the bytes its last committed transaction uses (a shorter file is
+ * truncated), *page_size LMDB's page size. PD_EFORMAT when the meta pages
+ * are unreadable or not LMDB's. */
+int cache_data_file_check(const char *path, uint64_t *size, uint64_t *needed, uint32_t *page_size, pd_error *err);
+
 /* ---- record codec (record.c) ------------------------------------------ */
 
 #define CACHE_HEADER_MAGIC "PDKVHDR1"

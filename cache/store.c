@@ -381,6 +381,92 @@ static int open_dbs(pd_store *s, pd_error *err) {
     return rc ? cache_lmdb_error(s, rc, "opening the prefix store", err) : PD_OK;
 }
 
+/* ---- the data file before it is mapped ------------------------------------ */
+
+/* LMDB (0.9, 64-bit) keeps two meta pages at the start of data.mdb: after a
+ * 16-byte page header, the magic and version, and further on the page size
+ * (in the free-list database's md_pad), the last page in use and the
+ * transaction id. The newer valid meta is the current one. */
+#define LMDB_MAGIC 0xBEEFC0DEu
+#define LMDB_META_MAGIC 16
+#define LMDB_META_VERSION 20
+#define LMDB_META_PSIZE 40
+#define LMDB_META_LAST_PG 136
+#define LMDB_META_TXNID 144
+#define LMDB_META_END 152
+
+int cache_data_file_check(const char *path, uint64_t *size, uint64_t *needed, uint32_t *page_size, pd_error *err) {
+    *size = *needed = 0;
+    *page_size = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return pd_errorf(err, PD_EIO, "cannot open %s: %s", path, strerror(errno));
+    struct stat st;
+    int rc = PD_OK;
+    if (fstat(fileno(f), &st) != 0) {
+        rc = pd_errorf(err, PD_EIO, "cannot stat %s: %s", path, strerror(errno));
+        goto done;
+    }
+    *size = (uint64_t)st.st_size;
+    uint8_t m0[LMDB_META_END], m1[LMDB_META_END];
+    if (fread(m0, 1, sizeof m0, f) != sizeof m0) {
+        rc = pd_errorf(err, PD_EFORMAT, "%s is only %" PRIu64 " bytes, shorter than LMDB's first page", path, *size);
+        goto done;
+    }
+    if (cache_rd_u32(m0 + LMDB_META_MAGIC) != LMDB_MAGIC) {
+        rc = pd_errorf(err, PD_EFORMAT, "%s is not an LMDB file (no LMDB magic in its first page)", path);
+        goto done;
+    }
+    const uint32_t psize = cache_rd_u32(m0 + LMDB_META_PSIZE);
+    if (psize < 512 || psize > (1u << 16) || (psize & (psize - 1))) {
+        rc = pd_errorf(err, PD_EFORMAT, "%s: its first meta page gives a page size of %u bytes, which is corrupt", path,
+                       psize);
+        goto done;
+    }
+    /* The second meta page may be missing when the file is short; the
+     * first then decides. */
+    bool m1_ok = fseeko(f, (off_t)psize, SEEK_SET) == 0 && fread(m1, 1, sizeof m1, f) == sizeof m1 &&
+                 cache_rd_u32(m1 + LMDB_META_MAGIC) == LMDB_MAGIC &&
+                 cache_rd_u32(m1 + LMDB_META_VERSION) == cache_rd_u32(m0 + LMDB_META_VERSION);
+    const uint8_t *cur = m1_ok && cache_rd_u64(m1 + LMDB_META_TXNID) > cache_rd_u64(m0 + LMDB_META_TXNID) ? m1 : m0;
+    const uint64_t last_pg = cache_rd_u64(cur + LMDB_META_LAST_PG);
+    if (last_pg > UINT64_MAX / psize - 1) {
+        rc = pd_errorf(err, PD_EFORMAT, "%s: its meta page names page %" PRIu64 " as the last one, which is corrupt",
+                       path, last_pg);
+        goto done;
+    }
+    *needed = (last_pg + 1) * psize;
+    *page_size = psize;
+done:
+    fclose(f);
+    return rc;
+}
+
+/* Refuse a data file that mapping would crash on: LMDB reads every page up
+ * to the last committed one through the map, and a page past the end of a
+ * truncated file is a SIGBUS, not an error. */
+static int check_existing_data_file(const char *dir, const char *path, pd_error *err) {
+    uint64_t size, needed;
+    uint32_t psize;
+    struct stat st;
+    /* An empty file also appears for an instant while another process
+     * creates the environment; look again before calling it damage. */
+    for (int i = 0; i < 20 && stat(path, &st) == 0 && st.st_size == 0; i++) usleep(10000);
+    int rc = cache_data_file_check(path, &size, &needed, &psize, err);
+    if (rc == PD_OK && size < needed)
+        rc = pd_errorf(err, PD_EFORMAT,
+                       "%s is %" PRIu64 " bytes but its last transaction uses %" PRIu64
+                       " (truncated by a disk fault or an interrupted copy)",
+                       path, size, needed);
+    if (rc != PD_EFORMAT) return rc;
+    size_t len = strlen(err->msg);
+    snprintf(err->msg + len, sizeof err->msg - len,
+             "; prefixd will not map it. Run `prefixctl store --dir %s salvage NEW_DIR` to copy every intact "
+             "record into a new store, then point cache.path at it (or move the damaged directory away to start "
+             "empty)",
+             dir);
+    return rc;
+}
+
 int pd_store_open(const pd_store_opts *o, pd_store **out, pd_error *err) {
     pd_error local;
     if (!err) err = &local; /* internal code always has somewhere to write */
@@ -425,6 +511,7 @@ int pd_store_open(const pd_store_opts *o, pd_store **out, pd_error *err) {
     struct stat dst;
     snprintf(data_path, sizeof data_path, "%s/data.mdb", s->dir);
     const bool exists = stat(data_path, &dst) == 0;
+    if (!rc && exists) rc = check_existing_data_file(s->dir, data_path, err);
     if (!rc && ((mrc = mdb_env_set_maxdbs(s->env, 8)) != 0 ||
                 (!exists && (mrc = mdb_env_set_mapsize(s->env, (size_t)map)) != 0) ||
                 (mrc = mdb_env_set_maxreaders(s->env, s->opts.max_readers)) != 0))

@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cache/cache.h"
 #include "helpers.h"
@@ -805,5 +807,33 @@ Test(cache_hot, prefixctl_store_commands) {
     cr_assert_eq(pd_store_get(s, &id[0], &r, &err), PD_OK, "%s", err.msg);
     pd_prefix_ref_release(r);
     pd_store_close(s);
+
+    /* A truncated data file: every command refuses it with exit status 1
+     * (not SIGBUS) and names salvage, which copies what survives. */
+    struct stat st;
+    cr_assert_eq(stat(data, &st), 0);
+    cr_assert_eq(truncate(data, st.st_size / 2), 0);
+    const char *cmds[] = {"stats 2>&1", "list 2>&1", "verify 2>&1"};
+    for (size_t i = 0; i < sizeof cmds / sizeof *cmds; i++) {
+        cr_assert_eq(store_cli(dir, cmds[i], &out), 1, "%s: %s", cmds[i], out);
+        cr_assert_not_null(strstr(out, "truncated"), "%s", out);
+        cr_assert_not_null(strstr(out, "salvage NEW_DIR"), "%s", out);
+        free(out);
+    }
+    char salvage[2300];
+    snprintf(salvage, sizeof salvage, "salvage '%s/salvaged'", tmpdir);
+    const int src = store_cli(dir, salvage, &out);
+    cr_assert(src == 0 || src == 1, "exit 0 (all copied) or 1 (some dropped), not %d: %s", src, out);
+    cr_assert_not_null(strstr(out, "data.mdb was truncated"), "%s", out);
+    cr_assert_not_null(strstr(out, "salvaged "), "%s", out);
+    free(out);
+    snprintf(salvage, sizeof salvage, "%s/salvaged", tmpdir);
+    cr_assert_eq(store_cli(salvage, "verify", &out), 0, "the salvaged store verifies: %s", out);
+    free(out);
+    snprintf(salvage, sizeof salvage, "salvage '%s/salvaged' 2>&1", tmpdir);
+    cr_assert_eq(store_cli(dir, salvage, &out), 1, "not into an existing store: %s", out);
+    cr_assert_not_null(strstr(out, "already holds a store"), "%s", out);
+    free(out);
+    cr_assert_eq(store_cli(dir, "salvage 2>/dev/null", NULL), 2, "salvage needs NEW_DIR");
     for (int i = 0; i < 3; i++) gen_free(&g[i]);
 }

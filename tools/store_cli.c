@@ -5,10 +5,12 @@
  *   prefixctl store --dir DIR verify [--repair]
  *   prefixctl store --dir DIR delete ID | pin ID | unpin ID
  *   prefixctl store --dir DIR stats
+ *   prefixctl store --dir DIR salvage NEW_DIR
  *
  * An ID is the full 64-digit hex id or a unique prefix of it (at least 8
  * digits). Exit status: 0 ok, 1 failure (including corrupt records found by
- * verify and not repaired), 2 usage error. */
+ * verify and not repaired, and records salvage had to leave behind), 2 usage
+ * error. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -32,6 +34,8 @@ static void store_usage(FILE *f) {
           "  delete ID            delete a prefix\n"
           "  pin ID | unpin ID    exempt a prefix from (or return it to) size-limit eviction\n"
           "  stats                prefixes, stored bytes, map use\n"
+          "  salvage NEW_DIR      copy every record whose checksums verify into a new store\n"
+          "                       (for a truncated or damaged data.mdb; the source is only read)\n"
           "\n"
           "options:\n"
           "  --dir DIR            the store's LMDB directory (cache.path in the config)\n"
@@ -258,6 +262,31 @@ static int cmd_verify(pd_store *s, bool repair) {
     return 0;
 }
 
+static int salvage_visit(void *ctx, const pd_prefix_id *id, const pd_prefix_info *info, const char *why) {
+    (void)info;
+    char hex[PD_PREFIX_ID_HEX];
+    pd_prefix_id_hex(id, hex);
+    printf("dropped: %s: %s\n", hex, why ? why : "checksum mismatch");
+    return 0;
+}
+
+/* Runs on the directory itself, not an open store: a damaged store may not
+ * open at all. */
+static int cmd_salvage(const char *dir, const char *new_dir, uint64_t map_mb) {
+    pd_store_opts o;
+    pd_store_opts_default(&o);
+    o.dir = new_dir;
+    if (map_mb) o.map_size = map_mb << 20;
+    pd_error err = {0};
+    pd_store_salvage_report rep;
+    if (pd_store_salvage(dir, &o, salvage_visit, NULL, &rep, &err) != PD_OK) return store_fail(&err);
+    char b[32];
+    if (rep.truncated) printf("data.mdb was truncated: %s missing\n", human_size(rep.missing_bytes, b));
+    printf("salvaged %" PRId64 " of %" PRId64 " prefix%s (%s) into %s; %" PRId64 " dropped\n", rep.copied, rep.checked,
+           rep.checked == 1 ? "" : "es", human_size(rep.bytes, b), new_dir, rep.dropped);
+    return rep.dropped ? 1 : 0;
+}
+
 static int cmd_stats(pd_store *s) {
     pd_error err = {0};
     pd_store_stats st;
@@ -328,6 +357,13 @@ int pd_store_cli(int argc, char **argv) {
     const char *cmd = pos[0];
     bool wants_id = strcmp(cmd, "show") == 0 || strcmp(cmd, "delete") == 0 || strcmp(cmd, "pin") == 0 ||
                     strcmp(cmd, "unpin") == 0;
+    if (strcmp(cmd, "salvage") == 0) {
+        if (n_pos != 2) {
+            fputs("prefixctl store salvage: expected exactly one NEW_DIR (where the new store goes)\n", stderr);
+            return 2;
+        }
+        return cmd_salvage(dir, pos[1], map_mb);
+    }
     bool no_arg = strcmp(cmd, "list") == 0 || strcmp(cmd, "verify") == 0 || strcmp(cmd, "stats") == 0;
     if (!wants_id && !no_arg) {
         fprintf(stderr, "prefixctl store: unknown command \"%s\"\n", cmd);
