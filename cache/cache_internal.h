@@ -149,6 +149,10 @@ struct pd_store {
  * run short). */
 int cache_ref_own(pd_prefix_ref *r, pd_error *err);
 
+/* PD_OK when the store (as of now, whatever process wrote it) holds a
+ * record for id, PD_ENOTFOUND when not. One short read transaction. */
+int cache_record_exists(pd_store *s, const pd_prefix_id *id, pd_error *err);
+
 /* The last-use stamp (microseconds) of a record; 0 when unknown. */
 uint64_t cache_meta_stamp(pd_store *s, MDB_txn *txn, const pd_prefix_id *id);
 

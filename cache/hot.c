@@ -18,7 +18,10 @@
  * entry older than max_age is dropped from the map on its next acquire and
  * loaded afresh (its holders keep the old one until they release it). Two
  * threads missing the same id both load; the first to insert wins and the
- * other frees its copy and takes the winner's.
+ * other frees its copy and takes the winner's. A hit is served only after
+ * a short read transaction confirms the record still exists: another
+ * process sharing the store may have deleted it (a delete in this process
+ * invalidates the entry directly).
  *
  * Stats describe the map: `entries`, `bytes` and `in_use` (entries with at
  * least one holder) count cached entries only; uncached oversize entries and
@@ -262,6 +265,18 @@ int pd_hot_acquire(pd_hot *h, const pd_prefix_id *id, pd_hot_entry **out, pd_err
         take_locked(h, e);
         h->hits++;
         pthread_mutex_unlock(&h->mu);
+        /* Another process sharing the store may have deleted it: a hit is
+         * served only while the record still exists (one short read). */
+        int rc = cache_record_exists(h->store, id, err);
+        if (rc) {
+            pthread_mutex_lock(&h->mu);
+            h->hits--; /* not served: a miss after all */
+            h->misses++;
+            pthread_mutex_unlock(&h->mu);
+            pd_hot_release(h, e);
+            if (rc == PD_ENOTFOUND) pd_hot_invalidate(h, id);
+            return rc;
+        }
         *out = e;
         return PD_OK;
     }

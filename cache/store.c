@@ -1089,6 +1089,17 @@ int pd_store_info(pd_store *s, const pd_prefix_id *id, pd_prefix_info *out, pd_e
     return rc;
 }
 
+int cache_record_exists(pd_store *s, const pd_prefix_id *id, pd_error *err) {
+    MDB_txn *txn;
+    int rc = read_begin(s, &txn, err);
+    if (rc) return rc;
+    MDB_val k = mval(id->b, PD_PREFIX_ID_LEN), v;
+    const int mrc = mdb_get(txn, s->records, &k, &v);
+    mdb_txn_abort(txn);
+    if (mrc == MDB_NOTFOUND) return not_found(id, err);
+    return mrc ? cache_lmdb_error(s, mrc, "reading a prefix", err) : PD_OK;
+}
+
 /* ---- delete, pin ---------------------------------------------------------- */
 
 int pd_store_delete(pd_store *s, const pd_prefix_id *id, pd_error *err) {

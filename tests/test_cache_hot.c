@@ -475,6 +475,51 @@ Test(cache_hot, invalidate_while_held) {
     gen_free(&a);
 }
 
+/* Two processes on one store: a prefix the other one deletes is not served
+ * from this one's hot tier, and one it stores again is served again. */
+Test(cache_hot, delete_by_another_process_is_seen) {
+    const char *exe = getenv("PD_PREFIXCTL");
+    cr_assert(exe && *exe, "PD_PREFIXCTL is not set (run through meson test)");
+    pd_store *s = open_store();
+    gen a, b;
+    gen_make(&a, 310, 2, 1, 16, 30, 10);
+    gen_make(&b, 311, 2, 1, 16, 30, 10);
+    pd_prefix_id ia, ib;
+    put(s, &a, PD_KV_F16, &ia);
+    put(s, &b, PD_KV_F16, &ib);
+    pd_hot *h = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_hot_create(s, 64ull << 20, &h, &err), PD_OK, "%s", err.msg);
+    pd_hot_release(h, acquire(h, &ia));
+    pd_hot_release(h, acquire(h, &ib));
+    cr_assert_eq(stats(h).entries, 2);
+
+    char hex[PD_PREFIX_ID_HEX], cmd[4096];
+    pd_prefix_id_hex(&ia, hex);
+    snprintf(cmd, sizeof cmd, "'%s' store --dir '%s/store' delete %s", exe, tmpdir, hex);
+    char *out = NULL;
+    cr_assert_eq(th_run(cmd, &out), 0, "%s", out);
+    free(out);
+
+    pd_hot_entry *none = NULL;
+    cr_assert_eq(pd_hot_acquire(h, &ia, &none, &err), PD_ENOTFOUND, "served a prefix deleted by another process");
+    cr_assert_null(none);
+    cr_assert_eq(stats(h).entries, 1, "the stale entry left the tier");
+    pd_hot_entry *e = acquire(h, &ib); /* the other one is still a hit */
+    expect_same(e, &b);
+    pd_hot_release(h, e);
+    cr_assert_eq(stats(h).hits, 1);
+
+    put(s, &a, PD_KV_F16, &ia); /* stored again: found again */
+    e = acquire(h, &ia);
+    expect_same(e, &a);
+    pd_hot_release(h, e);
+    pd_hot_free(h);
+    pd_store_close(s);
+    gen_free(&a);
+    gen_free(&b);
+}
+
 Test(cache_hot, oversize_entry_is_returned_uncached) {
     pd_store *s = open_store();
     gen big, small;
