@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -39,6 +40,12 @@ static uint64_t map_size_now(const pd_store *s) {
     return s->opts.map_size;
 }
 
+/* Less than 16 MiB free for unprivileged writers on dir's file system. */
+static bool disk_nearly_full(const char *dir) {
+    struct statvfs v;
+    return statvfs(dir, &v) == 0 && (uint64_t)v.f_bavail * v.f_frsize < (16u << 20);
+}
+
 int cache_lmdb_error(const pd_store *s, int rc, const char *what, pd_error *err) {
     switch (rc) {
     case MDB_MAP_FULL:
@@ -63,9 +70,18 @@ int cache_lmdb_error(const pd_store *s, int rc, const char *what, pd_error *err)
         return pd_errorf(err, PD_EFORMAT,
                          "%s: the LMDB file in %s is corrupt (%s); restore it from a backup or delete it",
                          what, s->dir, mdb_strerror(rc));
+    case EIO: /* LMDB reports a short write (the disk filled up) as EIO */
+        if (!disk_nearly_full(s->dir)) break;
+        /* fall through */
+    case ENOSPC:
+        return pd_errorf(err, PD_EIO,
+                         "%s: no space left on the disk holding the prefix store %s: free disk space, or delete "
+                         "prefixes (the file keeps its size: `mdb_copy -c %s NEW_DIR` writes a compacted copy)",
+                         what, s->dir, s->dir);
     case ENOMEM: return pd_errorf(err, PD_ENOMEM, "%s: out of memory", what);
-    default: return pd_errorf(err, PD_EIO, "%s in the prefix store %s: %s", what, s->dir, mdb_strerror(rc));
+    default: break;
     }
+    return pd_errorf(err, PD_EIO, "%s in the prefix store %s: %s", what, s->dir, mdb_strerror(rc));
 }
 
 static int corrupt_error(const pd_prefix_id *id, pd_error *err) {
@@ -1102,6 +1118,24 @@ int cache_record_exists(pd_store *s, const pd_prefix_id *id, pd_error *err) {
 
 /* ---- delete, pin ---------------------------------------------------------- */
 
+/* LMDB lets a write transaction reuse only pages freed by transactions
+ * older than the one before it (the previous snapshot must stay whole), so
+ * the pages a delete frees would wait for some other write: after a full
+ * map, one delete would not make room for the next put. One more small
+ * commit (the totals, rewritten unchanged) releases them at once. Best
+ * effort: the delete has succeeded either way. */
+static void release_freed_pages(pd_store *s) {
+    MDB_txn *txn;
+    pd_error e;
+    store_totals t;
+    if (write_begin(s, &txn, &e)) return;
+    if (totals_get(s, txn, &t, &e) || totals_put(s, txn, &t, &e)) {
+        mdb_txn_abort(txn);
+        return;
+    }
+    (void)write_commit(s, txn, &e);
+}
+
 int pd_store_delete(pd_store *s, const pd_prefix_id *id, pd_error *err) {
     pd_error local;
     if (!err) err = &local; /* internal code always has somewhere to write */
@@ -1114,7 +1148,9 @@ int pd_store_delete(pd_store *s, const pd_prefix_id *id, pd_error *err) {
         mdb_txn_abort(txn);
         return rc;
     }
-    return write_commit(s, txn, err);
+    if ((rc = write_commit(s, txn, err))) return rc;
+    release_freed_pages(s);
+    return PD_OK;
 }
 
 int pd_store_pin(pd_store *s, const pd_prefix_id *id, bool pinned, pd_error *err) {
