@@ -6,6 +6,7 @@
 #include <inttypes.h>
 #include <microhttpd.h>
 #include <openssl/crypto.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -58,6 +59,7 @@ typedef struct http_req {
     pthread_cond_t cv;
     bool done;           /* DONE or ERROR seen */
     bool has_deadline, timed_out;
+    bool client_gone;    /* cancelled because the client closed the connection */
     struct timespec deadline; /* CLOCK_REALTIME, as pthread_cond_timedwait wants */
     bool failed;
     pd_api_error err;
@@ -197,7 +199,9 @@ static void on_event(void *ctx, const pd_sched_event *ev) {
         break;
     }
     }
-    pthread_cond_broadcast(&r->cv);
+    /* A non-streamed waiter needs only the end (it watches its client on
+     * its own clock); waking it per token would be a context switch each. */
+    if (r->stream || r->done) pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -212,6 +216,42 @@ static void wait_or_expire(http_req *r) {
         r->timed_out = true;
         pd_sched_request_cancel(r->sreq);
     }
+}
+
+/* The client closed its end (or the connection broke). */
+static bool client_gone(struct MHD_Connection *c) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (!ci) return false;
+    struct pollfd p = {.fd = ci->connect_fd, .events = POLLRDHUP};
+    return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
+}
+
+/* A non-streamed request's wait: nothing is sent while the engine works,
+ * so the client's socket is looked at every CLIENT_CHECK_MS and a request
+ * whose client went away is cancelled (its batch slot and the rest of its
+ * tokens go to someone who is listening). r->mu held; *next_check is the
+ * CLOCK_REALTIME second-and-nanosecond of the next look. */
+#define CLIENT_CHECK_MS 50
+static void wait_watching_client(http_req *r, struct MHD_Connection *c, struct timespec *next_check) {
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    if (now.tv_sec > next_check->tv_sec || (now.tv_sec == next_check->tv_sec && now.tv_nsec >= next_check->tv_nsec)) {
+        if (!r->client_gone && client_gone(c)) {
+            r->client_gone = true;
+            pd_sched_request_cancel(r->sreq);
+        }
+        *next_check = now;
+        next_check->tv_nsec += CLIENT_CHECK_MS * 1000000L;
+        if (next_check->tv_nsec >= 1000000000L) {
+            next_check->tv_sec++;
+            next_check->tv_nsec -= 1000000000L;
+        }
+    }
+    const bool deadline_first = r->has_deadline && !r->timed_out &&
+                                (r->deadline.tv_sec < next_check->tv_sec ||
+                                 (r->deadline.tv_sec == next_check->tv_sec && r->deadline.tv_nsec < next_check->tv_nsec));
+    if (deadline_first) wait_or_expire(r);
+    else pthread_cond_timedwait(&r->cv, &r->mu, next_check);
 }
 
 /* Streaming body: hand out queued SSE bytes, blocking this connection's
@@ -296,7 +336,8 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
         return ret;
     }
     pthread_mutex_lock(&r->mu);
-    while (!r->done) wait_or_expire(r);
+    struct timespec next_check = {0, 0};
+    while (!r->done) wait_watching_client(r, c, &next_check);
     bool failed = r->failed;
     e = r->err;
     pthread_mutex_unlock(&r->mu);

@@ -410,6 +410,45 @@ Test(daemon, a_client_gone_mid_stream_frees_its_slot) {
     free(out);
 }
 
+/* The metric `name` from /metrics. */
+static double metric_now(const char *name) {
+    char *out = NULL;
+    cr_assert_eq(get("/metrics", &out), 200, "%s", out);
+    double v = th_metric(out, name);
+    free(out);
+    return v;
+}
+
+/* A non-streamed request, abandoned once it runs: the client waits for the
+ * whole answer, so only its socket closing says it left. */
+Test(daemon, a_client_gone_before_a_non_streamed_answer_frees_its_slot) {
+    start_daemon("--set scheduler.max_batch=1");
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    const char *json = "{\"model\":\"x\",\"prompt\":\"Once upon a time\",\"max_tokens\":1900,\"seed\":1,"
+                       "\"logit_bias\":{\"2\":-100}}";
+    char req[4096];
+    int n = snprintf(req, sizeof req,
+                     "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     "Content-Length: %zu\r\n\r\n%s", strlen(json), json);
+    cr_assert_eq(send(fd, req, (size_t)n, 0), n);
+    for (int i = 0; i < 600 && metric_now("prefixd_running_sequences") < 1; i++) usleep(5000);
+    cr_assert_eq(metric_now("prefixd_running_sequences"), 1, "the request is running");
+    close(fd);
+    /* With one slot this runs only once the first request left the batch. */
+    char *out = NULL;
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"The cat\",\"max_tokens\":8,\"temperature\":0}",
+                      NULL, &out),
+                 200, "%s", out);
+    free(out);
+    cr_assert_eq(metric_now("prefixd_requests_total{outcome=\"cancelled\"}"), 1, "generated %g tokens",
+                 metric_now("prefixd_generated_tokens_total"));
+    cr_assert_lt(metric_now("prefixd_generated_tokens_total"), 1900 + 8, "the abandoned request stopped early");
+}
+
 /* ---- prefixes and metrics ------------------------------------------------------- */
 
 Test(daemon, a_prefix_at_retention_half_is_used_and_reported) {
