@@ -459,6 +459,21 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         pthread_cond_init(&r->cv, NULL);
         *con_cls = r;
         if (s->requests) pd_counter_add(s->requests, 1);
+        /* A declared body over the limit is refused before a byte of it is
+         * read (and before authentication: reading it is the cost). */
+        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl) {
+            char *end;
+            errno = 0;
+            const unsigned long long n = strtoull(cl, &end, 10);
+            if (end != cl && (errno == ERANGE || n > s->opts.limits.max_body_bytes)) {
+                pd_api_error e;
+                pd_api_errorf(&e, 413, PD_API_ERR_TOO_LARGE, NULL, NULL,
+                              "the request body (Content-Length %s) is larger than %zu bytes (server.max_body_bytes)",
+                              cl, s->opts.limits.max_body_bytes);
+                return send_error(s, c, &e);
+            }
+        }
         return MHD_YES;
     }
     if (*upload_size) {

@@ -449,6 +449,44 @@ Test(daemon, a_client_gone_before_a_non_streamed_answer_frees_its_slot) {
     cr_assert_lt(metric_now("prefixd_generated_tokens_total"), 1900 + 8, "the abandoned request stopped early");
 }
 
+/* Send raw bytes, read until the peer closes (or 30 s): the reply. */
+static char *raw_exchange(const char *bytes, size_t n) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    struct timeval tv = {.tv_sec = 30};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv); /* a bound, not a timing assertion */
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    cr_assert_eq(send(fd, bytes, n, 0), (ssize_t)n);
+    size_t cap = 65536, got = 0;
+    char *buf = malloc(cap);
+    cr_assert_not_null(buf);
+    ssize_t k;
+    while (got + 1 < cap && (k = recv(fd, buf + got, cap - 1 - got, 0)) > 0) got += (size_t)k;
+    buf[got] = '\0';
+    close(fd);
+    return buf;
+}
+
+Test(daemon, a_declared_oversize_body_is_refused_before_it_is_read) {
+    start_daemon("--set server.api_key=secret --set server.max_body_bytes=65536");
+    /* 10 GB declared, 1 KB sent: the answer comes without the rest. */
+    char req[2048];
+    int n = snprintf(req, sizeof req,
+                     "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 10000000000\r\n\r\n");
+    memset(req + n, 'x', 1024);
+    char *out = raw_exchange(req, (size_t)n + 1024);
+    cr_assert(strncmp(out, "HTTP/1.1 413", 12) == 0, "%s", out);
+    const char *body = strstr(out, "\r\n\r\n");
+    cr_assert_not_null(body, "%s", out);
+    json_t *j = th_json_parse(body + 4);
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(j, "error"), "type")), "request_too_large");
+    json_decref(j);
+    free(out);
+}
+
 /* ---- prefixes and metrics ------------------------------------------------------- */
 
 Test(daemon, a_prefix_at_retention_half_is_used_and_reported) {
