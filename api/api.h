@@ -241,6 +241,7 @@ typedef struct pd_server_opts {
     unsigned max_connections;  /* default 256 */
     int request_timeout_s;     /* idle connection timeout; 0 = none */
     bool metrics;              /* serve GET /metrics (default true) */
+    bool metrics_auth;         /* GET /metrics needs api_key like the API (default false) */
     pd_api_limits limits;
     /* Admin API (/admin/v1/...): admin_token NULL or "" = disabled (404).
      * admin_port != 0: a second listener on admin_listen:admin_port serves

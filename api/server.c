@@ -370,6 +370,9 @@ static enum MHD_Result handle_get(pd_server *s, struct MHD_Connection *c, const 
         return send_json(c, ready ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE, body, strlen(body));
     }
     if (strcmp(url, "/metrics") == 0 && s->opts.metrics && s->metrics) {
+        if (s->opts.metrics_auth && !authorized(s, c))
+            return send_errorf(s, c, 401, PD_API_ERR_AUTH, "invalid_api_key",
+                               "missing or wrong API key (send Authorization: Bearer KEY; server.metrics_auth is on)");
         if (ready && b.store) {
             pd_store_stats st;
             if (pd_store_stats_get(b.store, &st, &err) == PD_OK) {

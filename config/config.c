@@ -121,6 +121,7 @@ static const key_desc keys[] = {
     INT_KEY(server, shutdown_grace_s, 0, 3600, "30"),
     STRING_KEY(server, api_key, check_secret, true, ""),
     BOOL_KEY(server, metrics, "true"),
+    BOOL_KEY(server, metrics_auth, "false"),
 
     STRING_KEY(admin, token, check_secret, true, ""),
     STRING_KEY(admin, listen, check_address, false, "127.0.0.1"),

@@ -72,6 +72,7 @@ typedef struct pd_config {
         int shutdown_grace_s;           /* SIGTERM: time in-flight requests get to finish */
         char api_key[PD_CONFIG_STR_CAP]; /* "" = no authentication */
         bool metrics;                   /* serve GET /metrics */
+        bool metrics_auth;              /* /metrics needs the API key too */
     } server;
     struct {
         char token[PD_CONFIG_STR_CAP];  /* "" = admin API disabled */

@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <string.h>
 #include <systemd/sd-daemon.h>
 #include <time.h>
@@ -88,6 +89,20 @@ static int load_config(const options *opt, pd_config *cfg, pd_error *err) {
     int rc = opt->config_path ? pd_config_load_file(cfg, opt->config_path, err) : PD_OK;
     for (int i = 0; rc == PD_OK && i < opt->n_sets; i++) rc = pd_config_set(cfg, opt->sets[i], err);
     return rc == PD_OK ? pd_config_validate(cfg, err) : rc;
+}
+
+/* Secrets in a config file others can read are secrets no longer; say so
+ * (the file may be shared on purpose, so this does not stop the start). */
+static void warn_exposed_secrets(const options *opt, const pd_config *cfg) {
+    struct stat st;
+    if (!opt->config_path || (!cfg->server.api_key[0] && !cfg->admin.token[0]) || stat(opt->config_path, &st) != 0 ||
+        !(st.st_mode & 077))
+        return;
+    fprintf(stderr,
+            "prefixd: warning: config file %s is readable by %s (mode %04o) and the configuration holds secrets "
+            "(server.api_key, admin.token): chmod 600 %s, or 640 with a group only the service is in\n",
+            opt->config_path, st.st_mode & 004 ? "everyone" : "its group", (unsigned)(st.st_mode & 07777),
+            opt->config_path);
 }
 
 /* Wait for SIGTERM/SIGINT (signals are blocked in every thread and taken
@@ -218,6 +233,7 @@ static int run(const pd_config *cfg) {
     so.api_key = cfg->server.api_key;
     so.request_timeout_s = cfg->server.request_timeout_s;
     so.metrics = cfg->server.metrics;
+    so.metrics_auth = cfg->server.metrics_auth;
     so.limits.max_body_bytes = (size_t)cfg->server.max_body_bytes;
     so.admin_token = cfg->admin.token;
     so.admin_listen = cfg->admin.listen;
@@ -323,6 +339,7 @@ int main(int argc, char **argv) {
         status = EXIT_USAGE;
         goto done;
     }
+    warn_exposed_secrets(&opt, &cfg);
     if (opt.check_config) {
         if (pd_config_print(&cfg, stdout, &err) != PD_OK) {
             fprintf(stderr, "prefixd: %s\n", err.msg);

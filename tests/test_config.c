@@ -655,6 +655,7 @@ static const char *const every_key_changed[] = {
     "server.request_timeout_s=0",
     "server.api_key=sk-live-0123456789",
     "server.metrics=false",
+    "server.metrics_auth=true",
     "admin.token=adm:t0ken/with=punct#no-space",
     "admin.listen=admin.internal.example",
     "admin.port=9444",

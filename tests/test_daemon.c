@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -485,6 +486,40 @@ Test(daemon, a_declared_oversize_body_is_refused_before_it_is_read) {
     cr_assert_str_eq(json_string_value(json_object_get(json_object_get(j, "error"), "type")), "request_too_large");
     json_decref(j);
     free(out);
+}
+
+Test(daemon, metrics_auth_closes_metrics_but_not_health) {
+    start_daemon("--set server.api_key=secret --set server.metrics_auth=true");
+    char *out = NULL;
+    cr_assert_eq(th_http(port, "GET", "/metrics", NULL, NULL, NULL, &out), 401, "%s", out);
+    cr_assert_not_null(strstr(out, "invalid_api_key"), "%s", out);
+    free(out);
+    cr_assert_eq(th_http(port, "GET", "/metrics", NULL, "secret", NULL, &out), 200, "%s", out);
+    cr_assert_not_null(strstr(out, "prefixd_http_requests_total"), "%s", out);
+    free(out);
+    cr_assert_eq(th_http(port, "GET", "/health", NULL, NULL, NULL, &out), 200, "%s", out);
+    free(out);
+}
+
+Test(daemon, a_readable_config_file_with_secrets_is_warned_about) {
+    const char *exe = getenv("PD_PREFIXD");
+    cr_assert(exe && *exe);
+    char conf[1200], cmd[4096];
+    snprintf(conf, sizeof conf, "%s/prefixd.conf", tmpdir);
+    FILE *f = fopen(conf, "w");
+    cr_assert_not_null(f);
+    fputs("[server]\napi_key = sk-test-123\n", f);
+    fclose(f);
+    char *out = NULL;
+    for (int mode = 0; mode < 2; mode++) {
+        cr_assert_eq(chmod(conf, mode ? 0600 : 0644), 0);
+        snprintf(cmd, sizeof cmd, "'%s' --config '%s' --check-config 2>&1 >/dev/null", exe, conf);
+        cr_assert_eq(th_run(cmd, &out), 0, "%s", out);
+        if (mode) cr_assert_null(strstr(out, "warning"), "mode 0600 is fine: %s", out);
+        else cr_assert_not_null(strstr(out, "readable by everyone (mode 0644)"), "%s", out);
+        cr_assert_null(strstr(out, "sk-test-123"), "the secret itself is never printed: %s", out);
+        free(out);
+    }
 }
 
 /* ---- prefixes and metrics ------------------------------------------------------- */
