@@ -235,7 +235,7 @@ int pd_api_models_json(const char *model_id, int64_t created, char **out, size_t
 typedef struct pd_server pd_server;
 
 typedef struct pd_server_opts {
-    const char *listen;        /* IPv4 address (default 127.0.0.1) */
+    const char *listen;        /* IPv4 or IPv6 address or host name (default 127.0.0.1) */
     int port;                  /* 0 = any free port (see pd_server_port) */
     const char *api_key;       /* NULL or "" = no authentication */
     unsigned max_connections;  /* default 256 */
@@ -248,7 +248,7 @@ typedef struct pd_server_opts {
      * only the admin routes and the public one does not; admin_port 0: the
      * public listener serves them too. */
     const char *admin_token;
-    const char *admin_listen;  /* IPv4 address (default 127.0.0.1) */
+    const char *admin_listen;  /* the same for the admin listener (default 127.0.0.1) */
     int admin_port;
 } pd_server_opts;
 

@@ -15,6 +15,7 @@
 #include <time.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <netdb.h>
 
 #include "api/api.h"
 
@@ -532,10 +533,28 @@ void pd_server_opts_default(pd_server_opts *o) {
     o->admin_listen = "127.0.0.1";
 }
 
-static struct MHD_Daemon *start_mhd(const pd_server_opts *o, struct sockaddr_in *sa, listener *li) {
+/* The address to bind for `host` (an IPv4 or IPv6 address, or a name:
+ * its first address) and port. */
+static int resolve_listen(const char *key, const char *host, int port, struct sockaddr_storage *out, pd_error *err) {
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+    struct addrinfo *res = NULL;
+    char serv[16];
+    snprintf(serv, sizeof serv, "%d", port);
+    const int g = getaddrinfo(host, serv, &hints, &res);
+    if (g != 0 || !res)
+        return pd_errorf(err, PD_EINVAL, "%s '%s' is not an address this machine can listen on (%s)", key, host,
+                         g ? gai_strerror(g) : "no address");
+    memset(out, 0, sizeof *out);
+    memcpy(out, res->ai_addr, res->ai_addrlen < sizeof *out ? res->ai_addrlen : sizeof *out);
+    freeaddrinfo(res);
+    return PD_OK;
+}
+
+static struct MHD_Daemon *start_mhd(const pd_server_opts *o, struct sockaddr_storage *sa, listener *li) {
+    const unsigned ipv6 = sa->ss_family == AF_INET6 ? MHD_USE_IPv6 : 0;
     return MHD_start_daemon(
-        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG, 0, NULL,
-        NULL, on_request, li, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
+        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG | ipv6, 0,
+        NULL, NULL, on_request, li, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
         li->srv, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections, MHD_OPTION_CONNECTION_TIMEOUT,
         (unsigned)(o->request_timeout_s > 0 ? o->request_timeout_s : 0), MHD_OPTION_END);
 }
@@ -575,9 +594,8 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
             rc = pd_metrics_gauge(metrics, "prefixd_hot_tier_bytes", "Bytes of prefixes held in the in-memory tier.",
                                   NULL, &s->hot_bytes, err);
     }
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)o->port)};
-    if (!rc && inet_pton(AF_INET, o->listen, &sa.sin_addr) != 1)
-        rc = pd_errorf(err, PD_EINVAL, "server.listen '%s' is not an IPv4 address", o->listen);
+    struct sockaddr_storage sa;
+    if (!rc) rc = resolve_listen("server.listen", o->listen, o->port, &sa, err);
     if (!rc) {
         s->mhd = start_mhd(o, &sa, &s->pub);
         if (!s->mhd)
@@ -586,11 +604,11 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
     /* The admin listener exists only when the admin API is enabled. */
     if (!rc && s->admin_token[0] && o->admin_port != 0) {
         const char *al = o->admin_listen && o->admin_listen[0] ? o->admin_listen : "127.0.0.1";
-        struct sockaddr_in asa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)o->admin_port)};
+        struct sockaddr_storage asa;
         if (o->admin_port < 0 || o->admin_port > 65535)
             rc = pd_errorf(err, PD_EINVAL, "admin.port %d is out of range (1..65535)", o->admin_port);
-        else if (inet_pton(AF_INET, al, &asa.sin_addr) != 1)
-            rc = pd_errorf(err, PD_EINVAL, "admin.listen '%s' is not an IPv4 address", al);
+        else if ((rc = resolve_listen("admin.listen", al, o->admin_port, &asa, err)))
+            ;
         else if (!(s->admin_mhd = start_mhd(o, &asa, &s->adm)))
             rc = pd_errorf(err, PD_EIO, "cannot listen on %s:%d for the admin API (in use, or not allowed?)", al,
                            o->admin_port);

@@ -522,6 +522,33 @@ Test(daemon, a_readable_config_file_with_secrets_is_warned_about) {
     }
 }
 
+Test(daemon, listen_takes_host_names_and_ipv6) {
+    start_daemon("--set server.listen=localhost");
+    char *out = NULL;
+    cr_assert_eq(get("/health", &out), 200, "%s", out);
+    free(out);
+    stop_daemon(SIGTERM);
+
+    int fd = socket(AF_INET6, SOCK_STREAM, 0);
+    struct sockaddr_in6 a6 = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_LOOPBACK_INIT};
+    const bool v6 = fd >= 0 && bind(fd, (struct sockaddr *)&a6, sizeof a6) == 0;
+    if (fd >= 0) close(fd);
+    if (!v6) cr_skip_test("this machine has no IPv6 loopback");
+    const char *exe = getenv("PD_PREFIXD");
+    cr_assert(exe && *exe);
+    const int p6 = th_free_port();
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd,
+             "'%s' --set model.path='%s' --set cache.path='%s/store6' --set server.listen=::1 --set server.port=%d "
+             ">/dev/null 2>&1 & pid=$!; code=000; for i in $(seq 100); do "
+             "code=$(curl -s -g -o /dev/null -w '%%{http_code}' 'http://[::1]:%d/health'); "
+             "[ \"$code\" = 200 ] && break; sleep 0.1; done; kill $pid; wait $pid; echo $code",
+             exe, model, tmpdir, p6, p6);
+    cr_assert_eq(th_run(cmd, &out), 0, "%s", out);
+    cr_assert_not_null(strstr(out, "200"), "GET http://[::1]:%d/health answered %s", p6, out);
+    free(out);
+}
+
 /* ---- prefixes and metrics ------------------------------------------------------- */
 
 Test(daemon, a_prefix_at_retention_half_is_used_and_reported) {
