@@ -281,6 +281,11 @@ void pd_server_drain(pd_server *s);
 int pd_server_port(const pd_server *s);
 /* Stop accepting connections (the listening socket closes). */
 void pd_server_quiesce(pd_server *s);
+/* Wait up to `seconds` for every request in progress to be answered
+ * (after the scheduler ended what was left, so that its final events, an
+ * error and [DONE] for a stream, reach the clients); returns how many are
+ * still in progress. */
+int64_t pd_server_wait_idle(pd_server *s, double seconds);
 /* Close every connection (releasing their scheduler requests) and free. */
 void pd_server_stop(pd_server *s);
 

@@ -40,6 +40,11 @@ struct pd_server {
     pthread_rwlock_t lock;
     bool ready, draining;
     pd_server_backend backend;
+    /* Requests between their first callback and on_completed: the drain
+     * waits for them so that final events reach their clients. */
+    pthread_mutex_t active_mu;
+    pthread_cond_t active_cv;
+    int64_t active;
 };
 
 /* One HTTP request: its body, then (for generation) the scheduler request
@@ -91,7 +96,17 @@ static enum MHD_Result send_error(pd_server *s, struct MHD_Connection *c, const 
     size_t len = 0;
     if (s->errors) pd_counter_add(s->errors, 1);
     if (pd_api_error_json(e, &body, &len) != PD_OK) return MHD_NO;
-    return send_json(c, (unsigned)e->http_status, body, len);
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+    /* Busy or stopping: a well-behaved client backs off this long. */
+    if (e->http_status == 503 || e->http_status == 429) MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, "2");
+    enum MHD_Result ret = MHD_queue_response(c, (unsigned)e->http_status, r);
+    MHD_destroy_response(r);
+    return ret;
 }
 
 static enum MHD_Result send_errorf(pd_server *s, struct MHD_Connection *c, int status, const char *type,
@@ -463,6 +478,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         pthread_cond_init(&r->cv, NULL);
         *con_cls = r;
         if (s->requests) pd_counter_add(s->requests, 1);
+        pthread_mutex_lock(&s->active_mu);
+        s->active++;
+        pthread_mutex_unlock(&s->active_mu);
         /* A declared body over the limit is refused before a byte of it is
          * read (and before authentication: reading it is the cost). */
         const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
@@ -510,6 +528,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
     (void)cls, (void)c, (void)toe;
     http_req *r = *con_cls;
     if (!r) return;
+    pd_server *s = r->srv;
     if (r->sreq) pd_sched_request_release(r->sreq);
     pd_api_response_free(r->resp);
     pd_api_request_free(&r->areq);
@@ -519,6 +538,9 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
     free(r->body);
     free(r);
     *con_cls = NULL;
+    pthread_mutex_lock(&s->active_mu);
+    if (--s->active == 0) pthread_cond_broadcast(&s->active_cv);
+    pthread_mutex_unlock(&s->active_mu);
 }
 
 /* ---- lifecycle --------------------------------------------------------------- */
@@ -574,6 +596,8 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
     s->adm = (listener){.srv = s, .admin = true};
     s->metrics = metrics;
     pthread_rwlock_init(&s->lock, NULL);
+    pthread_mutex_init(&s->active_mu, NULL);
+    pthread_cond_init(&s->active_cv, NULL);
     int rc = PD_OK;
     if (metrics) {
         rc = pd_metrics_counter(metrics, "prefixd_http_requests_total", "HTTP requests received.", NULL,
@@ -616,6 +640,8 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
     if (rc) {
         if (s->mhd) MHD_stop_daemon(s->mhd);
         pthread_rwlock_destroy(&s->lock);
+        pthread_mutex_destroy(&s->active_mu);
+        pthread_cond_destroy(&s->active_cv);
         free(s);
         return rc;
     }
@@ -653,10 +679,25 @@ void pd_server_quiesce(pd_server *s) {
     if (s && s->admin_mhd) MHD_quiesce_daemon(s->admin_mhd);
 }
 
+int64_t pd_server_wait_idle(pd_server *s, double seconds) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    const double t = (double)until.tv_sec + until.tv_nsec / 1e9 + seconds;
+    until.tv_sec = (time_t)t;
+    until.tv_nsec = (long)((t - (double)until.tv_sec) * 1e9);
+    pthread_mutex_lock(&s->active_mu);
+    while (s->active > 0 && pthread_cond_timedwait(&s->active_cv, &s->active_mu, &until) != ETIMEDOUT) {}
+    const int64_t left = s->active;
+    pthread_mutex_unlock(&s->active_mu);
+    return left;
+}
+
 void pd_server_stop(pd_server *s) {
     if (!s) return;
     if (s->admin_mhd) MHD_stop_daemon(s->admin_mhd);
     if (s->mhd) MHD_stop_daemon(s->mhd);
     pthread_rwlock_destroy(&s->lock);
+    pthread_mutex_destroy(&s->active_mu);
+    pthread_cond_destroy(&s->active_cv);
     free(s);
 }

@@ -309,6 +309,10 @@ static int run(const pd_config *cfg) {
     /* Cancel what is left (waiting clients get an error), then close the
      * connections, then the store. */
     pd_scheduler_free(sched);
+    if (server) {
+        const int64_t left = pd_server_wait_idle(server, 5.0);
+        if (left) fprintf(stderr, "prefixd: %" PRId64 " requests still unanswered after 5 s; closing them\n", left);
+    }
     pd_server_stop(server);
     /* After the server: no connection can reach the jobs any more. */
     pd_jobs_free(jobs);

@@ -395,7 +395,7 @@ int pd_scheduler_submit(pd_scheduler *s, const pd_sched_params *p, pd_sched_sink
     if (!rc) {
         pthread_mutex_lock(&s->mu);
         if (s->stopping) {
-            rc = pd_errorf(err, PD_EINVAL, "the scheduler is shutting down");
+            rc = pd_errorf(err, PD_EUNAVAILABLE, "the server is shutting down; retry on another instance");
         } else if (s->st.queued >= s->o.max_queue) {
             rc = pd_errorf(err, PD_ERANGE, "queue is full (%d requests waiting); retry later", s->o.max_queue);
         } else {
@@ -685,10 +685,11 @@ static void *engine_main(void *arg) {
             s->st.queued = 0;
             publish_gauges_locked(s);
             pthread_mutex_unlock(&s->mu);
-            while (s->n_run > 0) finish_request(s, s->n_run - 1, END_FAILED, PD_EIO, "shutting down");
+            while (s->n_run > 0) finish_request(s, s->n_run - 1, END_FAILED, PD_EUNAVAILABLE,
+                                                  "the server shut down before the request finished; retry it");
             while (q) {
                 pd_sched_request *nx = q->next;
-                end_unadmitted(s, q, END_FAILED, PD_EIO, "shutting down");
+                end_unadmitted(s, q, END_FAILED, PD_EUNAVAILABLE, "the server shut down before the request started; retry it");
                 q = nx;
             }
             return NULL;

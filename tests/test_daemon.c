@@ -549,6 +549,68 @@ Test(daemon, listen_takes_host_names_and_ipv6) {
     free(out);
 }
 
+/* SIGTERM with no grace: every stream still open gets an error event and
+ * [DONE], every non-streamed request a 503 with Retry-After, none a cut
+ * connection. */
+Test(daemon, the_end_of_the_grace_period_answers_everyone) {
+    start_daemon("--set scheduler.max_batch=2 --set server.shutdown_grace_s=0");
+    char cmd[4096];
+    /* EOS banned, 1900 tokens each: 8 of them take seconds with 2 slots. */
+    snprintf(cmd, sizeof cmd,
+             "for i in $(seq 1 6); do curl -s -N -H 'Content-Type: application/json' --data-binary "
+             "\"{\\\"model\\\":\\\"x\\\",\\\"prompt\\\":\\\"Tom had a ball $i\\\",\\\"max_tokens\\\":1900,"
+             "\\\"stream\\\":true,\\\"seed\\\":$i,\\\"logit_bias\\\":{\\\"2\\\":-100}}\" "
+             "http://127.0.0.1:%d/v1/completions > %s/s$i.txt & done; "
+             "for i in 7 8; do curl -s -D %s/h$i.txt -H 'Content-Type: application/json' --data-binary "
+             "\"{\\\"model\\\":\\\"x\\\",\\\"prompt\\\":\\\"Tom had a ball $i\\\",\\\"max_tokens\\\":1900,"
+             "\\\"seed\\\":$i,\\\"logit_bias\\\":{\\\"2\\\":-100}}\" "
+             "http://127.0.0.1:%d/v1/completions > %s/s$i.txt & done; wait",
+             port, tmpdir, tmpdir, port, tmpdir);
+    /* Start the clients, then stop the daemon once two run. */
+    char *bg = NULL;
+    char wrapped[4300];
+    snprintf(wrapped, sizeof wrapped, "(%s) >/dev/null 2>&1 & echo $!", cmd);
+    cr_assert_eq(th_run(wrapped, &bg), 0);
+    const int clients = atoi(bg);
+    free(bg);
+    for (int i = 0; i < 400 && metric_now("prefixd_running_sequences") < 2; i++) usleep(5000);
+    kill(daemon_pid, SIGTERM);
+    int st;
+    cr_assert_eq(waitpid(daemon_pid, &st, 0), daemon_pid);
+    daemon_pid = 0;
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d", st);
+    cr_assert_eq(th_runf(NULL, "while kill -0 %d 2>/dev/null; do sleep 0.05; done", clients), 0);
+    int finished = 0;
+    for (int i = 1; i <= 8; i++) {
+        char *out = NULL;
+        cr_assert_eq(th_runf(&out, "cat %s/s%d.txt", tmpdir, i), 0);
+        if (i <= 6 && out[0] == '{') {
+            /* It arrived after the drain began: refused before streaming. */
+            cr_assert_not_null(strstr(out, "shutting_down"), "stream %d: %s", i, out);
+        } else if (i <= 6) {
+            cr_assert_not_null(strstr(out, "data: [DONE]"), "stream %d ends with [DONE]: ...%s", i,
+                               strlen(out) > 300 ? out + strlen(out) - 300 : out);
+            if (!strstr(out, "\"finish_reason\":\"length\""))
+                cr_assert_not_null(strstr(out, "shutting_down"), "stream %d was cut without an error event", i);
+            else
+                finished++; /* it finished before the stop */
+        } else {
+            char *h = NULL;
+            cr_assert_eq(th_runf(&h, "cat %s/h%d.txt", tmpdir, i), 0);
+            if (strstr(h, " 200")) {
+                finished++;
+            } else {
+                cr_assert_not_null(strstr(h, " 503"), "request %d: %s", i, h);
+                cr_assert_not_null(strstr(h, "Retry-After"), "request %d: %s", i, h);
+                cr_assert_not_null(strstr(out, "shutting_down"), "request %d: %s", i, out);
+            }
+            free(h);
+        }
+        free(out);
+    }
+    cr_assert_lt(finished, 8, "the stop came while requests ran");
+}
+
 /* ---- prefixes and metrics ------------------------------------------------------- */
 
 Test(daemon, a_prefix_at_retention_half_is_used_and_reported) {

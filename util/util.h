@@ -21,6 +21,7 @@ enum {
     PD_ENOTFOUND = -5,    /* a key, token or file does not exist */
     PD_EUNSUPPORTED = -6, /* valid, but not something we implement */
     PD_ERANGE = -7,       /* a value is outside its allowed range */
+    PD_EUNAVAILABLE = -8, /* the service is stopping or not ready yet: retry later or elsewhere */
 };
 
 /* Every fallible function takes one of these and, on failure, leaves a
