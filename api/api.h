@@ -91,6 +91,8 @@ typedef struct pd_api_limits {
 void pd_api_limits_default(pd_api_limits *l);
 
 /* A parsed, range-checked request. Strings are owned (pd_api_request_free). */
+#define PD_API_SALT_MAX 64 /* bytes of a request's cache_salt */
+
 typedef struct pd_api_request {
     pd_api_kind kind;
     char *model;
@@ -123,7 +125,14 @@ typedef struct pd_api_request {
     bool has_prefix_id;          /* "prefix_id": 64 hex digits */
     pd_prefix_id prefix_id;
     char ns[PD_PREFIX_NS_MAX];   /* not from the body: the server fills it from the API key */
+    char cache_salt[PD_API_SALT_MAX + 1]; /* "cache_salt": "" = none; see pd_api_request_namespace */
 } pd_api_request;
+
+/* The namespace a request's prefix lookups and prefix_id use: the API key's,
+ * and with a cache_salt, that namespace + U+001F + the salt (so only
+ * prefixes registered under exactly that string are seen). PD_EINVAL when
+ * the two together exceed a namespace's length. */
+int pd_api_request_namespace(pd_api_request *r, const char *key_ns, pd_api_error *e);
 
 /* Parse and validate a request body. Unknown fields are ignored; a known
  * field of the wrong type or out of range is 400 with param naming it; null
@@ -234,10 +243,23 @@ int pd_api_models_json(const char *model_id, int64_t created, char **out, size_t
 
 typedef struct pd_server pd_server;
 
+/* API keys (server.api_key, server.api_keys_file) and their namespaces,
+ * api/keys.c. The file: `KEY NAMESPACE` per line, `#` comments; refused
+ * when group or others can read it. */
+typedef struct pd_api_keys pd_api_keys;
+int pd_api_keys_load(const char *api_key, const char *keys_file, pd_api_keys **out, pd_error *err);
+void pd_api_keys_free(pd_api_keys *k);
+/* Whether any key is configured (otherwise the API is open, namespace ""). */
+bool pd_api_keys_required(const pd_api_keys *k);
+/* The namespace of the key equal to token, or NULL (constant time over
+ * every key). */
+const char *pd_api_keys_match(const pd_api_keys *k, const char *token);
+
 typedef struct pd_server_opts {
     const char *listen;        /* IPv4 or IPv6 address or host name (default 127.0.0.1) */
     int port;                  /* 0 = any free port (see pd_server_port) */
-    const char *api_key;       /* NULL or "" = no authentication */
+    const char *api_key;       /* NULL or "" = none; selects namespace "" */
+    const char *api_keys_file; /* NULL or "" = none; KEY NAMESPACE lines */
     unsigned max_connections;  /* default 256 */
     int request_timeout_s;     /* idle connection timeout; 0 = none */
     bool metrics;              /* serve GET /metrics (default true) */

@@ -501,6 +501,29 @@ static int parse_root(json_t *root, pd_api_request *r, const pd_api_limits *lim,
     }
     if (r->has_prefix_id && r->cache == PD_CACHE_OFF)
         return BAD(e, "prefix_id", "'prefix_id' names a stored prefix but \"cache\" is \"off\"; drop one of them");
+    json_t *salt = field(root, "cache_salt");
+    if (salt) {
+        if (!json_is_string(salt)) return BAD(e, "cache_salt", "'cache_salt' must be a string, not %s", json_type_name(salt));
+        if (json_string_length(salt) == 0 || strlen(json_string_value(salt)) != json_string_length(salt) ||
+            json_string_length(salt) > PD_API_SALT_MAX)
+            return BAD(e, "cache_salt", "'cache_salt' must be 1..%d bytes without NUL", PD_API_SALT_MAX);
+        snprintf(r->cache_salt, sizeof r->cache_salt, "%s", json_string_value(salt));
+    }
+    return PD_OK;
+}
+
+int pd_api_request_namespace(pd_api_request *r, const char *key_ns, pd_api_error *e) {
+    const size_t a = strlen(key_ns), b = strlen(r->cache_salt);
+    if (b && a + 1 + b >= sizeof r->ns)
+        return BAD(e, "cache_salt", "the API key's namespace and 'cache_salt' together exceed %zu bytes; use a shorter "
+                   "salt", sizeof r->ns - 1);
+    if (!b && a >= sizeof r->ns) return BAD(e, NULL, "the API key's namespace is too long");
+    memcpy(r->ns, key_ns, a);
+    if (b) {
+        r->ns[a] = '\x1f';
+        memcpy(r->ns + a + 1, r->cache_salt, b);
+    }
+    r->ns[a + (b ? 1 + b : 0)] = '\0';
     return PD_OK;
 }
 

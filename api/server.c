@@ -29,7 +29,7 @@ struct pd_server {
     struct MHD_Daemon *mhd, *admin_mhd;
     listener pub, adm;
     pd_server_opts opts;
-    char api_key[256];
+    pd_api_keys *keys;
     char admin_token[256];
     pd_metrics *metrics;
     pd_counter *requests, *errors, *streams;
@@ -131,15 +131,16 @@ static bool append(char **buf, size_t *len, size_t *cap, const char *data, size_
     return true;
 }
 
-/* Constant-time comparison of the bearer token. */
-static bool authorized(const pd_server *s, struct MHD_Connection *c) {
-    if (!s->api_key[0]) return true;
+/* The namespace the request's bearer token selects ("" when no key is
+ * configured), or NULL when it is missing or wrong. */
+static const char *client_namespace(const pd_server *s, struct MHD_Connection *c) {
+    if (!pd_api_keys_required(s->keys)) return "";
     const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!h || strncmp(h, "Bearer ", 7) != 0) return false;
-    const char *tok = h + 7;
-    size_t a = strlen(tok), b = strlen(s->api_key);
-    return a == b && CRYPTO_memcmp(tok, s->api_key, a) == 0;
+    if (!h || strncmp(h, "Bearer ", 7) != 0) return NULL;
+    return pd_api_keys_match(s->keys, h + 7);
 }
+
+static bool authorized(const pd_server *s, struct MHD_Connection *c) { return client_namespace(s, c) != NULL; }
 
 static bool admin_authorized(const pd_server *s, struct MHD_Connection *c) {
     const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
@@ -292,14 +293,16 @@ static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
 
 /* ---- routes ---------------------------------------------------------------- */
 
-static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, http_req *r, pd_api_kind kind) {
+static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, http_req *r, pd_api_kind kind,
+                                       const char *ns) {
     pd_api_error e;
     if (r->too_large) {
         pd_api_errorf(&e, 413, PD_API_ERR_TOO_LARGE, NULL, NULL, "the request body is larger than %zu bytes "
                       "(server.max_body_bytes)", s->opts.limits.max_body_bytes);
         return send_error(s, c, &e);
     }
-    if (pd_api_parse_request(kind, r->body ? r->body : "", r->len, &s->opts.limits, &r->areq, &e))
+    if (pd_api_parse_request(kind, r->body ? r->body : "", r->len, &s->opts.limits, &r->areq, &e) ||
+        pd_api_request_namespace(&r->areq, ns, &e))
         return send_error(s, c, &e);
     pthread_rwlock_rdlock(&s->lock);
     if (!s->ready) {
@@ -516,10 +519,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return send_errorf(s, c, 405, PD_API_ERR_INVALID, NULL, "use GET or POST");
     bool chat = strcmp(url, "/v1/chat/completions") == 0, completion = strcmp(url, "/v1/completions") == 0;
     if (!chat && !completion) return send_errorf(s, c, 404, PD_API_ERR_NOT_FOUND, NULL, "no such route");
-    if (!authorized(s, c))
+    const char *ns = client_namespace(s, c);
+    if (!ns)
         return send_errorf(s, c, 401, PD_API_ERR_AUTH, "invalid_api_key",
                            "missing or wrong API key (send Authorization: Bearer KEY)");
-    return handle_generate(s, c, r, chat ? PD_API_CHAT : PD_API_COMPLETION);
+    return handle_generate(s, c, r, chat ? PD_API_CHAT : PD_API_COMPLETION, ns);
 }
 
 /* The request is over (sent, failed or the client went away): stop its
@@ -583,14 +587,16 @@ static struct MHD_Daemon *start_mhd(const pd_server_opts *o, struct sockaddr_sto
 
 int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **out, pd_error *err) {
     *out = NULL;
-    if (o->api_key && strlen(o->api_key) >= sizeof((pd_server *)0)->api_key)
-        return pd_errorf(err, PD_EINVAL, "server.api_key is longer than 255 bytes");
     if (o->admin_token && strlen(o->admin_token) >= sizeof((pd_server *)0)->admin_token)
         return pd_errorf(err, PD_EINVAL, "admin.token is longer than 255 bytes");
     pd_server *s = calloc(1, sizeof *s);
     if (!s) return pd_errorf(err, PD_ENOMEM, "out of memory for the HTTP server");
     s->opts = *o;
-    snprintf(s->api_key, sizeof s->api_key, "%s", o->api_key ? o->api_key : "");
+    int krc = pd_api_keys_load(o->api_key, o->api_keys_file, &s->keys, err);
+    if (krc) {
+        free(s);
+        return krc;
+    }
     snprintf(s->admin_token, sizeof s->admin_token, "%s", o->admin_token ? o->admin_token : "");
     s->pub = (listener){.srv = s, .admin = false};
     s->adm = (listener){.srv = s, .admin = true};
@@ -642,6 +648,7 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
         pthread_rwlock_destroy(&s->lock);
         pthread_mutex_destroy(&s->active_mu);
         pthread_cond_destroy(&s->active_cv);
+        pd_api_keys_free(s->keys);
         free(s);
         return rc;
     }
@@ -699,5 +706,6 @@ void pd_server_stop(pd_server *s) {
     pthread_rwlock_destroy(&s->lock);
     pthread_mutex_destroy(&s->active_mu);
     pthread_cond_destroy(&s->active_cv);
+    pd_api_keys_free(s->keys);
     free(s);
 }

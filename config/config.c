@@ -120,6 +120,7 @@ static const key_desc keys[] = {
     INT_KEY(server, request_timeout_s, 0, 86400, "600"),
     INT_KEY(server, shutdown_grace_s, 0, 3600, "30"),
     STRING_KEY(server, api_key, check_secret, true, ""),
+    STRING_KEY(server, api_keys_file, NULL, false, ""),
     BOOL_KEY(server, metrics, "true"),
     BOOL_KEY(server, metrics_auth, "false"),
 

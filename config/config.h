@@ -71,6 +71,7 @@ typedef struct pd_config {
         int request_timeout_s;          /* 0 = no limit */
         int shutdown_grace_s;           /* SIGTERM: time in-flight requests get to finish */
         char api_key[PD_CONFIG_STR_CAP]; /* "" = no authentication */
+        char api_keys_file[PD_CONFIG_STR_CAP]; /* KEY NAMESPACE lines; "" = none */
         bool metrics;                   /* serve GET /metrics */
         bool metrics_auth;              /* /metrics needs the API key too */
     } server;

@@ -231,6 +231,7 @@ static int run(const pd_config *cfg) {
     so.listen = cfg->server.listen;
     so.port = cfg->server.port;
     so.api_key = cfg->server.api_key;
+    so.api_keys_file = cfg->server.api_keys_file;
     so.request_timeout_s = cfg->server.request_timeout_s;
     so.metrics = cfg->server.metrics;
     so.metrics_auth = cfg->server.metrics_auth;

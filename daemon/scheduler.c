@@ -253,7 +253,11 @@ static int prefix_acquire(pd_scheduler *s, pd_sched_request *r, const pd_prefix_
     char hex[PD_PREFIX_ID_HEX];
     pd_prefix_id_hex(id, hex);
     const pd_hparams *hp = pd_model_hparams(s->model);
-    if (memcmp(info->fingerprint, s->fingerprint, PD_SHA256_LEN) != 0)
+    /* Another namespace's prefix is indistinguishable from an unknown id:
+     * the same error, before anything about it (length, model) is said. */
+    if (strcmp(info->ns, r->ns) != 0)
+        rc = pd_errorf(err, PD_ENOTFOUND, "prefix %s is not in the store", hex);
+    else if (memcmp(info->fingerprint, s->fingerprint, PD_SHA256_LEN) != 0)
         rc = pd_errorf(err, PD_EINVAL, "prefix %s was stored for another model", hex);
     else if (info->n_layer != hp->n_layer || info->n_head_kv != hp->n_head_kv || info->head_dim != hp->head_dim)
         rc = pd_errorf(err, PD_EINVAL, "prefix %s has another shape than the model", hex);

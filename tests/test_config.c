@@ -656,6 +656,7 @@ static const char *const every_key_changed[] = {
     "server.api_key=sk-live-0123456789",
     "server.metrics=false",
     "server.metrics_auth=true",
+    "server.api_keys_file=/etc/prefixd/keys",
     "admin.token=adm:t0ken/with=punct#no-space",
     "admin.listen=admin.internal.example",
     "admin.port=9444",

@@ -614,6 +614,104 @@ Test(daemon, the_end_of_the_grace_period_answers_everyone) {
     cr_assert_lt(finished, 8, "the stop came while requests ran");
 }
 
+/* POST with a bearer key; the HTTP status, the body in *out. */
+static int post_as(const char *key, const char *json, char **out) { return post("/v1/completions", json, key, out); }
+
+static int64_t cached_tokens_of(const char *out) {
+    json_t *j = th_json_parse(out);
+    json_t *d = json_object_get(json_object_get(j, "usage"), "prompt_tokens_details");
+    const int64_t n = json_integer_value(json_object_get(d, "cached_tokens"));
+    json_decref(j);
+    return n;
+}
+
+/* The error message of a reply, with every 64-digit id replaced by X. */
+static char *error_message_without_id(const char *out, const char *id) {
+    json_t *j = th_json_parse(out);
+    const char *m = json_string_value(json_object_get(json_object_get(j, "error"), "message"));
+    cr_assert_not_null(m, "%s", out);
+    char *copy = strdup(m);
+    char *at = strstr(copy, id);
+    if (at) memset(at, 'X', strlen(id));
+    json_decref(j);
+    return copy;
+}
+
+Test(daemon, api_keys_select_namespaces_and_isolate_them) {
+    TH_REQUIRE_SHARED();
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    char text[1200], keys[1200], *out = NULL;
+    snprintf(text, sizeof text, "%s/prefix.txt", tmpdir);
+    FILE *f = fopen(text, "w");
+    fputs(story, f);
+    fclose(f);
+    /* Tenant a's prefix. */
+    cr_assert_eq(th_runf(&out, "%s compress --model %s --policy knorm --retention 1 --namespace a --text %s --store "
+                         "%s/store 2>&1 | grep -o '[0-9a-f]\\{64\\}' | head -1",
+                         getenv("PD_PREFIXCTL"), model, text, tmpdir),
+                 0, "%s", out);
+    char id[65];
+    cr_assert_eq(sscanf(out, "%64s", id), 1, "%s", out);
+    free(out);
+    snprintf(keys, sizeof keys, "%s/keys", tmpdir);
+    f = fopen(keys, "w");
+    fputs("# key      namespace\nkey-a a\nkey-b b   # the second tenant\n", f);
+    fclose(f);
+
+    /* Readable by others: refused at start. */
+    cr_assert_eq(chmod(keys, 0644), 0);
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "'%s' --set model.path=%s --set cache.path=%s/store --set server.port=%d "
+             "--set server.api_keys_file=%s 2>&1", getenv("PD_PREFIXD"), model, tmpdir, th_free_port(), keys);
+    cr_assert_neq(th_run(cmd, &out), 0, "%s", out);
+    cr_assert_not_null(strstr(out, "chmod 600"), "%s", out);
+    free(out);
+    cr_assert_eq(chmod(keys, 0600), 0);
+    char extra[1500];
+    snprintf(extra, sizeof extra, "--set compression.min_prefix_tokens=8 --set server.api_keys_file=%s", keys);
+    start_daemon(extra);
+
+    char body[2048];
+    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":4,\"temperature\":0}", story);
+    cr_assert_eq(post_as("key-a", body, &out), 200, "%s", out);
+    cr_assert_gt(cached_tokens_of(out), 30, "tenant a finds its prefix: %s", out);
+    free(out);
+    cr_assert_eq(post_as("key-b", body, &out), 200, "%s", out);
+    cr_assert_eq(cached_tokens_of(out), 0, "tenant b does not see a's prefix: %s", out);
+    free(out);
+    cr_assert_eq(post_as("key-c", body, &out), 401, "%s", out);
+    free(out);
+    /* A salt isolates further: a's prefix was registered without one. */
+    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":4,\"cache_salt\":\"s1\"}",
+             story);
+    cr_assert_eq(post_as("key-a", body, &out), 200, "%s", out);
+    cr_assert_eq(cached_tokens_of(out), 0, "a salted request sees only salted prefixes: %s", out);
+    free(out);
+
+    /* prefix_id of a's prefix from b: exactly an unknown id, whether the
+     * prompt extends it or not (no token counts, no model mismatch). */
+    const char *unknown = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    const char *prompts[] = {" Then", "A different prompt"};
+    for (int i = 0; i < 2; i++) {
+        char *m[2];
+        const char *ids[2] = {id, unknown};
+        for (int k = 0; k < 2; k++) {
+            snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s%s\",\"max_tokens\":4,\"prefix_id\":\"%s\"}",
+                     i ? "" : story, prompts[i], ids[k]);
+            cr_assert_eq(post_as("key-b", body, &out), 404, "%s", out);
+            m[k] = error_message_without_id(out, ids[k]);
+            free(out);
+        }
+        cr_assert_str_eq(m[0], m[1], "another tenant's prefix answers like an unknown id");
+        free(m[0]), free(m[1]);
+    }
+    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":4,\"prefix_id\":\"%s\"}", story,
+             id);
+    cr_assert_eq(post_as("key-a", body, &out), 200, "its own tenant uses it: %s", out);
+    cr_assert_gt(cached_tokens_of(out), 30, "%s", out);
+    free(out);
+}
+
 /* ---- prefixes and metrics ------------------------------------------------------- */
 
 Test(daemon, a_prefix_at_retention_half_is_used_and_reported) {
