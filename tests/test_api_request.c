@@ -263,10 +263,31 @@ static const err_case err_cases[] = {
     {H, "{\"model\":\"c\",\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"max_completion_tokens\":0}", 400, INV,
      "max_completion_tokens", "out of range"},
     {C, "{\"model\":\"m\",\"prompt\":\"a\\u0000b\"}", 400, INV, "", "not valid JSON"},
+    {C, "{\"model\":\"m\",\"prompt\":\"a\",\"cache_salt\":7}", 400, INV, "cache_salt", "must be a string"},
+    {C, "{\"model\":\"m\",\"prompt\":\"a\",\"cache_salt\":\"\"}", 400, INV, "cache_salt", "1..64 bytes"},
 };
 #undef C
 #undef H
 #undef INV
+
+Test(api, cache_salt_and_the_key_namespace_make_the_lookup_namespace) {
+    pd_api_request r = parse_ok(PD_API_COMPLETION, "{\"model\":\"m\",\"prompt\":\"a\",\"cache_salt\":\"s1\"}");
+    pd_api_error e;
+    cr_assert_eq(pd_api_request_namespace(&r, "tenant", &e), PD_OK);
+    cr_assert(memcmp(r.ns, "tenant\x1fs1", 10) == 0 && r.ns[9] == '\0', "%s", r.ns);
+    pd_api_request_free(&r);
+    r = parse_ok(PD_API_COMPLETION, "{\"model\":\"m\",\"prompt\":\"a\"}");
+    cr_assert_eq(pd_api_request_namespace(&r, "tenant", &e), PD_OK);
+    cr_assert_str_eq(r.ns, "tenant", "no salt: the key's namespace as it is");
+    pd_api_request_free(&r);
+    char big[PD_PREFIX_NS_MAX];
+    memset(big, 'n', sizeof big - 1);
+    big[sizeof big - 1] = '\0';
+    r = parse_ok(PD_API_COMPLETION, "{\"model\":\"m\",\"prompt\":\"a\",\"cache_salt\":\"s\"}");
+    cr_assert_eq(pd_api_request_namespace(&r, big + 1, &e), PD_EINVAL, "namespace + salt must fit");
+    cr_assert_str_eq(e.param, "cache_salt");
+    pd_api_request_free(&r);
+}
 
 Test(api, error_classes) {
     for (size_t i = 0; i < sizeof err_cases / sizeof err_cases[0]; i++) {
