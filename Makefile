@@ -15,7 +15,7 @@ export PATH := $(PATH):/usr/local/cuda/bin
 
 DEFAULT_MODEL := $(if $(wildcard $(SHARED)/tinystories/stories260K.gguf),$(SHARED)/tinystories/stories260K.gguf,models/default.gguf)
 
-.PHONY: all deps build test test-asan test-cudaemu run bench bench-gpu bench-store eval fuzz clean bench-serve bench-peer
+.PHONY: all deps build test test-asan test-cudaemu run bench bench-gpu bench-store eval fuzz clean bench-serve bench-peer bench-conn
 
 all: build
 
@@ -153,3 +153,8 @@ bench-serve: build $(BENCH_SERVE_MODEL) $(if $(findstring models/default.gguf,$(
 # docs/bench-peer.md.
 bench-peer: build
 	BUILD=$(BUILD) PEER_DIR=$(PEER) tools/bench-peer.sh
+
+# 2000 slowloris connections against a fresh daemon: /health and a short
+# completion must answer within 1 s, 64 streams must finish (docs/deployment.md).
+bench-conn: build
+	tools/slowloris-bench.py --prefixd $(BUILD)/prefixd --model $(DEFAULT_MODEL)

@@ -260,8 +260,10 @@ typedef struct pd_server_opts {
     int port;                  /* 0 = any free port (see pd_server_port) */
     const char *api_key;       /* NULL or "" = none; selects namespace "" */
     const char *api_keys_file; /* NULL or "" = none; KEY NAMESPACE lines */
-    unsigned max_connections;  /* default 256 */
-    int request_timeout_s;     /* idle connection timeout; 0 = none */
+    unsigned max_connections;  /* default 4096 */
+    unsigned max_connections_per_client; /* per client address; 0 = no limit (default) */
+    int request_timeout_s;     /* a generation's deadline, submit to last token; 0 = none */
+    int idle_timeout_s;        /* a connection that sends nothing this long is closed (default 15) */
     bool metrics;              /* serve GET /metrics (default true) */
     bool metrics_auth;         /* GET /metrics needs api_key like the API (default false) */
     pd_api_limits limits;

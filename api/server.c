@@ -553,7 +553,8 @@ void pd_server_opts_default(pd_server_opts *o) {
     memset(o, 0, sizeof *o);
     o->listen = "127.0.0.1";
     o->port = 8080;
-    o->max_connections = 256;
+    o->max_connections = 4096;
+    o->idle_timeout_s = 15;
     o->metrics = true;
     pd_api_limits_default(&o->limits);
     o->admin_listen = "127.0.0.1";
@@ -576,13 +577,23 @@ static int resolve_listen(const char *key, const char *host, int port, struct so
     return PD_OK;
 }
 
+/* A connection's thread runs request parsing, tokenization and the JSON
+ * answer, never the model: 1 MiB of stack is plenty, and keeps thousands
+ * of mostly idle connections cheap in address space. (poll(), not
+ * select(): descriptors above 1023 are normal with thousands of them.) */
+#define CONNECTION_STACK_BYTES (1u << 20)
+
 static struct MHD_Daemon *start_mhd(const pd_server_opts *o, struct sockaddr_storage *sa, listener *li) {
     const unsigned ipv6 = sa->ss_family == AF_INET6 ? MHD_USE_IPv6 : 0;
     return MHD_start_daemon(
-        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG | ipv6, 0,
+        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL | MHD_USE_ITC |
+            MHD_USE_ERROR_LOG | ipv6,
+        0,
         NULL, NULL, on_request, li, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
-        li->srv, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections, MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)(o->request_timeout_s > 0 ? o->request_timeout_s : 0), MHD_OPTION_END);
+        li->srv, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+        o->max_connections_per_client, MHD_OPTION_CONNECTION_TIMEOUT,
+        (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 0), MHD_OPTION_THREAD_STACK_SIZE,
+        (size_t)CONNECTION_STACK_BYTES, MHD_OPTION_END);
 }
 
 int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **out, pd_error *err) {

@@ -69,6 +69,9 @@ typedef struct pd_config {
         int threads;                    /* HTTP worker threads; 0 = number of CPUs */
         int64_t max_body_bytes;
         int request_timeout_s;          /* 0 = no limit */
+        int idle_timeout_s;             /* a connection silent this long is closed */
+        int max_connections;
+        int max_connections_per_client; /* per client address; 0 = no limit */
         int shutdown_grace_s;           /* SIGTERM: time in-flight requests get to finish */
         char api_key[PD_CONFIG_STR_CAP]; /* "" = no authentication */
         char api_keys_file[PD_CONFIG_STR_CAP]; /* KEY NAMESPACE lines; "" = none */

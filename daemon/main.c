@@ -233,6 +233,9 @@ static int run(const pd_config *cfg) {
     so.api_key = cfg->server.api_key;
     so.api_keys_file = cfg->server.api_keys_file;
     so.request_timeout_s = cfg->server.request_timeout_s;
+    so.idle_timeout_s = cfg->server.idle_timeout_s;
+    so.max_connections = (unsigned)cfg->server.max_connections;
+    so.max_connections_per_client = (unsigned)cfg->server.max_connections_per_client;
     so.metrics = cfg->server.metrics;
     so.metrics_auth = cfg->server.metrics_auth;
     so.limits.max_body_bytes = (size_t)cfg->server.max_body_bytes;

@@ -712,6 +712,32 @@ Test(daemon, api_keys_select_namespaces_and_isolate_them) {
     free(out);
 }
 
+/* More half-sent requests than the old 256-connection limit, and past
+ * descriptor 1023 (select()'s limit): the daemon still answers. */
+Test(daemon, slow_clients_do_not_stop_service) {
+    start_daemon(NULL);
+    enum { SLOW = 1100 };
+    static int fds[SLOW];
+    int open_n = 0;
+    for (int i = 0; i < SLOW; i++) {
+        fds[i] = socket(AF_INET, SOCK_STREAM, 0);
+        if (fds[i] < 0) break; /* the test's own file limit */
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        cr_assert_eq(connect(fds[i], (struct sockaddr *)&a, sizeof a), 0);
+        cr_assert_eq(send(fds[i], "GET /hea", 8, 0), 8);
+        open_n++;
+    }
+    cr_assert_geq(open_n, 300, "could open only %d sockets (ulimit -n)", open_n);
+    char *out = NULL;
+    cr_assert_eq(get("/health", &out), 200, "with %d slow clients: %s", open_n, out);
+    free(out);
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"The cat\",\"max_tokens\":4}", NULL, &out), 200,
+                 "%s", out);
+    free(out);
+    for (int i = 0; i < open_n; i++) close(fds[i]);
+}
+
 /* ---- prefixes and metrics ------------------------------------------------------- */
 
 Test(daemon, a_prefix_at_retention_half_is_used_and_reported) {
