@@ -109,7 +109,7 @@ static void ref_matmul(const pd_weight *w, const float *x, int64_t n, double *re
     pd_error err = {0};
     float *wd = malloc(sizeof(float) * (size_t)w->cols);
     cr_assert_not_null(wd);
-    const int64_t bs = (w->type == PD_TYPE_Q4_K || w->type == PD_TYPE_Q6_K) ? 256 : 32;
+    const int64_t bs = pd_type_get(w->type)->block_size == PD_QK_K ? PD_QK_K : 32;
     for (int64_t r = 0; r < w->rows; r++) {
         cr_assert_eq(pd_dequantize_row(w->type, (const uint8_t *)w->data + (size_t)r * w->row_bytes, wd,
                                        (uint64_t)w->cols, &err),
@@ -141,18 +141,19 @@ static void ref_matmul(const pd_weight *w, const float *x, int64_t n, double *re
 }
 
 static const pd_type all_types[] = {PD_TYPE_F32,  PD_TYPE_F16,  PD_TYPE_BF16, PD_TYPE_Q8_0,
-                                    PD_TYPE_Q4_0, PD_TYPE_Q4_K, PD_TYPE_Q6_K};
+                                    PD_TYPE_Q4_0, PD_TYPE_Q4_K, PD_TYPE_Q6_K, PD_TYPE_Q2_K,
+                                    PD_TYPE_Q3_K, PD_TYPE_Q5_K, PD_TYPE_IQ4_XS};
 #define N_TYPES (sizeof all_types / sizeof all_types[0])
 
-/* Check one (type, rows, cols) against the reference for several n and
- * thread counts on the given SIMD level. */
-static void check_matmul(pd_type t, int64_t rows, int64_t cols, const char *simd, uint64_t seed) {
-    static const int64_t ns[] = {1, 2, 3, 7, 8, 9, 64, 200}; /* both sides of CPU_DECODE_MAX_N */
+/* Check one (type, rows, cols) against the reference for the batch sizes
+ * ns[0..n_ns) (ascending) and 1 and 2 threads on the given SIMD level. */
+static void check_matmul_ns(pd_type t, int64_t rows, int64_t cols, const char *simd, uint64_t seed, const int64_t *ns,
+                            size_t n_ns) {
     static const int threads[] = {1, 2};
     uint64_t s = seed;
     pd_weight w;
     uint8_t *data = make_weights(&s, t, rows, cols, &w);
-    const int64_t nmax = 200;
+    const int64_t nmax = ns[n_ns - 1];
     float *x = malloc(sizeof(float) * (size_t)(nmax * cols));
     float *y = malloc(sizeof(float) * (size_t)(nmax * rows));
     double *ref = malloc(sizeof(double) * (size_t)(nmax * rows));
@@ -164,7 +165,7 @@ static void check_matmul(pd_type t, int64_t rows, int64_t cols, const char *simd
     const char *tn = pd_type_get(t)->name;
     for (size_t ti = 0; ti < sizeof threads / sizeof threads[0]; ti++) {
         pd_backend *be = make_backend(threads[ti], simd);
-        for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+        for (size_t ni = 0; ni < n_ns; ni++) {
             const int64_t n = ns[ni];
             pd_error err = {0};
             for (int64_t i = 0; i < n * rows; i++) y[i] = NAN;
@@ -187,6 +188,11 @@ static void check_matmul(pd_type t, int64_t rows, int64_t cols, const char *simd
     free(ref);
     free(bound);
     free(rs);
+}
+
+static void check_matmul(pd_type t, int64_t rows, int64_t cols, const char *simd, uint64_t seed) {
+    static const int64_t ns[] = {1, 2, 3, 7, 8, 9, 64, 200}; /* both sides of CPU_DECODE_MAX_N */
+    check_matmul_ns(t, rows, cols, simd, seed, ns, sizeof ns / sizeof ns[0]);
 }
 
 /* ------------------------------------------------------------------------
@@ -330,6 +336,31 @@ Test(matmul, q4_k_q6_k_match_reference, .timeout = 120) {
     for (size_t i = 0; i < 2; i++)
         for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
             check_matmul(ts[i], shapes[j][0], shapes[j][1], NULL, 3000 + 10 * i + j);
+}
+
+/* q2_K, q3_K, q5_K and iq4_xs at every SIMD level this CPU has: decode
+ * batches 1..8 and a prefill batch, odd row counts, once with the default
+ * kernel choice (dequantize + sgemm for large n below AVX-512) and once
+ * with the dot-product kernels at every n. */
+Test(matmul, q2_k_q3_k_q5_k_iq4_xs_every_level, .timeout = 300) {
+    static const int64_t ns[] = {1, 2, 3, 4, 5, 6, 7, 8, 37};
+    const pd_type ts[] = {PD_TYPE_Q2_K, PD_TYPE_Q3_K, PD_TYPE_Q5_K, PD_TYPE_IQ4_XS};
+    const int64_t shapes[][2] = {{1, 256}, {7, 768}, {37, 512}};
+    const char *levels[] = {"scalar", "avx2", "avx512"};
+    for (size_t l = 0; l < 3; l++) {
+        if (l > 0 && !cpu_has(levels[l])) continue;
+        for (int gemm = 0; gemm < 2; gemm++) {
+            if (gemm)
+                setenv("PD_CPU_GEMM_MIN_N", "1000", 1);
+            else
+                unsetenv("PD_CPU_GEMM_MIN_N");
+            for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
+                for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
+                    check_matmul_ns(ts[i], shapes[j][0], shapes[j][1], levels[l], 6000 + 100 * l + 10 * i + j, ns,
+                                    sizeof ns / sizeof ns[0]);
+        }
+        unsetenv("PD_CPU_GEMM_MIN_N");
+    }
 }
 
 Test(matmul, every_simd_level_matches_reference, .timeout = 300) {

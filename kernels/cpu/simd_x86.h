@@ -137,4 +137,57 @@ PD_TARGET_AVX512 static inline __m512 pd_exp_ps_avx512(__m512 x) {
     return _mm512_maskz_mov_ps((__mmask16)~under, y);
 }
 
+/* The 8 six-bit scales (bytes 0..7) and mins (bytes 8..15) of a q4_K (or
+ * q5_K) block, computed in a register (12 bytes read as 16: the codes
+ * follow). */
+PD_TARGET_AVX2 static inline __m128i q4k_scales_mins(const uint8_t *s) {
+    const __m128i u = _mm_loadu_si128((const __m128i *)(const void *)s); /* words u0 u1 u2 */
+    const __m128i lo = _mm_and_si128(u, _mm_set1_epi8(0x3f));            /* sc0-3 mn0-3 */
+    const __m128i u2 = _mm_shuffle_epi32(u, 0xaa);
+    const __m128i hl = _mm_and_si128(_mm_srlv_epi32(u2, _mm_setr_epi32(0, 4, 0, 4)), _mm_set1_epi8(0x0f));
+    const __m128i hh = _mm_and_si128(_mm_slli_epi32(_mm_srli_epi32(u, 6), 4), _mm_set1_epi8(0x30));
+    return _mm_unpacklo_epi32(lo, _mm_or_si128(hl, hh)); /* sc0-3 sc4-7 mn0-3 mn4-7 */
+}
+
+/* 16-bit lanes: `a` in words 0..15, `b` in words 16..31. */
+PD_TARGET_AVX512 static inline __m512i halves_epi16(short a, short b) {
+    return _mm512_inserti64x4(_mm512_set1_epi16(a), _mm256_set1_epi16(b), 1);
+}
+
+/* Decode reads each weight row once, front to back: bytes ahead of the
+ * block in use that are prefetched, enough to keep a memory stream's worth
+ * of loads in flight. */
+#define DECODE_PF 4096
+
+static inline void decode_prefetch(const uint8_t *p) {
+    _mm_prefetch((const char *)((uintptr_t)p + DECODE_PF), _MM_HINT_T0);
+}
+
+/* ROW(m, r, t0, NT) for rows [ra, rz) and tokens [t0, t0 + nt), nt <= 8,
+ * with NT a constant so the kernels' per-token loops unroll into
+ * registers. */
+#define ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                        \
+    switch (nt) {                                                                                \
+    case 1: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 1); break;                       \
+    case 2: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 2); break;                       \
+    case 3: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 3); break;                       \
+    case 4: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 4); break;                       \
+    case 5: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 5); break;                       \
+    case 6: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 6); break;                       \
+    case 7: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 7); break;                       \
+    default: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 8); break;                      \
+    }
+
+/* Prefill with a row kernel: rows in groups that stay in L2 while every
+ * block of 8 tokens passes over them. */
+#define PREFILL_ROWS 64
+#define ROW_KERNEL_ALL_N(ROW, m, r0, r1)                                                         \
+    for (int64_t ra = (r0); ra < (r1); ra += PREFILL_ROWS) {                                     \
+        const int64_t rz = ra + PREFILL_ROWS < (r1) ? ra + PREFILL_ROWS : (r1);                  \
+        for (int64_t t0 = 0; t0 < (m)->n; t0 += CPU_DECODE_MAX_N) {                             \
+            const int64_t nt = (m)->n - t0 < CPU_DECODE_MAX_N ? (m)->n - t0 : CPU_DECODE_MAX_N;  \
+            ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                    \
+        }                                                                                        \
+    }
+
 #endif
