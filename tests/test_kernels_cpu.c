@@ -350,8 +350,8 @@ Test(matmul, q4_k_q6_k_match_reference, .timeout = 120) {
 
 /* q2_K, q3_K, q5_K and iq4_xs at every SIMD level this CPU has: decode
  * batches 1..8 and a prefill batch, odd row counts, once with the default
- * kernel choice (dequantize + sgemm for large n below AVX-512) and once
- * with the dot-product kernels at every n. */
+ * kernel choice (dequantize + sgemm for large n at the scalar level) and
+ * once with the dot-product kernels at every n. */
 Test(matmul, q2_k_q3_k_q5_k_iq4_xs_every_level, .timeout = 300) {
     static const int64_t ns[] = {1, 2, 3, 4, 5, 6, 7, 8, 37};
     const pd_type ts[] = {PD_TYPE_Q2_K, PD_TYPE_Q3_K, PD_TYPE_Q5_K, PD_TYPE_IQ4_XS};

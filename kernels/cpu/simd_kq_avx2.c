@@ -1,12 +1,13 @@
 /* AVX2 kernels for q2_K, q3_K, q5_K and iq4_xs weights against q8_K
  * activations (layouts: quant_kq.c; integer sums: simd_kq_scalar.c).
  *
- * One row kernel per type for up to 8 tokens (ROW_RANGE, simd_x86.h): the
- * row is read once, front to back, and each super-block's codes are
- * unpacked once into 32-byte registers of 32 consecutive elements, which
- * every token then multiplies with vpmaddubsw (unsigned codes times signed
- * activations, pairs summed into 16 bits) and vpmaddwd against the
- * sub-block scales.
+ * One row kernel per type for up to 8 tokens, for decode and, over blocks
+ * of 8 tokens, for prefill (ROW_KERNEL_ALL_N, simd_x86.h: at n = 256 it ran
+ * 1.5 to 2.4 times as fast as dequantize + sgemm): the row is read once,
+ * front to back, and each super-block's codes are unpacked once into
+ * 32-byte registers of 32 consecutive elements, which every token then
+ * multiplies with vpmaddubsw (unsigned codes times signed activations,
+ * pairs summed into 16 bits) and vpmaddwd against the sub-block scales.
  *
  *  - q2_K, q3_K: register g holds the 2-bit field g%4 of the 32 bytes of
  *    half g/4, i.e. elements 32g..32g+31 (two sub-blocks of 16, one per
@@ -17,9 +18,7 @@
  *  - iq4_xs: nibbles looked up (vpshufb) in the table of signed values;
  *    vpmaddubsw needs one operand unsigned, so it multiplies |value| by the
  *    activations with the value's sign (vpsignb), pair sums at most
- *    2 * 127 * 127, no saturation.
- *
- * Larger batches go through dequantize + sgemm (gemm_min_n). */
+ *    2 * 127 * 127, no saturation. */
 #include "kernels/cpu/cpu_internal.h"
 
 #if PD_X86
@@ -119,9 +118,7 @@ PD_UNROLL
         const uint8_t *blk = w + (size_t)Q3_K_BYTES * (size_t)b;
         decode_prefetch(blk);
         decode_prefetch(blk + 64);
-        int8_t s8[16];
-        cpu_q3k_scales(blk + 96, s8);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)s8));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(q3k_scales(blk));
         __m256i sc[8], cd[8];
         sub16_scales(sc16, sc);
         const __m256i hm = _mm256_loadu_si256((const __m256i *)(const void *)blk);
@@ -215,12 +212,13 @@ PD_UNROLL
         decode_prefetch(blk);
         decode_prefetch(blk + 64);
         decode_prefetch(blk + 128);
-        const unsigned sh = pd_ld16(blk + 2);
+        /* scale g as words, twice: words 0..7 and 8..15 hold the same */
+        const __m128i l8 = iq4xs_scales(blk);
+        const __m256i ls = _mm256_cvtepi8_epi16(_mm_unpacklo_epi64(l8, l8));
         __m256i val[8], mag[8], sc[8];
 PD_UNROLL
         for (int g = 0; g < 8; g++) {
-            const int ls = (int)(((blk[4 + g / 2] >> (4 * (g % 2))) & 0x0fu) | (((sh >> (2 * g)) & 3u) << 4)) - 32;
-            sc[g] = _mm256_set1_epi16((short)ls);
+            sc[g] = _mm256_shuffle_epi8(ls, _mm256_set1_epi16((short)((2 * g) | ((2 * g + 1) << 8))));
             const __m128i nib = _mm_loadu_si128((const __m128i *)(const void *)(blk + 8 + 16 * g));
             const __m256i idx = _mm256_setr_m128i(_mm_and_si128(nib, m4), _mm_and_si128(_mm_srli_epi16(nib, 4), m4));
             val[g] = _mm256_shuffle_epi8(table, idx);
@@ -264,10 +262,12 @@ PD_TARGET_AVX2 static void mm_iq4_xs(const cpu_mm *m, int64_t r0, int64_t r1) {
 }
 
 void cpu_kernels_kq_avx2(cpu_kernels *k) {
+    const pd_type types[] = {PD_TYPE_Q2_K, PD_TYPE_Q3_K, PD_TYPE_Q5_K, PD_TYPE_IQ4_XS};
     k->mm[PD_TYPE_Q2_K] = mm_q2_K;
     k->mm[PD_TYPE_Q3_K] = mm_q3_K;
     k->mm[PD_TYPE_Q5_K] = mm_q5_K;
     k->mm[PD_TYPE_IQ4_XS] = mm_iq4_xs;
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) k->mm_any_n[types[i]] = true;
 }
 
 #endif /* PD_X86 */
