@@ -231,7 +231,8 @@ PD_UNROLL
             __m256i si = _mm256_setzero_si256();
 PD_UNROLL
             for (int g = 0; g < 8; g++) {
-                const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(const void *)(x + 32 * g)), val[g]);
+                const __m256i xg = _mm256_loadu_si256((const __m256i *)(const void *)(x + 32 * g));
+                const __m256i xv = _mm256_sign_epi8(xg, val[g]);
                 si = _mm256_add_epi32(si, _mm256_madd_epi16(_mm256_maddubs_epi16(mag[g], xv), sc[g]));
             }
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_set1_ps(d * XD(j)), acc[j]);

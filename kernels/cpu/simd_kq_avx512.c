@@ -34,7 +34,7 @@
 #define Q5_K_BYTES 176
 #define IQ4_XS_BYTES 136
 
-/* Word k of the result is byte a in the low 32 bytes, b in the high. */
+/* Bytes 0..31 equal to a, bytes 32..63 to b. */
 PD_TARGET_AVX512 static inline __m512i halves_epi8(char a, char b) {
     return _mm512_inserti64x4(_mm512_set1_epi8(a), _mm256_set1_epi8(b), 1);
 }
@@ -62,6 +62,16 @@ PD_TARGET_AVX512 static inline __m512i two_bit_codes(const uint8_t *qs, int c) {
     const short s = (short)(4 * (c % 2));
     return _mm512_and_si512(_mm512_srlv_epi16(v, halves_epi16(s, (short)(s + 2))), _mm512_set1_epi8(3));
 }
+
+/* The fp16 values at a and b as floats 0 and 1. */
+PD_TARGET_AVX512 static inline __m128 two_halves(const uint8_t *a, const uint8_t *b) {
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)pd_ld16(a) | ((uint32_t)pd_ld16(b) << 16))));
+}
+
+/* Token t's activations for block b: codes, scale, 16 sums of 16. */
+#define XQ(t) (q->qs + (t0 + (t)) * q->cols + PD_QK_K * b)
+#define XD(t) (q->d[(t0 + (t)) * nb + b])
+#define XBS(t) ((const void *)(q->bsums + (t0 + (t)) * (q->cols / 16) + 16 * b))
 
 /* ------------------------------------------------------------------------
  * q2_K
@@ -92,19 +102,19 @@ PD_UNROLL
         __m512i cd[4];
 PD_UNROLL
         for (int c = 0; c < 4; c++) cd[c] = two_bit_codes(blk + 16, c);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)pd_ld16(blk + 80) | ((uint32_t)pd_ld16(blk + 82) << 16))));
+        const __m128 dm = two_halves(blk + 80, blk + 82);
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
-            const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
+            const int8_t *x = XQ(j);
             const __m512i z = _mm512_setzero_si512();
             const __m512i p0 = _mm512_dpbusd_epi32(z, cd[0], _mm512_loadu_si512((const void *)x));
             const __m512i p1 = _mm512_dpbusd_epi32(z, cd[1], _mm512_loadu_si512((const void *)(x + 64)));
             const __m512i p2 = _mm512_dpbusd_epi32(z, cd[2], _mm512_loadu_si512((const void *)(x + 128)));
             const __m512i p3 = _mm512_dpbusd_epi32(z, cd[3], _mm512_loadu_si512((const void *)(x + 192)));
-            const __m128 dx = _mm_mul_ps(dm, _mm_set1_ps(q->d[(t0 + j) * nb + b])); /* d * xd, dmin * xd */
+            const __m128 dx = _mm_mul_ps(dm, _mm_set1_ps(XD(j))); /* d * xd, dmin * xd */
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled_sum16(p0, p1, p2, p3, sa, sb)),
                                      _mm512_broadcastss_ps(dx), acc[j]);
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b));
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)XBS(j));
             accm[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn16, bs)),
                                       _mm256_broadcastss_ps(_mm_permute_ps(dx, 0x55)), accm[j]);
         }
@@ -147,17 +157,17 @@ PD_UNROLL
         const float dw = _cvtsh_ss(pd_ld16(blk + 108));
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
-            const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
+            const int8_t *x = XQ(j);
             const __m512i z = _mm512_setzero_si512();
             const __m512i p0 = _mm512_dpbusd_epi32(z, cd[0], _mm512_loadu_si512((const void *)x));
             const __m512i p1 = _mm512_dpbusd_epi32(z, cd[1], _mm512_loadu_si512((const void *)(x + 64)));
             const __m512i p2 = _mm512_dpbusd_epi32(z, cd[2], _mm512_loadu_si512((const void *)(x + 128)));
             const __m512i p3 = _mm512_dpbusd_epi32(z, cd[3], _mm512_loadu_si512((const void *)(x + 192)));
             /* the codes are stored + 4: subtract 4 * sum(scale * bsum) */
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b));
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)XBS(j));
             const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 2);
             const __m512i si = _mm512_sub_epi32(scaled_sum16(p0, p1, p2, p3, sa, sb), _mm512_zextsi256_si512(corr));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_set1_ps(dw * q->d[(t0 + j) * nb + b]), acc[j]);
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_set1_ps(dw * XD(j)), acc[j]);
         }
     }
 PD_UNROLL
@@ -211,19 +221,19 @@ PD_UNROLL
             const __mmask64 hi = _mm512_test_epi8_mask(hb, halves_epi8((char)(1 << bit), (char)(1 << (bit + 2))));
             n[k] = _mm512_mask_add_epi8(n[k], hi, n[k], b4);
         }
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + 2) << 16))));
+        const __m128 dm = two_halves(blk, blk + 2);
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
-            const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
+            const int8_t *x = XQ(j);
             const __m512i z = _mm512_setzero_si512();
             const __m512i p0 = _mm512_dpbusd_epi32(z, n[0], _mm512_loadu_si512((const void *)x));
             const __m512i p1 = _mm512_dpbusd_epi32(z, n[1], _mm512_loadu_si512((const void *)(x + 64)));
             const __m512i p2 = _mm512_dpbusd_epi32(z, n[2], _mm512_loadu_si512((const void *)(x + 128)));
             const __m512i p3 = _mm512_dpbusd_epi32(z, n[3], _mm512_loadu_si512((const void *)(x + 192)));
-            const __m128 dx = _mm_mul_ps(dm, _mm_set1_ps(q->d[(t0 + j) * nb + b])); /* d * xd, dmin * xd */
+            const __m128 dx = _mm_mul_ps(dm, _mm_set1_ps(XD(j))); /* d * xd, dmin * xd */
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(scaled_sum16(p0, p1, p2, p3, sa, sb)),
                                      _mm512_broadcastss_ps(dx), acc[j]);
-            const __m128i bs = _mm_loadu_si128((const __m128i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b));
+            const __m128i bs = _mm_loadu_si128((const __m128i *)XBS(j)); /* sums of 32 */
             accm[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn16, bs)), _mm_permute_ps(dx, 0x55), accm[j]);
         }
     }
@@ -260,29 +270,37 @@ PD_UNROLL
         __m512i v[4], s[4];
 PD_UNROLL
         for (int c = 0; c < 4; c++) {
-            const __m512i raw = _mm512_permutexvar_epi64(spread, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(const void *)(blk + 8 + 32 * c))));
+            const __m256i nib = _mm256_loadu_si256((const __m256i *)(const void *)(blk + 8 + 32 * c));
+            const __m512i raw = _mm512_permutexvar_epi64(spread, _mm512_castsi256_si512(nib));
             v[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srlv_epi16(raw, shift), m4));
-            s[c] = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1), sc32);
+            const __m512i sub = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
+            s[c] = _mm512_permutexvar_epi32(sub, sc32); /* sub-blocks 2c, 2c + 1 */
         }
         const float dw = _cvtsh_ss(pd_ld16(blk));
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
-            const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
+            const int8_t *x = XQ(j);
             const __m512i z = _mm512_setzero_si512();
-            __m512i si = _mm512_mullo_epi32(_mm512_dpbusd_epi32(z, v[0], _mm512_loadu_si512((const void *)x)), s[0]);
+            __m512i si = _mm512_setzero_si512();
 PD_UNROLL
-            for (int c = 1; c < 4; c++)
-                si = _mm512_add_epi32(si, _mm512_mullo_epi32(_mm512_dpbusd_epi32(z, v[c], _mm512_loadu_si512((const void *)(x + 64 * c))), s[c]));
+            for (int c = 0; c < 4; c++) {
+                const __m512i p = _mm512_dpbusd_epi32(z, v[c], _mm512_loadu_si512((const void *)(x + 64 * c)));
+                si = _mm512_add_epi32(si, _mm512_mullo_epi32(p, s[c]));
+            }
             /* the values are stored + 128: subtract 128 * sum(scale * bsum) */
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b));
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)XBS(j));
             const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 7);
             si = _mm512_sub_epi32(si, _mm512_zextsi256_si512(corr));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_set1_ps(dw * q->d[(t0 + j) * nb + b]), acc[j]);
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_set1_ps(dw * XD(j)), acc[j]);
         }
     }
 PD_UNROLL
     for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]);
 }
+
+#undef XQ
+#undef XD
+#undef XBS
 
 /* The row kernels beat dequantize + sgemm at every n, as for q4_K/q6_K
  * (135 to 170 GFLOP/s at n = 256 on one Zen 4 core, sgemm alone 90). */
