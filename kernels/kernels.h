@@ -315,12 +315,12 @@ typedef struct pd_backend_ops {
      * Accuracy (CPU): f32/f16/bf16 weights use float x (relative error of
      * float accumulation, ~1e-6). Quantized weights are multiplied exactly
      * by x quantized to int8 (per 32 elements for q8_0/q4_0, per 256 for
-     * q4_K/q6_K, scale amax/127 kept in float), so each output is within
-     * sum_i |W[r,i]| * amax(block of i) / 254 (plus float rounding) of the
-     * exact product; where a GEMM on dequantized weights serves large n the
-     * error is only float rounding. Accuracy (CUDA): weights in f16/bf16
-     * (quantized ones dequantized to bf16 at upload), x rounded to bf16 for
-     * tensor-core GEMMs, f32 accumulation. */
+     * the 256-element types, scale amax/127 kept in float), so each output
+     * is within sum_i |W[r,i]| * amax(block of i) / 254 (plus float
+     * rounding) of the exact product; where a GEMM on dequantized weights
+     * serves large n the error is only float rounding. Accuracy (CUDA):
+     * weights in f16/bf16 (quantized ones dequantized to bf16 at upload), x
+     * rounded to bf16 for tensor-core GEMMs, f32 accumulation. */
     int (*matmul)(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y,
                   pd_error *err);
     /* out[i][:] = dequantized row ids[i] of W (embedding lookup); ids is

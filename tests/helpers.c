@@ -60,6 +60,22 @@ int th_run(const char *cmd, char **out) {
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
+void th_llama_quantize(const char *src, const char *dst, const char *ftype) {
+    const char *models = th_shared_models();
+    char bin[1024];
+    if (models) snprintf(bin, sizeof bin, "%s/../peer/llama-quantize", models);
+    if (!models || access(bin, X_OK) != 0)
+        cr_skip_test("../shared/peer/llama-quantize is absent (set PD_SHARED_MODELS); skipping");
+    char *out = NULL;
+    const int rc = th_runf(&out, "'%s' '%s' '%s' %s 2>&1", bin, src, dst, ftype);
+    if (rc == 128 + SIGILL) {
+        free(out);
+        cr_skip_test("llama-quantize needs AVX-512, which this CPU lacks; skipping");
+    }
+    cr_assert_eq(rc, 0, "llama-quantize %s %s %s exited with %d:\n%s", src, dst, ftype, rc, out ? out : "");
+    free(out);
+}
+
 void th_buf_bytes(th_buf *b, const void *p, size_t n) {
     if (b->len + n > b->cap) {
         size_t cap = b->cap ? b->cap : 256;

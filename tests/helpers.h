@@ -17,6 +17,11 @@ void th_rmtree(const char *dir);
 int th_run(const char *cmd, char **out);
 /* The same with a printf-style command line (at most 8 KiB). */
 __attribute__((format(printf, 2, 3))) int th_runf(char **out, const char *fmt, ...);
+/* Quantize the GGUF src into dst as ftype ("Q5_K_M", "IQ4_XS", ...) with
+ * llama.cpp's own llama-quantize (../shared/peer, beside the models). Skips
+ * the running test when the binary is absent or this CPU cannot run it (it
+ * is built for AVX-512); fails it when llama-quantize reports an error. */
+void th_llama_quantize(const char *src, const char *dst, const char *ftype);
 /* Skip the running test with a message when the shared models are absent. */
 #define TH_REQUIRE_SHARED()                                                                   \
     do {                                                                                      \

@@ -10,19 +10,22 @@
  *                          i's block) / 254  +  2e-5 * sum_i |w_i| (|x_i| + amax/254)
  * The first term of the second line is the activation quantization error
  * (int8 with a per-block scale amax/127 is off by at most half a step per
- * element; blocks are 32 for q8_0/q4_0 and 256 for q4_K/q6_K); the second
- * is float rounding. SIMD and scalar paths agree within float rounding
+ * element; blocks are 32 for q8_0/q4_0 and 256 for the 256-element
+ * types); the second is float rounding. SIMD and scalar paths agree within float rounding
  * (1e-5 of the sums above) on the dot-product kernels, where both multiply
  * the same int8 activations. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "engine/engine.h"
 #include "helpers.h"
 #include "kernels/kernels.h"
+#include "tools/tools.h"
 
 /* ------------------------------------------------------------------------
  * helpers
@@ -109,7 +112,7 @@ static void ref_matmul(const pd_weight *w, const float *x, int64_t n, double *re
     pd_error err = {0};
     float *wd = malloc(sizeof(float) * (size_t)w->cols);
     cr_assert_not_null(wd);
-    const int64_t bs = (w->type == PD_TYPE_Q4_K || w->type == PD_TYPE_Q6_K) ? 256 : 32;
+    const int64_t bs = pd_type_get(w->type)->block_size == PD_QK_K ? PD_QK_K : 32;
     for (int64_t r = 0; r < w->rows; r++) {
         cr_assert_eq(pd_dequantize_row(w->type, (const uint8_t *)w->data + (size_t)r * w->row_bytes, wd,
                                        (uint64_t)w->cols, &err),
@@ -141,34 +144,33 @@ static void ref_matmul(const pd_weight *w, const float *x, int64_t n, double *re
 }
 
 static const pd_type all_types[] = {PD_TYPE_F32,  PD_TYPE_F16,  PD_TYPE_BF16, PD_TYPE_Q8_0,
-                                    PD_TYPE_Q4_0, PD_TYPE_Q4_K, PD_TYPE_Q6_K};
+                                    PD_TYPE_Q4_0, PD_TYPE_Q4_K, PD_TYPE_Q6_K, PD_TYPE_Q2_K,
+                                    PD_TYPE_Q3_K, PD_TYPE_Q5_K, PD_TYPE_IQ4_XS};
 #define N_TYPES (sizeof all_types / sizeof all_types[0])
 
-/* Check one (type, rows, cols) against the reference for several n and
- * thread counts on the given SIMD level. */
-static void check_matmul(pd_type t, int64_t rows, int64_t cols, const char *simd, uint64_t seed) {
-    static const int64_t ns[] = {1, 2, 3, 7, 8, 9, 64, 200}; /* both sides of CPU_DECODE_MAX_N */
+/* Check the weight w against the reference for the batch sizes ns[0..n_ns)
+ * (ascending) and 1 and 2 threads on the given SIMD level, with
+ * activations drawn from *s. */
+static void check_weight(const pd_weight *w, const char *simd, uint64_t *s, const int64_t *ns, size_t n_ns) {
     static const int threads[] = {1, 2};
-    uint64_t s = seed;
-    pd_weight w;
-    uint8_t *data = make_weights(&s, t, rows, cols, &w);
-    const int64_t nmax = 200;
+    const int64_t rows = w->rows, cols = w->cols;
+    const int64_t nmax = ns[n_ns - 1];
     float *x = malloc(sizeof(float) * (size_t)(nmax * cols));
     float *y = malloc(sizeof(float) * (size_t)(nmax * rows));
     double *ref = malloc(sizeof(double) * (size_t)(nmax * rows));
     double *bound = malloc(sizeof(double) * (size_t)(nmax * rows));
     double *rs = malloc(sizeof(double) * (size_t)(nmax * rows));
     cr_assert(x && y && ref && bound && rs);
-    fill_acts(&s, x, nmax * cols);
-    ref_matmul(&w, x, nmax, ref, bound, rs);
-    const char *tn = pd_type_get(t)->name;
+    fill_acts(s, x, nmax * cols);
+    ref_matmul(w, x, nmax, ref, bound, rs);
+    const char *tn = pd_type_get(w->type)->name;
     for (size_t ti = 0; ti < sizeof threads / sizeof threads[0]; ti++) {
         pd_backend *be = make_backend(threads[ti], simd);
-        for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+        for (size_t ni = 0; ni < n_ns; ni++) {
             const int64_t n = ns[ni];
             pd_error err = {0};
             for (int64_t i = 0; i < n * rows; i++) y[i] = NAN;
-            cr_assert_eq(be->ops->matmul(be, &w, x, n, y, &err), PD_OK, "%s", err.msg);
+            cr_assert_eq(be->ops->matmul(be, w, x, n, y, &err), PD_OK, "%s", err.msg);
             for (int64_t i = 0; i < n * rows; i++) {
                 const double e = fabs((double)y[i] - ref[i]);
                 cr_assert(e <= bound[i],
@@ -181,12 +183,26 @@ static void check_matmul(pd_type t, int64_t rows, int64_t cols, const char *simd
         }
         pd_backend_free(be);
     }
-    free(data);
     free(x);
     free(y);
     free(ref);
     free(bound);
     free(rs);
+}
+
+/* The same for random weights of type t quantized by pd_quantize_row. */
+static void check_matmul_ns(pd_type t, int64_t rows, int64_t cols, const char *simd, uint64_t seed, const int64_t *ns,
+                            size_t n_ns) {
+    uint64_t s = seed;
+    pd_weight w;
+    uint8_t *data = make_weights(&s, t, rows, cols, &w);
+    check_weight(&w, simd, &s, ns, n_ns);
+    free(data);
+}
+
+static void check_matmul(pd_type t, int64_t rows, int64_t cols, const char *simd, uint64_t seed) {
+    static const int64_t ns[] = {1, 2, 3, 7, 8, 9, 64, 200}; /* both sides of CPU_DECODE_MAX_N */
+    check_matmul_ns(t, rows, cols, simd, seed, ns, sizeof ns / sizeof ns[0]);
 }
 
 /* ------------------------------------------------------------------------
@@ -330,6 +346,120 @@ Test(matmul, q4_k_q6_k_match_reference, .timeout = 120) {
     for (size_t i = 0; i < 2; i++)
         for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
             check_matmul(ts[i], shapes[j][0], shapes[j][1], NULL, 3000 + 10 * i + j);
+}
+
+/* q2_K, q3_K, q5_K and iq4_xs at every SIMD level this CPU has: decode
+ * batches 1..8 and a prefill batch, odd row counts, once with the default
+ * kernel choice (dequantize + sgemm for large n at the scalar level) and
+ * once with the dot-product kernels at every n. */
+Test(matmul, q2_k_q3_k_q5_k_iq4_xs_every_level, .timeout = 300) {
+    static const int64_t ns[] = {1, 2, 3, 4, 5, 6, 7, 8, 37};
+    const pd_type ts[] = {PD_TYPE_Q2_K, PD_TYPE_Q3_K, PD_TYPE_Q5_K, PD_TYPE_IQ4_XS};
+    const int64_t shapes[][2] = {{1, 256}, {7, 768}, {37, 512}};
+    const char *levels[] = {"scalar", "avx2", "avx512"};
+    for (size_t l = 0; l < 3; l++) {
+        if (l > 0 && !cpu_has(levels[l])) continue;
+        for (int gemm = 0; gemm < 2; gemm++) {
+            if (gemm)
+                setenv("PD_CPU_GEMM_MIN_N", "1000", 1);
+            else
+                unsetenv("PD_CPU_GEMM_MIN_N");
+            for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
+                for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
+                    check_matmul_ns(ts[i], shapes[j][0], shapes[j][1], levels[l], 6000 + 100 * l + 10 * i + j, ns,
+                                    sizeof ns / sizeof ns[0]);
+        }
+        unsetenv("PD_CPU_GEMM_MIN_N");
+    }
+}
+
+/* Blocks written by llama.cpp's own quantizer: a generated F32 model (rows
+ * of 256 and 512, so every matrix can take a 256-element type) through
+ * llama-quantize into the mixes that hold q2_K, q3_K, q5_K and iq4_xs.
+ * Each such matrix decodes to the original weights within its type's
+ * quantization error (bounds a little above the relative rms errors these
+ * files show: q2_K 0.295, q3_K 0.150, q5_K 0.036, iq4_xs 0.076; a block
+ * misread is off by about the signal itself), and multiplies at every SIMD
+ * level like its dequantized rows. */
+static char *peer_dir;
+static void peer_setup(void) {
+    peer_dir = th_mkdtemp();
+    cr_assert_not_null(peer_dir);
+}
+static void peer_teardown(void) {
+    th_rmtree(peer_dir);
+    free(peer_dir);
+    peer_dir = NULL;
+}
+
+static float *dequant_tensor(const pd_gguf_tensor *t) {
+    float *f = malloc(sizeof(float) * t->n_elems);
+    pd_error err = {0};
+    cr_assert_not_null(f);
+    cr_assert_eq(pd_dequantize_row(t->type, t->data, f, t->n_elems, &err), PD_OK, "%s: %s", t->name, err.msg);
+    return f;
+}
+
+Test(matmul, llama_cpp_blocks_match_reference, .timeout = 300, .init = peer_setup, .fini = peer_teardown) {
+    char f32_path[1024], q_path[1024];
+    snprintf(f32_path, sizeof f32_path, "%s/f32.gguf", peer_dir);
+    snprintf(q_path, sizeof q_path, "%s/q.gguf", peer_dir);
+    pd_testmodel_opts o;
+    pd_error err = {0};
+    cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
+    o.n_embd = 256;
+    o.n_ff = 512;
+    o.n_layer = 1;
+    o.n_head = 4;
+    o.n_head_kv = 2;
+    o.seed = 11;
+    cr_assert_eq(pd_testmodel_write(&o, f32_path, NULL, &err), PD_OK, "%s", err.msg);
+    static const char *ftypes[] = {"Q2_K", "Q3_K_S", "Q5_K_S", "IQ4_XS"};
+    static const struct {
+        pd_type t;
+        double max_rel;
+    } types[] = {{PD_TYPE_Q2_K, 0.33}, {PD_TYPE_Q3_K, 0.17}, {PD_TYPE_Q5_K, 0.04}, {PD_TYPE_IQ4_XS, 0.085}};
+    static const int64_t ns[] = {1, 4, 8, 37};
+    const char *levels[] = {"scalar", "avx2", "avx512"};
+    int seen[sizeof types / sizeof types[0]] = {0};
+    uint64_t s = 12;
+    pd_gguf *gf = NULL;
+    cr_assert_eq(pd_gguf_open(f32_path, &gf, &err), PD_OK, "%s", err.msg);
+    for (size_t f = 0; f < sizeof ftypes / sizeof ftypes[0]; f++) {
+        th_llama_quantize(f32_path, q_path, ftypes[f]);
+        pd_gguf *gq = NULL;
+        cr_assert_eq(pd_gguf_open(q_path, &gq, &err), PD_OK, "%s", err.msg);
+        for (size_t i = 0; i < pd_gguf_tensor_count(gq); i++) {
+            const pd_gguf_tensor *tq = pd_gguf_tensor_at(gq, i);
+            size_t k = 0;
+            while (k < sizeof types / sizeof types[0] && types[k].t != tq->type) k++;
+            if (tq->n_dims != 2 || k == sizeof types / sizeof types[0]) continue;
+            seen[k]++;
+            const pd_gguf_tensor *tf = pd_gguf_find_tensor(gf, tq->name);
+            cr_assert(tf && tf->n_elems == tq->n_elems && tf->type == PD_TYPE_F32, "%s", tq->name);
+            float *wq = dequant_tensor(tq), *wf = dequant_tensor(tf);
+            double se = 0, ss = 0;
+            for (uint64_t e = 0; e < tq->n_elems; e++) {
+                se += ((double)wq[e] - wf[e]) * ((double)wq[e] - wf[e]);
+                ss += (double)wf[e] * wf[e];
+            }
+            const double rel = sqrt(se / ss);
+            cr_log_info("%s %s %s: relative rms error %.4f", ftypes[f], tq->name, pd_type_get(tq->type)->name, rel);
+            cr_expect_lt(rel, types[k].max_rel, "%s %s (%s): relative rms error %g vs the F32 weights", ftypes[f],
+                         tq->name, pd_type_get(tq->type)->name, rel);
+            free(wq);
+            free(wf);
+            pd_weight w;
+            cr_assert_eq(pd_weight_init(&w, tq->type, tq->data, (int64_t)tq->ne[1], (int64_t)tq->ne[0], &err), PD_OK,
+                         "%s", err.msg);
+            for (size_t l = 0; l < 3; l++)
+                if (l == 0 || cpu_has(levels[l])) check_weight(&w, levels[l], &s, ns, sizeof ns / sizeof ns[0]);
+        }
+        pd_gguf_close(gq);
+    }
+    pd_gguf_close(gf);
+    for (size_t k = 0; k < sizeof types / sizeof types[0]; k++)
+        cr_expect_gt(seen[k], 0, "no %s matrix in the llama-quantize files", pd_type_get(types[k].t)->name);
 }
 
 Test(matmul, every_simd_level_matches_reference, .timeout = 300) {

@@ -50,7 +50,8 @@ Test(types, table_sizes_match_ggml) {
     } want[] = {
         {PD_TYPE_F32, "f32", 1, 4},      {PD_TYPE_F16, "f16", 1, 2},       {PD_TYPE_BF16, "bf16", 1, 2},
         {PD_TYPE_Q8_0, "q8_0", 32, 34},  {PD_TYPE_Q4_0, "q4_0", 32, 18},   {PD_TYPE_Q4_K, "q4_k", 256, 144},
-        {PD_TYPE_Q6_K, "q6_k", 256, 210},
+        {PD_TYPE_Q6_K, "q6_k", 256, 210},  {PD_TYPE_Q2_K, "q2_k", 256, 84},   {PD_TYPE_Q3_K, "q3_k", 256, 110},
+        {PD_TYPE_Q5_K, "q5_k", 256, 176},  {PD_TYPE_IQ4_XS, "iq4_xs", 256, 136},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         const pd_type_traits *tr = pd_type_get(want[i].t);
@@ -63,6 +64,10 @@ Test(types, table_sizes_match_ggml) {
     /* ggml ids are fixed by the file format */
     cr_expect_eq(PD_TYPE_Q4_K, 12);
     cr_expect_eq(PD_TYPE_Q6_K, 14);
+    cr_expect_eq(PD_TYPE_Q2_K, 10);
+    cr_expect_eq(PD_TYPE_Q3_K, 11);
+    cr_expect_eq(PD_TYPE_Q5_K, 13);
+    cr_expect_eq(PD_TYPE_IQ4_XS, 23);
     cr_expect_eq(PD_TYPE_BF16, 30);
     uint64_t sz = 0;
     cr_assert_eq(pd_type_row_size(PD_TYPE_Q4_K, 4096, &sz, NULL), PD_OK);
@@ -230,8 +235,8 @@ Test(quant, rejects_bad_arguments) {
     cr_expect(strstr(err.msg, "block size") != NULL, "message: %s", err.msg);
     cr_expect_eq(pd_dequantize_row(PD_TYPE_Q4_K, buf, x, 64, &err), PD_EINVAL);
     cr_expect(strstr(err.msg, "256") != NULL, "message: %s", err.msg);
-    cr_expect_eq(pd_quantize_row(PD_TYPE_Q5_K, x, buf, 256, &err), PD_EUNSUPPORTED);
-    cr_expect(strstr(err.msg, "q5_k") != NULL, "message: %s", err.msg);
+    cr_expect_eq(pd_quantize_row(PD_TYPE_IQ2_XXS, x, buf, 256, &err), PD_EUNSUPPORTED);
+    cr_expect(strstr(err.msg, "iq2_xxs") != NULL, "message: %s", err.msg);
     cr_expect_eq(pd_dequantize_row(PD_TYPE_Q4_1, buf, x, 32, &err), PD_EUNSUPPORTED);
     cr_expect_eq(pd_quantize_row((pd_type)99, x, buf, 32, &err), PD_EINVAL);
     cr_expect_eq(pd_quantize_row((pd_type)4, x, buf, 32, &err), PD_EINVAL, "id 4 is not a type");
@@ -477,7 +482,8 @@ Test(quant, q6_K_rmse) {
 }
 
 Test(quant, quantize_special_rows) {
-    const pd_type types[] = {PD_TYPE_Q8_0, PD_TYPE_Q4_0, PD_TYPE_Q4_K, PD_TYPE_Q6_K, PD_TYPE_F16, PD_TYPE_BF16};
+    const pd_type types[] = {PD_TYPE_Q8_0, PD_TYPE_Q4_0, PD_TYPE_Q4_K, PD_TYPE_Q6_K, PD_TYPE_F16, PD_TYPE_BF16,
+                             PD_TYPE_Q2_K, PD_TYPE_Q3_K, PD_TYPE_Q5_K, PD_TYPE_IQ4_XS};
     static float x[256], y[256];
     static uint8_t buf[1024];
     for (size_t k = 0; k < sizeof types / sizeof types[0]; k++) {
@@ -504,6 +510,137 @@ Test(quant, quantize_special_rows) {
         cr_assert_eq(pd_quantize_row(t, x, buf, 256, NULL), PD_OK);
         cr_assert_eq(pd_dequantize_row(t, buf, y, 256, NULL), PD_OK);
     }
+}
+
+/* q2_K, q3_K, q5_K, iq4_xs: relative rms error on normal data; a block
+ * layout packed one way and read another would be off by about the signal
+ * itself (about 1.4). The bounds sit above what these round-to-nearest
+ * quantizers reach (0.28, 0.15, 0.035, 0.076), in the order of their bits
+ * per weight (2.6, 3.4, 5.5, 4.25). */
+Test(quant, q2_K_q3_K_q5_K_iq4_xs_rmse) {
+    static float x[RT_N], y[RT_N];
+    const struct {
+        pd_type t;
+        double max_rel;
+    } cases[] = {{PD_TYPE_Q2_K, 0.31}, {PD_TYPE_Q3_K, 0.17}, {PD_TYPE_Q5_K, 0.04}, {PD_TYPE_IQ4_XS, 0.085}};
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        fill_normal(x, RT_N, 17 + k, 0.02f);
+        uint8_t *q;
+        round_trip(cases[k].t, x, y, &q);
+        const double e = rel_rmse(x, y, RT_N);
+        cr_expect_lt(e, cases[k].max_rel, "%s relative rmse %g", pd_type_get(cases[k].t)->name, e);
+        cr_expect_gt(e, 0.0);
+        free(q);
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * q2_K, q3_K, q5_K, iq4_xs: random blocks decoded element by element from
+ * ggml's block layouts (written here from the format, independently of
+ * quant_kq.c), with ggml's float operations: the reference dequantizer
+ * must match bit for bit.
+ * ------------------------------------------------------------------------ */
+
+#define SPEC_BLOCKS 16
+
+static float half_at(const uint8_t *p) {
+    return pd_fp16_to_fp32((uint16_t)(p[0] | (p[1] << 8)));
+}
+
+/* Random bytes with finite fp16 scales at the given offsets. */
+static uint8_t *random_blocks(uint64_t *s, size_t block_bytes, const int *half_offs, int n_halfs) {
+    uint8_t *b = malloc(block_bytes * SPEC_BLOCKS + 1);
+    cr_assert_not_null(b);
+    for (size_t i = 0; i < block_bytes * SPEC_BLOCKS + 1; i++) b[i] = (uint8_t)rng_next(s);
+    for (int k = 0; k < SPEC_BLOCKS; k++)
+        for (int h = 0; h < n_halfs; h++) {
+            const uint16_t v = pd_fp32_to_fp16(rng_normal(s) * 0.01f);
+            b[1 + block_bytes * k + half_offs[h]] = (uint8_t)(v & 0xff);
+            b[1 + block_bytes * k + half_offs[h] + 1] = (uint8_t)(v >> 8);
+        }
+    return b;
+}
+
+/* q2_K element e: sub-block e/16 with scale byte sc | m << 4; 2-bit code in
+ * bits 2 * ((e % 128) / 32) of qs[32 * (e / 128) + e % 32]. */
+static float spec_q2_K(const uint8_t *blk, int e) {
+    const float d = half_at(blk + 80), dmin = half_at(blk + 82);
+    const uint8_t sc = blk[e / 16];
+    const int q = (blk[16 + 32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3;
+    const float dl = d * (float)(sc & 15), ml = dmin * (float)(sc >> 4);
+    const float p = dl * (float)q;
+    return p - ml;
+}
+
+/* q3_K element e: 6-bit scale of sub-block j = e/16 (low 4 bits in
+ * scales[j] or scales[j-8] >> 4, high 2 bits in scales[8 + j%4] at bit
+ * 2*(j/4)), minus 32; low 2 bits as q2_K; high bit e/32 of hmask[e%32],
+ * clear meaning -4. */
+static float spec_q3_K(const uint8_t *blk, int e) {
+    const uint8_t *sc = blk + 96;
+    const int j = e / 16;
+    const int lo = j < 8 ? (sc[j] & 15) : (sc[j - 8] >> 4);
+    const int hi = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+    const int s = (lo | (hi << 4)) - 32;
+    const int q2 = (blk[32 + 32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3;
+    const int v = q2 - (((blk[e % 32] >> (e / 32)) & 1) ? 0 : 4);
+    const float dl = half_at(blk + 108) * (float)s;
+    return dl * (float)v;
+}
+
+/* q5_K element e: q4_K's scale and min of sub-block e/32 and nibble, plus
+ * bit 2*(e/64) + (e%64 >= 32) of qh[e%32] as 16. */
+static float spec_q5_K(const uint8_t *blk, int e) {
+    const uint8_t *s = blk + 4;
+    const int j = e / 32;
+    const int sc = j < 4 ? (s[j] & 63) : ((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
+    const int m = j < 4 ? (s[j + 4] & 63) : ((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    const int c = e / 64, upper = (e % 64) >= 32, l = e % 32;
+    const uint8_t byte = blk[48 + 32 * c + l];
+    const int q = (upper ? byte >> 4 : byte & 15) + 16 * ((blk[16 + l] >> (2 * c + upper)) & 1);
+    const float d1 = half_at(blk) * (float)sc, m1 = half_at(blk + 2) * (float)m;
+    const float p = d1 * (float)q;
+    return p - m1;
+}
+
+static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* iq4_xs element e: sub-block j = e/32 with 6-bit scale (nibble j%2 of
+ * scales_l[j/2], bits 2j of the u16 scales_h) minus 32; nibble as q4_0
+ * within the sub-block. */
+static float spec_iq4_xs(const uint8_t *blk, int e) {
+    const int j = e / 32, l = e % 32;
+    const unsigned scales_h = (unsigned)(blk[2] | (blk[3] << 8));
+    const int ls = ((blk[4 + j / 2] >> (4 * (j % 2))) & 15) | (int)(((scales_h >> (2 * j)) & 3) << 4);
+    const uint8_t byte = blk[8 + 16 * j + l % 16];
+    const int nib = l < 16 ? (byte & 15) : (byte >> 4);
+    const float dl = half_at(blk) * (float)(ls - 32);
+    return dl * (float)iq4_values[nib];
+}
+
+static void check_against_spec(pd_type t, float (*spec)(const uint8_t *, int), const int *half_offs, int n_halfs,
+                               uint64_t seed) {
+    uint64_t s = seed;
+    const size_t bb = pd_type_get(t)->type_size;
+    uint8_t *b = random_blocks(&s, bb, half_offs, n_halfs);
+    static float y[256 * SPEC_BLOCKS];
+    pd_error err = {0};
+    cr_assert_eq(pd_dequantize_row(t, b + 1, y, 256 * SPEC_BLOCKS, &err), PD_OK, "%s", err.msg);
+    for (int k = 0; k < SPEC_BLOCKS; k++)
+        for (int e = 0; e < 256; e++) {
+            const float want = spec(b + 1 + bb * (size_t)k, e);
+            cr_assert_eq(fbits(y[256 * k + e]), fbits(want), "%s block %d element %d: got %a want %a",
+                         pd_type_get(t)->name, k, e, (double)y[256 * k + e], (double)want);
+        }
+    free(b);
+}
+
+Test(quant, q2_K_q3_K_q5_K_iq4_xs_dequantize_as_specified) {
+    const int q2k[] = {80, 82}, q3k[] = {108}, q5k[] = {0, 2}, iq4xs[] = {0};
+    check_against_spec(PD_TYPE_Q2_K, spec_q2_K, q2k, 2, 21);
+    check_against_spec(PD_TYPE_Q3_K, spec_q3_K, q3k, 1, 22);
+    check_against_spec(PD_TYPE_Q5_K, spec_q5_K, q5k, 2, 23);
+    check_against_spec(PD_TYPE_IQ4_XS, spec_iq4_xs, iq4xs, 1, 24);
 }
 
 /* Quantizing what a block decodes to gives the same values back: the

@@ -475,8 +475,9 @@ int pd_testmodel_validate(const pd_testmodel_opts *o, pd_error *err) {
         return pd_errorf(err, PD_EINVAL, "test model: rope_freq_base must be positive");
     if (!(o->rms_eps > 0.0f) || !(o->rms_eps < 1.0f))
         return pd_errorf(err, PD_EINVAL, "test model: rms_eps must be in (0, 1)");
+    /* the types with a fallback for short rows and a file type above */
     const pd_type_traits *tr = pd_type_get((uint32_t)o->wtype);
-    if (!tr || !tr->can_quantize)
+    if (!tr || !tr->can_quantize || (o->wtype != PD_TYPE_F32 && file_type_of(o->wtype) == 0))
         return pd_errorf(err, PD_EUNSUPPORTED,
                          "test model: weight type %s cannot be generated (use f32, f16, bf16, q8_0, q4_0, "
                          "q4_k or q6_k)",

@@ -139,6 +139,13 @@ void cpu_kernels_scalar(cpu_kernels *k);
 void cpu_kernels_avx2(cpu_kernels *k);
 void cpu_kernels_avx512(cpu_kernels *k);
 #endif
+/* The q2_K/q3_K/q5_K/iq4_xs entries of each table (simd_kq_*.c), called at
+ * the end of the matching cpu_kernels_<level>. */
+void cpu_kernels_kq_scalar(cpu_kernels *k);
+#if PD_X86
+void cpu_kernels_kq_avx2(cpu_kernels *k);
+void cpu_kernels_kq_avx512(cpu_kernels *k);
+#endif
 
 /* Shared scalar helpers. */
 static inline uint16_t cpu_load_u16(const uint8_t *p) {
@@ -166,6 +173,21 @@ static inline void cpu_q4k_scale_min(int j, const uint8_t *s, uint8_t *sc, uint8
     }
 }
 
+/* quant_kq.c: reference row conversions of nb blocks of q2_K, q3_K, q5_K
+ * and iq4_xs (pd_quantize_row / pd_dequantize_row dispatch to them). */
+void cpu_quantize_q2_K(const float *x, uint8_t *y, uint64_t nb);
+void cpu_quantize_q3_K(const float *x, uint8_t *y, uint64_t nb);
+void cpu_quantize_q5_K(const float *x, uint8_t *y, uint64_t nb);
+void cpu_quantize_iq4_xs(const float *x, uint8_t *y, uint64_t nb);
+void cpu_dequantize_q2_K(const uint8_t *x, float *y, uint64_t nb);
+void cpu_dequantize_q3_K(const uint8_t *x, float *y, uint64_t nb);
+void cpu_dequantize_q5_K(const uint8_t *x, float *y, uint64_t nb);
+void cpu_dequantize_iq4_xs(const uint8_t *x, float *y, uint64_t nb);
+/* The 16 scales of a q3_K block (its 12 scale bytes at s), minus 32. */
+void cpu_q3k_scales(const uint8_t *s, int8_t out[16]);
+/* The values an iq4 nibble stands for (ggml's kvalues_iq4nl). */
+extern const int8_t cpu_iq4nl_values[16];
+
 /* Activation quantizers shared by the scalar table; SIMD tables use their
  * own but must produce identical bytes (same float ops, round to nearest
  * even), so the integer dot products agree exactly across levels. */
@@ -178,6 +200,10 @@ void cpu_quant_q8_K_scalar(const float *x, int64_t cols, int8_t *qs, float *d, i
 bool cpu_has_f16c(void);
 void cpu_quant_q8_0_avx2(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c, int16_t *bsums);
 void cpu_quant_q8_K_avx2(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c, int16_t *bsums);
+/* q8_K in the order the AVX-512 q4_K and q5_K kernels read it: per block
+ * the 32-element sub-blocks 0 2 1 3 4 6 5 7, and the first 8 bsums the
+ * sums of each sub-block (natural order). */
+void cpu_quant_q8_K4_avx512(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c, int16_t *bsums);
 #endif
 
 /* The CPU backend object (pd_backend.impl points at it). Used by one

@@ -3,9 +3,9 @@
  * Two paths:
  *  - quantized dot products (all n for kernels that tile over tokens, like
  *    the AVX-512 VNNI q8_0 kernel; small n otherwise): x is quantized once
- *    per call (q8_0 blocks for q8_0/q4_0 weights, q8_K super-blocks for the
- *    K-quants; f32/f16/bf16 weights use float x), then threads take chunks
- *    of weight rows and compute them against every x row;
+ *    per call (q8_0 blocks for the 32-element types, q8_K super-blocks for
+ *    the 256-element ones; f32/f16/bf16 weights use float x), then threads
+ *    take chunks of weight rows and compute them against every x row;
  *  - dequantize + sgemm (large n): each thread dequantizes a tile of weight
  *    rows into its own f32 buffer and calls a single-threaded OpenBLAS
  *    sgemm for y[:, tile].
@@ -75,9 +75,16 @@ static void quant_worker(void *p, int ith, int nth) {
     quant_rows(c, c->q->n * ith / nth, c->q->n * (ith + 1) / nth);
 }
 
+/* The activations a quantized weight type's kernels take: q8_K
+ * super-blocks (with bsums) for the 256-element types, like ggml's
+ * vec_dot_type; q8_0 blocks for the 32-element ones. */
+static bool uses_q8_K(pd_type wt) {
+    return pd_type_get((uint32_t)wt)->block_size == PD_QK_K;
+}
+
 static int quantize_acts(cpu_backend *cb, pd_type wt, const float *x, int64_t n, int64_t cols,
                          cpu_qact *q, pd_error *err) {
-    const bool kq = wt == PD_TYPE_Q4_K || wt == PD_TYPE_Q6_K;
+    const bool kq = uses_q8_K(wt);
     const int64_t bs = kq ? PD_QK_K : 32;
     memset(q, 0, sizeof *q);
     q->n = n;
@@ -198,7 +205,7 @@ int cpu_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, fl
     if (!tr || (uint32_t)w->type >= PD_TYPE_COUNT || !cb->k.mm[w->type])
         return pd_errorf(err, PD_EUNSUPPORTED,
                          "matmul: weights of type %s are not supported by the CPU backend "
-                         "(supported: f32, f16, bf16, q8_0, q4_0, q4_k, q6_k)",
+                         "(supported: f32, f16, bf16, q8_0, q4_0, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs)",
                          tr ? tr->name : "(unknown)");
     if (n < 0 || w->rows < 0 || w->cols < 0)
         return pd_errorf(err, PD_EINVAL, "matmul: negative size (n %lld, weight %lld x %lld)",

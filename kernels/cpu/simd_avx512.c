@@ -164,67 +164,13 @@ PD_TARGET_AVX512 static inline __m256i unpack_q4_0_512(const uint8_t *qs) {
 }
 
 
-/* ------------------------------------------------------------------------
- * q4_K / q6_K x q8_K: shared pieces of the row kernels below
- * ------------------------------------------------------------------------ */
-
 #define Q4_K_BYTES 144
 #define Q6_K_BYTES 210
 
-/* The 8 six-bit scales (bytes 0..7) and mins (bytes 8..15) of a q4_K block,
- * computed in a register (12 bytes read as 16: the codes follow). */
-PD_TARGET_AVX512 static inline __m128i q4k_scales_mins(const uint8_t *s) {
-    const __m128i u = _mm_loadu_si128((const __m128i *)(const void *)s); /* words u0 u1 u2 */
-    const __m128i lo = _mm_and_si128(u, _mm_set1_epi8(0x3f));            /* sc0-3 mn0-3 */
-    const __m128i u2 = _mm_shuffle_epi32(u, 0xaa);
-    const __m128i hl = _mm_and_si128(_mm_srlv_epi32(u2, _mm_setr_epi32(0, 4, 0, 4)), _mm_set1_epi8(0x0f));
-    const __m128i hh = _mm_and_si128(_mm_slli_epi32(_mm_srli_epi32(u, 6), 4), _mm_set1_epi8(0x30));
-    return _mm_unpacklo_epi32(lo, _mm_or_si128(hl, hh)); /* sc0-3 sc4-7 mn0-3 mn4-7 */
-}
-
-/* 16-bit lanes: `a` in words 0..15, `b` in words 16..31. */
-PD_TARGET_AVX512 static inline __m512i halves_epi16(short a, short b) {
-    return _mm512_inserti64x4(_mm512_set1_epi16(a), _mm256_set1_epi16(b), 1);
-}
-
 /* ------------------------------------------------------------------------
  * Decode (n <= CPU_DECODE_MAX_N): one weight row at a time, front to back,
- * all n tokens per weight load. Bytes ahead of the block in use that are
- * prefetched: enough to keep a memory stream's worth of loads in flight.
+ * all n tokens per weight load (ROW_RANGE, decode_prefetch: simd_x86.h).
  * ------------------------------------------------------------------------ */
-
-#define DECODE_PF 4096
-
-static inline void decode_prefetch(const uint8_t *p) {
-    _mm_prefetch((const char *)((uintptr_t)p + DECODE_PF), _MM_HINT_T0);
-}
-
-/* ROW(m, r, t0, NT) for rows [ra, rz) and tokens [t0, t0 + nt), nt <= 8,
- * with NT a constant so the kernels' per-token loops unroll into
- * registers. */
-#define ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                        \
-    switch (nt) {                                                                                \
-    case 1: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 1); break;                       \
-    case 2: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 2); break;                       \
-    case 3: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 3); break;                       \
-    case 4: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 4); break;                       \
-    case 5: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 5); break;                       \
-    case 6: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 6); break;                       \
-    case 7: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 7); break;                       \
-    default: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 8); break;                      \
-    }
-
-/* Prefill with a row kernel: rows in groups that stay in L2 while every
- * block of 8 tokens passes over them. */
-#define PREFILL_ROWS 64
-#define ROW_KERNEL_ALL_N(ROW, m, r0, r1)                                                         \
-    for (int64_t ra = (r0); ra < (r1); ra += PREFILL_ROWS) {                                     \
-        const int64_t rz = ra + PREFILL_ROWS < (r1) ? ra + PREFILL_ROWS : (r1);                  \
-        for (int64_t t0 = 0; t0 < (m)->n; t0 += CPU_DECODE_MAX_N) {                             \
-            const int64_t nt = (m)->n - t0 < CPU_DECODE_MAX_N ? (m)->n - t0 : CPU_DECODE_MAX_N;  \
-            ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                    \
-        }                                                                                        \
-    }
 
 /* q8_0: two 32-blocks per register, codes flipped to unsigned bytes
  * (w + 128) for vpdpbusd, the accumulator starting at c = -128 * sum(x) of
@@ -354,9 +300,10 @@ PD_TARGET_AVX512 static void quant_q8_0_q4(const float *x, int64_t cols, int8_t 
     for (int64_t b = 0; b < nb; b++) c[b] /= 16; /* a multiple of 128 */
 }
 
-/* q4_K against activations in the decode layout (quant_q8_K4): each
- * 64-byte load of codes gives, in its low nibbles, two sub-blocks whose
- * activations are contiguous there, and its high nibbles the next 64. The
+/* q4_K against activations in the decode layout (cpu_quant_q8_K4_avx512):
+ * each 64-byte load of codes gives, in its low nibbles, two sub-blocks
+ * whose activations are contiguous there, and its high nibbles the next
+ * 64. The
  * 4-byte VNNI sums of codes (0..15) times activations are at most 7620 in
  * magnitude, so two registers of them pack into 16-bit words and meet their
  * sub-block scales in one vpmaddwd: 4 dot products, 2 packs, 2 multiplies
@@ -464,9 +411,11 @@ PD_UNROLL
 /* q8_K activations in the order q4_K_row reads them: per 256-block the
  * 32-sub-blocks 0 2 1 3 4 6 5 7; the sums of each 32-sub-block (natural
  * order) of a pair of blocks 2k, 2k+1 in bsums[32k .. 32k + 15] (a last
- * odd block's in its first 8). Same quantized values as quant_q8_K. */
-PD_TARGET_AVX512 static void quant_q8_K4(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
-                                          int16_t *bsums) {
+ * odd block's in its first 8): block b's eight start at 16 b - 8 (b & 1).
+ * Same quantized values as quant_q8_K. q5_K_row (simd_kq_avx512.c) reads
+ * the same layout. */
+PD_TARGET_AVX512 void cpu_quant_q8_K4_avx512(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
+                                             int16_t *bsums) {
     cpu_quant_q8_K_avx2(x, cols, qs, d, c, bsums);
     const int64_t nb = cols / PD_QK_K;
     for (int64_t b = 0; b < nb; b++) {
@@ -835,7 +784,7 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     k->mm[PD_TYPE_Q6_K] = mm_q6_K;
     k->mm_any_n[PD_TYPE_Q4_K] = true;
     k->mm_any_n[PD_TYPE_Q6_K] = true;
-    k->quant_act[PD_TYPE_Q4_K] = quant_q8_K4;
+    k->quant_act[PD_TYPE_Q4_K] = cpu_quant_q8_K4_avx512;
     k->quant_act[PD_TYPE_Q4_0] = quant_q8_0_q4;
     k->mm[PD_TYPE_F32] = mm_f32;
     k->mm[PD_TYPE_F16] = mm_f16;
@@ -852,6 +801,7 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     k->attn_pv_f16 = attn_pv_f16;
     k->f32_to_f16 = f32_to_f16;
     k->f16_to_f32 = f16_to_f32;
+    cpu_kernels_kq_avx512(k);
 }
 
 #endif /* PD_X86 */

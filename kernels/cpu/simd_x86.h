@@ -137,4 +137,86 @@ PD_TARGET_AVX512 static inline __m512 pd_exp_ps_avx512(__m512 x) {
     return _mm512_maskz_mov_ps((__mmask16)~under, y);
 }
 
+/* The 8 six-bit scales (bytes 0..7) and mins (bytes 8..15) of a q4_K (or
+ * q5_K) block, computed in a register (12 bytes read as 16: the codes
+ * follow). */
+PD_TARGET_AVX2 static inline __m128i q4k_scales_mins(const uint8_t *s) {
+    const __m128i u = _mm_loadu_si128((const __m128i *)(const void *)s); /* words u0 u1 u2 */
+    const __m128i lo = _mm_and_si128(u, _mm_set1_epi8(0x3f));            /* sc0-3 mn0-3 */
+    const __m128i u2 = _mm_shuffle_epi32(u, 0xaa);
+    const __m128i hl = _mm_and_si128(_mm_srlv_epi32(u2, _mm_setr_epi32(0, 4, 0, 4)), _mm_set1_epi8(0x0f));
+    const __m128i hh = _mm_and_si128(_mm_slli_epi32(_mm_srli_epi32(u, 6), 4), _mm_set1_epi8(0x30));
+    return _mm_unpacklo_epi32(lo, _mm_or_si128(hl, hh)); /* sc0-3 sc4-7 mn0-3 mn4-7 */
+}
+
+/* The 16 six-bit scales of a q3_K block minus 32, as int8 (cpu_q3k_scales
+ * in a register). blk is the block: its 12 scale bytes end 2 bytes before
+ * the block does, so they are read as the last 16 bytes of the block. */
+PD_TARGET_AVX2 static inline __m128i q3k_scales(const uint8_t *blk) {
+    const __m128i v = _mm_srli_si128(_mm_loadu_si128((const __m128i *)(const void *)(blk + 94)), 2);
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    /* low 4 bits: bytes 0..7 for scales 0..7, their high nibbles for 8..15 */
+    const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    /* high 2 bits: scale j at bit 2*(j/4) of byte 8 + j%4 */
+    const __m128i h = _mm_shuffle_epi8(v, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11));
+    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(h, _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+    return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32));
+}
+
+/* The 8 six-bit scales of an iq4_xs block minus 32, as int8 in bytes
+ * 0..7: the nibbles of scales_l and the bit pairs of scales_h spread to
+ * one byte each with shifts and masks. */
+PD_TARGET_AVX2 static inline __m128i iq4xs_scales(const uint8_t *blk) {
+    uint64_t lo = (uint64_t)blk[4] | (uint64_t)blk[5] << 8 | (uint64_t)blk[6] << 16 | (uint64_t)blk[7] << 24;
+    lo = (lo | lo << 16) & 0x0000ffff0000ffffull;
+    lo = (lo | lo << 8) & 0x00ff00ff00ff00ffull;
+    lo = (lo | lo << 4) & 0x0f0f0f0f0f0f0f0full; /* byte j: nibble j */
+    uint64_t hi = pd_ld16(blk + 2);
+    hi = (hi | hi << 24) & 0x000000ff000000ffull;
+    hi = (hi | hi << 12) & 0x000f000f000f000full;
+    hi = (hi | hi << 6) & 0x0303030303030303ull; /* byte j: bits 2j, 2j+1 */
+    return _mm_sub_epi8(_mm_cvtsi64_si128((long long)(lo | hi << 4)), _mm_set1_epi8(32));
+}
+
+/* 16-bit lanes: `a` in words 0..15, `b` in words 16..31. */
+PD_TARGET_AVX512 static inline __m512i halves_epi16(short a, short b) {
+    return _mm512_inserti64x4(_mm512_set1_epi16(a), _mm256_set1_epi16(b), 1);
+}
+
+/* Decode reads each weight row once, front to back: bytes ahead of the
+ * block in use that are prefetched, enough to keep a memory stream's worth
+ * of loads in flight. */
+#define DECODE_PF 4096
+
+static inline void decode_prefetch(const uint8_t *p) {
+    _mm_prefetch((const char *)((uintptr_t)p + DECODE_PF), _MM_HINT_T0);
+}
+
+/* ROW(m, r, t0, NT) for rows [ra, rz) and tokens [t0, t0 + nt), nt <= 8,
+ * with NT a constant so the kernels' per-token loops unroll into
+ * registers. */
+#define ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                        \
+    switch (nt) {                                                                                \
+    case 1: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 1); break;                       \
+    case 2: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 2); break;                       \
+    case 3: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 3); break;                       \
+    case 4: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 4); break;                       \
+    case 5: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 5); break;                       \
+    case 6: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 6); break;                       \
+    case 7: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 7); break;                       \
+    default: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 8); break;                      \
+    }
+
+/* Prefill with a row kernel: rows in groups that stay in L2 while every
+ * block of 8 tokens passes over them. */
+#define PREFILL_ROWS 64
+#define ROW_KERNEL_ALL_N(ROW, m, r0, r1)                                                         \
+    for (int64_t ra = (r0); ra < (r1); ra += PREFILL_ROWS) {                                     \
+        const int64_t rz = ra + PREFILL_ROWS < (r1) ? ra + PREFILL_ROWS : (r1);                  \
+        for (int64_t t0 = 0; t0 < (m)->n; t0 += CPU_DECODE_MAX_N) {                             \
+            const int64_t nt = (m)->n - t0 < CPU_DECODE_MAX_N ? (m)->n - t0 : CPU_DECODE_MAX_N;  \
+            ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                    \
+        }                                                                                        \
+    }
+
 #endif
