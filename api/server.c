@@ -582,6 +582,10 @@ static int resolve_listen(const char *key, const char *host, int port, struct so
  * of mostly idle connections cheap in address space. (poll(), not
  * select(): descriptors above 1023 are normal with thousands of them.) */
 #define CONNECTION_STACK_BYTES (1u << 20)
+/* Headers and query arguments live in a per-connection pool; with MHD's
+ * 32 KiB a few hundred arguments exhausted it and the connection closed
+ * without an answer. Pages are touched only as used. */
+#define CONNECTION_POOL_BYTES (256u << 10)
 
 static struct MHD_Daemon *start_mhd(const pd_server_opts *o, struct sockaddr_storage *sa, listener *li) {
     const unsigned ipv6 = sa->ss_family == AF_INET6 ? MHD_USE_IPv6 : 0;
@@ -593,7 +597,8 @@ static struct MHD_Daemon *start_mhd(const pd_server_opts *o, struct sockaddr_sto
         li->srv, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
         o->max_connections_per_client, MHD_OPTION_CONNECTION_TIMEOUT,
         (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 0), MHD_OPTION_THREAD_STACK_SIZE,
-        (size_t)CONNECTION_STACK_BYTES, MHD_OPTION_END);
+        (size_t)CONNECTION_STACK_BYTES, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)CONNECTION_POOL_BYTES,
+        MHD_OPTION_END);
 }
 
 int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **out, pd_error *err) {
