@@ -314,8 +314,8 @@ typedef struct pd_backend_ops {
      * Small n uses quantized dot products directly, large n a GEMM.
      * Accuracy (CPU): f32/f16/bf16 weights use float x (relative error of
      * float accumulation, ~1e-6). Quantized weights are multiplied exactly
-     * by x quantized to int8 (per 32 elements for q8_0/q4_0, per 256 for
-     * q4_K/q6_K, scale amax/127 kept in float), so each output is within
+     * by x quantized to int8 (per 32 elements for q8_0/q4_0/q4_1/q5_0/q5_1/
+     * iq4_nl, per 256 for q4_K/q6_K, scale amax/127 kept in float), so each output is within
      * sum_i |W[r,i]| * amax(block of i) / 254 (plus float rounding) of the
      * exact product; where a GEMM on dequantized weights serves large n the
      * error is only float rounding. Accuracy (CUDA): weights in f16/bf16

@@ -3,8 +3,8 @@
  * Two paths:
  *  - quantized dot products (all n for kernels that tile over tokens, like
  *    the AVX-512 VNNI q8_0 kernel; small n otherwise): x is quantized once
- *    per call (q8_0 blocks for q8_0/q4_0 weights, q8_K super-blocks for the
- *    K-quants; f32/f16/bf16 weights use float x), then threads take chunks
+ *    per call (q8_0 blocks for q8_0/q4_0/q4_1/q5_0/q5_1/iq4_nl weights, q8_K
+ *    super-blocks for the K-quants; f32/f16/bf16 weights use float x), then threads take chunks
  *    of weight rows and compute them against every x row;
  *  - dequantize + sgemm (large n): each thread dequantizes a tile of weight
  *    rows into its own f32 buffer and calls a single-threaded OpenBLAS
@@ -198,7 +198,7 @@ int cpu_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, fl
     if (!tr || (uint32_t)w->type >= PD_TYPE_COUNT || !cb->k.mm[w->type])
         return pd_errorf(err, PD_EUNSUPPORTED,
                          "matmul: weights of type %s are not supported by the CPU backend "
-                         "(supported: f32, f16, bf16, q8_0, q4_0, q4_k, q6_k)",
+                         "(supported: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q4_k, q6_k)",
                          tr ? tr->name : "(unknown)");
     if (n < 0 || w->rows < 0 || w->cols < 0)
         return pd_errorf(err, PD_EINVAL, "matmul: negative size (n %lld, weight %lld x %lld)",

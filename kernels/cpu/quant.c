@@ -22,11 +22,16 @@
  * for the k-quants); they produce valid blocks whose dequantization is close
  * to the input, not necessarily the bytes llama-quantize would produce. They
  * quantize against the fp16-rounded scales actually stored, which keeps the
- * error within half a quantization step. */
+ * error within half a quantization step.
+ *
+ * q4_1, q5_0, q5_1 and iq4_nl live in quant_q32.c (same rules). */
 #include "kernels/kernels.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <string.h>
+
+#include "kernels/cpu/cpu_internal.h"
 
 #define QK4_0 32
 #define QK8_0 32
@@ -392,7 +397,7 @@ static int check_row(pd_type t, uint64_t n, bool quantize, uint64_t *nb, pd_erro
     if (quantize ? !tr->can_quantize : !tr->can_dequantize)
         return pd_errorf(err, PD_EUNSUPPORTED,
                          "%s of type %s is not implemented (supported: f32, f16, bf16, q8_0, "
-                         "q4_0, q4_k, q6_k)",
+                         "q4_0, q4_1, q5_0, q5_1, iq4_nl, q4_k, q6_k)",
                          quantize ? "quantizing to" : "dequantizing from", tr->name);
     if (n % tr->block_size != 0)
         return pd_errorf(err, PD_EINVAL,
@@ -423,7 +428,9 @@ int pd_quantize_row(pd_type t, const float *src, void *dst, uint64_t n, pd_error
     case PD_TYPE_Q4_0: quantize_q4_0(src, y, nb); return PD_OK;
     case PD_TYPE_Q4_K: quantize_q4_K(src, y, nb); return PD_OK;
     case PD_TYPE_Q6_K: quantize_q6_K(src, y, nb); return PD_OK;
-    default: break;
+    default:
+        if (cpu_quantize_q32(t, src, y, nb)) return PD_OK;
+        break;
     }
     return pd_errorf(err, PD_EUNSUPPORTED, "quantizing to type %s is not implemented",
                      pd_type_get((uint32_t)t)->name);
@@ -450,7 +457,9 @@ int pd_dequantize_row(pd_type t, const void *src, float *dst, uint64_t n, pd_err
     case PD_TYPE_Q4_0: dequantize_q4_0(x, dst, nb); return PD_OK;
     case PD_TYPE_Q4_K: dequantize_q4_K(x, dst, nb); return PD_OK;
     case PD_TYPE_Q6_K: dequantize_q6_K(x, dst, nb); return PD_OK;
-    default: break;
+    default:
+        if (cpu_dequantize_q32(t, x, dst, nb)) return PD_OK;
+        break;
     }
     return pd_errorf(err, PD_EUNSUPPORTED, "dequantizing from type %s is not implemented",
                      pd_type_get((uint32_t)t)->name);

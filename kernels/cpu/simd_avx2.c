@@ -674,6 +674,7 @@ void cpu_kernels_avx2(cpu_kernels *k) {
     k->f16_to_f32 = f16_to_f32;
     k->max_f32 = max_f32;
     k->max_i32 = max_i32;
+    cpu_q32_kernels_avx2(k);
 }
 
 #endif /* PD_X86 */

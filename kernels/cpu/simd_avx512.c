@@ -189,42 +189,9 @@ PD_TARGET_AVX512 static inline __m512i halves_epi16(short a, short b) {
 
 /* ------------------------------------------------------------------------
  * Decode (n <= CPU_DECODE_MAX_N): one weight row at a time, front to back,
- * all n tokens per weight load. Bytes ahead of the block in use that are
- * prefetched: enough to keep a memory stream's worth of loads in flight.
+ * all n tokens per weight load (ROW_RANGE, ROW_KERNEL_ALL_N and
+ * decode_prefetch in simd_x86.h).
  * ------------------------------------------------------------------------ */
-
-#define DECODE_PF 4096
-
-static inline void decode_prefetch(const uint8_t *p) {
-    _mm_prefetch((const char *)((uintptr_t)p + DECODE_PF), _MM_HINT_T0);
-}
-
-/* ROW(m, r, t0, NT) for rows [ra, rz) and tokens [t0, t0 + nt), nt <= 8,
- * with NT a constant so the kernels' per-token loops unroll into
- * registers. */
-#define ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                        \
-    switch (nt) {                                                                                \
-    case 1: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 1); break;                       \
-    case 2: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 2); break;                       \
-    case 3: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 3); break;                       \
-    case 4: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 4); break;                       \
-    case 5: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 5); break;                       \
-    case 6: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 6); break;                       \
-    case 7: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 7); break;                       \
-    default: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 8); break;                      \
-    }
-
-/* Prefill with a row kernel: rows in groups that stay in L2 while every
- * block of 8 tokens passes over them. */
-#define PREFILL_ROWS 64
-#define ROW_KERNEL_ALL_N(ROW, m, r0, r1)                                                         \
-    for (int64_t ra = (r0); ra < (r1); ra += PREFILL_ROWS) {                                     \
-        const int64_t rz = ra + PREFILL_ROWS < (r1) ? ra + PREFILL_ROWS : (r1);                  \
-        for (int64_t t0 = 0; t0 < (m)->n; t0 += CPU_DECODE_MAX_N) {                             \
-            const int64_t nt = (m)->n - t0 < CPU_DECODE_MAX_N ? (m)->n - t0 : CPU_DECODE_MAX_N;  \
-            ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                    \
-        }                                                                                        \
-    }
 
 /* q8_0 and q4_0 (Q4 true): two 32-blocks per register, their weights as
  * unsigned bytes for vpdpbusd with a per-block correction: q8_0 codes
@@ -727,6 +694,7 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     k->attn_pv_f16 = attn_pv_f16;
     k->f32_to_f16 = f32_to_f16;
     k->f16_to_f32 = f16_to_f32;
+    cpu_q32_kernels_avx512(k);
 }
 
 #endif /* PD_X86 */

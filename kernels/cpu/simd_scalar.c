@@ -320,4 +320,5 @@ void cpu_kernels_scalar(cpu_kernels *k) {
     k->attn_pv_f16 = attn_pv_f16_scalar;
     k->f32_to_f16 = f32_to_f16_scalar;
     k->f16_to_f32 = f16_to_f32_scalar;
+    cpu_q32_kernels_scalar(k);
 }
