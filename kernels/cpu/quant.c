@@ -28,7 +28,6 @@
 #include "kernels/kernels.h"
 
 #include <math.h>
-#include <stdbool.h>
 #include <string.h>
 
 #include "kernels/cpu/cpu_internal.h"
