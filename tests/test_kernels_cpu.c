@@ -10,7 +10,8 @@
  *                          i's block) / 254  +  2e-5 * sum_i |w_i| (|x_i| + amax/254)
  * The first term of the second line is the activation quantization error
  * (int8 with a per-block scale amax/127 is off by at most half a step per
- * element; blocks are 32 for q8_0/q4_0 and 256 for q4_K/q6_K); the second
+ * element; blocks are 32 for q8_0/q4_0/q4_1/q5_0/q5_1/iq4_nl and 256 for
+ * q4_K/q6_K); the second
  * is float rounding. SIMD and scalar paths agree within float rounding
  * (1e-5 of the sums above) on the dot-product kernels, where both multiply
  * the same int8 activations. */
