@@ -133,7 +133,8 @@ static int load_matrix(const pd_gguf *g, const char *name, int64_t cols, int64_t
     if (!tr->can_dequantize)
         return pd_errorf(err, PD_EUNSUPPORTED,
                          "tensor '%s' has type %s, which this build cannot compute with "
-                         "(supported: f32, f16, bf16, q8_0, q4_0, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs)",
+                         "(supported: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q2_k, q3_k, q4_k, q5_k, "
+                         "q6_k, iq4_xs)",
                          name, tr->name);
     int rc = pd_weight_init(w, t->type, t->data, rows, cols, err);
     return rc ? pd_error_prefix(err, "tensor '%s'", name) : PD_OK;

@@ -314,9 +314,9 @@ typedef struct pd_backend_ops {
      * Small n uses quantized dot products directly, large n a GEMM.
      * Accuracy (CPU): f32/f16/bf16 weights use float x (relative error of
      * float accumulation, ~1e-6). Quantized weights are multiplied exactly
-     * by x quantized to int8 (per 32 elements for q8_0/q4_0, per 256 for
-     * the 256-element types, scale amax/127 kept in float), so each output
-     * is within sum_i |W[r,i]| * amax(block of i) / 254 (plus float
+     * by x quantized to int8 (per 32 elements for the 32-element types, per
+     * 256 for the 256-element ones, scale amax/127 kept in float), so each
+     * output is within sum_i |W[r,i]| * amax(block of i) / 254 (plus float
      * rounding) of the exact product; where a GEMM on dequantized weights
      * serves large n the error is only float rounding. Accuracy (CUDA):
      * weights in f16/bf16 (quantized ones dequantized to bf16 at upload), x

@@ -194,11 +194,16 @@ static void run_matmul(pd_backend *be, const pd_weight *w, const float *x, int64
 }
 
 /* Block length over which the CPU quantizes x for a quantized weight type
- * (kernels.h: per 32 for q8_0/q4_0, per 256 for the k-quants). */
+ * (kernels.h: per 32 for q8_0/q4_0/q4_1/q5_0/q5_1/iq4_nl, per 256 for the
+ * k-quants). */
 static int64_t cpu_x_block(pd_type t) {
     switch (t) {
     case PD_TYPE_Q8_0:
-    case PD_TYPE_Q4_0: return 32;
+    case PD_TYPE_Q4_0:
+    case PD_TYPE_Q4_1:
+    case PD_TYPE_Q5_0:
+    case PD_TYPE_Q5_1:
+    case PD_TYPE_IQ4_NL: return 32;
     case PD_TYPE_Q4_K:
     case PD_TYPE_Q6_K: return PD_QK_K;
     default: return 0; /* float types: x is used as it is */
@@ -284,9 +289,11 @@ static void check_matmul(backends *b, pd_type t, int64_t rows, int64_t cols, flo
 Test(cuda_parity, matmul_every_type_and_batch_size) {
     REQUIRE_CUDA();
     backends b = open_backends();
-    static const pd_type types[] = {PD_TYPE_F32, PD_TYPE_F16, PD_TYPE_BF16, PD_TYPE_Q8_0, PD_TYPE_Q4_K};
+    static const pd_type types[] = {PD_TYPE_F32,  PD_TYPE_F16,  PD_TYPE_BF16, PD_TYPE_Q8_0,
+                                    PD_TYPE_Q4_K, PD_TYPE_Q5_1, PD_TYPE_IQ4_NL};
     /* 157 rows: not a multiple of any warp or tile size; 768 columns: three
-     * k-quant super-blocks. */
+     * k-quant super-blocks. (q5_1, iq4_nl: the GPU has no kernels of its
+     * own for them, it multiplies their rows dequantized to bf16.) */
     host_weight keep[16];
     int n_keep = 0;
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
@@ -314,8 +321,8 @@ Test(cuda_parity, matmul_every_type_and_batch_size) {
 Test(cuda_parity, get_rows_every_type) {
     REQUIRE_CUDA();
     backends b = open_backends();
-    static const pd_type types[] = {PD_TYPE_F32,  PD_TYPE_F16,  PD_TYPE_BF16, PD_TYPE_Q8_0,
-                                    PD_TYPE_Q4_0, PD_TYPE_Q4_K, PD_TYPE_Q6_K};
+    static const pd_type types[] = {PD_TYPE_F32,  PD_TYPE_F16,  PD_TYPE_BF16, PD_TYPE_Q8_0,  PD_TYPE_Q4_0,  PD_TYPE_Q4_1,
+                                    PD_TYPE_Q5_0, PD_TYPE_Q5_1, PD_TYPE_IQ4_NL, PD_TYPE_Q4_K, PD_TYPE_Q6_K};
     enum { N_TYPES = sizeof types / sizeof types[0] };
     static const int32_t ids[] = {0, 49, 7, 7, 23, 1, 48, 0, 31};
     const int64_t n = sizeof ids / sizeof ids[0], rows = 50, cols = 512;

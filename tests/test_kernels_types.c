@@ -51,7 +51,8 @@ Test(types, table_sizes_match_ggml) {
         {PD_TYPE_F32, "f32", 1, 4},      {PD_TYPE_F16, "f16", 1, 2},       {PD_TYPE_BF16, "bf16", 1, 2},
         {PD_TYPE_Q8_0, "q8_0", 32, 34},  {PD_TYPE_Q4_0, "q4_0", 32, 18},   {PD_TYPE_Q4_K, "q4_k", 256, 144},
         {PD_TYPE_Q6_K, "q6_k", 256, 210},  {PD_TYPE_Q2_K, "q2_k", 256, 84},   {PD_TYPE_Q3_K, "q3_k", 256, 110},
-        {PD_TYPE_Q5_K, "q5_k", 256, 176},  {PD_TYPE_IQ4_XS, "iq4_xs", 256, 136},
+        {PD_TYPE_Q5_K, "q5_k", 256, 176},  {PD_TYPE_IQ4_XS, "iq4_xs", 256, 136}, {PD_TYPE_Q4_1, "q4_1", 32, 20},
+        {PD_TYPE_Q5_0, "q5_0", 32, 22},    {PD_TYPE_Q5_1, "q5_1", 32, 24},  {PD_TYPE_IQ4_NL, "iq4_nl", 32, 18},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         const pd_type_traits *tr = pd_type_get(want[i].t);
@@ -237,7 +238,8 @@ Test(quant, rejects_bad_arguments) {
     cr_expect(strstr(err.msg, "256") != NULL, "message: %s", err.msg);
     cr_expect_eq(pd_quantize_row(PD_TYPE_IQ2_XXS, x, buf, 256, &err), PD_EUNSUPPORTED);
     cr_expect(strstr(err.msg, "iq2_xxs") != NULL, "message: %s", err.msg);
-    cr_expect_eq(pd_dequantize_row(PD_TYPE_Q4_1, buf, x, 32, &err), PD_EUNSUPPORTED);
+    cr_expect_eq(pd_dequantize_row(PD_TYPE_Q8_1, buf, x, 32, &err), PD_EUNSUPPORTED);
+    cr_expect(strstr(err.msg, "q8_1") != NULL, "message: %s", err.msg);
     cr_expect_eq(pd_quantize_row((pd_type)99, x, buf, 32, &err), PD_EINVAL);
     cr_expect_eq(pd_quantize_row((pd_type)4, x, buf, 32, &err), PD_EINVAL, "id 4 is not a type");
     cr_expect_eq(pd_quantize_row(PD_TYPE_Q8_0, x, buf, 0, &err), PD_OK, "empty row is fine");
@@ -483,7 +485,8 @@ Test(quant, q6_K_rmse) {
 
 Test(quant, quantize_special_rows) {
     const pd_type types[] = {PD_TYPE_Q8_0, PD_TYPE_Q4_0, PD_TYPE_Q4_K, PD_TYPE_Q6_K, PD_TYPE_F16, PD_TYPE_BF16,
-                             PD_TYPE_Q2_K, PD_TYPE_Q3_K, PD_TYPE_Q5_K, PD_TYPE_IQ4_XS};
+                             PD_TYPE_Q2_K, PD_TYPE_Q3_K, PD_TYPE_Q5_K, PD_TYPE_IQ4_XS, PD_TYPE_Q4_1, PD_TYPE_Q5_0,
+                             PD_TYPE_Q5_1, PD_TYPE_IQ4_NL};
     static float x[256], y[256];
     static uint8_t buf[1024];
     for (size_t k = 0; k < sizeof types / sizeof types[0]; k++) {
@@ -645,11 +648,11 @@ Test(quant, q2_K_q3_K_q5_K_iq4_xs_dequantize_as_specified) {
 
 /* Quantizing what a block decodes to gives the same values back: the
  * quantizers pick consistent codes for values already on the grid. */
-Test(quant, requantize_is_stable_for_q8_0_and_q4_0) {
+Test(quant, requantize_is_stable_for_q8_0_q4_0_and_q5_0) {
     static float x[RT_N], y[RT_N], z[RT_N];
     fill_normal(x, RT_N, 16, 1.0f);
-    const pd_type types[] = {PD_TYPE_Q8_0, PD_TYPE_Q4_0};
-    for (size_t k = 0; k < 2; k++) {
+    const pd_type types[] = {PD_TYPE_Q8_0, PD_TYPE_Q4_0, PD_TYPE_Q5_0};
+    for (size_t k = 0; k < 3; k++) {
         uint8_t *q, *q2;
         round_trip(types[k], x, y, &q);
         round_trip(types[k], y, z, &q2);
@@ -657,4 +660,178 @@ Test(quant, requantize_is_stable_for_q8_0_and_q4_0) {
         free(q);
         free(q2);
     }
+}
+
+/* ------------------------------------------------------------------------
+ * q4_1, q5_0, q5_1, iq4_nl
+ * ------------------------------------------------------------------------ */
+
+
+static size_t q32_bytes(pd_type t) {
+    return t == PD_TYPE_Q4_1 ? 20 : t == PD_TYPE_Q5_0 ? 22 : t == PD_TYPE_Q5_1 ? 24 : 18;
+}
+
+/* Element e (0..31) of one block, from ggml's block definitions:
+ *   q4_1 {half d; half m; u8 qs[16]}       q5_0 {half d; u8 qh[4]; u8 qs[16]}
+ *   q5_1 {half d; half m; u8 qh[4]; u8 qs[16]}   iq4_nl {half d; u8 qs[16]}
+ * The low 4 bits of element e are the low nibble of qs[e] for e < 16, the
+ * high nibble of qs[e - 16] otherwise; the fifth bit is bit e of qh (bytes
+ * little-endian). Values, with ggml's float operations in ggml's order:
+ * q4_1/q5_1 q*d + m, q5_0 (q - 16)*d, iq4_nl d*K[q]. */
+static float spec_element(pd_type t, const uint8_t *blk, int e) {
+    const uint8_t *qs = blk + q32_bytes(t) - 16;
+    int q = e < 16 ? (qs[e] & 15) : (qs[e - 16] >> 4);
+    if (t == PD_TYPE_Q5_0 || t == PD_TYPE_Q5_1) {
+        const uint8_t *qh = blk + (t == PD_TYPE_Q5_0 ? 2 : 4);
+        q |= ((qh[e / 8] >> (e % 8)) & 1) << 4;
+    }
+    const float d = half_at(blk);
+    switch (t) {
+    case PD_TYPE_Q4_1:
+    case PD_TYPE_Q5_1: {
+        const float p = (float)q * d;
+        return p + half_at(blk + 2);
+    }
+    case PD_TYPE_Q5_0: return (float)(q - 16) * d;
+    default: return d * (float)iq4_values[q];
+    }
+}
+
+static const pd_type q32_types[] = {PD_TYPE_Q4_1, PD_TYPE_Q5_0, PD_TYPE_Q5_1, PD_TYPE_IQ4_NL};
+
+Test(quant, q32_known_blocks) {
+    float y[32];
+    /* q4_1: d = 0.5, m = -1 */
+    uint8_t b41[20] = {0x00, 0x38, 0x00, 0xbc};
+    for (int j = 0; j < 16; j++) b41[4 + j] = (uint8_t)(j | ((15 - j) << 4));
+    cr_assert_eq(pd_dequantize_row(PD_TYPE_Q4_1, b41, y, 32, NULL), PD_OK);
+    cr_expect(y[0] == -1.0f && y[15] == 6.5f && y[16] == 6.5f && y[31] == -1.0f && y[3] == 0.5f,
+              "q4_1: %g %g %g %g %g", (double)y[0], (double)y[15], (double)y[16], (double)y[31], (double)y[3]);
+    /* q5_0: d = 2, fifth bits of elements 0 and 31 */
+    uint8_t b50[22] = {0x00, 0x40, 0x01, 0x00, 0x00, 0x80};
+    b50[6 + 0] = 0x3f;
+    b50[6 + 15] = 0xa0;
+    cr_assert_eq(pd_dequantize_row(PD_TYPE_Q5_0, b50, y, 32, NULL), PD_OK);
+    cr_expect(y[0] == 30.0f && y[16] == -26.0f && y[15] == -32.0f && y[31] == 20.0f && y[1] == -32.0f,
+              "q5_0: %g %g %g %g %g", (double)y[0], (double)y[16], (double)y[15], (double)y[31], (double)y[1]);
+    /* q5_1: d = 0.25, m = 0.5, fifth bit of element 16 */
+    uint8_t b51[24] = {0x00, 0x34, 0x00, 0x38, 0x00, 0x00, 0x01, 0x00};
+    b51[8] = 0x21;
+    cr_assert_eq(pd_dequantize_row(PD_TYPE_Q5_1, b51, y, 32, NULL), PD_OK);
+    cr_expect(y[0] == 0.75f && y[16] == 5.0f && y[1] == 0.5f && y[17] == 0.5f, "q5_1: %g %g %g %g", (double)y[0],
+              (double)y[16], (double)y[1], (double)y[17]);
+    /* iq4_nl: d = 0.5 */
+    uint8_t bnl[18] = {0x00, 0x38};
+    for (int j = 0; j < 16; j++) bnl[2 + j] = (uint8_t)(j | ((15 - j) << 4));
+    cr_assert_eq(pd_dequantize_row(PD_TYPE_IQ4_NL, bnl, y, 32, NULL), PD_OK);
+    cr_expect(y[0] == -63.5f && y[15] == 56.5f && y[16] == 56.5f && y[8] == 0.5f && y[31] == -63.5f,
+              "iq4_nl: %g %g %g %g %g", (double)y[0], (double)y[15], (double)y[16], (double)y[8], (double)y[31]);
+}
+
+/* Random blocks (any codes, any finite fp16 scale and offset, subnormals
+ * included) decode bit for bit as the spec says. */
+Test(quant, q32_dequantize_is_bit_exact) {
+    enum { NB = 257 };
+    uint64_t s = 21;
+    static uint8_t buf[NB * 24];
+    static float y[NB * 32];
+    for (size_t k = 0; k < sizeof q32_types / sizeof q32_types[0]; k++) {
+        const pd_type t = q32_types[k];
+        const size_t bytes = q32_bytes(t);
+        for (size_t i = 0; i < sizeof buf; i++) buf[i] = (uint8_t)rng_next(&s);
+        for (int b = 0; b < NB; b++)
+            for (int h = 0; h < 2; h++) { /* d and m (q4_1/q5_1): finite */
+                uint8_t *p = buf + bytes * b + 2 * h;
+                if (((p[1] >> 2) & 31) == 31) p[1] ^= 0x40;
+            }
+        cr_assert_eq(pd_dequantize_row(t, buf, y, NB * 32, NULL), PD_OK);
+        for (int b = 0; b < NB; b++)
+            for (int e = 0; e < 32; e++) {
+                const float want = spec_element(t, buf + bytes * b, e);
+                cr_assert_eq(fbits(y[32 * b + e]), fbits(want), "%s block %d element %d: %a, want %a",
+                             pd_type_get(t)->name, b, e, (double)y[32 * b + e], (double)want);
+            }
+    }
+}
+
+/* Round to nearest on the grid of the stored scale and offset: half a
+ * step, plus the fp16 rounding of the offset and scale at the ends. */
+Test(quant, q4_1_q5_1_error_within_half_step) {
+    static float x[RT_N], y[RT_N];
+    const pd_type ts[] = {PD_TYPE_Q4_1, PD_TYPE_Q5_1};
+    const double max_rmse[] = {0.11, 0.055};
+    for (int k = 0; k < 2; k++) {
+        fill_normal(x, RT_N, 17 + (uint64_t)k, 0.5f);
+        uint8_t *q;
+        round_trip(ts[k], x, y, &q);
+        const size_t bytes = q32_bytes(ts[k]);
+        for (int b = 0; b < RT_N / 32; b++) {
+            const float d = half_at(q + 1 + bytes * b);
+            float lo = INFINITY, hi = -INFINITY;
+            for (int j = 0; j < 32; j++) {
+                lo = fminf(lo, x[32 * b + j]);
+                hi = fmaxf(hi, x[32 * b + j]);
+            }
+            const float slack = 0x1p-10f * (fabsf(lo) + fabsf(hi));
+            for (int j = 0; j < 32; j++)
+                cr_assert_leq(fabsf(y[32 * b + j] - x[32 * b + j]), 0.5f * d * 1.001f + slack, "%s block %d elem %d",
+                              pd_type_get(ts[k])->name, b, j);
+        }
+        const double e = rel_rmse(x, y, RT_N);
+        cr_expect_lt(e, max_rmse[k], "%s relative rmse %g", pd_type_get(ts[k])->name, e);
+        free(q);
+    }
+}
+
+Test(quant, q5_0_error_bounds) {
+    static float x[RT_N], y[RT_N];
+    fill_normal(x, RT_N, 19, 1.0f);
+    uint8_t *q;
+    round_trip(PD_TYPE_Q5_0, x, y, &q);
+    for (int b = 0; b < RT_N / 32; b++) {
+        const float d = fabsf(half_at(q + 1 + 22 * b));
+        /* half a step; values of the opposite sign to the extreme may clip
+         * at +15 (a full step at most) */
+        for (int j = 0; j < 32; j++)
+            cr_assert_leq(fabsf(y[32 * b + j] - x[32 * b + j]), d * 1.0001f, "block %d elem %d", b, j);
+    }
+    const double e = rel_rmse(x, y, RT_N);
+    cr_expect_lt(e, 0.06, "q5_0 relative rmse %g", e);
+    free(q);
+}
+
+/* Every element takes the codebook value nearest to it at the block's
+ * stored scale, and the scale search does better than mapping the extreme
+ * to -127 alone would. */
+Test(quant, iq4_nl_codes_are_nearest) {
+    static float x[RT_N], y[RT_N];
+    fill_normal(x, RT_N, 20, 0.02f);
+    uint8_t *q;
+    round_trip(PD_TYPE_IQ4_NL, x, y, &q);
+    double se_naive = 0, se = 0;
+    for (int b = 0; b < RT_N / 32; b++) {
+        const float d = half_at(q + 1 + 18 * b);
+        float amax = 0, max = 0;
+        for (int j = 0; j < 32; j++)
+            if (fabsf(x[32 * b + j]) > amax) {
+                amax = fabsf(x[32 * b + j]);
+                max = x[32 * b + j];
+            }
+        const float d_naive = max / -127.0f;
+        for (int j = 0; j < 32; j++) {
+            const float v = x[32 * b + j];
+            float best = INFINITY, best_naive = INFINITY;
+            for (int c = 0; c < 16; c++) {
+                best = fminf(best, fabsf(d * (float)iq4_values[c] - v));
+                best_naive = fminf(best_naive, fabsf(d_naive * (float)iq4_values[c] - v));
+            }
+            cr_assert_leq(fabsf(y[32 * b + j] - v), best * 1.000001f + 1e-12f, "block %d elem %d", b, j);
+            se += (double)(y[32 * b + j] - v) * (y[32 * b + j] - v);
+            se_naive += (double)best_naive * best_naive;
+        }
+    }
+    cr_expect_lt(se, se_naive, "squared error %g, with d = max / -127: %g", se, se_naive);
+    const double e = rel_rmse(x, y, RT_N);
+    cr_expect_lt(e, 0.1, "iq4_nl relative rmse %g", e);
+    free(q);
 }

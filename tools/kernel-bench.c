@@ -66,7 +66,8 @@ typedef struct shape {
 static const shape default_shapes[] = {{576, 576}, {192, 576}, {1536, 576}, {576, 1536}, {32000, 576}};
 
 static void usage(FILE *f) {
-    fputs("usage: kernel-bench [--threads 1,2] [--types q8_0,q4_0,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs,f32,f16,bf16]\n"
+    fputs("usage: kernel-bench [--threads 1,2]\n"
+          "                    [--types q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs,f32,f16,bf16]\n"
           "                    [--n 1,256] [--shapes ROWSxCOLS,...] [--time SECONDS] [--cold]\n"
           "                    [--attn]\n",
           f);
@@ -159,9 +160,10 @@ int main(int argc, char **argv) {
     pd_cpu_prepare_process(argv);
     long threads[MAX_LIST] = {1, 2}, ns[MAX_LIST] = {1, 256};
     int n_threads = 2, n_ns = 2;
-    pd_type types[MAX_LIST] = {PD_TYPE_Q8_0, PD_TYPE_Q4_0, PD_TYPE_Q2_K, PD_TYPE_Q3_K,   PD_TYPE_Q4_K, PD_TYPE_Q5_K,
+    pd_type types[MAX_LIST] = {PD_TYPE_Q8_0, PD_TYPE_Q4_0, PD_TYPE_Q4_1, PD_TYPE_Q5_0, PD_TYPE_Q5_1,
+                               PD_TYPE_IQ4_NL, PD_TYPE_Q2_K, PD_TYPE_Q3_K, PD_TYPE_Q4_K, PD_TYPE_Q5_K,
                                PD_TYPE_Q6_K, PD_TYPE_IQ4_XS, PD_TYPE_F32, PD_TYPE_F16, PD_TYPE_BF16};
-    int n_types = 11;
+    int n_types = 15;
     shape shapes[MAX_LIST];
     int n_shapes = (int)(sizeof default_shapes / sizeof default_shapes[0]);
     memcpy(shapes, default_shapes, sizeof default_shapes);

@@ -441,6 +441,10 @@ static uint32_t file_type_of(pd_type t) {
     case PD_TYPE_F32: return 0;   /* LLAMA_FTYPE_ALL_F32 */
     case PD_TYPE_F16: return 1;   /* MOSTLY_F16 */
     case PD_TYPE_Q4_0: return 2;  /* MOSTLY_Q4_0 */
+    case PD_TYPE_Q4_1: return 3;  /* MOSTLY_Q4_1 */
+    case PD_TYPE_Q5_0: return 8;  /* MOSTLY_Q5_0 */
+    case PD_TYPE_Q5_1: return 9;  /* MOSTLY_Q5_1 */
+    case PD_TYPE_IQ4_NL: return 25; /* MOSTLY_IQ4_NL */
     case PD_TYPE_Q8_0: return 7;  /* MOSTLY_Q8_0 */
     case PD_TYPE_Q4_K: return 14; /* MOSTLY_Q4_K_S */
     case PD_TYPE_Q6_K: return 18; /* MOSTLY_Q6_K */
@@ -480,7 +484,7 @@ int pd_testmodel_validate(const pd_testmodel_opts *o, pd_error *err) {
     if (!tr || !tr->can_quantize || (o->wtype != PD_TYPE_F32 && file_type_of(o->wtype) == 0))
         return pd_errorf(err, PD_EUNSUPPORTED,
                          "test model: weight type %s cannot be generated (use f32, f16, bf16, q8_0, q4_0, "
-                         "q4_k or q6_k)",
+                         "q4_1, q5_0, q5_1, iq4_nl, q4_k or q6_k)",
                          tr ? tr->name : "(unknown)");
     if (!o->vocab_from && o->n_vocab != 0 && o->n_vocab < MIN_BUILTIN_VOCAB)
         return pd_errorf(err, PD_EINVAL,
@@ -604,7 +608,8 @@ static void cli_usage(FILE *f, const char *prog) {
             "\n"
             "  --preset NAME        tiny (default), stories260k, smollm2-135m, llama-3.2-1b, qwen2.5-0.5b\n"
             "  --arch ARCH          llama or qwen2\n"
-            "  --type TYPE          matrix type: f32 (default), f16, bf16, q8_0, q4_0, q4_k, q6_k\n"
+            "  --type TYPE          matrix type: f32 (default), f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1,\n"
+            "                       iq4_nl, q4_k, q6_k\n"
             "  --seed N             PRNG seed (default 1); same options give a byte-identical file\n"
             "  --vocab-from FILE    copy the tokenizer.* keys (and vocab size) from another GGUF\n"
             "  --name NAME          general.name\n"

@@ -30,7 +30,8 @@ extern "C" {
  * Matrices are stored in `wtype`. A matrix whose row length (ne[0]) is not a
  * multiple of that type's block size falls back, as llama-quantize does, to
  * a compatible type: q4_k -> q4_0 -> f16, q6_k -> q8_0 -> f16,
- * q8_0/q4_0 -> f16. Norms and biases are always F32.
+ * the other 32-element types (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl) -> f16.
+ * Norms and biases are always F32.
  *
  * Vocabulary: built in (a small SentencePiece-style "llama" vocab: <unk>,
  * <s>, </s>, the 256 byte tokens, then "▁", printable ASCII and common

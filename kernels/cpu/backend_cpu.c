@@ -501,10 +501,10 @@ int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err) {
     /* Batch size from which dequantize + sgemm beats the dot-product
      * kernels, measured with kernel-bench on AVX-512 (Zen): sgemm pays for
      * packing the weights on every call, and the f16/bf16 kernels convert on
-     * the fly. Kernels flagged mm_any_n (q8_0 on VNNI, the AVX-512 K-quant
-     * kernels, q2_K/q3_K/q5_K/iq4_xs from AVX2 up) win at every batch size
-     * and ignore this threshold; it still applies to the AVX2 q4_K/q6_K
-     * paths. */
+     * the fly. Kernels flagged mm_any_n (q8_0, q4_0, q4_1, q5_0, q5_1,
+     * iq4_nl, q4_K and q6_K on AVX-512 VNNI, q2_K/q3_K/q5_K/iq4_xs from
+     * AVX2 up) win at every batch size and ignore this threshold; it still
+     * applies to the other AVX2 paths. */
     for (int t = 0; t < PD_TYPE_COUNT; t++) cb->gemm_min_n[t] = 16;
     if (level == CPU_SIMD_SCALAR) {
         for (int t = 0; t < PD_TYPE_COUNT; t++) cb->gemm_min_n[t] = 4;

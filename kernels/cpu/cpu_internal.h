@@ -44,11 +44,12 @@ const char *cpu_simd_level_name(cpu_simd_level l);
 
 /* Activations quantized for the integer dot products, one row per token.
  *
- * q8_0 (for q8_0 and q4_0 weights), per block of 32:
+ * q8_0 (for q8_0, q4_0, q4_1, q5_0, q5_1 and iq4_nl weights), per block of 32:
  *   qs[32] int8 = round(x / d), d = amax / 127 (float, not fp16)
  *   c = -128 * sum(qs) : the correction that turns a dot product against
  *       (w XOR 0x80), i.e. w + 128 as unsigned bytes, back into dot(w, qs);
- *       for q4_0 (nibbles q in 0..15, w = q - 8) the correction is c / 16.
+ *       for q4_0 (nibbles q in 0..15, w = q - 8) the correction is c / 16,
+ *       for q5_0 (w = q - 16) c / 8; q4_1/q5_1 need sum(qs) = -c / 128.
  * q8_K (for q4_K and q6_K weights), per super-block of 256:
  *   qs[256] int8, d = amax / 127, bsums[16] = sums of each 16 qs.
  *
@@ -185,7 +186,8 @@ void cpu_dequantize_q5_K(const uint8_t *x, float *y, uint64_t nb);
 void cpu_dequantize_iq4_xs(const uint8_t *x, float *y, uint64_t nb);
 /* The 16 scales of a q3_K block (its 12 scale bytes at s), minus 32. */
 void cpu_q3k_scales(const uint8_t *s, int8_t out[16]);
-/* The values an iq4 nibble stands for (ggml's kvalues_iq4nl). */
+/* The values an iq4 nibble stands for (ggml's kvalues_iq4nl; iq4_nl and
+ * iq4_xs share it; defined in quant_q32.c). */
 extern const int8_t cpu_iq4nl_values[16];
 
 /* Activation quantizers shared by the scalar table; SIMD tables use their
@@ -195,6 +197,18 @@ void cpu_quant_q8_0_scalar(const float *x, int64_t cols, int8_t *qs, float *d, i
                            int16_t *bsums);
 void cpu_quant_q8_K_scalar(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
                            int16_t *bsums);
+/* quant_q32.c: reference rows of nb blocks of q4_1, q5_0, q5_1 or iq4_nl
+ * (false for any other type). */
+bool cpu_quantize_q32(pd_type t, const float *x, uint8_t *y, uint64_t nb);
+bool cpu_dequantize_q32(pd_type t, const uint8_t *x, float *y, uint64_t nb);
+/* simd_q32_*.c: add the q4_1/q5_0/q5_1/iq4_nl kernels of a level to its
+ * table (called at the end of cpu_kernels_<level>). */
+void cpu_q32_kernels_scalar(cpu_kernels *k);
+#if PD_X86
+void cpu_q32_kernels_avx2(cpu_kernels *k);
+void cpu_q32_kernels_avx512(cpu_kernels *k);
+#endif
+
 #if PD_X86
 /* The CPU has AVX and F16C (the vcvtph2ps/vcvtps2ph conversions). */
 bool cpu_has_f16c(void);

@@ -205,7 +205,8 @@ int cpu_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, fl
     if (!tr || (uint32_t)w->type >= PD_TYPE_COUNT || !cb->k.mm[w->type])
         return pd_errorf(err, PD_EUNSUPPORTED,
                          "matmul: weights of type %s are not supported by the CPU backend "
-                         "(supported: f32, f16, bf16, q8_0, q4_0, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs)",
+                         "(supported: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q2_k, q3_k, q4_k, q5_k, "
+                         "q6_k, iq4_xs)",
                          tr ? tr->name : "(unknown)");
     if (n < 0 || w->rows < 0 || w->cols < 0)
         return pd_errorf(err, PD_EINVAL, "matmul: negative size (n %lld, weight %lld x %lld)",

@@ -24,11 +24,14 @@
  * quantize against the fp16-rounded scales actually stored, which keeps the
  * error within half a quantization step.
  *
- * q2_K, q3_K, q5_K and iq4_xs live in quant_kq.c, made the same way. */
+ * q4_1, q5_0, q5_1 and iq4_nl live in quant_q32.c, q2_K, q3_K, q5_K and
+ * iq4_xs in quant_kq.c, made the same way. */
 #include "kernels/cpu/cpu_internal.h"
 
 #include <math.h>
 #include <string.h>
+
+#include "kernels/cpu/cpu_internal.h"
 
 #define QK4_0 32
 #define QK8_0 32
@@ -394,7 +397,7 @@ static int check_row(pd_type t, uint64_t n, bool quantize, uint64_t *nb, pd_erro
     if (quantize ? !tr->can_quantize : !tr->can_dequantize)
         return pd_errorf(err, PD_EUNSUPPORTED,
                          "%s of type %s is not implemented (supported: f32, f16, bf16, q8_0, "
-                         "q4_0, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs)",
+                         "q4_0, q4_1, q5_0, q5_1, iq4_nl, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs)",
                          quantize ? "quantizing to" : "dequantizing from", tr->name);
     if (n % tr->block_size != 0)
         return pd_errorf(err, PD_EINVAL,
@@ -429,7 +432,9 @@ int pd_quantize_row(pd_type t, const float *src, void *dst, uint64_t n, pd_error
     case PD_TYPE_Q3_K: cpu_quantize_q3_K(src, y, nb); return PD_OK;
     case PD_TYPE_Q5_K: cpu_quantize_q5_K(src, y, nb); return PD_OK;
     case PD_TYPE_IQ4_XS: cpu_quantize_iq4_xs(src, y, nb); return PD_OK;
-    default: break;
+    default:
+        if (cpu_quantize_q32(t, src, y, nb)) return PD_OK;
+        break;
     }
     return pd_errorf(err, PD_EUNSUPPORTED, "quantizing to type %s is not implemented",
                      pd_type_get((uint32_t)t)->name);
@@ -460,7 +465,9 @@ int pd_dequantize_row(pd_type t, const void *src, float *dst, uint64_t n, pd_err
     case PD_TYPE_Q3_K: cpu_dequantize_q3_K(x, dst, nb); return PD_OK;
     case PD_TYPE_Q5_K: cpu_dequantize_q5_K(x, dst, nb); return PD_OK;
     case PD_TYPE_IQ4_XS: cpu_dequantize_iq4_xs(x, dst, nb); return PD_OK;
-    default: break;
+    default:
+        if (cpu_dequantize_q32(t, x, dst, nb)) return PD_OK;
+        break;
     }
     return pd_errorf(err, PD_EUNSUPPORTED, "dequantizing from type %s is not implemented",
                      pd_type_get((uint32_t)t)->name);

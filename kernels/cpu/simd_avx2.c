@@ -675,6 +675,7 @@ void cpu_kernels_avx2(cpu_kernels *k) {
     k->max_f32 = max_f32;
     k->max_i32 = max_i32;
     cpu_kernels_kq_avx2(k);
+    cpu_q32_kernels_avx2(k);
 }
 
 #endif /* PD_X86 */

@@ -169,7 +169,8 @@ PD_TARGET_AVX512 static inline __m256i unpack_q4_0_512(const uint8_t *qs) {
 
 /* ------------------------------------------------------------------------
  * Decode (n <= CPU_DECODE_MAX_N): one weight row at a time, front to back,
- * all n tokens per weight load (ROW_RANGE, decode_prefetch: simd_x86.h).
+ * all n tokens per weight load (ROW_RANGE, ROW_KERNEL_ALL_N and
+ * decode_prefetch in simd_x86.h).
  * ------------------------------------------------------------------------ */
 
 /* q8_0: two 32-blocks per register, codes flipped to unsigned bytes
@@ -802,6 +803,7 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     k->f32_to_f16 = f32_to_f16;
     k->f16_to_f32 = f16_to_f32;
     cpu_kernels_kq_avx512(k);
+    cpu_q32_kernels_avx512(k);
 }
 
 #endif /* PD_X86 */

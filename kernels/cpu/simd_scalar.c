@@ -321,4 +321,5 @@ void cpu_kernels_scalar(cpu_kernels *k) {
     k->f32_to_f16 = f32_to_f16_scalar;
     k->f16_to_f32 = f16_to_f32_scalar;
     cpu_kernels_kq_scalar(k);
+    cpu_q32_kernels_scalar(k);
 }

@@ -26,6 +26,43 @@ static inline void pd_prefetch_rows(const uint8_t *p, size_t rb, int nrows, size
 }
 #define PD_PF_AHEAD 8 /* rows ahead */
 
+/* Row kernels for decode (n <= CPU_DECODE_MAX_N) read one weight row at a
+ * time, front to back, for all n tokens per weight load. DECODE_PF: bytes
+ * ahead of the block in use that are prefetched, enough to keep a memory
+ * stream's worth of loads in flight. */
+#define DECODE_PF 4096
+
+static inline void decode_prefetch(const uint8_t *p) {
+    _mm_prefetch((const char *)((uintptr_t)p + DECODE_PF), _MM_HINT_T0);
+}
+
+/* ROW(m, r, t0, NT) for rows [ra, rz) and tokens [t0, t0 + nt), nt <= 8,
+ * with NT a constant so the kernels' per-token loops unroll into
+ * registers. */
+#define ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                        \
+    switch (nt) {                                                                                \
+    case 1: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 1); break;                       \
+    case 2: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 2); break;                       \
+    case 3: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 3); break;                       \
+    case 4: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 4); break;                       \
+    case 5: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 5); break;                       \
+    case 6: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 6); break;                       \
+    case 7: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 7); break;                       \
+    default: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 8); break;                      \
+    }
+
+/* Prefill with a row kernel: rows in groups that stay in L2 while every
+ * block of 8 tokens passes over them. */
+#define PREFILL_ROWS 64
+#define ROW_KERNEL_ALL_N(ROW, m, r0, r1)                                                         \
+    for (int64_t ra = (r0); ra < (r1); ra += PREFILL_ROWS) {                                     \
+        const int64_t rz = ra + PREFILL_ROWS < (r1) ? ra + PREFILL_ROWS : (r1);                  \
+        for (int64_t t0 = 0; t0 < (m)->n; t0 += CPU_DECODE_MAX_N) {                             \
+            const int64_t nt = (m)->n - t0 < CPU_DECODE_MAX_N ? (m)->n - t0 : CPU_DECODE_MAX_N;  \
+            ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                    \
+        }                                                                                        \
+    }
+
 PD_TARGET_AVX2 static inline int32_t pd_hsum_epi32_sse(__m128i v) {
     v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
     v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1)));
@@ -182,41 +219,5 @@ PD_TARGET_AVX2 static inline __m128i iq4xs_scales(const uint8_t *blk) {
 PD_TARGET_AVX512 static inline __m512i halves_epi16(short a, short b) {
     return _mm512_inserti64x4(_mm512_set1_epi16(a), _mm256_set1_epi16(b), 1);
 }
-
-/* Decode reads each weight row once, front to back: bytes ahead of the
- * block in use that are prefetched, enough to keep a memory stream's worth
- * of loads in flight. */
-#define DECODE_PF 4096
-
-static inline void decode_prefetch(const uint8_t *p) {
-    _mm_prefetch((const char *)((uintptr_t)p + DECODE_PF), _MM_HINT_T0);
-}
-
-/* ROW(m, r, t0, NT) for rows [ra, rz) and tokens [t0, t0 + nt), nt <= 8,
- * with NT a constant so the kernels' per-token loops unroll into
- * registers. */
-#define ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                        \
-    switch (nt) {                                                                                \
-    case 1: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 1); break;                       \
-    case 2: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 2); break;                       \
-    case 3: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 3); break;                       \
-    case 4: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 4); break;                       \
-    case 5: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 5); break;                       \
-    case 6: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 6); break;                       \
-    case 7: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 7); break;                       \
-    default: for (int64_t r = (ra); r < (rz); r++) ROW(m, r, t0, 8); break;                      \
-    }
-
-/* Prefill with a row kernel: rows in groups that stay in L2 while every
- * block of 8 tokens passes over them. */
-#define PREFILL_ROWS 64
-#define ROW_KERNEL_ALL_N(ROW, m, r0, r1)                                                         \
-    for (int64_t ra = (r0); ra < (r1); ra += PREFILL_ROWS) {                                     \
-        const int64_t rz = ra + PREFILL_ROWS < (r1) ? ra + PREFILL_ROWS : (r1);                  \
-        for (int64_t t0 = 0; t0 < (m)->n; t0 += CPU_DECODE_MAX_N) {                             \
-            const int64_t nt = (m)->n - t0 < CPU_DECODE_MAX_N ? (m)->n - t0 : CPU_DECODE_MAX_N;  \
-            ROW_RANGE(ROW, m, ra, rz, t0, nt)                                                    \
-        }                                                                                        \
-    }
 
 #endif
