@@ -58,7 +58,7 @@ SUFFIX_B="a big dog saw the little girl."
 TTFT_THREADS=2
 TTFT_CTX=4096
 # What this build's kernels compute (README: weight types).
-OUR_TYPES=" f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl q4_k q6_k "
+OUR_TYPES=" f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl q2_k q3_k q4_k q5_k q6_k iq4_xs "
 
 # awk helpers both result tables use: add(key, v) collects samples, med(key)
 # is their median (-1 when there are none).
