@@ -297,8 +297,12 @@ int pd_detokenize(const pd_tokenizer *t, const pd_token *ids, size_t n, bool spe
  * ------------------------------------------------------------------------ */
 
 typedef enum pd_arch {
-    PD_ARCH_LLAMA = 1, /* Llama 2/3, Mistral, SmolLM2, TinyStories */
-    PD_ARCH_QWEN2 = 2, /* QKV bias, NeoX rope */
+    PD_ARCH_LLAMA = 1,  /* Llama 2/3, Mistral, SmolLM2, TinyStories */
+    PD_ARCH_QWEN2 = 2,  /* QKV bias, NeoX rope */
+    PD_ARCH_QWEN3 = 3,  /* per-head RMS norm of Q and K before rope, NeoX rope */
+    PD_ARCH_GEMMA2 = 4, /* scaled embeddings, GeGLU, post norms, windowed even layers, soft-capping */
+    PD_ARCH_GEMMA3 = 5, /* gemma2 with Q/K norms, 5 windowed : 1 global layers, no soft-capping */
+    PD_ARCH_PHI3 = 6,   /* fused QKV and gate/up, NeoX rope, every layer windowed */
 } pd_arch;
 
 typedef struct pd_hparams {
@@ -314,9 +318,25 @@ typedef struct pd_hparams {
     int32_t n_ff;
     float rms_eps;
     pd_rope_params rope;  /* freq_factors (model-owned) folds in llama3 and linear scaling */
+    /* Sliding-window attention: a layer is windowed when n_swa > 0 and
+     * swa_period is 1 (every layer) or (layer + 1) % swa_period != 0
+     * (gemma2: 2, the even layers; gemma3: 6). Windowed layers rope with
+     * rope_swa (gemma3: base 10000, unscaled; otherwise equal to rope). */
+    int32_t n_swa;
+    int32_t swa_period;
+    pd_rope_params rope_swa;
+    float embd_scale;      /* token embeddings are multiplied by it (gemma: sqrt(n_embd)) */
+    float attn_scale;      /* query scale of the attention scores */
+    float attn_softcap;    /* 0 = none, else scores s -> c tanh(s / c) (gemma2) */
+    float final_softcap;   /* the same for the logits */
     bool tied_output;      /* output matrix is token_embd */
     pd_type wtype;         /* type of most 2-D weights (informational) */
 } pd_hparams;
+
+/* Whether layer `layer` attends through a sliding window of hp->n_swa. */
+static inline bool pd_hparams_layer_windowed(const pd_hparams *hp, int layer) {
+    return hp->n_swa > 0 && (hp->swa_period <= 1 || (layer + 1) % hp->swa_period != 0);
+}
 
 typedef struct pd_model pd_model;
 
