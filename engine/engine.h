@@ -475,6 +475,40 @@ int pd_decode(pd_model *m, pd_seq *const *seqs, const pd_token *tokens, int n_se
 int pd_nll(pd_model *m, const pd_kv_prefix *prefix, const pd_token *context, int64_t n_context,
            const pd_token *text, int64_t n_text, double *mean_nll, pd_error *err);
 
+/* Perplexity as llama.cpp's llama-perplexity (b4748) measures it, so the two
+ * can be compared. `tokens` is the whole text tokenized at once with
+ * add_special (BOS first when the vocabulary adds it) and no special-token
+ * parsing. It is cut into n_tokens / n_ctx chunks of n_ctx tokens (at most
+ * max_chunks; the tail is ignored); each chunk is evaluated alone from
+ * position 0 with its first token replaced by BOS when the vocabulary adds
+ * BOS, and only its second half is scored: the logits at positions
+ * n_ctx/2 .. n_ctx-2 predict the next token, n_ctx - n_ctx/2 - 1 tokens per
+ * chunk. The result is exp(mean NLL over all scored tokens). */
+#define PD_PPL_MIN_CTX 3
+
+typedef struct pd_ppl_opts {
+    int32_t n_ctx;      /* chunk length: PD_PPL_MIN_CTX .. the model's training context */
+    int32_t max_chunks; /* 0 = every whole chunk */
+    /* Called after each chunk with the perplexity so far (may be NULL). */
+    void (*progress)(void *ctx, int32_t chunks_done, double ppl_so_far);
+    void *progress_ctx;
+} pd_ppl_opts;
+
+typedef struct pd_ppl_result {
+    int64_t n_tokens;  /* of the whole text */
+    int32_t n_chunks;  /* evaluated */
+    int64_t n_scored;  /* tokens scored */
+    double mean_nll;   /* nats per scored token */
+    double ppl;        /* exp(mean_nll) */
+    double ppl_err;    /* llama-perplexity's "+/-": ppl x the standard error of the mean NLL */
+} pd_ppl_result;
+
+/* PD_EINVAL: a text shorter than 2 x n_ctx tokens, n_ctx below
+ * PD_PPL_MIN_CTX, a vocabulary that appends EOS; PD_ERANGE: n_ctx above the
+ * training context. */
+int pd_perplexity(pd_model *m, const pd_token *tokens, int64_t n_tokens, const pd_ppl_opts *opts, pd_ppl_result *out,
+                  pd_error *err);
+
 /* ------------------------------------------------------------------------
  * Chat templates
  *
@@ -493,6 +527,8 @@ typedef enum pd_chat_family {
     PD_CHAT_MISTRAL,   /* [INST] user [/INST]answer</s>[INST] ..., system folded into the first user turn */
     PD_CHAT_ZEPHYR,    /* <|system|>\n...</s>\n<|user|>\n...</s>\n<|assistant|>\n */
     PD_CHAT_PHI3,      /* <|system|>\n...<|end|>\n<|user|>\n...<|end|>\n<|assistant|>\n */
+    PD_CHAT_GEMMA,     /* <start_of_turn>user\n...<end_of_turn>\n<start_of_turn>model\n, system folded into the first user turn */
+    PD_CHAT_QWEN3,     /* ChatML with thinking off: the generation prompt ends in an empty <think></think> block */
     PD_CHAT_FAMILY_COUNT
 } pd_chat_family;
 
