@@ -3,7 +3,8 @@
  * llama.cpp's graphs (rope, per-head Q/K norms, GeGLU, post norms, sliding
  * windows per layer, soft-capping, fused tensors), prefill against
  * decode, a compressed prefix whose kept rows fall outside a layer's
- * window, and the files that must be refused. */
+ * window, compression policies on windowed models, and the files that
+ * must be refused. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -12,6 +13,7 @@
 
 #include "engine/engine.h"
 #include "helpers.h"
+#include "policies/policies.h"
 #include "tools/tools.h"
 
 static char *tmpdir;
@@ -636,5 +638,41 @@ Test(arch, peaked_presets_have_low_perplexity) {
             free(tk);
             pd_model_free(m);
         }
+    }
+}
+
+/* Policies that score attention ignore the windows, but they run on the
+ * windowed, soft-capped models and their prefixes continue. */
+Test(arch, policies_compress_windowed_models) {
+    static const char *const models[] = {"gemma2", "gemma3", "phi3"};
+    static const char *const specs[] = {"compactor", "snapkv", "h2o", "knorm"};
+    for (size_t mi = 0; mi < sizeof models / sizeof *models; mi++) {
+        pd_testmodel_opts o = opts_for(models[mi]);
+        pd_model *m = load_on(gen_model(&o, "pol.gguf"), NULL);
+        const pd_hparams *hp = pd_model_hparams(m);
+        enum { N = 48 };
+        pd_token toks[N + 4];
+        tokens(toks, N + 4, hp->n_vocab, 4);
+        for (size_t si = 0; si < sizeof specs / sizeof *specs; si++) {
+            pd_policy_spec spec;
+            pd_error err = {0};
+            cr_assert_eq(pd_policy_spec_parse(specs[si], &spec, &err), PD_OK, "%s", err.msg);
+            pd_kv_prefix *p = NULL;
+            cr_assert_eq(pd_compress_prefix(m, toks, N, &spec, NULL, &p, NULL, &err), PD_OK, "%s on %s: %s",
+                         specs[si], models[mi], err.msg);
+            const int64_t kept = pd_kv_prefix_kept_rows(p), all = (int64_t)N * hp->n_layer * hp->n_head_kv;
+            cr_expect(kept > all / 4 && kept < all, "%s on %s kept %lld of %lld rows", specs[si], models[mi],
+                      (long long)kept, (long long)all);
+            pd_seq *s = NULL;
+            float *logits = malloc(sizeof(float) * hp->n_vocab);
+            cr_assert_eq(pd_seq_create(m, 0, &s, &err), PD_OK);
+            cr_assert_eq(pd_seq_attach_prefix(s, p, &err), PD_OK, "%s", err.msg);
+            cr_assert_eq(pd_prefill(m, s, &toks[N], 4, NULL, logits, &err), PD_OK, "%s", err.msg);
+            for (int32_t j = 0; j < hp->n_vocab; j++) cr_assert(isfinite(logits[j]), "%s on %s", specs[si], models[mi]);
+            free(logits);
+            pd_seq_free(s);
+            pd_kv_prefix_free(p);
+        }
+        pd_model_free(m);
     }
 }
