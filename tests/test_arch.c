@@ -324,8 +324,9 @@ static const char *const archs[] = {"llama", "qwen2", "qwen3", "gemma2", "gemma3
  * ------------------------------------------------------------------------ */
 
 /* Every position's logits from one prefill equal the reference's. */
-static void check_reference(const char *arch) {
-    pd_testmodel_opts o = opts_for(arch);
+static void check_reference_of(const pd_testmodel_opts *opts) {
+    const pd_testmodel_opts o = *opts;
+    const char *arch = o.arch;
     const char *path = gen_model(&o, "ref.gguf");
     pd_model *m = load_on(path, NULL);
     const int32_t V = pd_model_hparams(m)->n_vocab;
@@ -349,7 +350,19 @@ static void check_reference(const char *arch) {
     pd_model_free(m);
 }
 
+static void check_reference(const char *arch) {
+    const pd_testmodel_opts o = opts_for(arch);
+    check_reference_of(&o);
+}
+
 Test(arch, llama_matches_reference) { check_reference("llama"); }
+/* Mistral Nemo's shape: llama with key_length 128 while n_embd / n_head
+ * is 160, so the query width differs from n_embd. */
+Test(arch, llama_with_an_explicit_head_size_matches_reference) {
+    pd_testmodel_opts o = opts_for("llama");
+    o.head_dim = 32;
+    check_reference_of(&o);
+}
 Test(arch, qwen2_matches_reference) { check_reference("qwen2"); }
 Test(arch, qwen3_matches_reference) { check_reference("qwen3"); }
 Test(arch, gemma2_matches_reference) { check_reference("gemma2"); }
