@@ -1090,6 +1090,13 @@ int pd_testmodel_cli(int argc, char **argv) {
         fprintf(stderr, "%s: %s\n", prog, err.msg);
         return 2;
     }
+    /* llama.cpp b4748 picks gemma2's query scale by model size and stops on
+     * a size it does not know. */
+    if (strcmp(o.arch, "gemma2") == 0 && o.n_layer != 26 && o.n_layer != 42 && o.n_layer != 46)
+        fprintf(stderr,
+                "%s: note: llama.cpp (b4748) runs gemma2 files only with 26, 42 or 46 layers; prefixd runs "
+                "any\n",
+                prog);
     pd_testmodel_info info;
     if (pd_testmodel_write(&o, out, &info, &err) != PD_OK) {
         fprintf(stderr, "%s: %s\n", prog, err.msg);
