@@ -486,6 +486,14 @@ static int layout_add(tm_layout *L, const pd_testmodel_opts *o, tm_kind kind, ui
     return PD_OK;
 }
 
+/* The part of a tensor name after "blk.N.", or the whole name. */
+static const char *layer_suffix(const char *name) {
+    if (strncmp(name, "blk.", 4) != 0) return name;
+    size_t i = 4;
+    while (name[i] >= '0' && name[i] <= '9') i++;
+    return name[i] == '.' ? name + i + 1 : name;
+}
+
 /* Tensor table in llama.cpp's names and shapes (ne[0] contiguous). prior:
  * the peaked vocabulary prior (NULL when not peaked). */
 static int build_layout(const pd_testmodel_opts *o, uint32_t n_vocab, const float *prior, tm_layout *L,
@@ -537,9 +545,7 @@ static int build_layout(const pd_testmodel_opts *o, uint32_t n_vocab, const floa
             t->dim0 = pk.norm0;
             t->std = pk.norm_rest;
         } else if (t->kind == TM_NORM || t->kind == TM_MATRIX) {
-            /* the part after "blk.N." */
-            const char *base = strncmp(t->name, "blk.", 4) == 0 ? strchr(t->name + 4, '.') : NULL;
-            base = base ? base + 1 : t->name;
+            const char *base = layer_suffix(t->name);
 #define HAS(prefix) (strncmp(base, prefix, sizeof(prefix) - 1) == 0)
             t->hide0 = HAS("attn_norm.") || HAS("ffn_norm.");
             if (HAS("attn_q.") || HAS("attn_k.") || HAS("attn_q_norm.") || HAS("attn_k_norm.")) t->qk_rows = t->ne[1];
