@@ -297,8 +297,12 @@ int pd_detokenize(const pd_tokenizer *t, const pd_token *ids, size_t n, bool spe
  * ------------------------------------------------------------------------ */
 
 typedef enum pd_arch {
-    PD_ARCH_LLAMA = 1, /* Llama 2/3, Mistral, SmolLM2, TinyStories */
-    PD_ARCH_QWEN2 = 2, /* QKV bias, NeoX rope */
+    PD_ARCH_LLAMA = 1,  /* Llama 2/3, Mistral, SmolLM2, TinyStories */
+    PD_ARCH_QWEN2 = 2,  /* QKV bias, NeoX rope */
+    PD_ARCH_QWEN3 = 3,  /* per-head RMS norm of Q and K before rope, NeoX rope */
+    PD_ARCH_GEMMA2 = 4, /* scaled embeddings, GeGLU, post norms, windowed even layers, soft-capping */
+    PD_ARCH_GEMMA3 = 5, /* gemma2 with Q/K norms, 5 windowed : 1 global layers, no soft-capping */
+    PD_ARCH_PHI3 = 6,   /* fused QKV and gate/up, NeoX rope, every layer windowed */
 } pd_arch;
 
 typedef struct pd_hparams {
@@ -314,9 +318,25 @@ typedef struct pd_hparams {
     int32_t n_ff;
     float rms_eps;
     pd_rope_params rope;  /* freq_factors (model-owned) folds in llama3 and linear scaling */
+    /* Sliding-window attention: a layer is windowed when n_swa > 0 and
+     * swa_period is 1 (every layer) or (layer + 1) % swa_period != 0
+     * (gemma2: 2, the even layers; gemma3: 6). Windowed layers rope with
+     * rope_swa (gemma3: base 10000, unscaled; otherwise equal to rope). */
+    int32_t n_swa;
+    int32_t swa_period;
+    pd_rope_params rope_swa;
+    float embd_scale;      /* token embeddings are multiplied by it (gemma: sqrt(n_embd)) */
+    float attn_scale;      /* query scale of the attention scores */
+    float attn_softcap;    /* 0 = none, else scores s -> c tanh(s / c) (gemma2) */
+    float final_softcap;   /* the same for the logits */
     bool tied_output;      /* output matrix is token_embd */
     pd_type wtype;         /* type of most 2-D weights (informational) */
 } pd_hparams;
+
+/* Whether layer `layer` attends through a sliding window of hp->n_swa. */
+static inline bool pd_hparams_layer_windowed(const pd_hparams *hp, int layer) {
+    return hp->n_swa > 0 && (hp->swa_period <= 1 || (layer + 1) % hp->swa_period != 0);
+}
 
 typedef struct pd_model pd_model;
 
@@ -455,6 +475,40 @@ int pd_decode(pd_model *m, pd_seq *const *seqs, const pd_token *tokens, int n_se
 int pd_nll(pd_model *m, const pd_kv_prefix *prefix, const pd_token *context, int64_t n_context,
            const pd_token *text, int64_t n_text, double *mean_nll, pd_error *err);
 
+/* Perplexity as llama.cpp's llama-perplexity (b4748) measures it, so the two
+ * can be compared. `tokens` is the whole text tokenized at once with
+ * add_special (BOS first when the vocabulary adds it) and no special-token
+ * parsing. It is cut into n_tokens / n_ctx chunks of n_ctx tokens (at most
+ * max_chunks; the tail is ignored); each chunk is evaluated alone from
+ * position 0 with its first token replaced by BOS when the vocabulary adds
+ * BOS, and only its second half is scored: the logits at positions
+ * n_ctx/2 .. n_ctx-2 predict the next token, n_ctx - n_ctx/2 - 1 tokens per
+ * chunk. The result is exp(mean NLL over all scored tokens). */
+#define PD_PPL_MIN_CTX 3
+
+typedef struct pd_ppl_opts {
+    int32_t n_ctx;      /* chunk length: PD_PPL_MIN_CTX .. the model's training context */
+    int32_t max_chunks; /* 0 = every whole chunk */
+    /* Called after each chunk with the perplexity so far (may be NULL). */
+    void (*progress)(void *ctx, int32_t chunks_done, double ppl_so_far);
+    void *progress_ctx;
+} pd_ppl_opts;
+
+typedef struct pd_ppl_result {
+    int64_t n_tokens;  /* of the whole text */
+    int32_t n_chunks;  /* evaluated */
+    int64_t n_scored;  /* tokens scored */
+    double mean_nll;   /* nats per scored token */
+    double ppl;        /* exp(mean_nll) */
+    double ppl_err;    /* llama-perplexity's "+/-": ppl x the standard error of the mean NLL */
+} pd_ppl_result;
+
+/* PD_EINVAL: a text shorter than 2 x n_ctx tokens, n_ctx below
+ * PD_PPL_MIN_CTX, a vocabulary that appends EOS; PD_ERANGE: n_ctx above the
+ * training context. */
+int pd_perplexity(pd_model *m, const pd_token *tokens, int64_t n_tokens, const pd_ppl_opts *opts, pd_ppl_result *out,
+                  pd_error *err);
+
 /* ------------------------------------------------------------------------
  * Chat templates
  *
@@ -473,6 +527,8 @@ typedef enum pd_chat_family {
     PD_CHAT_MISTRAL,   /* [INST] user [/INST]answer</s>[INST] ..., system folded into the first user turn */
     PD_CHAT_ZEPHYR,    /* <|system|>\n...</s>\n<|user|>\n...</s>\n<|assistant|>\n */
     PD_CHAT_PHI3,      /* <|system|>\n...<|end|>\n<|user|>\n...<|end|>\n<|assistant|>\n */
+    PD_CHAT_GEMMA,     /* <start_of_turn>user\n...<end_of_turn>\n<start_of_turn>model\n, system folded into the first user turn */
+    PD_CHAT_QWEN3,     /* ChatML with thinking off: the generation prompt ends in an empty <think></think> block */
     PD_CHAT_FAMILY_COUNT
 } pd_chat_family;
 

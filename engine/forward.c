@@ -1,4 +1,6 @@
-/* The forward pass of llama-family models.
+/* The forward pass of the supported decoder architectures (llama, qwen2,
+ * qwen3, gemma2, gemma3, phi3: pre-norm transformers that differ in norms,
+ * activations, windows and soft-capping, switched per layer below).
  *
  * One call runs a batch of entries (sequence + new tokens): a long prefill is
  * one entry with many tokens, a decode step many entries with one token each.
@@ -269,8 +271,10 @@ static int attend(pd_model *m, const fwd_entry *es, int i0, int i1, int64_t r0, 
         .shared = prefix ? shared : NULL,
         .n_groups = n_groups,
         .group_start = starts,
-        .scale = 1.0f / sqrtf((float)hp->head_dim),
+        .scale = hp->attn_scale,
         .causal = true,
+        .window = m->layers[layer].window,
+        .softcap = hp->attn_softcap,
         .out = b->attn,
     };
     rc = m->backend->ops->attention(m->backend, &args, err);
@@ -349,9 +353,15 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
             (L->bv && (rc = ops->add(be, b->v + r0 * kvd, on_backend(m, L->bv), n, kvd, 0, err))))
             return rc;
     }
+    /* qwen3, gemma3: every head of Q and K RMS-normed before rope. */
+    if ((L->q_norm && (rc = ops->rmsnorm(be, b->q, on_backend(m, L->q_norm), R * hp->n_head, hp->head_dim,
+                                         hp->rms_eps, b->q, err))) ||
+        (L->k_norm && (rc = ops->rmsnorm(be, b->k, on_backend(m, L->k_norm), R * hp->n_head_kv, hp->head_dim,
+                                         hp->rms_eps, b->k, err))))
+        return rc;
     if (b->k_pre && (rc = ops->copy(be, b->k_pre, b->k, sizeof(float) * (size_t)(R * kvd), err))) return rc;
-    if ((rc = ops->rope(be, b->q, b->pos, R, hp->n_head, hp->head_dim, &hp->rope, err)) ||
-        (rc = ops->rope(be, b->k, b->pos, R, hp->n_head_kv, hp->head_dim, &hp->rope, err)) ||
+    if ((rc = ops->rope(be, b->q, b->pos, R, hp->n_head, hp->head_dim, L->rope, err)) ||
+        (rc = ops->rope(be, b->k, b->pos, R, hp->n_head_kv, hp->head_dim, L->rope, err)) ||
         (rc = append_kv(m, es, n_es, R, layer, b, err)))
         return rc;
 
@@ -364,6 +374,8 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
             const int64_t r1 = end - r0 < ROW_CHUNK ? end : r0 + ROW_CHUNK;
             if ((rc = attend(m, es, i, j, r0, r1, layer, b, err)) ||
                 (rc = ops->matmul(be, &L->wo, b->attn, r1 - r0, b->h, err)) ||
+                (L->post_attn_norm && (rc = ops->rmsnorm(be, b->h, on_backend(m, L->post_attn_norm), r1 - r0, d,
+                                                         hp->rms_eps, b->h, err))) ||
                 (rc = ops->add(be, b->x + r0 * d, b->h, r1 - r0, d, d, err)))
                 return rc;
         }
@@ -373,14 +385,18 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
     /* The hook sees the layer after its attention ran over the full K/V. */
     if (opts && opts->hook && (rc = run_hook(m, &es[0], layer, opts, b, err))) return rc;
 
-    /* Feed-forward. */
+    /* Feed-forward: SwiGLU, or GeGLU for gemma. */
+    const bool gemma = hp->arch == PD_ARCH_GEMMA2 || hp->arch == PD_ARCH_GEMMA3;
     for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
         const int64_t n = R - r0 < ROW_CHUNK ? R - r0 : ROW_CHUNK;
         if ((rc = ops->rmsnorm(be, b->x + r0 * d, on_backend(m, L->ffn_norm), n, d, hp->rms_eps, b->h, err)) ||
             (rc = ops->matmul(be, &L->w_gate, b->h, n, b->gate, err)) ||
             (rc = ops->matmul(be, &L->w_up, b->h, n, b->up, err)) ||
-            (rc = ops->swiglu(be, b->gate, b->up, n * ff, b->gate, err)) ||
+            (rc = gemma ? ops->geglu(be, b->gate, b->up, n * ff, b->gate, err)
+                        : ops->swiglu(be, b->gate, b->up, n * ff, b->gate, err)) ||
             (rc = ops->matmul(be, &L->w_down, b->gate, n, b->h, err)) ||
+            (L->post_ffn_norm &&
+             (rc = ops->rmsnorm(be, b->h, on_backend(m, L->post_ffn_norm), n, d, hp->rms_eps, b->h, err))) ||
             (rc = ops->add(be, b->x + r0 * d, b->h, n, d, d, err)))
             return rc;
     }
@@ -409,7 +425,8 @@ static int output_logits(pd_model *m, const fwd_entry *es, int n_es, fwd_bufs *b
             float *dst = host_backend(m) && consecutive ? logits + out_of[0] * V : b->logits;
             if ((rc = ops->gather(be, b->h, b->x, b->idx, n, (size_t)d * sizeof(float), err)) ||
                 (rc = ops->rmsnorm(be, b->h, on_backend(m, m->output_norm), n, d, hp->rms_eps, b->h, err)) ||
-                (rc = ops->matmul(be, &m->output, b->h, n, dst, err)))
+                (rc = ops->matmul(be, &m->output, b->h, n, dst, err)) ||
+                (hp->final_softcap > 0.0f && (rc = ops->softcap(be, dst, n * V, hp->final_softcap, err))))
                 break;
             for (int64_t r = 0; r < n && !rc && dst == b->logits; r++)
                 rc = ops->download(be, logits + out_of[r] * V, b->logits + r * V, (size_t)V * sizeof(float), err);
@@ -448,6 +465,7 @@ static int forward(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_opts *
         if ((rc = ops->get_rows(be, &m->tok_embd, e->tokens, e->n, b.x + e->row0 * hp->n_embd, err))) return rc;
         for (int64_t t = 0; t < e->n; t++) b.hpos[e->row0 + t] = e->seq->next_pos + (int32_t)t;
     }
+    if (hp->embd_scale != 1.0f && (rc = ops->scale(be, b.x, R * hp->n_embd, hp->embd_scale, err))) return rc;
     if ((rc = ops->upload(be, b.pos, b.hpos, sizeof(int32_t) * (size_t)R, err))) return rc;
 
     for (int l = 0; l < hp->n_layer; l++) {

@@ -1,8 +1,13 @@
-/* Model loading: hyper-parameters and weights of llama-family GGUF files.
+/* Model loading: hyper-parameters and weights of the GGUF architectures the
+ * forward pass runs (llama, qwen2, qwen3, gemma2, gemma3, phi3), read from
+ * the same keys and tensors, with the same defaults, as llama.cpp b4748
+ * (qwen3 and gemma3, which that build predates, as llama.cpp added them).
  *
  * 2-D weights stay in the mapping (pd_weight points into it); 1-D tensors
  * (norms, biases, rope frequency factors) are small and converted to owned
- * f32 arrays so the forward pass never has to care about their type. */
+ * f32 arrays so the forward pass never has to care about their type. A file
+ * with a tensor the forward pass would not use is refused, as llama.cpp
+ * refuses it: such a tensor means a variant we would compute wrongly. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -11,21 +16,111 @@
 
 #include "engine/model_internal.h"
 
+static const struct {
+    const char *name;
+    pd_arch arch;
+    pd_rope_mode rope;
+} arch_table[] = {
+    {"llama", PD_ARCH_LLAMA, PD_ROPE_NORM},   {"qwen2", PD_ARCH_QWEN2, PD_ROPE_NEOX},
+    {"qwen3", PD_ARCH_QWEN3, PD_ROPE_NEOX},   {"gemma2", PD_ARCH_GEMMA2, PD_ROPE_NEOX},
+    {"gemma3", PD_ARCH_GEMMA3, PD_ROPE_NEOX}, {"phi3", PD_ARCH_PHI3, PD_ROPE_NEOX},
+};
+#define N_ARCHS (sizeof arch_table / sizeof arch_table[0])
+
+static bool is_gemma(pd_arch a) { return a == PD_ARCH_GEMMA2 || a == PD_ARCH_GEMMA3; }
+
+/* *found (may be NULL) tells whether the key exists. */
 static int get_u32_key(const pd_gguf *g, const char *arch, const char *suffix, uint32_t *out, bool required,
-                       pd_error *err) {
+                       bool *found, pd_error *err) {
     char key[128];
     snprintf(key, sizeof key, "%s.%s", arch, suffix);
     int rc = pd_gguf_get_u32(g, key, out, err);
+    if (found) *found = rc == PD_OK;
     if (rc == PD_ENOTFOUND && !required) return PD_OK;
     if (rc == PD_ENOTFOUND) return pd_errorf(err, PD_EFORMAT, "model metadata '%s' is missing", key);
     return rc;
 }
 
-static int get_f32_key(const pd_gguf *g, const char *arch, const char *suffix, float *out, pd_error *err) {
+static int get_f32_key(const pd_gguf *g, const char *arch, const char *suffix, float *out, bool *found,
+                       pd_error *err) {
     char key[128];
     snprintf(key, sizeof key, "%s.%s", arch, suffix);
     int rc = pd_gguf_get_f32(g, key, out, err);
+    if (found) *found = rc == PD_OK;
     return rc == PD_ENOTFOUND ? PD_OK : rc;
+}
+
+/* The 1/sqrt(d) query scale of gemma2/gemma3 as llama.cpp picks it: d is the
+ * head size, except for the 27B models (recognised, as llama.cpp does, by
+ * their layer count), whose query_pre_attn_scalar is n_embd / n_head. */
+static float gemma_attn_scale(const pd_hparams *hp) {
+    const int32_t layers_27b = hp->arch == PD_ARCH_GEMMA2 ? 46 : 62;
+    const int32_t d = hp->n_layer == layers_27b ? hp->n_embd / hp->n_head : hp->head_dim;
+    return 1.0f / sqrtf((float)d);
+}
+
+/* Phi-3's sliding window: the file's key, or llama.cpp's defaults for the
+ * files converted before the key existed (mini/medium 4k: 2047; mini 128k:
+ * 262144; medium 128k: 131072). A key of 0 (Phi-4) means no window. */
+static int phi3_window(const pd_gguf *g, const pd_hparams *hp, int32_t *window, pd_error *err) {
+    uint32_t swa = 0;
+    if ((hp->n_layer == 32 || hp->n_layer == 40) && hp->n_ctx_train == 4096) swa = 2047;
+    else if (hp->n_layer == 32 && hp->n_head_kv == 32 && hp->n_ctx_train == 131072) swa = 262144;
+    else if (hp->n_layer == 40 && hp->n_ctx_train == 131072) swa = 131072;
+    bool found;
+    int rc = get_u32_key(g, hp->arch_name, "attention.sliding_window", &swa, false, &found, err);
+    if (rc) return rc;
+    if (!found && swa == 0)
+        return pd_errorf(err, PD_EFORMAT,
+                         "phi3.attention.sliding_window is missing and this shape has no known default "
+                         "(add the key: 0 for no window)");
+    if (swa > INT32_MAX) return pd_errorf(err, PD_EFORMAT, "phi3.attention.sliding_window %u is too large", swa);
+    *window = (int32_t)swa;
+    return PD_OK;
+}
+
+/* What sets the architectures apart: windows, scales and soft-caps. */
+static int read_arch_hparams(const pd_gguf *g, pd_hparams *hp, pd_error *err) {
+    const char *a = hp->arch_name;
+    hp->embd_scale = 1.0f;
+    hp->attn_scale = 1.0f / sqrtf((float)hp->head_dim);
+    int rc = PD_OK;
+    uint32_t swa = 0;
+    switch (hp->arch) {
+    case PD_ARCH_GEMMA2:
+        /* Gemma 2's window and caps, unless the file says otherwise. */
+        swa = 4096;
+        hp->attn_softcap = 50.0f;
+        hp->final_softcap = 30.0f;
+        if ((rc = get_u32_key(g, a, "attention.sliding_window", &swa, false, NULL, err)) ||
+            (rc = get_f32_key(g, a, "attn_logit_softcapping", &hp->attn_softcap, NULL, err)) ||
+            (rc = get_f32_key(g, a, "final_logit_softcapping", &hp->final_softcap, NULL, err)))
+            return rc;
+        hp->swa_period = 2;
+        break;
+    case PD_ARCH_GEMMA3:
+        if ((rc = get_u32_key(g, a, "attention.sliding_window", &swa, true, NULL, err))) return rc;
+        hp->swa_period = 6;
+        break;
+    case PD_ARCH_PHI3: {
+        int32_t w = 0;
+        if ((rc = phi3_window(g, hp, &w, err))) return rc;
+        swa = (uint32_t)w;
+        hp->swa_period = 1;
+        break;
+    }
+    default:
+        break;
+    }
+    if (swa > INT32_MAX) return pd_errorf(err, PD_EFORMAT, "%s.attention.sliding_window %u is too large", a, swa);
+    hp->n_swa = (int32_t)swa;
+    if (is_gemma(hp->arch)) {
+        hp->embd_scale = sqrtf((float)hp->n_embd);
+        hp->attn_scale = gemma_attn_scale(hp);
+    }
+    if (!(hp->attn_softcap >= 0.0f) || !(hp->final_softcap >= 0.0f))
+        return pd_errorf(err, PD_EFORMAT, "%s: soft-capping values must not be negative", a);
+    return PD_OK;
 }
 
 static int read_hparams(const pd_gguf *g, pd_hparams *hp, pd_error *err) {
@@ -36,26 +131,35 @@ static int read_hparams(const pd_gguf *g, pd_hparams *hp, pd_error *err) {
         return pd_errorf(err, PD_EUNSUPPORTED, "architecture name is too long");
     memcpy(hp->arch_name, arch.ptr, arch.len);
     hp->arch_name[arch.len] = '\0';
-    if (strcmp(hp->arch_name, "llama") == 0) hp->arch = PD_ARCH_LLAMA;
-    else if (strcmp(hp->arch_name, "qwen2") == 0) hp->arch = PD_ARCH_QWEN2;
-    else
-        return pd_errorf(err, PD_EUNSUPPORTED, "architecture '%s' is not supported (supported: llama, qwen2)",
+    size_t ai = 0;
+    while (ai < N_ARCHS && strcmp(arch_table[ai].name, hp->arch_name) != 0) ai++;
+    if (ai == N_ARCHS)
+        return pd_errorf(err, PD_EUNSUPPORTED,
+                         "architecture '%s' is not supported (supported: llama, qwen2, qwen3, gemma2, gemma3, phi3)",
                          hp->arch_name);
+    hp->arch = arch_table[ai].arch;
     const char *a = hp->arch_name;
 
-    uint32_t ctx = 0, embd = 0, ff = 0, layers = 0, heads = 0, heads_kv = 0, key_len = 0, rot = 0;
-    if ((rc = get_u32_key(g, a, "context_length", &ctx, true, err)) ||
-        (rc = get_u32_key(g, a, "embedding_length", &embd, true, err)) ||
-        (rc = get_u32_key(g, a, "feed_forward_length", &ff, true, err)) ||
-        (rc = get_u32_key(g, a, "block_count", &layers, true, err)) ||
-        (rc = get_u32_key(g, a, "attention.head_count", &heads, true, err)) ||
-        (rc = get_u32_key(g, a, "attention.head_count_kv", &heads_kv, false, err)) ||
-        (rc = get_u32_key(g, a, "attention.key_length", &key_len, false, err)) ||
-        (rc = get_u32_key(g, a, "rope.dimension_count", &rot, false, err)))
+    uint32_t ctx = 0, embd = 0, ff = 0, layers = 0, heads = 0, heads_kv = 0, key_len = 0, val_len = 0, rot = 0,
+             experts = 0;
+    bool has_key_len, has_val_len;
+    if ((rc = get_u32_key(g, a, "context_length", &ctx, true, NULL, err)) ||
+        (rc = get_u32_key(g, a, "embedding_length", &embd, true, NULL, err)) ||
+        (rc = get_u32_key(g, a, "feed_forward_length", &ff, true, NULL, err)) ||
+        (rc = get_u32_key(g, a, "block_count", &layers, true, NULL, err)) ||
+        (rc = get_u32_key(g, a, "attention.head_count", &heads, true, NULL, err)) ||
+        (rc = get_u32_key(g, a, "attention.head_count_kv", &heads_kv, false, NULL, err)) ||
+        (rc = get_u32_key(g, a, "attention.key_length", &key_len, false, &has_key_len, err)) ||
+        (rc = get_u32_key(g, a, "attention.value_length", &val_len, false, &has_val_len, err)) ||
+        (rc = get_u32_key(g, a, "rope.dimension_count", &rot, false, NULL, err)) ||
+        (rc = get_u32_key(g, a, "expert_count", &experts, false, NULL, err)))
         return rc;
+    if (experts > 0)
+        return pd_errorf(err, PD_EUNSUPPORTED,
+                         "%s.expert_count is %" PRIu32 ": mixture-of-experts models are not supported", a, experts);
     if (heads_kv == 0) heads_kv = heads;
     if (embd == 0 || layers == 0 || heads == 0 || ff == 0 || embd > (1u << 20) || layers > 4096 || heads > 4096 ||
-        ff > (1u << 24))
+        ff > (1u << 24) || key_len > 4096)
         return pd_errorf(err, PD_EFORMAT,
                          "implausible model shape: embedding %" PRIu32 ", layers %" PRIu32 ", heads %" PRIu32
                          ", feed-forward %" PRIu32,
@@ -63,16 +167,30 @@ static int read_hparams(const pd_gguf *g, pd_hparams *hp, pd_error *err) {
     if (heads % heads_kv != 0)
         return pd_errorf(err, PD_EFORMAT, "head_count %" PRIu32 " is not a multiple of head_count_kv %" PRIu32, heads,
                          heads_kv);
-    if (key_len == 0) {
-        if (embd % heads != 0)
-            return pd_errorf(err, PD_EFORMAT, "embedding_length %" PRIu32 " is not a multiple of head_count %" PRIu32,
-                             embd, heads);
-        key_len = embd / heads;
-    }
+    /* Head sizes default to n_embd / n_head, as in llama.cpp. */
+    if ((!has_key_len || !has_val_len) && embd % heads != 0)
+        return pd_errorf(err, PD_EFORMAT,
+                         "embedding_length %" PRIu32 " is not a multiple of head_count %" PRIu32
+                         " and the file gives no attention.key_length/value_length",
+                         embd, heads);
+    if (!has_key_len) key_len = embd / heads;
+    if (!has_val_len) val_len = embd / heads;
+    if (key_len == 0 || val_len != key_len)
+        return pd_errorf(err, PD_EUNSUPPORTED,
+                         "%s: key head size %" PRIu32 " and value head size %" PRIu32
+                         " differ (or are 0); only equal head sizes are supported",
+                         a, key_len, val_len);
     if (rot == 0) rot = key_len;
+    /* llama.cpp requires a full rotation for llama ("invalid n_rot") and qwen3. */
+    if ((hp->arch == PD_ARCH_LLAMA || hp->arch == PD_ARCH_QWEN3) && rot != key_len)
+        return pd_errorf(err, PD_EFORMAT, "%s.rope.dimension_count %" PRIu32 " must equal the head size %" PRIu32, a,
+                         rot, key_len);
     if (rot > key_len || rot % 2 != 0)
         return pd_errorf(err, PD_EFORMAT, "rope.dimension_count %" PRIu32 " must be even and <= head size %" PRIu32,
                          rot, key_len);
+    if (hp->arch == PD_ARCH_PHI3 && key_len * heads != embd)
+        return pd_errorf(err, PD_EFORMAT, "phi3: head_count x head size (%" PRIu32 " x %" PRIu32
+                         ") must equal embedding_length %" PRIu32, heads, key_len, embd);
     hp->n_ctx_train = (int32_t)(ctx ? ctx : 2048);
     hp->n_embd = (int32_t)embd;
     hp->n_ff = (int32_t)ff;
@@ -81,50 +199,66 @@ static int read_hparams(const pd_gguf *g, pd_hparams *hp, pd_error *err) {
     hp->n_head_kv = (int32_t)heads_kv;
     hp->head_dim = (int32_t)key_len;
     hp->rms_eps = 1e-5f;
-    hp->rope.mode = hp->arch == PD_ARCH_QWEN2 ? PD_ROPE_NEOX : PD_ROPE_NORM;
+    hp->rope.mode = arch_table[ai].rope;
     hp->rope.n_rot = (int)rot;
     hp->rope.freq_base = 10000.0f;
-    if ((rc = get_f32_key(g, a, "attention.layer_norm_rms_epsilon", &hp->rms_eps, err)) ||
-        (rc = get_f32_key(g, a, "rope.freq_base", &hp->rope.freq_base, err)))
+    if ((rc = get_f32_key(g, a, "attention.layer_norm_rms_epsilon", &hp->rms_eps, NULL, err)) ||
+        (rc = get_f32_key(g, a, "rope.freq_base", &hp->rope.freq_base, NULL, err)))
         return rc;
-
     if (!(hp->rms_eps > 0.0f) || !(hp->rope.freq_base > 0.0f))
         return pd_errorf(err, PD_EFORMAT, "rms epsilon and rope.freq_base must be positive");
-    return PD_OK;
+    hp->rope_swa = hp->rope;
+    /* Gemma 3's local layers rope at base 10000, unscaled. */
+    if (hp->arch == PD_ARCH_GEMMA3) hp->rope_swa.freq_base = 10000.0f;
+    return read_arch_hparams(g, hp, err);
 }
 
-/* Linear rope scaling by a factor s divides every frequency by s, so it folds
- * into the per-frequency divisors together with llama3's rope_freqs.weight. */
+/* The divisor of every rope frequency from the file's rope scaling, as
+ * llama.cpp reads it: rope.scaling.factor (or the older rope.scale_linear)
+ * s divides each frequency by s unless rope.scaling.type is "none" (the
+ * type defaults to linear). Llama 3's rope_freqs.weight folds in on top. */
 static int read_rope_scaling(const pd_gguf *g, const pd_hparams *hp, float *factor, pd_error *err) {
     char key[128];
     *factor = 1.0f;
     snprintf(key, sizeof key, "%s.rope.scaling.type", hp->arch_name);
     pd_str stype;
-    if (pd_gguf_get_str(g, key, &stype, NULL) != PD_OK) return PD_OK;
-    if (stype.len == 6 && memcmp(stype.ptr, "linear", 6) == 0) {
-        int rc = get_f32_key(g, hp->arch_name, "rope.scaling.factor", factor, err);
-        if (rc) return rc;
-        if (!(*factor > 0.0f)) return pd_errorf(err, PD_EFORMAT, "%s.rope.scaling.factor must be > 0", hp->arch_name);
-        return PD_OK;
-    }
-    if ((stype.len == 4 && memcmp(stype.ptr, "none", 4) == 0) || (stype.len == 5 && memcmp(stype.ptr, "llama", 5) == 0) ||
-        (stype.len == 6 && memcmp(stype.ptr, "llama3", 6) == 0))
-        return PD_OK;
-    return pd_errorf(err, PD_EUNSUPPORTED, "rope scaling type '%.*s' is not supported (linear, llama3, none)",
-                     (int)stype.len, stype.ptr);
+    if (pd_gguf_get_str(g, key, &stype, NULL) != PD_OK) stype = (pd_str){.ptr = "linear", .len = 6};
+#define IS(s) (stype.len == sizeof(s) - 1 && memcmp(stype.ptr, s, sizeof(s) - 1) == 0)
+    if (IS("none")) return PD_OK;
+    if (!IS("linear") && !IS("llama") && !IS("llama3"))
+        return pd_errorf(err, PD_EUNSUPPORTED, "rope scaling type '%.*s' is not supported (linear, none)",
+                         (int)stype.len, stype.ptr);
+#undef IS
+    bool found;
+    float s = 0.0f;
+    int rc;
+    if ((rc = get_f32_key(g, hp->arch_name, "rope.scaling.factor", &s, &found, err))) return rc;
+    if (!found && (rc = get_f32_key(g, hp->arch_name, "rope.scale_linear", &s, NULL, err))) return rc;
+    if (s < 0.0f || s != s) return pd_errorf(err, PD_EFORMAT, "%s.rope.scaling.factor must be > 0", hp->arch_name);
+    *factor = s == 0.0f ? 1.0f : s;
+    return PD_OK;
 }
 
-/* A 2-D weight with the expected shape: ne[0] = cols (input), ne[1] = rows. */
-static int load_matrix(const pd_gguf *g, const char *name, int64_t cols, int64_t rows, bool optional,
-                       pd_weight *w, pd_error *err) {
-    const pd_gguf_tensor *t = pd_gguf_find_tensor(g, name);
-    if (!t) {
-        if (optional) {
-            memset(w, 0, sizeof *w);
-            return PD_OK;
-        }
-        return pd_errorf(err, PD_EFORMAT, "tensor '%s' is missing", name);
-    }
+/* Tensors are looked up through a loader that remembers which it used. */
+typedef struct loader {
+    const pd_gguf *g;
+    bool *used; /* [tensor count] */
+} loader;
+
+static const pd_gguf_tensor *find_tensor(loader *ld, const char *name) {
+    const pd_gguf_tensor *t = pd_gguf_find_tensor(ld->g, name);
+    if (!t) return NULL;
+    const size_t n = pd_gguf_tensor_count(ld->g);
+    for (size_t i = 0; i < n; i++)
+        if (pd_gguf_tensor_at(ld->g, i) == t) ld->used[i] = true;
+    return t;
+}
+
+/* A 2-D tensor with the expected shape: ne[0] = cols (input), ne[1] = rows. */
+static int find_matrix(loader *ld, const char *name, int64_t cols, int64_t rows, bool optional,
+                       const pd_gguf_tensor **out, pd_error *err) {
+    const pd_gguf_tensor *t = *out = find_tensor(ld, name);
+    if (!t) return optional ? PD_OK : pd_errorf(err, PD_EFORMAT, "tensor '%s' is missing", name);
     if (t->n_dims != 2 || (int64_t)t->ne[0] != cols || (int64_t)t->ne[1] != rows)
         return pd_errorf(err, PD_EFORMAT,
                          "tensor '%s' has shape [%" PRIu64 " x %" PRIu64 "], expected [%" PRId64 " x %" PRId64 "]",
@@ -136,14 +270,29 @@ static int load_matrix(const pd_gguf *g, const char *name, int64_t cols, int64_t
                          "(supported: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q2_k, q3_k, q4_k, q5_k, "
                          "q6_k, iq4_xs)",
                          name, tr->name);
-    int rc = pd_weight_init(w, t->type, t->data, rows, cols, err);
-    return rc ? pd_error_prefix(err, "tensor '%s'", name) : PD_OK;
+    return PD_OK;
+}
+
+/* Rows [r0, r0 + rows) of a found matrix as a weight of its own. */
+static int matrix_rows(const pd_gguf_tensor *t, int64_t r0, int64_t rows, pd_weight *w, pd_error *err) {
+    uint64_t row_bytes;
+    int rc = pd_type_row_size(t->type, t->ne[0], &row_bytes, err);
+    if (!rc) rc = pd_weight_init(w, t->type, t->data + (uint64_t)r0 * row_bytes, rows, (int64_t)t->ne[0], err);
+    return rc ? pd_error_prefix(err, "tensor '%s'", t->name) : PD_OK;
+}
+
+static int load_matrix(loader *ld, const char *name, int64_t cols, int64_t rows, bool optional, pd_weight *w,
+                       pd_error *err) {
+    const pd_gguf_tensor *t;
+    memset(w, 0, sizeof *w);
+    int rc = find_matrix(ld, name, cols, rows, optional, &t, err);
+    return rc || !t ? rc : matrix_rows(t, 0, rows, w, err);
 }
 
 /* A 1-D tensor of n elements, converted to f32 into dst. */
-static int load_vector(const pd_gguf *g, const char *name, int64_t n, bool optional, float *dst, bool *found,
+static int load_vector(loader *ld, const char *name, int64_t n, bool optional, float *dst, bool *found,
                        pd_error *err) {
-    const pd_gguf_tensor *t = pd_gguf_find_tensor(g, name);
+    const pd_gguf_tensor *t = find_tensor(ld, name);
     if (found) *found = t != NULL;
     if (!t) return optional ? PD_OK : pd_errorf(err, PD_EFORMAT, "tensor '%s' is missing", name);
     if ((int64_t)t->n_elems != n || t->ne[0] != (uint64_t)n)
@@ -152,12 +301,19 @@ static int load_vector(const pd_gguf *g, const char *name, int64_t n, bool optio
     return rc ? pd_error_prefix(err, "tensor '%s'", name) : PD_OK;
 }
 
+/* The matrices of a layer (views of a fused tensor each count as one). */
+#define N_LAYER_MATRICES 7
+static void layer_matrices(const layer_weights *L, const pd_weight *ws[N_LAYER_MATRICES]) {
+    const pd_weight *all[N_LAYER_MATRICES] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+    memcpy(ws, all, sizeof all);
+}
+
 static pd_type most_common_type(const pd_model *m) {
     int count[PD_TYPE_COUNT] = {0};
     for (int l = 0; l < m->hp.n_layer; l++) {
-        const layer_weights *L = &m->layers[l];
-        const pd_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
-        for (size_t i = 0; i < sizeof ws / sizeof *ws; i++) count[ws[i]->type]++;
+        const pd_weight *ws[N_LAYER_MATRICES];
+        layer_matrices(&m->layers[l], ws);
+        for (size_t i = 0; i < N_LAYER_MATRICES; i++) count[ws[i]->type]++;
     }
     int best = 0;
     for (int t = 1; t < PD_TYPE_COUNT; t++)
@@ -165,17 +321,103 @@ static pd_type most_common_type(const pd_model *m) {
     return (pd_type)best;
 }
 
-static int load_weights(pd_model *m, pd_error *err) {
+/* Rope divisors for one rope: rope_freqs (if any) times the linear factor;
+ * none at all leaves p->freq_factors NULL. */
+static int make_rope_freqs(const float *base, float linear, pd_rope_params *p, float **owned, pd_error *err) {
+    if (!base && linear == 1.0f) return PD_OK;
+    const int n = p->n_rot / 2;
+    if (n > PD_ROPE_MAX_FACTORS)
+        return pd_errorf(err, PD_EUNSUPPORTED, "rope over %d dimensions is more than supported (%d)", p->n_rot,
+                         2 * PD_ROPE_MAX_FACTORS);
+    if (!(*owned = malloc(sizeof(float) * (size_t)n))) return pd_errorf(err, PD_ENOMEM, "out of memory");
+    for (int i = 0; i < n; i++) (*owned)[i] = (base ? base[i] : 1.0f) * linear;
+    p->freq_factors = *owned;
+    return PD_OK;
+}
+
+static int load_rope(pd_model *m, loader *ld, pd_error *err) {
+    pd_hparams *hp = &m->hp;
+    float linear;
+    int rc = read_rope_scaling(m->gguf, hp, &linear, err);
+    if (rc) return rc;
+    if (pd_gguf_find_tensor(m->gguf, "rope_factors_long.weight") ||
+        pd_gguf_find_tensor(m->gguf, "rope_factors_short.weight"))
+        return pd_errorf(err, PD_EUNSUPPORTED,
+                         "longrope scaling (rope_factors_long/short tensors, as in Phi-3 128k and Phi-3.5) "
+                         "is not supported");
+    /* Llama 3's per-frequency divisors: llama.cpp reads them for llama. */
+    float freqs[PD_ROPE_MAX_FACTORS], *base = NULL;
+    const int n = hp->rope.n_rot / 2;
+    if ((hp->arch == PD_ARCH_LLAMA || hp->arch == PD_ARCH_QWEN2) && pd_gguf_find_tensor(m->gguf, "rope_freqs.weight")) {
+        if (n > PD_ROPE_MAX_FACTORS) return pd_errorf(err, PD_EUNSUPPORTED, "rope_freqs.weight is too long");
+        if ((rc = load_vector(ld, "rope_freqs.weight", n, false, freqs, NULL, err))) return rc;
+        base = freqs;
+    }
+    if ((rc = make_rope_freqs(base, linear, &hp->rope, &m->rope_freqs, err))) return rc;
+    /* Gemma 3's local layers do not scale; elsewhere windowed layers rope alike. */
+    if (hp->arch == PD_ARCH_GEMMA3) return PD_OK;
+    hp->rope_swa.freq_factors = hp->rope.freq_factors;
+    return PD_OK;
+}
+
+#define LOAD(suffix, cols, rows, w) \
+    (snprintf(name, sizeof name, "blk.%d." suffix, l), load_matrix(ld, name, cols, rows, false, w, err))
+
+/* Per layer: Q, K, V (phi3: views of one fused attn_qkv when the file has
+ * it) and the output projection. */
+static int load_attention(loader *ld, const pd_hparams *hp, int l, layer_weights *L, pd_error *err) {
+    const int64_t d = hp->n_embd, qd = (int64_t)hp->n_head * hp->head_dim, kvd = (int64_t)hp->n_head_kv * hp->head_dim;
+    char name[96];
+    int rc;
+    if (hp->arch == PD_ARCH_PHI3) {
+        const pd_gguf_tensor *t;
+        snprintf(name, sizeof name, "blk.%d.attn_qkv.weight", l);
+        if ((rc = find_matrix(ld, name, d, qd + 2 * kvd, true, &t, err))) return rc;
+        if (t && ((rc = matrix_rows(t, 0, qd, &L->wq, err)) || (rc = matrix_rows(t, qd, kvd, &L->wk, err)) ||
+                  (rc = matrix_rows(t, qd + kvd, kvd, &L->wv, err))))
+            return rc;
+        if (t) goto output;
+    }
+    if ((rc = LOAD("attn_q.weight", d, qd, &L->wq)) || (rc = LOAD("attn_k.weight", d, kvd, &L->wk)) ||
+        (rc = LOAD("attn_v.weight", d, kvd, &L->wv)))
+        return rc;
+output:
+    return LOAD("attn_output.weight", qd, d, &L->wo);
+}
+
+/* Per layer: the feed-forward matrices (phi3: gate and up are the two row
+ * halves of ffn_up, gate first, as llama.cpp's fused SwiGLU splits them). */
+static int load_ffn(loader *ld, const pd_hparams *hp, int l, layer_weights *L, pd_error *err) {
+    const int64_t d = hp->n_embd, ff = hp->n_ff;
+    char name[96];
+    int rc;
+    if (hp->arch == PD_ARCH_PHI3) {
+        const pd_gguf_tensor *t;
+        snprintf(name, sizeof name, "blk.%d.ffn_up.weight", l);
+        if ((rc = find_matrix(ld, name, d, 2 * ff, false, &t, err)) || (rc = matrix_rows(t, 0, ff, &L->w_gate, err)) ||
+            (rc = matrix_rows(t, ff, ff, &L->w_up, err)))
+            return rc;
+    } else if ((rc = LOAD("ffn_gate.weight", d, ff, &L->w_gate)) || (rc = LOAD("ffn_up.weight", d, ff, &L->w_up))) {
+        return rc;
+    }
+    return LOAD("ffn_down.weight", ff, d, &L->w_down);
+}
+#undef LOAD
+
+static int load_weights(pd_model *m, loader *ld, pd_error *err) {
     const pd_gguf *g = m->gguf;
     pd_hparams *hp = &m->hp;
     const pd_gguf_tensor *emb = pd_gguf_find_tensor(g, "token_embd.weight");
     if (!emb || emb->n_dims != 2) return pd_errorf(err, PD_EFORMAT, "tensor 'token_embd.weight' is missing or not 2-D");
     if (emb->ne[1] == 0 || emb->ne[1] > INT32_MAX) return pd_errorf(err, PD_EFORMAT, "token_embd.weight: bad vocabulary size");
     hp->n_vocab = (int32_t)emb->ne[1];
-    const int64_t d = hp->n_embd, q_dim = (int64_t)hp->n_head * hp->head_dim, kv_dim = (int64_t)hp->n_head_kv * hp->head_dim;
+    const int64_t d = hp->n_embd, hd = hp->head_dim, q_dim = (int64_t)hp->n_head * hd,
+                  kv_dim = (int64_t)hp->n_head_kv * hd;
     int rc;
-    if ((rc = load_matrix(g, "token_embd.weight", d, hp->n_vocab, false, &m->tok_embd, err))) return rc;
-    if ((rc = load_matrix(g, "output.weight", d, hp->n_vocab, true, &m->output, err))) return rc;
+    if ((rc = load_matrix(ld, "token_embd.weight", d, hp->n_vocab, false, &m->tok_embd, err))) return rc;
+    /* gemma2 always reuses token_embd (llama.cpp refuses an output.weight there). */
+    if (hp->arch != PD_ARCH_GEMMA2 && (rc = load_matrix(ld, "output.weight", d, hp->n_vocab, true, &m->output, err)))
+        return rc;
     hp->tied_output = m->output.data == NULL;
     if (hp->tied_output) m->output = m->tok_embd;
     if (pd_tokenizer_n_vocab(m->tok) > hp->n_vocab)
@@ -183,58 +425,69 @@ static int load_weights(pd_model *m, pd_error *err) {
                          pd_tokenizer_n_vocab(m->tok), hp->n_vocab);
 
     /* All 1-D tensors in one allocation: output norm, then per layer
-     * attn_norm, ffn_norm, bq, bk, bv. */
-    const int64_t per_layer = 2 * d + q_dim + 2 * kv_dim;
+     * attn_norm, post_attn_norm, ffn_norm, post_ffn_norm, bq, bk, bv,
+     * q_norm, k_norm (a slot whatever the architecture; they are small). */
+    const int64_t per_layer = 4 * d + q_dim + 2 * kv_dim + 2 * hd;
     m->norms_len = (size_t)(d + per_layer * hp->n_layer);
     m->norms = malloc(sizeof(float) * m->norms_len);
     m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
     if (!m->norms || !m->layers) return pd_errorf(err, PD_ENOMEM, "out of memory for model weights");
     float *f = m->norms;
-    if ((rc = load_vector(g, "output_norm.weight", d, false, f, NULL, err))) return rc;
+    if ((rc = load_vector(ld, "output_norm.weight", d, false, f, NULL, err))) return rc;
     m->output_norm = f;
     f += d;
 
+    const bool gemma = is_gemma(hp->arch), qk_norm = hp->arch == PD_ARCH_QWEN3 || hp->arch == PD_ARCH_GEMMA3;
     char name[96];
 #define LAYER_NAME(fmt) (snprintf(name, sizeof name, "blk.%d." fmt, l), name)
+/* Load an optional-or-required vector into the next slot; dst = slot or NULL. */
+#define VECTOR(fmt, n, required, dst)                                                             \
+    do {                                                                                          \
+        bool found_;                                                                              \
+        if ((rc = load_vector(ld, LAYER_NAME(fmt), n, !(required), f, &found_, err))) return rc;  \
+        (dst) = found_ ? f : NULL;                                                                \
+        f += (n);                                                                                 \
+    } while (0)
     for (int l = 0; l < hp->n_layer; l++) {
         layer_weights *L = &m->layers[l];
-        bool found;
-        if ((rc = load_vector(g, LAYER_NAME("attn_norm.weight"), d, false, f, NULL, err))) return rc;
-        L->attn_norm = f, f += d;
-        if ((rc = load_vector(g, LAYER_NAME("ffn_norm.weight"), d, false, f, NULL, err))) return rc;
-        L->ffn_norm = f, f += d;
-        bool need_bias = hp->arch == PD_ARCH_QWEN2;
-        if ((rc = load_vector(g, LAYER_NAME("attn_q.bias"), q_dim, !need_bias, f, &found, err))) return rc;
-        L->bq = found ? f : NULL, f += q_dim;
-        if ((rc = load_vector(g, LAYER_NAME("attn_k.bias"), kv_dim, !need_bias, f, &found, err))) return rc;
-        L->bk = found ? f : NULL, f += kv_dim;
-        if ((rc = load_vector(g, LAYER_NAME("attn_v.bias"), kv_dim, !need_bias, f, &found, err))) return rc;
-        L->bv = found ? f : NULL, f += kv_dim;
-        if ((rc = load_matrix(g, LAYER_NAME("attn_q.weight"), d, q_dim, false, &L->wq, err)) ||
-            (rc = load_matrix(g, LAYER_NAME("attn_k.weight"), d, kv_dim, false, &L->wk, err)) ||
-            (rc = load_matrix(g, LAYER_NAME("attn_v.weight"), d, kv_dim, false, &L->wv, err)) ||
-            (rc = load_matrix(g, LAYER_NAME("attn_output.weight"), q_dim, d, false, &L->wo, err)) ||
-            (rc = load_matrix(g, LAYER_NAME("ffn_gate.weight"), d, hp->n_ff, false, &L->w_gate, err)) ||
-            (rc = load_matrix(g, LAYER_NAME("ffn_up.weight"), d, hp->n_ff, false, &L->w_up, err)) ||
-            (rc = load_matrix(g, LAYER_NAME("ffn_down.weight"), hp->n_ff, d, false, &L->w_down, err)))
-            return rc;
+        VECTOR("attn_norm.weight", d, true, L->attn_norm);
+        VECTOR("ffn_norm.weight", d, true, L->ffn_norm);
+        if (gemma) {
+            VECTOR("post_attention_norm.weight", d, true, L->post_attn_norm);
+            VECTOR("post_ffw_norm.weight", d, true, L->post_ffn_norm);
+        }
+        /* Biases: qwen2 has them, llama files may. */
+        if (hp->arch == PD_ARCH_LLAMA || hp->arch == PD_ARCH_QWEN2) {
+            const bool need = hp->arch == PD_ARCH_QWEN2;
+            VECTOR("attn_q.bias", q_dim, need, L->bq);
+            VECTOR("attn_k.bias", kv_dim, need, L->bk);
+            VECTOR("attn_v.bias", kv_dim, need, L->bv);
+        }
+        if (qk_norm) {
+            VECTOR("attn_q_norm.weight", hd, true, L->q_norm);
+            VECTOR("attn_k_norm.weight", hd, true, L->k_norm);
+        }
+        if ((rc = load_attention(ld, hp, l, L, err)) || (rc = load_ffn(ld, hp, l, L, err))) return rc;
+        const bool windowed = pd_hparams_layer_windowed(hp, l);
+        L->window = windowed ? hp->n_swa : 0;
+        L->rope = windowed ? &hp->rope_swa : &hp->rope;
     }
+#undef VECTOR
 #undef LAYER_NAME
-
-    /* llama3-style rope scaling (per-frequency divisors) and linear scaling. */
-    float linear;
-    if ((rc = read_rope_scaling(g, hp, &linear, err))) return rc;
-    const pd_gguf_tensor *rf = pd_gguf_find_tensor(g, "rope_freqs.weight");
-    if (rf || linear != 1.0f) {
-        int64_t n = hp->rope.n_rot / 2;
-        m->rope_freqs = malloc(sizeof(float) * (size_t)n);
-        if (!m->rope_freqs) return pd_errorf(err, PD_ENOMEM, "out of memory");
-        for (int64_t i = 0; i < n; i++) m->rope_freqs[i] = 1.0f;
-        if (rf && (rc = load_vector(g, "rope_freqs.weight", n, false, m->rope_freqs, NULL, err))) return rc;
-        for (int64_t i = 0; i < n; i++) m->rope_freqs[i] *= linear;
-        hp->rope.freq_factors = m->rope_freqs;
-    }
+    if ((rc = load_rope(m, ld, err))) return rc;
     hp->wtype = most_common_type(m);
+    return PD_OK;
+}
+
+/* Every tensor of the file must have been used (llama.cpp's rule too). */
+static int check_all_used(const loader *ld, const pd_hparams *hp, pd_error *err) {
+    const size_t n = pd_gguf_tensor_count(ld->g);
+    for (size_t i = 0; i < n; i++)
+        if (!ld->used[i])
+            return pd_errorf(err, PD_EUNSUPPORTED,
+                             "tensor '%s' has no place in the %s forward pass: this is a variant of the "
+                             "architecture that is not supported",
+                             pd_gguf_tensor_at(ld->g, i)->name, hp->arch_name);
     return PD_OK;
 }
 
@@ -253,9 +506,9 @@ static int place_on_backend(pd_model *m, pd_error *err) {
     if ((rc = be->ops->prepare_weight(be, &m->tok_embd, err))) return rc;
     if (!m->hp.tied_output && (rc = be->ops->prepare_weight(be, &m->output, err))) return rc;
     for (int l = 0; l < m->hp.n_layer; l++) {
-        const layer_weights *L = &m->layers[l];
-        const pd_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
-        for (size_t i = 0; i < sizeof ws / sizeof *ws; i++)
+        const pd_weight *ws[N_LAYER_MATRICES];
+        layer_matrices(&m->layers[l], ws);
+        for (size_t i = 0; i < N_LAYER_MATRICES; i++)
             if ((rc = be->ops->prepare_weight(be, ws[i], err))) return pd_error_prefix(err, "layer %d", l);
     }
     return be->ops->sync(be, err);
@@ -273,7 +526,14 @@ int pd_model_load(const char *path, const pd_model_params *params, pd_model **ou
     int rc = in_memory ? pd_gguf_load(path, &m->gguf, err) : pd_gguf_open(path, &m->gguf, err);
     if (!rc && (rc = read_hparams(m->gguf, &m->hp, err))) pd_error_prefix(err, "%s", path);
     if (!rc && (rc = pd_tokenizer_load(m->gguf, &m->tok, err))) pd_error_prefix(err, "%s: tokenizer", path);
-    if (!rc && (rc = load_weights(m, err))) pd_error_prefix(err, "%s", path);
+    if (!rc) {
+        loader ld = {.g = m->gguf, .used = calloc(pd_gguf_tensor_count(m->gguf) + 1, sizeof(bool))};
+        if (!ld.used) rc = pd_errorf(err, PD_ENOMEM, "out of memory loading a model");
+        if (!rc) rc = load_weights(m, &ld, err);
+        if (!rc) rc = check_all_used(&ld, &m->hp, err);
+        if (rc) pd_error_prefix(err, "%s", path);
+        free(ld.used);
+    }
     if (!rc) {
         if (params && params->backend) {
             m->backend = params->backend;
@@ -299,9 +559,9 @@ void pd_model_free(pd_model *m) {
             be->ops->forget_weight(be, &m->tok_embd);
             if (!m->hp.tied_output) be->ops->forget_weight(be, &m->output);
             for (int l = 0; l < m->hp.n_layer; l++) {
-                const layer_weights *L = &m->layers[l];
-                const pd_weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
-                for (size_t i = 0; i < sizeof ws / sizeof *ws; i++) be->ops->forget_weight(be, ws[i]);
+                const pd_weight *ws[N_LAYER_MATRICES];
+                layer_matrices(&m->layers[l], ws);
+                for (size_t i = 0; i < N_LAYER_MATRICES; i++) be->ops->forget_weight(be, ws[i]);
             }
         }
         if (m->dev_norms != m->norms) m->backend->ops->release(m->backend, m->dev_norms);

@@ -6,12 +6,19 @@
 
 #include "engine/engine.h"
 
+/* A fused tensor (phi3's attn_qkv, its gate+up ffn_up) is loaded as views
+ * of consecutive rows: wq/wk/wv and w_gate/w_up then point into it. */
 typedef struct layer_weights {
     const float *attn_norm; /* [n_embd] */
     pd_weight wq, wk, wv, wo;
-    const float *bq, *bk, *bv; /* qwen2 biases, else NULL */
+    const float *bq, *bk, *bv;        /* qwen2 biases, else NULL */
+    const float *q_norm, *k_norm;     /* [head_dim] per-head norms (qwen3, gemma3), else NULL */
+    const float *post_attn_norm;      /* gemma: norm of the attention output, else NULL */
     const float *ffn_norm;
     pd_weight w_gate, w_up, w_down;
+    const float *post_ffn_norm;       /* gemma: norm of the feed-forward output, else NULL */
+    int32_t window;                   /* sliding window of this layer, 0 = none */
+    const pd_rope_params *rope;       /* &hp.rope or &hp.rope_swa */
 } layer_weights;
 
 /* Scratch for one forward call, grown on demand and reused: `dev` in
@@ -36,7 +43,7 @@ struct pd_model {
     float *norms; /* owned f32 copies of every 1-D tensor */
     size_t norms_len;
     float *dev_norms; /* the same in backend memory (== norms on a host backend) */
-    float *rope_freqs;
+    float *rope_freqs;     /* hp.rope's divisors (and hp.rope_swa's where they are the same), or NULL */
     pd_type kv_type; /* PD_TYPE_F16 or PD_TYPE_F32: its sequences' K/V rows */
     fwd_scratch scratch;
 };

@@ -212,6 +212,14 @@ typedef struct pd_attn_args {
     const int64_t *group_start;    /* host, [n_groups + 1], 0 .. n_tokens, non-decreasing */
     float scale;          /* usually 1/sqrt(head_dim) */
     bool causal;
+    /* Sliding window (0 = none): a key at position p is visible to a query
+     * at position t only if t - p < window (llama.cpp's rule), on top of
+     * causality. Positions are the rows' original ones, so a compressed
+     * prefix's kept rows drop out of the window where their tokens would. */
+    int32_t window;
+    /* Soft-capping (0 = none): each scaled score s becomes
+     * softcap * tanh(s / softcap) before masking and the softmax (Gemma 2). */
+    float softcap;
     float *out;           /* [n_tokens][n_head][head_dim] */
 } pd_attn_args;
 
@@ -327,7 +335,8 @@ typedef struct pd_backend_ops {
      * host memory. */
     int (*get_rows)(pd_backend *be, const pd_weight *w, const int32_t *ids, int64_t n, float *out,
                     pd_error *err);
-    /* out[i] = x[i] / rms(x[i]) * weight, rows of dim; out may equal x. */
+    /* out[i] = x[i] / rms(x[i]) * weight, rows of dim; out may equal x.
+     * Per-head norms (Qwen3, Gemma 3) are rows of head_dim: n * n_heads rows. */
     int (*rmsnorm)(pd_backend *be, const float *x, const float *weight, int64_t n, int64_t dim,
                    float eps, float *out, pd_error *err);
     /* In-place rotary embedding of x [n][n_heads][head_dim] at positions pos[n]:
@@ -338,6 +347,15 @@ typedef struct pd_backend_ops {
                 const pd_rope_params *p, pd_error *err);
     /* out[i] = silu(gate[i]) * up[i] for i < n; out may equal gate. */
     int (*swiglu)(pd_backend *be, const float *gate, const float *up, int64_t n, float *out, pd_error *err);
+    /* out[i] = gelu(gate[i]) * up[i] for i < n, with GELU's tanh
+     * approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) as
+     * Gemma and ggml use it; out may equal gate. */
+    int (*geglu)(pd_backend *be, const float *gate, const float *up, int64_t n, float *out, pd_error *err);
+    /* In place, x[i] = cap * tanh(x[i] / cap) for i < n (cap > 0): final
+     * logit soft-capping. */
+    int (*softcap)(pd_backend *be, float *x, int64_t n, float cap, pd_error *err);
+    /* In place, x[i] *= s for i < n (Gemma's sqrt(n_embd) embedding scale). */
+    int (*scale)(pd_backend *be, float *x, int64_t n, float s, pd_error *err);
     /* y[r][i] += x[r][i] for r < rows, i < width, where x_stride is 0 (one
      * row broadcast to every row: a bias) or width (element-wise). */
     int (*add)(pd_backend *be, float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride,

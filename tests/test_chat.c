@@ -53,7 +53,7 @@ static char *render(pd_chat_family f, const pd_chat_message *m, size_t n, bool g
 
 Test(chat, family_names_round_trip) {
     static const char *const names[PD_CHAT_FAMILY_COUNT] = {"none", "chatml", "llama3", "llama2",
-                                                            "mistral", "zephyr", "phi3"};
+                                                            "mistral", "zephyr", "phi3", "gemma", "qwen3"};
     for (int f = 0; f < PD_CHAT_FAMILY_COUNT; f++) {
         cr_expect_str_eq(pd_chat_family_name((pd_chat_family)f), names[f]);
         pd_chat_family back = PD_CHAT_FAMILY_COUNT;
@@ -125,8 +125,7 @@ Test(chat, detect_unsupported_and_edge_cases) {
     /* StableLM-Zephyr ends turns with <|endoftext|>, GLM-Edge with nothing */
     cr_expect_eq(detect("{{ '<|user|>\\n' + m.content + '<|endoftext|>\\n' }}"), PD_CHAT_NONE);
     cr_expect_eq(detect("{% if r == 'user' %}<|user|>\\n{{ c }}{% endif %}<|assistant|>"), PD_CHAT_NONE);
-    /* Gemma, Llama 4 */
-    cr_expect_eq(detect("{{ '<start_of_turn>' + role + '\\n' }}"), PD_CHAT_NONE);
+    /* Llama 4 */
     cr_expect_eq(detect("{{ '<|header_start|>' + role + '<|header_end|>\\n\\n' }}"), PD_CHAT_NONE);
     /* A bare family name, as a configured override */
     cr_expect_eq(detect("chatml"), PD_CHAT_CHATML);
@@ -199,6 +198,17 @@ static const expected_render expected4[] = {
      "<|assistant|>\nHi there<|end|>\n"
      "<|user|>\nWho are you?<|end|>\n",
      "<|assistant|>\n", "<|system|>\nYou are terse.<|end|>\n"},
+    {PD_CHAT_GEMMA,
+     "<start_of_turn>user\nYou are terse.\n\nHello<end_of_turn>\n"
+     "<start_of_turn>model\nHi there<end_of_turn>\n"
+     "<start_of_turn>user\nWho are you?<end_of_turn>\n",
+     "<start_of_turn>model\n", "<start_of_turn>user\nYou are terse.\n\n"},
+    {PD_CHAT_QWEN3,
+     "<|im_start|>system\nYou are terse.<|im_end|>\n"
+     "<|im_start|>user\nHello<|im_end|>\n"
+     "<|im_start|>assistant\nHi there<|im_end|>\n"
+     "<|im_start|>user\nWho are you?<|im_end|>\n",
+     "<|im_start|>assistant\n<think>\n\n</think>\n\n", "<|im_start|>system\nYou are terse.<|im_end|>\n"},
 };
 
 Test(chat, render_every_family_exactly) {
@@ -258,6 +268,11 @@ Test(chat, render_matches_llama_cpp_vectors) {
          "<|system|>\nYou are a helpful assistant<|end|>\n<|user|>\nHello<|end|>\n<|assistant|>\nHi there"
          "<|end|>\n<|user|>\nWho are you<|end|>\n<|assistant|>\n   I am an assistant   <|end|>\n<|user|>\n"
          "Another question<|end|>\n<|assistant|>\n"},
+        /* google/gemma-7b-it (also what Gemma 3's own template renders here) */
+        {PD_CHAT_GEMMA,
+         "<start_of_turn>user\nYou are a helpful assistant\n\nHello<end_of_turn>\n<start_of_turn>model\nHi there"
+         "<end_of_turn>\n<start_of_turn>user\nWho are you<end_of_turn>\n<start_of_turn>model\nI am an assistant"
+         "<end_of_turn>\n<start_of_turn>user\nAnother question<end_of_turn>\n<start_of_turn>model\n"},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         char *got = render(cases[k].f, conv, 6, true, NULL, NULL);
@@ -279,6 +294,8 @@ Test(chat, render_without_system) {
         {PD_CHAT_MISTRAL, "[INST] Hi [/INST]"},
         {PD_CHAT_ZEPHYR, "<|user|>\nHi</s>\n<|assistant|>\n"},
         {PD_CHAT_PHI3, "<|user|>\nHi<|end|>\n<|assistant|>\n"},
+        {PD_CHAT_GEMMA, "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"},
+        {PD_CHAT_QWEN3, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         size_t sys = 99;
@@ -341,7 +358,7 @@ Test(chat, system_len_is_a_shared_prefix) {
             /* nothing after the prefix depends on the system text: the rest is
              * what the same conversation without its system message renders to,
              * for the families whose system turn is self-contained */
-            if (f != PD_CHAT_LLAMA2 && f != PD_CHAT_MISTRAL) {
+            if (f != PD_CHAT_LLAMA2 && f != PD_CHAT_MISTRAL && f != PD_CHAT_GEMMA) {
                 size_t ln;
                 char *tn = render(f, a + 1, 1, gen, &ln, NULL);
                 cr_expect_eq(la - sa, ln, "%s", name);
@@ -373,6 +390,9 @@ Test(chat, several_leading_system_messages) {
         {PD_CHAT_MISTRAL, "[INST] A\nB\n", "U [/INST]"},
         {PD_CHAT_ZEPHYR, "<|system|>\nA</s>\n<|system|>\nB</s>\n", "<|user|>\nU</s>\n"},
         {PD_CHAT_PHI3, "<|system|>\nA<|end|>\n<|system|>\nB<|end|>\n", "<|user|>\nU<|end|>\n"},
+        {PD_CHAT_GEMMA, "<start_of_turn>user\nA\n\nB\n\n", "U<end_of_turn>\n"},
+        {PD_CHAT_QWEN3, "<|im_start|>system\nA<|im_end|>\n<|im_start|>system\nB<|im_end|>\n",
+         "<|im_start|>user\nU<|im_end|>\n"},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         size_t sys = 0;
@@ -400,9 +420,14 @@ Test(chat, later_system_message) {
     cr_expect_str_eq(got, "<|system|>\nS<|end|>\n<|user|>\nU1<|end|>\n<|system|>\nT<|end|>\n");
     cr_expect_eq(sys, strlen("<|system|>\nS<|end|>\n"), "only the leading system turn is the prefix");
     free(got);
-    /* [INST] families cannot place it */
-    pd_chat_family inst[] = {PD_CHAT_LLAMA2, PD_CHAT_MISTRAL};
-    for (size_t k = 0; k < 2; k++) {
+    got = render(PD_CHAT_QWEN3, conv, 4, false, NULL, &sys);
+    cr_expect_str_eq(got, "<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n"
+                          "<|im_start|>system\nNow be brief.<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n");
+    cr_expect_eq(sys, 0);
+    free(got);
+    /* families that fold system text into the first user turn cannot place it */
+    pd_chat_family inst[] = {PD_CHAT_LLAMA2, PD_CHAT_MISTRAL, PD_CHAT_GEMMA};
+    for (size_t k = 0; k < sizeof inst / sizeof *inst; k++) {
         char *out = (char *)"sentinel";
         size_t len = 7, sl = 7;
         pd_error err = {0};
@@ -653,6 +678,11 @@ Test(chat, model_template_must_match_vocab) {
         {"{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}", PD_CHAT_NONE},
         {"{{ '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}", PD_CHAT_NONE},
         {"{{ messages }}", PD_CHAT_NONE},
+        /* Gemma's and Qwen3's markers are not in the phi-3 vocab either */
+        {"{{ '<start_of_turn>' + role + '\\n' + m.content | trim + '<end_of_turn>\\n' }}", PD_CHAT_NONE},
+        {"{{ '<|im_start|>' + m.role }}{% if enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+         "{% endif %}",
+         PD_CHAT_NONE},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         char vname[64], mname[64];
@@ -663,4 +693,300 @@ Test(chat, model_template_must_match_vocab) {
         cr_expect_eq(pd_model_chat_family(m), cases[k].want, "case %zu: %s", k, cases[k].tmpl);
         pd_model_free(m);
     }
+}
+
+/* ---- Gemma and Qwen3 ---------------------------------------------------------- */
+
+/* Templates written the way the models ship them (Jinja, abridged to the
+ * parts that decide the format). */
+static const char gemma3_template[] =
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {{- message['content'] | trim }}\n"
+    "    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{ '<start_of_turn>model\\n' }}\n"
+    "{%- endif -%}\n";
+
+static const char gemma2_template[] =
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\\n' + "
+    "message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{'<start_of_turn>model\\n'}}{% endif %}";
+
+static const char qwen3_template[] =
+    "{%- if messages[0].role == 'system' %}\n"
+    "    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}\n"
+    "{%- for message in messages[::-1] %}\n"
+    "    {%- set index = (messages|length - 1) - loop.index0 %}\n"
+    "    {%- if ns.multi_step_tool and message.role == \"user\" and not(message.content.startswith('<tool_response>')"
+    " and message.content.endswith('</tool_response>')) %}\n"
+    "        {%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- set content = message.content %}\n"
+    "    {%- if message.role == \"user\" or (message.role == \"system\" and not loop.first) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == \"assistant\" %}\n"
+    "        {%- set reasoning_content = '' %}\n"
+    "        {%- if '</think>' in content %}\n"
+    "            {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1]"
+    ".lstrip('\\n') %}\n"
+    "            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}\n"
+    "        {%- endif %}\n"
+    "        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}\n"
+    "            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n'"
+    " + content.lstrip('\\n') }}\n"
+    "        {%- else %}\n"
+    "            {{- '<|im_start|>assistant\\n' + content }}\n"
+    "        {%- endif %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "    {%- if enable_thinking is defined and enable_thinking is false %}\n"
+    "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n";
+
+/* Phi-3.5-mini / later Phi-3-mini: a system branch, EOS without a generation prompt. */
+static const char phi35_template[] =
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
+    "{{'<|system|>\\n' + message['content'] + '<|end|>\\n'}}{% elif message['role'] == 'user' %}"
+    "{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}";
+
+Test(chat, detect_gemma_qwen3_phi3_templates) {
+    cr_expect_eq(detect(gemma3_template), PD_CHAT_GEMMA);
+    cr_expect_eq(detect(gemma2_template), PD_CHAT_GEMMA);
+    cr_expect_eq(detect(qwen3_template), PD_CHAT_QWEN3);
+    cr_expect_eq(detect(phi35_template), PD_CHAT_PHI3);
+    /* Qwen2.5 (no thinking) and QwQ (thinking always on, no switch) stay ChatML */
+    cr_expect_eq(detect("{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content "
+                        "+ '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+                        "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"),
+                 PD_CHAT_CHATML);
+    /* SmolLM3 reads enable_thinking into its own system header */
+    cr_expect_eq(detect("{%- if enable_thinking -%}{%- set reasoning_mode = \"/think\" -%}{%- else -%}"
+                        "{%- set reasoning_mode = \"/no_think\" -%}{%- endif -%}{{- \"<|im_start|>system\\n\" -}}"
+                        "{{- \"<think>\\n\\n</think>\\n\" }}"),
+                 PD_CHAT_CHATML);
+    cr_expect_eq(detect("gemma"), PD_CHAT_GEMMA);
+    cr_expect_eq(detect("Qwen3"), PD_CHAT_QWEN3);
+}
+
+/* Gemma as Gemma 3's template renders: "model" for the assistant, every
+ * turn's content trimmed, the system text (as given) + "\n\n" opening the
+ * first user turn. */
+Test(chat, gemma_renders_as_its_template) {
+    static const pd_chat_message conv[] = {
+        {"system", "  Be kind. "}, {"user", " Hello\n"}, {"assistant", "\n Hi! "}, {"user", "Bye"}};
+    char *got = render(PD_CHAT_GEMMA, conv, 4, true, NULL, NULL);
+    cr_expect_str_eq(got, "<start_of_turn>user\n  Be kind. \n\nHello<end_of_turn>\n"
+                          "<start_of_turn>model\nHi!<end_of_turn>\n"
+                          "<start_of_turn>user\nBye<end_of_turn>\n"
+                          "<start_of_turn>model\n");
+    free(got);
+    /* A system message followed by a model turn: its user turn holds only
+     * the system text (Gemma's template would refuse the order). */
+    static const pd_chat_message model_first[] = {{"system", "S"}, {"assistant", "A"}, {"user", "U"}};
+    size_t sys = 0;
+    got = render(PD_CHAT_GEMMA, model_first, 3, true, NULL, &sys);
+    cr_expect_str_eq(got, "<start_of_turn>user\nS\n\n<end_of_turn>\n<start_of_turn>model\nA<end_of_turn>\n"
+                          "<start_of_turn>user\nU<end_of_turn>\n<start_of_turn>model\n");
+    cr_expect_eq(sys, strlen("<start_of_turn>user\nS\n\n"));
+    free(got);
+    /* System only, with a generation prompt: what the template renders for
+     * the system message and an empty user message. */
+    static const pd_chat_message only[] = {{"system", "S"}};
+    static const pd_chat_message empty_user[] = {{"system", "S"}, {"user", ""}};
+    char *a = render(PD_CHAT_GEMMA, only, 1, true, NULL, NULL);
+    char *b = render(PD_CHAT_GEMMA, empty_user, 2, true, NULL, NULL);
+    cr_expect_str_eq(a, "<start_of_turn>user\nS\n\n<end_of_turn>\n<start_of_turn>model\n");
+    cr_expect_str_eq(a, b);
+    free(a);
+    free(b);
+}
+
+/* Qwen3 as its template renders with enable_thinking = false. */
+Test(chat, qwen3_renders_as_its_template) {
+    /* Reasoning written into an earlier answer is dropped from the history;
+     * the final answer (after the last question) keeps a <think> block,
+     * empty when it had no reasoning. */
+    static const pd_chat_message conv[] = {{"system", "S"},
+                                           {"user", "Q1"},
+                                           {"assistant", "<think>\nplan\n</think>\n\nA1"},
+                                           {"user", "Q2"},
+                                           {"assistant", "A2"}};
+    char *got = render(PD_CHAT_QWEN3, conv, 5, false, NULL, NULL);
+    cr_expect_str_eq(got, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n"
+                          "<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n"
+                          "<|im_start|>assistant\n<think>\n\n</think>\n\nA2<|im_end|>\n");
+    free(got);
+    static const pd_chat_message reasoned[] = {{"user", "Q"}, {"assistant", "<think>\n\nstep one\n\n</think>\n\nA"}};
+    got = render(PD_CHAT_QWEN3, reasoned, 2, false, NULL, NULL);
+    cr_expect_str_eq(got, "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\nstep one\n</think>\n\nA"
+                          "<|im_end|>\n");
+    free(got);
+    /* Tool output sent as a user message does not start a new query: the
+     * answers after the question keep their reasoning, an answer without
+     * reasoning that is not the last one stays plain. */
+    static const pd_chat_message tools[] = {{"user", "Q"},
+                                            {"assistant", "calling"},
+                                            {"user", "<tool_response>\n42\n</tool_response>"},
+                                            {"assistant", "<think>r</think>x"},
+                                            {"assistant", "y"}};
+    got = render(PD_CHAT_QWEN3, tools, 5, true, NULL, NULL);
+    cr_expect_str_eq(got, "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\ncalling<|im_end|>\n"
+                          "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+                          "<|im_start|>assistant\n<think>\nr\n</think>\n\nx<|im_end|>\n"
+                          "<|im_start|>assistant\n<think>\n\n</think>\n\ny<|im_end|>\n"
+                          "<|im_start|>assistant\n<think>\n\n</think>\n\n");
+    free(got);
+    /* Only the part after the last </think> is the answer; the reasoning is
+     * what precedes the first </think>, after its last <think>. */
+    static const pd_chat_message nested[] = {{"user", "Q"}, {"assistant", "a<think>b</think>c</think>\nd"}};
+    got = render(PD_CHAT_QWEN3, nested, 2, false, NULL, NULL);
+    cr_expect_str_eq(got, "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\nb\n</think>\n\nd<|im_end|>\n");
+    free(got);
+}
+
+/* A copy of the phi-3 vocab with extra tokens appended (and a template):
+ * the markers of a family the shared vocabularies lack. */
+static const char *vocab_with_tokens(const char *src, const char *const *extra, const int32_t *types, size_t n_extra,
+                                     const char *tmpl, const char *name) {
+    pd_gguf *g = NULL;
+    pd_gguf_writer *w = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_gguf_open(src, &g, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_gguf_writer_new(&w, &err), PD_OK, "%s", err.msg);
+    const pd_gguf_value *toks = NULL, *scores = NULL, *ttypes = NULL;
+    cr_assert_eq(pd_gguf_get_arr(g, "tokenizer.ggml.tokens", PD_GGUF_STRING, &toks, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_gguf_get_arr(g, "tokenizer.ggml.scores", PD_GGUF_FLOAT32, &scores, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_gguf_get_arr(g, "tokenizer.ggml.token_type", PD_GGUF_INT32, &ttypes, &err), PD_OK, "%s",
+                 err.msg);
+    const size_t n = (size_t)toks->arr.n, total = n + n_extra;
+    pd_str *t = malloc(sizeof *t * total);
+    float *sc = malloc(sizeof *sc * total);
+    int32_t *ty = malloc(sizeof *ty * total);
+    cr_assert(t && sc && ty);
+    for (size_t i = 0; i < n; i++) {
+        t[i] = toks->arr.strs[i];
+        sc[i] = pd_gguf_arr_f32(scores, i);
+        ty[i] = pd_gguf_arr_i32(ttypes, i);
+    }
+    for (size_t i = 0; i < n_extra; i++) {
+        t[n + i] = (pd_str){extra[i], strlen(extra[i])};
+        sc[n + i] = 0.0f;
+        ty[n + i] = types[i];
+    }
+    for (size_t i = 0; i < pd_gguf_kv_count(g); i++) {
+        const pd_gguf_kv *kv = pd_gguf_kv_at(g, i);
+        if (strncmp(kv->key, "tokenizer.", 10) != 0 || strcmp(kv->key, "tokenizer.chat_template") == 0 ||
+            strcmp(kv->key, "tokenizer.ggml.tokens") == 0 || strcmp(kv->key, "tokenizer.ggml.scores") == 0 ||
+            strcmp(kv->key, "tokenizer.ggml.token_type") == 0)
+            continue;
+        cr_assert_eq(pd_gguf_writer_copy_kv(w, kv, &err), PD_OK, "%s", err.msg);
+    }
+    cr_assert_eq(pd_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", t, total, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_gguf_writer_set_arr(w, "tokenizer.ggml.scores", PD_GGUF_FLOAT32, sc, total, &err), PD_OK, "%s",
+                 err.msg);
+    cr_assert_eq(pd_gguf_writer_set_arr(w, "tokenizer.ggml.token_type", PD_GGUF_INT32, ty, total, &err), PD_OK, "%s",
+                 err.msg);
+    cr_assert_eq(pd_gguf_writer_set_str(w, "tokenizer.chat_template", tmpl, &err), PD_OK, "%s", err.msg);
+    static char path[1024];
+    snprintf(path, sizeof path, "%s", tpath(name));
+    cr_assert_eq(pd_gguf_writer_write(w, path, 0, &err), PD_OK, "%s", err.msg);
+    pd_gguf_writer_free(w);
+    pd_gguf_close(g);
+    free(t);
+    free(sc);
+    free(ty);
+    return path;
+}
+
+/* Gemma and Qwen3 markers on a vocabulary that has them: detected from the
+ * model, one token each with parse_special, the system prefix tokenizes to
+ * the leading tokens, and each family's end-of-turn token stops generation. */
+Test(chat, gemma_qwen3_models_markers_and_stop_tokens) {
+    TH_REQUIRE_SHARED();
+    char vpath[1024];
+    cr_assert_not_null(th_shared_file("vocab/ggml-vocab-phi-3.gguf", vpath, sizeof vpath));
+    static const char *const extra[] = {"<start_of_turn>", "<end_of_turn>", "<|im_start|>",
+                                        "<|im_end|>",      "<think>",       "</think>"};
+    static const int32_t types[] = {PD_TOKEN_TYPE_CONTROL, PD_TOKEN_TYPE_CONTROL, PD_TOKEN_TYPE_CONTROL,
+                                    PD_TOKEN_TYPE_CONTROL, PD_TOKEN_TYPE_USER_DEFINED, PD_TOKEN_TYPE_USER_DEFINED};
+    static const struct {
+        const char *tmpl;
+        pd_chat_family f;
+        const char *open, *close; /* turn markers */
+        size_t n_open, n_close;   /* in conv4 with the generation prompt */
+    } cases[] = {
+        {gemma3_template, PD_CHAT_GEMMA, "<start_of_turn>", "<end_of_turn>", 4, 3},
+        {qwen3_template, PD_CHAT_QWEN3, "<|im_start|>", "<|im_end|>", 5, 4},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        const char *name = pd_chat_family_name(cases[k].f);
+        char vname[64], mname[64];
+        snprintf(vname, sizeof vname, "vocab-%s.gguf", name);
+        snprintf(mname, sizeof mname, "model-%s.gguf", name);
+        const char *vp = vocab_with_tokens(vpath, extra, types, 6, cases[k].tmpl, vname);
+        pd_model *m = gen_model(vp, mname);
+        cr_expect_eq(pd_model_chat_family(m), cases[k].f, "%s", name);
+        const pd_tokenizer *t = pd_model_tokenizer(m);
+        size_t len = 0, sys_len = 0;
+        char *text = render(cases[k].f, conv4, 4, true, &len, &sys_len);
+        expect_prefix_tokens(t, text, len, sys_len, name);
+        pd_token open = find_tok(t, cases[k].open), close = find_tok(t, cases[k].close);
+        pd_tokenize_opts special = {.add_special = true, .parse_special = true};
+        pd_token *ids = NULL;
+        size_t n = 0;
+        pd_error err = {0};
+        cr_assert_eq(pd_tokenize(t, text, len, special, &ids, &n, &err), PD_OK, "%s", err.msg);
+        cr_expect_eq(ids[0], pd_tokenizer_bos(t), "%s: BOS comes from add_special", name);
+        cr_expect_eq(count_id(ids, n, open), cases[k].n_open, "%s", name);
+        cr_expect_eq(count_id(ids, n, close), cases[k].n_close, "%s", name);
+        /* the generation stops at the end of the model's turn, not at its opening */
+        cr_expect(pd_tokenizer_is_eog(t, close), "%s: %s ends generation", name, cases[k].close);
+        cr_expect_not(pd_tokenizer_is_eog(t, open), "%s: %s does not", name, cases[k].open);
+        if (cases[k].f == PD_CHAT_QWEN3) {
+            cr_expect_eq(count_id(ids, n, find_tok(t, "<think>")), 1, "the empty think block of the prompt");
+            cr_expect_eq(count_id(ids, n, find_tok(t, "</think>")), 1);
+            cr_expect_not(pd_tokenizer_is_eog(t, find_tok(t, "</think>")), "the answer follows </think>");
+        }
+        free(ids);
+        free(text);
+        pd_model_free(m);
+    }
+}
+
+/* Phi-3 stops at <|end|> (its turn end) as well as at EOS <|endoftext|>. */
+Test(chat, phi3_stop_tokens) {
+    TH_REQUIRE_SHARED();
+    pd_tokenizer *t = load_vocab("vocab/ggml-vocab-phi-3.gguf");
+    cr_expect(pd_tokenizer_is_eog(t, find_tok(t, "<|end|>")));
+    cr_expect(pd_tokenizer_is_eog(t, find_tok(t, "<|endoftext|>")));
+    cr_expect_eq(pd_tokenizer_eos(t), find_tok(t, "<|endoftext|>"));
+    cr_expect_not(pd_tokenizer_is_eog(t, find_tok(t, "<|user|>")));
+    cr_expect_not(pd_tokenizer_is_eog(t, find_tok(t, "<|assistant|>")));
+    pd_tokenizer_free(t);
 }

@@ -514,6 +514,39 @@ Test(cuda_parity, swiglu) {
     close_backends(&b);
 }
 
+/* GeGLU, soft-capping and scaling. tanhf on each side is within a few ulps;
+ * the same margin as swiglu's. */
+Test(cuda_parity, geglu_softcap_scale) {
+    REQUIRE_CUDA();
+    backends b = open_backends();
+    const int64_t n = 100003;
+    const size_t bytes = sizeof(float) * (size_t)n;
+    float *g = xmalloc(bytes), *u = xmalloc(bytes), *oc = xmalloc(bytes), *og = xmalloc(bytes);
+    fill_sym(g, n, 12.0f, 1101);
+    fill_sym(u, n, 3.0f, 1102);
+    pd_backend *bes[2] = {b.cpu, b.gpu};
+    for (int op = 0; op < 3; op++) {
+        for (int i = 0; i < 2; i++) {
+            pd_backend *be = bes[i];
+            pd_error err = {0};
+            float *dg = be_put(be, g, bytes), *du = be_put(be, u, bytes);
+            if (op == 0) be_ok(be, be->ops->geglu(be, dg, du, n, dg, &err), &err, "geglu");
+            if (op == 1) be_ok(be, be->ops->softcap(be, dg, n, 5.0f, &err), &err, "softcap");
+            if (op == 2) be_ok(be, be->ops->scale(be, dg, n, 0.3f, &err), &err, "scale");
+            be_get(be, i ? og : oc, dg, bytes);
+            be_release(be, dg);
+            be_release(be, du);
+        }
+        static const char *const names[] = {"geglu", "softcap", "scale"};
+        for (int64_t i = 0; i < n; i++)
+            cr_assert_leq(fabs((double)og[i] - oc[i]), 4e-6 * fabs((double)oc[i]) + 1e-30,
+                          "%s: g %g u %g: GPU %.9g, CPU %.9g", names[op], (double)g[i], (double)u[i], (double)og[i],
+                          (double)oc[i]);
+    }
+    free(g), free(u), free(oc), free(og);
+    close_backends(&b);
+}
+
 Test(cuda_parity, add_bias_and_elementwise) {
     REQUIRE_CUDA();
     backends b = open_backends();
@@ -715,6 +748,8 @@ typedef struct attn_case {
     int64_t seg_len[MAX_GROUPS][PD_MAX_KV_SEGMENTS];
     uint64_t seed;
     pd_type shared_type, own_type; /* K/V rows: f32 (0) or f16, uploaded as such to both backends */
+    int32_t window;                /* sliding window (0: none) */
+    float softcap;                 /* score soft-capping (0: none) */
 } attn_case;
 
 /* Host data of one segment for every kv head: positions shared by the
@@ -865,6 +900,8 @@ static void run_attention(pd_backend *be, const attn_case *c, const attn_data *d
                             .group_start = d->group_start,
                             .scale = 1.0f / sqrtf((float)hd),
                             .causal = true,
+                            .window = c->window,
+                            .softcap = c->softcap,
                             .out = dout};
     pd_error err = {0};
     be_ok(be, be->ops->attention(be, &a, &err), &err, c->name);
@@ -980,6 +1017,50 @@ Test(cuda_parity, attention_decode_eight_groups_shared_prefix) {
         mixed.own_type = PD_TYPE_F16;
         check_attention(&b, &mixed);
     }
+    close_backends(&b);
+}
+
+/* Sliding windows (over positions with gaps, so kept prefix rows fall in
+ * and out of them) and soft-capped scores, on the prefill and decode paths;
+ * q is drawn larger here so the cap bites. */
+Test(cuda_parity, attention_windows_and_soft_caps) {
+    REQUIRE_CUDA();
+    backends b = open_backends();
+    const attn_case prefill = {.name = "prefill, window 40",
+                               .n_head = 8,
+                               .n_head_kv = 2,
+                               .head_dim = 64,
+                               .n_groups = 1,
+                               .group_tokens = {77},
+                               .n_segments = 2,
+                               .seg_len = {{300, 77}},
+                               .seed = 5000,
+                               .window = 40};
+    check_attention(&b, &prefill);
+    attn_case capped = prefill;
+    capped.name = "prefill, window 40, soft-cap 0.5, f16 rows";
+    capped.softcap = 0.5f;
+    capped.own_type = PD_TYPE_F16;
+    check_attention(&b, &capped);
+    const attn_case decode = {.name = "decode, window 700, soft-cap 1",
+                              .n_head = 8,
+                              .n_head_kv = 2,
+                              .head_dim = 128,
+                              .n_groups = 8,
+                              .group_tokens = {1, 1, 1, 1, 1, 1, 1, 1},
+                              .n_shared = 1,
+                              .shared_len = 3000,
+                              .n_segments = 1,
+                              .seg_len = {{1}, {2}, {17}, {64}, {65}, {300}, {1000}, {2500}},
+                              .seed = 5100,
+                              .window = 700,
+                              .softcap = 1.0f};
+    check_attention(&b, &decode);
+    attn_case narrow = decode;
+    narrow.name = "decode, window 3";
+    narrow.window = 3;
+    narrow.softcap = 0.0f;
+    check_attention(&b, &narrow);
     close_backends(&b);
 }
 
@@ -1214,6 +1295,46 @@ Test(cuda_parity, generated_qwen2_prefill_and_decode_logits) {
     for (int i = 0; i < 64; i++) tokens[i] = 3 + (pd_token)rng_below(&r, (int64_t)nv - 3);
     tokens[0] = 1;
     check_model_logits(path, tokens, "qwen2 (generated)");
+    th_rmtree(dir);
+    free(dir);
+}
+
+/* qwen3, gemma2, gemma3, phi3: per-head norms, GeGLU, post norms, windows
+ * shorter than the prompt, soft-caps, fused tensors; peaked BF16 weights. */
+Test(cuda_parity, generated_newer_architectures_prefill_and_decode_logits) {
+    REQUIRE_CUDA();
+    char *dir = th_mkdtemp();
+    cr_assert_not_null(dir);
+    static const char *const archs[] = {"qwen3", "gemma2", "gemma3", "phi3"};
+    for (size_t i = 0; i < sizeof archs / sizeof *archs; i++) {
+        char path[1024];
+        snprintf(path, sizeof path, "%s/%s.gguf", dir, archs[i]);
+        pd_testmodel_opts o;
+        pd_error err = {0};
+        cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
+        o.arch = archs[i];
+        o.wtype = PD_TYPE_BF16;
+        o.peaked = true;
+        o.n_embd = 128;
+        o.n_ff = 256;
+        o.n_head = 4;
+        o.n_head_kv = 2;
+        o.head_dim = strcmp(archs[i], "phi3") ? 64 : 0;
+        o.n_layer = strcmp(archs[i], "gemma3") ? 2 : 6;
+        o.sliding_window = 12;
+        o.tied = strcmp(archs[i], "phi3") != 0;
+        o.attn_softcap = strcmp(archs[i], "gemma2") ? 0.0f : 10.0f;
+        o.final_softcap = strcmp(archs[i], "gemma2") ? 0.0f : 20.0f;
+        o.n_ctx = 512;
+        o.seed = 19 + i;
+        cr_assert_eq(pd_testmodel_write(&o, path, NULL, &err), PD_OK, "%s", err.msg);
+        pd_token tokens[64];
+        rng r = {20 + i};
+        const uint32_t nv = pd_testmodel_builtin_vocab_size();
+        for (int t = 0; t < 64; t++) tokens[t] = 3 + (pd_token)rng_below(&r, (int64_t)nv - 3);
+        tokens[0] = 1;
+        check_model_logits(path, tokens, archs[i]);
+    }
     th_rmtree(dir);
     free(dir);
 }

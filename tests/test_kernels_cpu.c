@@ -782,6 +782,51 @@ Test(swiglu, matches_formula_and_works_in_place) {
     }
 }
 
+/* GeGLU (tanh GELU), soft-capping and scaling, against their formulas in
+ * double; each also in place. */
+Test(elementwise, geglu_softcap_scale_match_formulas) {
+    pd_backend *be = make_backend(2, NULL);
+    const int64_t ns[] = {1, 17, 1536, 70001};
+    for (size_t ni = 0; ni < 4; ni++) {
+        const int64_t n = ns[ni];
+        uint64_t s = 8100 + ni;
+        float *g = malloc(sizeof(float) * (size_t)n), *u = malloc(sizeof(float) * (size_t)n);
+        float *out = malloc(sizeof(float) * (size_t)n), *x = malloc(sizeof(float) * (size_t)n);
+        for (int64_t i = 0; i < n; i++) {
+            g[i] = rng_normal(&s) * 4.0f;
+            u[i] = rng_normal(&s);
+        }
+        if (n > 4) g[0] = 30.0f, g[1] = -30.0f, g[2] = 0.0f; /* gelu(x) = x, 0, 0 */
+        cr_assert_eq(be->ops->geglu(be, g, u, n, out, NULL), PD_OK);
+        for (int64_t i = 0; i < n; i++) {
+            const double a = g[i];
+            const double want = 0.5 * a * (1.0 + tanh(sqrt(2.0 / M_PI) * (a + 0.044715 * a * a * a))) * u[i];
+            cr_assert(fabs(out[i] - want) <= 2e-6 * fmax(1.0, fabs(want)) + 2e-6 * fabs(want) * fabs(a),
+                      "n %lld [%lld]: gelu(%g)*%g = %.9g, want %.9g", (long long)n, (long long)i, a, (double)u[i],
+                      (double)out[i], want);
+        }
+        cr_assert_eq(be->ops->geglu(be, g, u, n, g, NULL), PD_OK); /* in place */
+        cr_assert_eq(memcmp(g, out, sizeof(float) * (size_t)n), 0);
+
+        for (int64_t i = 0; i < n; i++) x[i] = u[i] * 40.0f;
+        memcpy(out, x, sizeof(float) * (size_t)n);
+        cr_assert_eq(be->ops->softcap(be, out, n, 30.0f, NULL), PD_OK);
+        for (int64_t i = 0; i < n; i++) {
+            const double want = 30.0 * tanh(x[i] / 30.0);
+            cr_assert(fabs(out[i] - want) <= 4e-6 * fmax(1.0, fabs(want)), "softcap(%g) = %.9g, want %.9g",
+                      (double)x[i], (double)out[i], want);
+        }
+        memcpy(out, x, sizeof(float) * (size_t)n);
+        cr_assert_eq(be->ops->scale(be, out, n, 0.375f, NULL), PD_OK);
+        for (int64_t i = 0; i < n; i++) cr_assert_eq(out[i], x[i] * 0.375f);
+        free(g), free(u), free(out), free(x);
+    }
+    pd_error err = {0};
+    float y = 1.0f;
+    cr_expect_eq(be->ops->softcap(be, &y, 1, 0.0f, &err), PD_EINVAL, "a cap of 0 is refused");
+    pd_backend_free(be);
+}
+
 /* ------------------------------------------------------------------------
  * rope
  * ------------------------------------------------------------------------ */
@@ -865,6 +910,8 @@ typedef struct attn_case {
     int64_t seg_len[PD_MAX_KV_SEGMENTS];
     bool causal, masks;
     float scale;
+    int32_t window; /* 0: none */
+    float softcap;  /* 0: none */
 } attn_case;
 
 /* Element i of a view's K or V rows, whatever its type. */
@@ -892,9 +939,11 @@ static void attn_ref(const pd_attn_args *a, double *out) {
                     for (int64_t j = 0; j < kv->len; j++) {
                         if (kv->keep && !kv->keep[j]) continue;
                         if (a->causal && kv->pos[j] > a->q_pos[t]) continue;
+                        if (a->window > 0 && (int64_t)a->q_pos[t] - kv->pos[j] >= a->window) continue;
                         double sc = 0;
                         for (int d = 0; d < hd; d++) sc += (double)q[d] * kv_at(kv, kv->k, j * hd + d);
                         sc *= a->scale;
+                        if (a->softcap > 0) sc = a->softcap * tanh(sc / a->softcap);
                         if (pass == 0) {
                             if (sc > m) m = sc;
                         } else {
@@ -1000,6 +1049,8 @@ static void run_attn_case(const attn_case *c, uint64_t seed, int threads, const 
                       .kv = kv,
                       .scale = c->scale,
                       .causal = c->causal,
+                      .window = c->window,
+                      .softcap = c->softcap,
                       .out = out};
     attn_ref(&a, want);
     pd_attn_args a32 = a;
@@ -1012,9 +1063,10 @@ static void run_attn_case(const attn_case *c, uint64_t seed, int threads, const 
     const char *tn = kv_type == PD_TYPE_F16 ? "f16" : "f32";
     for (int64_t i = 0; i < nq; i++)
         cr_assert(fabs((double)out[i] - want[i]) <= 1e-5,
-                  "%s KV, %s threads %d heads %d/%d hd %d segs %d causal %d masks %d: out[%lld] %.9g vs %.9g", tn,
-                  simd ? simd : "auto", threads, c->n_head, c->n_head_kv, hd, c->n_seg, c->causal, c->masks,
-                  (long long)i, (double)out[i], want[i]);
+                  "%s KV, %s threads %d heads %d/%d hd %d segs %d causal %d masks %d window %d softcap %g: "
+                  "out[%lld] %.9g vs %.9g",
+                  tn, simd ? simd : "auto", threads, c->n_head, c->n_head_kv, hd, c->n_seg, c->causal, c->masks,
+                  (int)c->window, (double)c->softcap, (long long)i, (double)out[i], want[i]);
     if (kv_type == PD_TYPE_F16)
         for (int64_t t = 0; t < c->n_tokens; t++)
             for (int h = 0; h < c->n_head; h++) {
@@ -1048,17 +1100,24 @@ static void run_attn_case(const attn_case *c, uint64_t seed, int threads, const 
 Test(attention, matches_naive_reference, .timeout = 120) {
     const attn_case cases[] = {
         /* heads, kv heads, hd, segs, tokens, lengths, causal, masks, scale */
-        {4, 4, 64, 1, 5, {40}, false, false, 0.125f},
-        {9, 3, 64, 1, 7, {300}, true, false, 0.125f},        /* GQA, several key blocks */
-        {6, 2, 64, 2, 9, {200, 33}, true, true, 0.125f},     /* two segments with masks */
-        {8, 2, 20, 3, 6, {17, 150, 5}, true, true, 0.3f},    /* odd head_dim, three segments */
-        {4, 1, 128, 3, 4, {0, 64, 129}, false, true, 0.09f}, /* an empty segment */
-        {2, 2, 8, 2, 3, {3, 2}, true, false, 1.0f},
-        {4, 2, 64, 1, 3, {400}, false, false, 4.0f}, /* large scores: the max moves across blocks */
+        {4, 4, 64, 1, 5, {40}, false, false, 0.125f, 0, 0.0f},
+        {9, 3, 64, 1, 7, {300}, true, false, 0.125f, 0, 0.0f},        /* GQA, several key blocks */
+        {6, 2, 64, 2, 9, {200, 33}, true, true, 0.125f, 0, 0.0f},     /* two segments with masks */
+        {8, 2, 20, 3, 6, {17, 150, 5}, true, true, 0.3f, 0, 0.0f},    /* odd head_dim, three segments */
+        {4, 1, 128, 3, 4, {0, 64, 129}, false, true, 0.09f, 0, 0.0f}, /* an empty segment */
+        {2, 2, 8, 2, 3, {3, 2}, true, false, 1.0f, 0, 0.0f},
+        {4, 2, 64, 1, 3, {400}, false, false, 4.0f, 0, 0.0f}, /* large scores: the max moves across blocks */
         /* decode over a long cache: the keys are split across threads */
-        {9, 3, 64, 2, 1, {2000, 1000}, false, true, 0.125f},
-        {9, 3, 64, 2, 2, {1900, 1100}, true, false, 0.125f},
-        {4, 1, 64, 2, 1, {2500, 600}, false, false, 2.0f},
+        {9, 3, 64, 2, 1, {2000, 1000}, false, true, 0.125f, 0, 0.0f},
+        {9, 3, 64, 2, 2, {1900, 1100}, true, false, 0.125f, 0, 0.0f},
+        {4, 1, 64, 2, 1, {2500, 600}, false, false, 2.0f, 0, 0.0f},
+        /* sliding windows over positions with gaps, soft-capped scores */
+        {6, 2, 64, 2, 9, {200, 33}, true, true, 0.125f, 40, 0.0f},
+        {4, 2, 32, 1, 7, {300}, false, false, 0.5f, 25, 0.0f},     /* a window without causality */
+        {4, 4, 64, 1, 5, {130}, true, false, 4.0f, 0, 3.0f},       /* scores far past the cap */
+        {8, 2, 16, 3, 6, {17, 150, 5}, true, true, 1.0f, 9, 2.5f}, /* both */
+        {9, 3, 64, 2, 1, {2000, 1000}, true, false, 0.125f, 700, 0.0f}, /* split keys, most outside */
+        {4, 1, 64, 2, 2, {2500, 600}, true, true, 2.0f, 1500, 30.0f},
     };
     const char *levels[] = {"scalar", "avx2", NULL};
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++)

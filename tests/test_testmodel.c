@@ -121,7 +121,7 @@ static pd_testmodel_opts preset(const char *name) {
 TestSuite(testmodel, .init = setup, .fini = teardown);
 
 Test(testmodel, presets_are_valid) {
-    cr_assert_eq(pd_testmodel_preset_count(), 5);
+    cr_assert_eq(pd_testmodel_preset_count(), 10);
     for (size_t i = 0; i < pd_testmodel_preset_count(); i++) {
         pd_testmodel_opts o = preset(pd_testmodel_preset_name(i));
         pd_error err = {0};
@@ -135,6 +135,17 @@ Test(testmodel, presets_are_valid) {
     o = preset("SmolLM2-135M");
     cr_expect_eq(o.n_layer, 30);
     cr_expect_eq(o.n_head_kv, 3);
+    o = preset("mistral-7b");
+    cr_expect_str_eq(o.arch, "llama");
+    cr_expect(o.n_vocab == 32768 && o.n_embd == 4096 && o.n_ff == 14336 && o.n_head_kv == 8 && !o.tied && o.peaked);
+    o = preset("qwen3-0.6b");
+    cr_expect(o.n_embd == 1024 && o.n_head == 16 && o.head_dim == 128 && o.n_layer == 28 && o.tied);
+    o = preset("gemma-2-2b");
+    cr_expect(o.head_dim == 256 && o.sliding_window == 4096 && o.attn_softcap == 50.0f && o.final_softcap == 30.0f);
+    o = preset("gemma-3-1b");
+    cr_expect(o.n_head_kv == 1 && o.sliding_window == 512 && o.attn_softcap == 0.0f);
+    o = preset("phi-3-mini");
+    cr_expect(o.n_vocab == 32064 && o.n_embd == 3072 && o.sliding_window == 2047 && !o.tied);
     pd_error err = {0};
     cr_expect_eq(pd_testmodel_preset("gpt-5", &o, &err), PD_ENOTFOUND);
     cr_expect(strstr(err.msg, "tiny") != NULL, "error lists the presets: %s", err.msg);
@@ -321,6 +332,149 @@ Test(testmodel, qwen2_tied_with_biases) {
     cr_assert_eq(toks->arr.n, 600);
     cr_expect(str_eq(toks->arr.strs[599], "[PAD599]"));
     cr_expect_eq(pd_gguf_arr_i32(types, 599), PD_TOKEN_TYPE_UNUSED);
+    pd_gguf_close(g);
+}
+
+/* A small model of each newer architecture: llama.cpp's keys and tensors. */
+static pd_gguf *gen_arch(const char *arch, const char *file, bool peaked) {
+    pd_testmodel_opts o = preset("tiny");
+    o.arch = arch;
+    o.head_dim = 32; /* 4 x 32 = 128 != n_embd 64, except for phi3 */
+    o.tied = strcmp(arch, "phi3") != 0;
+    o.sliding_window = 48;
+    o.peaked = peaked;
+    if (strcmp(arch, "phi3") == 0) o.head_dim = 16;
+    if (strcmp(arch, "gemma2") == 0) o.attn_softcap = 50.0f, o.final_softcap = 30.0f;
+    gen(&o, tpath(file), NULL);
+    return open_ok(tpath(file));
+}
+
+static void expect_layer(pd_gguf *g, int l, const char *suffix, uint64_t ne0, uint64_t ne1) {
+    char n[96];
+    snprintf(n, sizeof n, "blk.%d.%s", l, suffix);
+    expect_tensor(g, n, PD_TYPE_F32, ne0, ne1);
+}
+
+static void expect_no_layer(pd_gguf *g, const char *suffix) {
+    char n[96];
+    snprintf(n, sizeof n, "blk.0.%s", suffix);
+    cr_expect_null(pd_gguf_find_tensor(g, n), "%s should not exist", n);
+}
+
+Test(testmodel, qwen3_has_qk_norms_and_head_size_keys) {
+    pd_gguf *g = gen_arch("qwen3", "qwen3.gguf", false);
+    cr_expect_eq(get_u32(g, "qwen3.attention.key_length"), 32);
+    cr_expect_eq(get_u32(g, "qwen3.attention.value_length"), 32);
+    cr_expect_eq(get_u32(g, "qwen3.rope.dimension_count"), 32);
+    for (int l = 0; l < 2; l++) {
+        expect_layer(g, l, "attn_q.weight", 64, 128);
+        expect_layer(g, l, "attn_k.weight", 64, 64);
+        expect_layer(g, l, "attn_output.weight", 128, 64);
+        expect_layer(g, l, "attn_q_norm.weight", 32, 0);
+        expect_layer(g, l, "attn_k_norm.weight", 32, 0);
+    }
+    expect_no_layer(g, "attn_q.bias");
+    cr_expect_null(pd_gguf_find_tensor(g, "output.weight"));
+    cr_expect_eq(pd_gguf_tensor_count(g), 1 + 2 * 11 + 1);
+    pd_gguf_close(g);
+}
+
+Test(testmodel, gemma2_has_post_norms_window_and_caps) {
+    pd_gguf *g = gen_arch("gemma2", "gemma2.gguf", false);
+    cr_expect_eq(get_u32(g, "gemma2.attention.sliding_window"), 48);
+    cr_expect_eq(get_f32(g, "gemma2.attn_logit_softcapping"), 50.0f);
+    cr_expect_eq(get_f32(g, "gemma2.final_logit_softcapping"), 30.0f);
+    cr_expect_eq(get_u32(g, "gemma2.attention.key_length"), 32);
+    for (int l = 0; l < 2; l++) {
+        expect_layer(g, l, "post_attention_norm.weight", 64, 0);
+        expect_layer(g, l, "post_ffw_norm.weight", 64, 0);
+        expect_layer(g, l, "ffn_gate.weight", 64, 128);
+    }
+    expect_no_layer(g, "attn_q_norm.weight");
+    cr_expect_null(pd_gguf_find_tensor(g, "output.weight"), "gemma2 ties its output");
+    cr_expect_eq(pd_gguf_tensor_count(g), 1 + 2 * 11 + 1);
+    pd_gguf_close(g);
+    pd_testmodel_opts o = preset("tiny");
+    o.arch = "gemma2";
+    pd_error err = {0};
+    cr_expect_eq(pd_testmodel_validate(&o, &err), PD_EINVAL, "an untied gemma2 is refused");
+    cr_expect(strstr(err.msg, "--tied") != NULL, "%s", err.msg);
+}
+
+Test(testmodel, gemma3_has_qk_norms_and_post_norms) {
+    pd_gguf *g = gen_arch("gemma3", "gemma3.gguf", false);
+    cr_expect_eq(get_u32(g, "gemma3.attention.sliding_window"), 48);
+    cr_expect_null(pd_gguf_find(g, "gemma3.attn_logit_softcapping"));
+    expect_layer(g, 1, "attn_q_norm.weight", 32, 0);
+    expect_layer(g, 1, "post_ffw_norm.weight", 64, 0);
+    cr_expect_eq(pd_gguf_tensor_count(g), 1 + 2 * 13 + 1);
+    pd_gguf_close(g);
+    pd_testmodel_opts o = preset("tiny");
+    o.arch = "gemma3";
+    o.tied = true;
+    pd_error err = {0};
+    cr_expect_eq(pd_testmodel_validate(&o, &err), PD_EINVAL, "gemma3 needs a window");
+}
+
+Test(testmodel, phi3_fuses_qkv_and_gate_up) {
+    pd_gguf *g = gen_arch("phi3", "phi3.gguf", false);
+    cr_expect_eq(get_u32(g, "phi3.attention.sliding_window"), 48);
+    cr_expect_eq(get_u32(g, "phi3.rope.dimension_count"), 16);
+    for (int l = 0; l < 2; l++) {
+        expect_layer(g, l, "attn_qkv.weight", 64, 64 + 2 * 32);
+        expect_layer(g, l, "ffn_up.weight", 64, 2 * 128);
+        expect_layer(g, l, "ffn_down.weight", 128, 64);
+    }
+    expect_no_layer(g, "attn_q.weight");
+    expect_no_layer(g, "ffn_gate.weight");
+    expect_tensor(g, "output.weight", PD_TYPE_F32, 64, pd_testmodel_builtin_vocab_size());
+    /* llama.cpp sets Phi-3 token attributes on "<|endoftext|>" when the
+     * name says phi-3: the built-in vocabulary's model must not. */
+    pd_str name;
+    cr_assert_eq(pd_gguf_get_str(g, "general.name", &name, NULL), PD_OK);
+    cr_expect(!memmem(name.ptr, name.len, "phi-3", 5) && !memmem(name.ptr, name.len, "phi3", 4), "%.*s",
+              (int)name.len, name.ptr);
+    cr_expect_eq(pd_gguf_tensor_count(g), 1 + 2 * 6 + 2);
+    pd_gguf_close(g);
+}
+
+/* Peaked weights: the vocabulary rows carry the prior in element 0 and
+ * the generator reproduces every value. */
+Test(testmodel, peaked_weights_are_reproducible_and_carry_a_prior) {
+    pd_testmodel_opts o = preset("tiny");
+    o.peaked = true;
+    o.n_vocab = 600;
+    gen(&o, tpath("peaked.gguf"), NULL);
+    pd_gguf *g = open_ok(tpath("peaked.gguf"));
+    pd_error err = {0};
+    const char *names[] = {"token_embd.weight", "output.weight", "output_norm.weight", "blk.0.attn_norm.weight",
+                           "blk.1.attn_q.weight", "blk.1.ffn_down.weight"};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+        const pd_gguf_tensor *t = pd_gguf_find_tensor(g, names[i]);
+        cr_assert_not_null(t, "%s", names[i]);
+        float *w = dequant(t), *v = malloc(t->n_elems * sizeof *v);
+        cr_assert_eq(pd_testmodel_tensor_values(&o, t->name, v, t->n_elems, &err), PD_OK, "%s", err.msg);
+        cr_expect_eq(memcmp(v, w, t->n_elems * sizeof *v), 0, "%s matches pd_testmodel_tensor_values", t->name);
+        free(v);
+        free(w);
+    }
+    /* Element 0 of the rows: larger for tokens of the prior text (" the")
+     * than for padding, and the same positive base for all. */
+    const pd_gguf_tensor *e = pd_gguf_find_tensor(g, "output.weight");
+    const float *rows = (const float *)e->data;
+    int32_t the = -1;
+    const pd_gguf_value *toks;
+    cr_assert_eq(pd_gguf_get_arr(g, "tokenizer.ggml.tokens", PD_GGUF_STRING, &toks, &err), PD_OK);
+    for (uint32_t j = 0; j < toks->arr.n; j++)
+        if (str_eq(toks->arr.strs[j], "\xe2\x96\x81the")) the = (int32_t)j;
+    cr_assert_geq(the, 0);
+    const float pad = rows[599 * 64], unk = rows[0];
+    cr_expect_gt(rows[(size_t)the * 64], pad * 1.5f, "the %g, padding %g", rows[(size_t)the * 64], pad);
+    cr_expect_eq(pad, unk, "non-normal tokens share the lowest prior");
+    cr_expect_gt(pad, 0.0f);
+    /* attn_norm hides element 0 from the layers. */
+    const float *an = (const float *)pd_gguf_find_tensor(g, "blk.0.attn_norm.weight")->data;
+    cr_expect(an[0] == 0.0f && an[1] == 1.0f);
     pd_gguf_close(g);
 }
 

@@ -5,6 +5,7 @@
  *   prefixctl detokenize --model FILE [--special] [--keep-leading-space] < ids
  *   prefixctl generate --model FILE --prompt TEXT [-n N] [--greedy | --temp T --seed S] [--ids] [--device D]
  *   prefixctl nll --model FILE --context TEXT --text TEXT [--device D]
+ *   prefixctl perplexity --model FILE --file TEXT --ctx N [--chunks K] [--device D]
  *   prefixctl compress --model FILE --policy SPEC [--retention R | --quality TAU] --text FILE [--device D] ...
  *   prefixctl policies
  *   prefixctl store --dir DIR list|show ID|verify [--repair]|delete ID|pin ID|unpin ID|stats
@@ -50,6 +51,11 @@ static void usage(FILE *f) {
           "      [--kv-type f16|f32]       KV cache element type (default f16: half the memory)\n"
           "  nll --model FILE --context TEXT --text TEXT\n"
           "                                mean negative log-likelihood of TEXT after CONTEXT\n"
+          "      [--threads N] [--device D] [--kv-type T]  as for generate\n"
+          "  perplexity --model FILE --file TEXT --ctx N\n"
+          "                                perplexity of a text file as llama-perplexity -f TEXT -c N\n"
+          "                                measures it; prints it on stdout, llama's summary on stderr\n"
+          "      [--chunks K]              score at most K chunks of N tokens (default: all)\n"
           "      [--threads N] [--device D] [--kv-type T]  as for generate\n"
           "  compress --model FILE --policy SPEC --text FILE\n"
           "                                compress the text's KV cache with a policy and report it\n"
@@ -456,6 +462,75 @@ static int cmd_nll(int argc, char **argv) {
     return rc ? fail(&err) : 0;
 }
 
+static void print_ppl_progress(void *ctx, int32_t chunks_done, double ppl_so_far) {
+    (void)ctx;
+    fprintf(stderr, "[%d]%.4f,", chunks_done, ppl_so_far);
+}
+
+static int cmd_perplexity(int argc, char **argv) {
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'},   {"file", required_argument, 0, 'f'},
+        {"ctx", required_argument, 0, 'c'},     {"chunks", required_argument, 0, 'C'},
+        {"threads", required_argument, 0, 'T'}, {"device", required_argument, 0, 'd'},
+        {"kv-type", required_argument, 0, 'K'}, {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
+    const char *model = NULL, *path = NULL;
+    pd_device device = {.kind = PD_DEVICE_CPU};
+    bool kv_f32 = false;
+    long threads = 0, n_ctx = 0, chunks = 0;
+    int c, rc;
+    while ((c = getopt_long(argc, argv, "m:f:c:h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': model = optarg; break;
+        case 'f': path = optarg; break;
+        case 'c': if ((rc = parse_long("--ctx", optarg, PD_PPL_MIN_CTX, INT32_MAX, &n_ctx))) return rc; break;
+        case 'C': if ((rc = parse_long("--chunks", optarg, 1, INT32_MAX, &chunks))) return rc; break;
+        case 'T': if ((rc = parse_long("--threads", optarg, 0, 1024, &threads))) return rc; break;
+        case 'd': if ((rc = parse_device_opt("perplexity", optarg, &device))) return rc; break;
+        case 'K': if ((rc = parse_kv_type_opt("perplexity", optarg, &kv_f32))) return rc; break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (!model || !path || !n_ctx || optind != argc) {
+        fputs("prefixctl perplexity: --model FILE, --file TEXT and --ctx N are required\n", stderr);
+        return 2;
+    }
+    pd_error err = {0};
+    char *text = NULL;
+    size_t len = 0;
+    if (pd_read_file(path, &text, &len, &err)) return fail(&err);
+    /* llama.cpp's -f drops one trailing newline from the file. */
+    if (len > 0 && text[len - 1] == '\n') text[--len] = '\0';
+    pd_model *m = NULL;
+    pd_backend *be = NULL;
+    if (load_model_on(model, &device, (int)threads, kv_f32, &be, &m, &err)) {
+        free(text);
+        return fail(&err);
+    }
+    pd_token *ids = NULL;
+    size_t n = 0;
+    pd_ppl_result r;
+    pd_tokenize_opts to = {.add_special = true};
+    rc = pd_tokenize(pd_model_tokenizer(m), text, len, to, &ids, &n, &err);
+    if (rc) pd_error_prefix(&err, "%s", path);
+    if (!rc) fprintf(stderr, "perplexity: %s tokenizes to %zu tokens\n", path, n);
+    const double t0 = pd_now_seconds();
+    pd_ppl_opts po = {.n_ctx = (int32_t)n_ctx, .max_chunks = (int32_t)chunks, .progress = print_ppl_progress};
+    if (!rc) rc = pd_perplexity(m, ids, (int64_t)n, &po, &r, &err);
+    if (!rc) {
+        fprintf(stderr, "\nFinal estimate: PPL = %.4f +/- %.5f\n", r.ppl, r.ppl_err);
+        fprintf(stderr, "perplexity: %d chunks of n_ctx=%ld, %" PRId64 " tokens scored, mean NLL %.6f, %.2f s\n",
+                r.n_chunks, n_ctx, r.n_scored, r.mean_nll, pd_now_seconds() - t0);
+        printf("%.6f\n", r.ppl);
+    }
+    free(ids);
+    free(text);
+    pd_model_free(m);
+    pd_backend_free(be);
+    return rc ? fail(&err) : 0;
+}
+
 static int parse_double(const char *opt, const char *arg, double *out) {
     char *end;
     errno = 0;
@@ -774,6 +849,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "detokenize") == 0) return cmd_detokenize(argc, argv);
     if (strcmp(cmd, "generate") == 0) return cmd_generate(argc, argv);
     if (strcmp(cmd, "nll") == 0) return cmd_nll(argc, argv);
+    if (strcmp(cmd, "perplexity") == 0) return cmd_perplexity(argc, argv);
     if (strcmp(cmd, "compress") == 0) return cmd_compress(argc, argv);
     if (strcmp(cmd, "policies") == 0) {
         if (argc != 1) {

@@ -19,13 +19,29 @@ extern "C" {
  * Test-model generator
  *
  * Writes a GGUF model with llama.cpp's exact tensor names, shapes and
- * metadata keys for the `llama` or `qwen2` architecture, filled with seeded
- * pseudo-random weights: matrices ~ N(0, 0.02^2) (sum-of-12-uniforms
- * approximation, computed with exact integer/IEEE arithmetic so the same
- * options give a byte-identical file on every machine), norm weights 1.0,
- * biases ~ N(0, 0.02^2). Each tensor's values depend only on (seed, tensor
- * name), never on its storage type, so a Q8_0 model holds the quantized
- * values of the F32 model with the same seed.
+ * metadata keys for the `llama`, `qwen2`, `qwen3`, `gemma2`, `gemma3` or
+ * `phi3` architecture, filled with seeded pseudo-random weights: matrices
+ * ~ N(0, 0.02^2) (sum-of-12-uniforms approximation, computed with exact
+ * integer/IEEE arithmetic so the same options give a byte-identical file on
+ * every machine), norm weights 1.0, biases ~ N(0, 0.02^2). Each tensor's
+ * values depend only on (seed, tensor name), never on its storage type, so
+ * a Q8_0 model holds the quantized values of the F32 model with the same
+ * seed.
+ *
+ * Such weights give an almost flat next-token distribution (perplexity
+ * close to n_vocab), which cannot tell a right forward pass from a wrong
+ * one. `peaked` weights can: matrices ~ N(0, 1/cols) so every layer moves
+ * the residual stream; the vocabulary matrices' rows get element 0 set to
+ * D (1 + a_j), a constant "bias" feature that grows with a prior a_j: the
+ * log of the token's count in a greedy longest match of a built-in English
+ * text, scaled to [0, 1] (0 for normal tokens it does not use, -0.5 for
+ * control, byte and unused ones), attn_norm/ffn_norm weights hide that
+ * element from the layers (0), Q and K rows are drawn 3x larger (and
+ * per-head Q/K norm weights are 3) so attention is sharp enough for masks
+ * and windows to matter, and
+ * output_norm.weight[0] sizes it so the prior spans about 6 logits on top
+ * of a context-dependent spread of about 1. The next-token distribution
+ * is then peaked and a text's perplexity well below n_vocab.
  *
  * Matrices are stored in `wtype`. A matrix whose row length (ne[0]) is not a
  * multiple of that type's block size falls back, as llama-quantize does, to
@@ -42,7 +58,7 @@ extern "C" {
  * ------------------------------------------------------------------------ */
 
 typedef struct pd_testmodel_opts {
-    const char *arch;     /* "llama" or "qwen2" */
+    const char *arch;     /* "llama", "qwen2", "qwen3", "gemma2", "gemma3" or "phi3" */
     const char *name;     /* general.name; NULL = "prefixd-test-<preset or arch>" */
     uint32_t n_vocab;     /* 0 = size of the built-in vocab */
     uint32_t n_embd;
@@ -51,9 +67,15 @@ typedef struct pd_testmodel_opts {
     uint32_t n_head;
     uint32_t n_head_kv;
     uint32_t n_ctx;
+    uint32_t head_dim;    /* 0 = n_embd / n_head; written as attention.key_length/value_length */
+    uint32_t sliding_window; /* gemma2, gemma3, phi3: attention.sliding_window (gemma3 needs one) */
+    float attn_softcap;   /* gemma2: attn_logit_softcapping (0 = key not written) */
+    float final_softcap;  /* gemma2: final_logit_softcapping (0 = key not written) */
+    float rope_scale;     /* > 0: rope.scaling.type "linear" with this rope.scaling.factor */
     float rope_freq_base;
     float rms_eps;
-    bool tied;            /* no output.weight: the output reuses token_embd */
+    bool tied;            /* no output.weight: the output reuses token_embd (gemma2 always) */
+    bool peaked;          /* peaked weights (see above) instead of N(0, 0.02^2) everywhere */
     pd_type wtype;        /* storage type of the 2-D matrices (token_embd included) */
     uint64_t seed;
     const char *vocab_from; /* NULL = built-in vocab; else a GGUF path */
@@ -70,7 +92,9 @@ typedef struct pd_testmodel_info {
 } pd_testmodel_info;
 
 /* Fill *o with the named preset: "tiny", "stories260k", "smollm2-135m",
- * "llama-3.2-1b", "qwen2.5-0.5b" (case-insensitive). Type f32, seed 1. */
+ * "llama-3.2-1b", "qwen2.5-0.5b" (flat weights), "mistral-7b",
+ * "qwen3-0.6b", "gemma-2-2b", "gemma-3-1b", "phi-3-mini" (peaked weights)
+ * (case-insensitive). Type f32, seed 1. */
 int pd_testmodel_preset(const char *name, pd_testmodel_opts *o, pd_error *err);
 /* Number of presets and the name of preset i (NULL when out of range). */
 size_t pd_testmodel_preset_count(void);

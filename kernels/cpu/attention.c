@@ -10,7 +10,8 @@
  * log-sum-exp:
  *     M = max_s m_s,  L = sum_s l_s e^(m_s - M),  out = sum_s o_s e^(m_s - M) / L
  * which equals softmax attention over the concatenated segments. Keys that
- * are masked (keep[j] == 0, or pos > q_pos under causal) get a score of
+ * are masked (keep[j] == 0, pos > q_pos under causal, q_pos - pos >= window
+ * in a sliding window) get a score of
  * -inf, hence weight exactly 0, and their values are never used (nor read,
  * except as part of a widened f16 block, see below). Only the
  * span from the first to the last visible key of a block is scored, so a
@@ -78,17 +79,18 @@ static inline void view_pv(const cpu_kernels *k, const pd_kv_view *kv, const flo
 
 /* Visibility of keys [j0, j0 + nk) for a query at qpos: vis[j] = 0/1, the
  * first and last visible offsets (-1 if none); returns true when every key
- * in [first, last] is visible. */
-static bool block_visibility(const cpu_kernels *k, const pd_kv_view *kv, bool causal, int32_t qpos,
+ * in [first, last] is visible. A key is visible if kept, not after the
+ * query (causal) and less than `window` positions before it (window > 0). */
+static bool block_visibility(const cpu_kernels *k, const pd_kv_view *kv, bool causal, int32_t window, int32_t qpos,
                              int64_t j0, int64_t nk, uint8_t *vis, int64_t *first, int64_t *last) {
     const uint8_t *keep = kv->keep ? kv->keep + j0 : NULL;
     const int32_t *pos = kv->pos ? kv->pos + j0 : NULL;
-    if (!keep && !causal) {
+    if (!keep && !causal && window <= 0) {
         *first = 0;
         *last = nk - 1;
         return true;
     }
-    if (!keep) { /* causal only: often every key of the block is old enough */
+    if (!keep && window <= 0) { /* causal only: often every key of the block is old enough */
         if (k->max_i32(pos, nk) <= qpos) {
             *first = 0;
             *last = nk - 1;
@@ -97,7 +99,8 @@ static bool block_visibility(const cpu_kernels *k, const pd_kv_view *kv, bool ca
     }
     int64_t n_vis = 0;
     for (int64_t j = 0; j < nk; j++) {
-        const bool v = (!keep || keep[j]) && (!causal || pos[j] <= qpos);
+        const bool v = (!keep || keep[j]) && (!causal || pos[j] <= qpos) &&
+                       (window <= 0 || (int64_t)qpos - pos[j] < window);
         vis[j] = (uint8_t)v;
         n_vis += v;
     }
@@ -171,7 +174,8 @@ static void attn_item(const attn_ctx *c, int64_t t0, int64_t t1, int g, int64_t 
                 const int64_t t = t0 + tt;
                 const int32_t qpos = a->q_pos ? a->q_pos[t] : 0;
                 int64_t first, last;
-                const bool dense = block_visibility(k, kv, a->causal, qpos, j0, nk, vis, &first, &last);
+                const bool dense =
+                    block_visibility(k, kv, a->causal, a->window, qpos, j0, nk, vis, &first, &last);
                 if (first < 0) continue;
                 const int64_t span = last - first + 1, row = j0 + first;
                 for (int r = 0; r < n_rep; r++) {
@@ -179,6 +183,8 @@ static void attn_item(const attn_ctx *c, int64_t t0, int64_t t1, int g, int64_t 
                     float *m = &ml[2 * ST(tt, r, s)], *l = m + 1;
                     float *o = os + ST(tt, r, s) * hd;
                     view_scores(k, src, q, row - off, hd, span, a->scale, sc);
+                    if (a->softcap > 0.0f)
+                        for (int64_t j = 0; j < span; j++) sc[j] = a->softcap * tanhf(sc[j] / a->softcap);
                     float bmax = -INFINITY;
                     if (dense) {
                         bmax = k->max_f32(sc, span);
@@ -308,7 +314,11 @@ static int attention_one_group(cpu_backend *cb, const pd_attn_args *a, pd_error 
         return pd_errorf(err, PD_EINVAL, "attention: %d segments (allowed 0..%d)", a->n_segments,
                          PD_MAX_KV_SEGMENTS);
     if (a->n_tokens == 0) return PD_OK;
-    if (!a->q || !a->out || (a->causal && !a->q_pos) || (a->n_segments > 0 && !a->kv))
+    const bool need_pos = a->causal || a->window > 0;
+    if (a->window < 0 || !(a->softcap >= 0.0f))
+        return pd_errorf(err, PD_EINVAL, "attention: window %d and softcap %g must not be negative", (int)a->window,
+                         (double)a->softcap);
+    if (!a->q || !a->out || (need_pos && !a->q_pos) || (a->n_segments > 0 && !a->kv))
         return pd_errorf(err, PD_EINVAL, "attention: NULL q, q_pos, kv or out");
     for (int s = 0; s < a->n_segments; s++)
         for (int g = 0; g < a->n_head_kv; g++) {
@@ -316,7 +326,7 @@ static int attention_one_group(cpu_backend *cb, const pd_attn_args *a, pd_error 
             if (kv->len < 0)
                 return pd_errorf(err, PD_EINVAL, "attention: segment %d kv head %d has length %lld", s, g,
                                  (long long)kv->len);
-            if (kv->len > 0 && (!kv->k || !kv->v || (a->causal && !kv->pos)))
+            if (kv->len > 0 && (!kv->k || !kv->v || (need_pos && !kv->pos)))
                 return pd_errorf(err, PD_EINVAL, "attention: segment %d kv head %d has NULL k, v or pos", s,
                                  g);
             if (kv->len > 0 && !pd_kv_type_ok(kv->type))

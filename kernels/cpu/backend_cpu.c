@@ -236,6 +236,71 @@ static int cpu_swiglu(pd_backend *be, const float *gate, const float *up, int64_
     return PD_OK;
 }
 
+/* GeGLU, soft-capping and scaling: plain loops over ranges (tanhf bounds
+ * their cost, not vectors; they are a sliver of a layer's time). */
+typedef enum elem_op { ELEM_GEGLU, ELEM_SOFTCAP, ELEM_SCALE } elem_op;
+
+typedef struct elem_ctx {
+    elem_op op;
+    const float *a, *b; /* geglu: gate, up; otherwise a == out */
+    float *out;
+    int64_t n;
+    float s;
+} elem_ctx;
+
+static void elem_range(const elem_ctx *c, int64_t i0, int64_t i1) {
+    switch (c->op) {
+    case ELEM_GEGLU: {
+        const float k0 = 0.7978845608028654f, k1 = 0.044715f; /* sqrt(2/pi) */
+        for (int64_t i = i0; i < i1; i++) {
+            const float x = c->a[i];
+            c->out[i] = 0.5f * x * (1.0f + tanhf(k0 * x * (1.0f + k1 * x * x))) * c->b[i];
+        }
+        break;
+    }
+    case ELEM_SOFTCAP:
+        for (int64_t i = i0; i < i1; i++) c->out[i] = c->s * tanhf(c->out[i] / c->s);
+        break;
+    case ELEM_SCALE:
+        for (int64_t i = i0; i < i1; i++) c->out[i] *= c->s;
+        break;
+    }
+}
+
+static void elem_worker(void *p, int ith, int nth) {
+    const elem_ctx *c = p;
+    elem_range(c, c->n * ith / nth, c->n * (ith + 1) / nth);
+}
+
+static void elem_run(const cpu_backend *cb, const elem_ctx *c) {
+    if (c->n <= 0) return;
+    if (c->n < PAR_MIN_ELEMS)
+        elem_range(c, 0, c->n);
+    else
+        pd_threadpool_run(cb->tp, elem_worker, (void *)c);
+}
+
+static int cpu_geglu(pd_backend *be, const float *gate, const float *up, int64_t n, float *out, pd_error *err) {
+    (void)err;
+    elem_ctx c = {ELEM_GEGLU, gate, up, out, n, 0.0f};
+    elem_run(be->impl, &c);
+    return PD_OK;
+}
+
+static int cpu_softcap(pd_backend *be, float *x, int64_t n, float cap, pd_error *err) {
+    if (!(cap > 0.0f)) return pd_errorf(err, PD_EINVAL, "softcap: the cap must be positive, not %g", (double)cap);
+    elem_ctx c = {ELEM_SOFTCAP, x, NULL, x, n, cap};
+    elem_run(be->impl, &c);
+    return PD_OK;
+}
+
+static int cpu_scale(pd_backend *be, float *x, int64_t n, float s, pd_error *err) {
+    (void)err;
+    elem_ctx c = {ELEM_SCALE, x, NULL, x, n, s};
+    elem_run(be->impl, &c);
+    return PD_OK;
+}
+
 /* Residual adds and biases: memory-bound, a plain loop is as fast as it gets. */
 static int cpu_add(pd_backend *be, float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride,
                    pd_error *err) {
@@ -459,6 +524,9 @@ static void cpu_free(pd_backend *be) {
     .rmsnorm = cpu_rmsnorm, \
     .rope = cpu_rope, \
     .swiglu = cpu_swiglu, \
+    .geglu = cpu_geglu, \
+    .softcap = cpu_softcap, \
+    .scale = cpu_scale, \
     .add = cpu_add, \
     .attention = cpu_attention, \
     .compactor_scores = NULL,

@@ -27,6 +27,9 @@
 // softmax (running max m, running sum l, running weighted value sum o) in
 // registers over the whole key range, across segments: over one
 // concatenation that is the same as merging per-segment results.
+// Sliding window: also only if q_pos - pos[j] < window; a tile older than
+// every query's window is skipped likewise. Soft-capping maps each score s
+// to softcap * tanh(s / softcap) before the mask.
 // Causal: key j is visible to a query iff pos[j] <= q_pos (positions are
 // explicit and may have gaps). A key tile whose smallest position exceeds
 // the largest query position of the block is skipped by the whole block
@@ -133,6 +136,8 @@ typedef struct attn_params {
     int kstride;       // floats per K row in shared memory (head_dim, padded)
     float scale;
     int causal;
+    int window;        // > 0: keys at q_pos - window or earlier are masked
+    float softcap;     // > 0: scores become softcap * tanh(score / softcap)
 } attn_params;
 
 // Four consecutive elements (the c-th group of four) of rows of f32 or
@@ -155,7 +160,7 @@ static __device__ __forceinline__ int attn_warp_min_int(int v) {
 template <int DPL>
 __global__ void __launch_bounds__(ATTN_THREADS, 2) attn_tile_kernel(const attn_params p) {
     extern __shared__ float4 attn_smem[];
-    __shared__ int block_qmax;
+    __shared__ int block_qmax, block_qmin;
     const int hd = p.head_dim, hd4 = hd / 4;
     float *ks = reinterpret_cast<float *>(attn_smem);  // [ATTN_TILE_K][kstride]
     float *vs = ks + ATTN_TILE_K * p.kstride;            // [ATTN_TILE_K][hd]
@@ -175,7 +180,11 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2) attn_tile_kernel(const attn_p
     const int wq0 = warp * qpw;
     const int wn = max(0, min(qpw, it.nq - wq0));
 
-    if (tid == 0) block_qmax = INT_MIN;
+    if (tid == 0) {
+        block_qmax = INT_MIN;
+        block_qmin = INT_MAX;
+    }
+    const bool need_pos = p.causal || p.window > 0;
     for (int idx = tid; idx < it.nq * hd4; idx += ATTN_THREADS) {
         const int ql = idx / hd4, c = idx - ql * hd4;
         const long long qi = it.q0 + ql;
@@ -192,14 +201,15 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2) attn_tile_kernel(const attn_p
 
     int qpos[ATTN_QPW];
     float m[ATTN_QPW], l[ATTN_QPW], o[ATTN_QPW][DPL];
-    int warp_qmax = INT_MIN;
+    int warp_qmax = INT_MIN, warp_qmin = INT_MAX;
 #pragma unroll
     for (int i = 0; i < ATTN_QPW; i++) {
         qpos[i] = INT_MIN;
-        if (p.causal && i < wn) {
+        if (need_pos && i < wn) {
             const long long qi = it.q0 + wq0 + i;
             qpos[i] = p.q_pos[it.t_begin + qi / p.n_rep];
-            warp_qmax = max(warp_qmax, qpos[i]);
+            if (p.causal) warp_qmax = max(warp_qmax, qpos[i]);
+            warp_qmin = min(warp_qmin, qpos[i]);
         }
         m[i] = -INFINITY;
         l[i] = 0.0f;
@@ -207,6 +217,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2) attn_tile_kernel(const attn_p
         for (int d = 0; d < DPL; d++) o[i][d] = 0.0f;
     }
     if (p.causal && lane == 0 && wn > 0) atomicMax(&block_qmax, warp_qmax);
+    if (p.window > 0 && lane == 0 && wn > 0) atomicMin(&block_qmin, warp_qmin);
     __syncthreads(); // block_qmax final, Q tile loaded
 
     long long seg_off = 0; // start of segment s in the concatenation
@@ -220,12 +231,18 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2) attn_tile_kernel(const attn_p
             // Lane j holds key j's position; lanes past the tile hold
             // INT_MAX so they never lower the tile minimum.
             int kpos = INT_MAX, tile_min = INT_MIN;
+            if (need_pos && lane < nk) kpos = sg.pos[j0 + lane];
             if (p.causal) {
-                if (lane < nk) kpos = sg.pos[j0 + lane];
                 tile_min = attn_warp_min_int(kpos);
                 // Every warp computes the same tile_min and reads the same
                 // block_qmax, so the whole block skips or none of it does.
                 if (tile_min > block_qmax) continue;
+            }
+            if (p.window > 0) {
+                // A tile wholly before every query's window is skipped the
+                // same way (lanes past the tile do not raise the maximum).
+                const int tile_max = -attn_warp_min_int(lane < nk ? -kpos : INT_MAX);
+                if ((long long)block_qmin - tile_max >= p.window) continue;
             }
             __syncthreads(); // every warp is done with the previous tile
             // Rows past nk are zeroed so no stale values are ever multiplied.
@@ -271,8 +288,10 @@ __global__ void __launch_bounds__(ATTN_THREADS, 2) attn_tile_kernel(const attn_p
             for (int i = 0; i < ATTN_QPW; i++) {
                 pr[i] = 0.0f;
                 if (i >= wn) continue;
-                const bool vis = lane < nk && (!p.causal || kpos <= qpos[i]);
-                const float sc = vis ? acc[i] : -INFINITY;
+                const bool vis = lane < nk && (!p.causal || kpos <= qpos[i]) &&
+                                 (p.window <= 0 || (long long)qpos[i] - kpos < p.window);
+                const float capped = p.softcap > 0.0f ? p.softcap * tanhf(acc[i] / p.softcap) : acc[i];
+                const float sc = vis ? capped : -INFINITY;
                 const float tmax = cuda_warp_max(sc);
                 if (tmax == -INFINITY) continue; // warp-uniform: nothing visible
                 const float mnew = fmaxf(m[i], tmax);
@@ -404,7 +423,7 @@ static int check_view(const pd_attn_args *a, const pd_kv_view *kv, const char *w
                          where);
     if (kv->len < 0) return pd_errorf(err, PD_EINVAL, "attention: %s has length %lld", where, (long long)kv->len);
     if (kv->len == 0) return PD_OK;
-    if (!kv->k || !kv->v || (a->causal && !kv->pos))
+    if (!kv->k || !kv->v || ((a->causal || a->window > 0) && !kv->pos))
         return pd_errorf(err, PD_EINVAL, "attention: %s has NULL k, v or pos", where);
     if (!pd_kv_type_ok(kv->type))
         return pd_errorf(err, PD_EUNSUPPORTED, "attention: %s holds rows of type %d; KV rows must be f32 or f16",
@@ -452,8 +471,11 @@ static int validate(const pd_attn_args *a, pd_error *err) {
         return pd_errorf(err, PD_EUNSUPPORTED,
                          "attention: head_dim %d is not supported by the CUDA backend (a multiple of 4, at most %d)",
                          a->head_dim, ATTN_MAX_HEAD_DIM);
+    if (a->window < 0 || !(a->softcap >= 0.0f))
+        return pd_errorf(err, PD_EINVAL, "attention: window %d and softcap %g must not be negative", (int)a->window,
+                         (double)a->softcap);
     if (a->n_tokens == 0) return PD_OK;
-    if (!a->q || !a->out || (a->causal && !a->q_pos) || (a->n_segments > 0 && !a->kv) ||
+    if (!a->q || !a->out || ((a->causal || a->window > 0) && !a->q_pos) || (a->n_segments > 0 && !a->kv) ||
         (a->n_shared > 0 && !a->shared))
         return pd_errorf(err, PD_EINVAL, "attention: NULL q, q_pos, kv, shared or out");
     if (misaligned16(a->q) || misaligned16(a->out))
@@ -737,6 +759,8 @@ extern "C" int cuda_attention(pd_backend *be, const pd_attn_args *a, pd_error *e
     p.kstride = (a->head_dim / 4) % 2 == 1 ? a->head_dim : a->head_dim + 4;
     p.scale = a->scale;
     p.causal = a->causal ? 1 : 0;
+    p.window = a->window;
+    p.softcap = a->softcap;
     if (a->head_dim <= 64) return launch<2>(cb, p, n_items, nkv, pl.n_slots, err);
     if (a->head_dim <= 128) return launch<4>(cb, p, n_items, nkv, pl.n_slots, err);
     return launch<8>(cb, p, n_items, nkv, pl.n_slots, err);

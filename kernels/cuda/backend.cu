@@ -565,6 +565,9 @@ static pd_backend_ops make_cuda_ops(void) {
     o.rmsnorm = cuda_rmsnorm;
     o.rope = cuda_rope;
     o.swiglu = cuda_swiglu;
+    o.geglu = cuda_geglu;
+    o.softcap = cuda_softcap;
+    o.scale = cuda_scale;
     o.add = cuda_add;
     o.attention = cuda_attention;
     o.compactor_scores = cuda_compactor_scores;

@@ -117,6 +117,9 @@ int cuda_rmsnorm(pd_backend *be, const float *x, const float *weight, int64_t n,
 int cuda_rope(pd_backend *be, float *x, const int32_t *pos, int64_t n, int n_heads, int head_dim,
               const pd_rope_params *p, pd_error *err);
 int cuda_swiglu(pd_backend *be, const float *gate, const float *up, int64_t n, float *out, pd_error *err);
+int cuda_geglu(pd_backend *be, const float *gate, const float *up, int64_t n, float *out, pd_error *err);
+int cuda_softcap(pd_backend *be, float *x, int64_t n, float cap, pd_error *err);
+int cuda_scale(pd_backend *be, float *x, int64_t n, float s, pd_error *err);
 int cuda_add(pd_backend *be, float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride,
              pd_error *err);
 int cuda_convert(pd_backend *be, void *dst, pd_type dst_type, const void *src, pd_type src_type, int64_t n,

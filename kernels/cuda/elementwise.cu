@@ -1,4 +1,4 @@
-// The light per-element ops: rmsnorm, rope, swiglu, add, f32 <-> f16
+// The light per-element ops: rmsnorm, rope, swiglu, geglu, softcap, scale, add, f32 <-> f16
 // conversion (KV rows). Each mirrors the
 // CPU backend's formula (kernels/cpu/backend_cpu.c and the scalar kernels
 // in simd_scalar.c) operation for operation; the explicit _rn intrinsics
@@ -121,7 +121,7 @@ int cuda_rope(pd_backend *be, float *x, const int32_t *pos, int64_t n, int n_hea
 }
 
 /* ------------------------------------------------------------------------
- * swiglu, add
+ * swiglu, geglu, softcap, scale, add
  * ------------------------------------------------------------------------ */
 
 // out = g / (1 + expf(-g)) * u, the CPU's formula and order. out may equal
@@ -142,6 +142,54 @@ int cuda_swiglu(pd_backend *be, const float *gate, const float *up, int64_t n, f
     if (!gate || !up || !out) return pd_errorf(err, PD_EINVAL, "swiglu: NULL input or output");
     swiglu_kernel<<<cuda_grid_blocks(cb, n, 256), 256, 0, cb->stream>>>(gate, up, n, out);
     return cuda_check_launch(err, "swiglu");
+}
+
+// out = 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))) u: GELU's tanh
+// approximation, the CPU's formula and order. out may equal gate.
+__global__ void geglu_kernel(const float *gate, const float *__restrict__ up, int64_t n, float *out) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float g = gate[i];
+        const float cubic = __fadd_rn(1.0f, __fmul_rn(__fmul_rn(0.044715f, g), g));
+        const float inner = __fmul_rn(__fmul_rn(0.7978845608028654f, g), cubic);
+        out[i] = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, tanhf(inner))), up[i]);
+    }
+}
+
+int cuda_geglu(pd_backend *be, const float *gate, const float *up, int64_t n, float *out, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (n <= 0) return PD_OK;
+    if (!gate || !up || !out) return pd_errorf(err, PD_EINVAL, "geglu: NULL input or output");
+    geglu_kernel<<<cuda_grid_blocks(cb, n, 256), 256, 0, cb->stream>>>(gate, up, n, out);
+    return cuda_check_launch(err, "geglu");
+}
+
+// x = cap * tanh(x / cap) (softcap != 0), or x *= s (softcap == 0).
+__global__ void scale_cap_kernel(float *x, int64_t n, float s, float cap) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        x[i] = cap != 0.0f ? __fmul_rn(cap, tanhf(__fdiv_rn(x[i], cap))) : __fmul_rn(x[i], s);
+}
+
+static int scale_cap(pd_backend *be, float *x, int64_t n, float s, float cap, const char *what, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    const int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (n <= 0) return PD_OK;
+    if (!x) return pd_errorf(err, PD_EINVAL, "%s: NULL data", what);
+    scale_cap_kernel<<<cuda_grid_blocks(cb, n, 256), 256, 0, cb->stream>>>(x, n, s, cap);
+    return cuda_check_launch(err, what);
+}
+
+int cuda_softcap(pd_backend *be, float *x, int64_t n, float cap, pd_error *err) {
+    if (!(cap > 0.0f)) return pd_errorf(err, PD_EINVAL, "softcap: the cap must be positive, not %g", (double)cap);
+    return scale_cap(be, x, n, 1.0f, cap, "softcap", err);
+}
+
+int cuda_scale(pd_backend *be, float *x, int64_t n, float s, pd_error *err) {
+    return scale_cap(be, x, n, s, 0.0f, "scale", err);
 }
 
 // y[r][i] += x[r * x_stride + i]: x_stride 0 broadcasts one row (a bias).
