@@ -3,6 +3,7 @@
 #ifndef PD_KERNELS_CPU_INTERNAL_H
 #define PD_KERNELS_CPU_INTERNAL_H
 
+#include <math.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -163,6 +164,27 @@ static inline int8_t cpu_load_i8(const uint8_t *p) {
     return v;
 }
 
+/* An fp16 value from two little-endian bytes. */
+static inline float cpu_load_half(const uint8_t *p) { return pd_fp16_to_fp32(cpu_load_u16(p)); }
+
+/* Store f as fp16 and return the value actually stored (quantizers work
+ * against the stored scale). */
+static inline float cpu_store_half(uint8_t *p, float f) {
+    const uint16_t h = pd_fp32_to_fp16(f);
+    p[0] = (uint8_t)(h & 0xffu);
+    p[1] = (uint8_t)(h >> 8);
+    return pd_fp16_to_fp32(h);
+}
+
+/* Round to nearest (ties to even) and clamp into [lo, hi], in float so the
+ * conversion to int is always defined; NaN maps to lo. */
+static inline int cpu_round_clamp(float v, int lo, int hi) {
+    float r = rintf(v);
+    r = fmaxf(r, (float)lo); /* fmaxf(NaN, lo) == lo */
+    r = fminf(r, (float)hi);
+    return (int)r;
+}
+
 /* The 6-bit scale and min of sub-block j (0..7) of a q4_K block. */
 static inline void cpu_q4k_scale_min(int j, const uint8_t *s, uint8_t *sc, uint8_t *m) {
     if (j < 4) {
@@ -171,6 +193,18 @@ static inline void cpu_q4k_scale_min(int j, const uint8_t *s, uint8_t *sc, uint8
     } else {
         *sc = (uint8_t)((s[j + 4] & 0x0fu) | ((s[j - 4] >> 6) << 4));
         *m = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+/* Inverse of cpu_q4k_scale_min; `s` must start zeroed. */
+static inline void cpu_q4k_pack_scale_min(int j, uint8_t *s, uint8_t sc, uint8_t m) {
+    if (j < 4) {
+        s[j] = (uint8_t)(s[j] | (sc & 63u));
+        s[j + 4] = (uint8_t)(s[j + 4] | (m & 63u));
+    } else {
+        s[j + 4] = (uint8_t)((sc & 0x0fu) | ((m & 0x0fu) << 4));
+        s[j - 4] = (uint8_t)(s[j - 4] | ((sc >> 4) << 6));
+        s[j] = (uint8_t)(s[j] | ((m >> 4) << 6));
     }
 }
 

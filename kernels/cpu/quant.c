@@ -44,56 +44,9 @@
  * small helpers
  * ------------------------------------------------------------------------ */
 
-static inline uint16_t load_u16(const uint8_t *p) {
-    return (uint16_t)(p[0] | (p[1] << 8));
-}
-
 static inline void store_u16(uint8_t *p, uint16_t v) {
     p[0] = (uint8_t)(v & 0xffu);
     p[1] = (uint8_t)(v >> 8);
-}
-
-static inline float load_half(const uint8_t *p) {
-    return pd_fp16_to_fp32(load_u16(p));
-}
-
-/* Store f as fp16 and return the value actually stored. */
-static inline float store_half(uint8_t *p, float f) {
-    const uint16_t h = pd_fp32_to_fp16(f);
-    store_u16(p, h);
-    return pd_fp16_to_fp32(h);
-}
-
-/* Round to nearest (ties to even) and clamp into [lo, hi]; NaN maps to lo.
- * Clamping happens in float so the conversion to int is always defined. */
-static inline int round_clamp(float v, int lo, int hi) {
-    float r = rintf(v);
-    r = fmaxf(r, (float)lo); /* fmaxf(NaN, lo) == lo */
-    r = fminf(r, (float)hi);
-    return (int)r;
-}
-
-/* The 6-bit scale and min of sub-block j (0..7) of a q4_K block. */
-static inline void q4k_scale_min(int j, const uint8_t *s, uint8_t *sc, uint8_t *m) {
-    if (j < 4) {
-        *sc = s[j] & 63u;
-        *m = s[j + 4] & 63u;
-    } else {
-        *sc = (uint8_t)((s[j + 4] & 0x0fu) | ((s[j - 4] >> 6) << 4));
-        *m = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-    }
-}
-
-/* Inverse of q4k_scale_min; `s` must start zeroed. */
-static inline void q4k_pack_scale_min(int j, uint8_t *s, uint8_t sc, uint8_t m) {
-    if (j < 4) {
-        s[j] = (uint8_t)(s[j] | (sc & 63u));
-        s[j + 4] = (uint8_t)(s[j + 4] | (m & 63u));
-    } else {
-        s[j + 4] = (uint8_t)((sc & 0x0fu) | ((m & 0x0fu) << 4));
-        s[j - 4] = (uint8_t)(s[j - 4] | ((sc >> 4) << 6));
-        s[j] = (uint8_t)(s[j] | ((m >> 4) << 6));
-    }
 }
 
 /* ------------------------------------------------------------------------
@@ -107,10 +60,10 @@ static void quantize_q8_0(const float *x, uint8_t *y, uint64_t nb) {
             const float a = fabsf(x[j]);
             if (a > amax) amax = a;
         }
-        const float d = store_half(y, amax / 127.0f);
+        const float d = cpu_store_half(y, amax / 127.0f);
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         for (int j = 0; j < QK8_0; j++) {
-            const int q = round_clamp(x[j] * id, -127, 127);
+            const int q = cpu_round_clamp(x[j] * id, -127, 127);
             const int8_t q8 = (int8_t)q;
             memcpy(y + 2 + j, &q8, 1);
         }
@@ -119,7 +72,7 @@ static void quantize_q8_0(const float *x, uint8_t *y, uint64_t nb) {
 
 static void dequantize_q8_0(const uint8_t *x, float *y, uint64_t nb) {
     for (uint64_t i = 0; i < nb; i++, x += Q8_0_BYTES, y += QK8_0) {
-        const float d = load_half(x);
+        const float d = cpu_load_half(x);
         for (int j = 0; j < QK8_0; j++) {
             int8_t q;
             memcpy(&q, x + 2 + j, 1);
@@ -144,11 +97,11 @@ static void quantize_q4_0(const float *x, uint8_t *y, uint64_t nb) {
                 max = x[j];
             }
         }
-        const float d = store_half(y, max / -8.0f);
+        const float d = cpu_store_half(y, max / -8.0f);
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         for (int j = 0; j < QK4_0 / 2; j++) {
-            const int q0 = round_clamp(x[j] * id, -8, 7) + 8;
-            const int q1 = round_clamp(x[j + QK4_0 / 2] * id, -8, 7) + 8;
+            const int q0 = cpu_round_clamp(x[j] * id, -8, 7) + 8;
+            const int q1 = cpu_round_clamp(x[j + QK4_0 / 2] * id, -8, 7) + 8;
             y[2 + j] = (uint8_t)((unsigned)q0 | ((unsigned)q1 << 4));
         }
     }
@@ -156,7 +109,7 @@ static void quantize_q4_0(const float *x, uint8_t *y, uint64_t nb) {
 
 static void dequantize_q4_0(const uint8_t *x, float *y, uint64_t nb) {
     for (uint64_t i = 0; i < nb; i++, x += Q4_0_BYTES, y += QK4_0) {
-        const float d = load_half(x);
+        const float d = cpu_load_half(x);
         for (int j = 0; j < QK4_0 / 2; j++) {
             const int q0 = (int)(x[2 + j] & 0x0fu) - 8;
             const int q1 = (int)(x[2 + j] >> 4) - 8;
@@ -175,7 +128,7 @@ static float q4k_sub_err(const float *x, float dl, float dm) {
     float e = 0.0f;
     for (int l = 0; l < 32; l++) {
         int q = 0;
-        if (dl != 0.0f) q = round_clamp((x[l] + dm) / dl, 0, 15);
+        if (dl != 0.0f) q = cpu_round_clamp((x[l] + dm) / dl, 0, 15);
         const float p = dl * (float)q;
         const float v = p - dm;
         e += (v - x[l]) * (v - x[l]);
@@ -203,16 +156,16 @@ static void quantize_q4_K(const float *x, uint8_t *y, uint64_t nb) {
         }
         uint8_t *s = y + 4;
         memset(s, 0, 12);
-        const float d = store_half(y, max_scale / 63.0f);
-        const float dmin = store_half(y + 2, max_min / 63.0f);
+        const float d = cpu_store_half(y, max_scale / 63.0f);
+        const float dmin = cpu_store_half(y + 2, max_min / 63.0f);
 
         uint8_t L[PD_QK_K];
         for (int j = 0; j < 8; j++) {
             const float *xs = x + 32 * j;
             /* Try the neighbouring 6-bit codes of the scale and the min and
              * keep the pair with the least squared error. */
-            int ls0 = d != 0.0f ? round_clamp(scales[j] / d, 0, 63) : 0;
-            int lm0 = dmin != 0.0f ? round_clamp(mins[j] / dmin, 0, 63) : 0;
+            int ls0 = d != 0.0f ? cpu_round_clamp(scales[j] / d, 0, 63) : 0;
+            int lm0 = dmin != 0.0f ? cpu_round_clamp(mins[j] / dmin, 0, 63) : 0;
             int best_ls = ls0, best_lm = lm0;
             float best_e = INFINITY;
             for (int a = -1; a <= 1; a++) {
@@ -227,14 +180,14 @@ static void quantize_q4_K(const float *x, uint8_t *y, uint64_t nb) {
                     }
                 }
             }
-            q4k_pack_scale_min(j, s, (uint8_t)best_ls, (uint8_t)best_lm);
+            cpu_q4k_pack_scale_min(j, s, (uint8_t)best_ls, (uint8_t)best_lm);
             /* Quantize against exactly what the dequantizer will compute. */
             uint8_t sc, m;
-            q4k_scale_min(j, s, &sc, &m);
+            cpu_q4k_scale_min(j, s, &sc, &m);
             const float dl = d * (float)sc;
             const float dm = dmin * (float)m;
             for (int l = 0; l < 32; l++)
-                L[32 * j + l] = (uint8_t)(dl != 0.0f ? round_clamp((xs[l] + dm) / dl, 0, 15) : 0);
+                L[32 * j + l] = (uint8_t)(dl != 0.0f ? cpu_round_clamp((xs[l] + dm) / dl, 0, 15) : 0);
         }
         uint8_t *q = y + 16;
         for (int j = 0; j < PD_QK_K; j += 64) {
@@ -246,16 +199,16 @@ static void quantize_q4_K(const float *x, uint8_t *y, uint64_t nb) {
 
 static void dequantize_q4_K(const uint8_t *x, float *y, uint64_t nb) {
     for (uint64_t i = 0; i < nb; i++, x += Q4_K_BYTES) {
-        const float d = load_half(x);
-        const float min = load_half(x + 2);
+        const float d = cpu_load_half(x);
+        const float min = cpu_load_half(x + 2);
         const uint8_t *s = x + 4;
         const uint8_t *q = x + 16;
         for (int j = 0; j < 8; j += 2) {
             uint8_t sc, m;
-            q4k_scale_min(j, s, &sc, &m);
+            cpu_q4k_scale_min(j, s, &sc, &m);
             const float d1 = d * (float)sc;
             const float m1 = min * (float)m;
-            q4k_scale_min(j + 1, s, &sc, &m);
+            cpu_q4k_scale_min(j + 1, s, &sc, &m);
             const float d2 = d * (float)sc;
             const float m2 = min * (float)m;
             for (int l = 0; l < 32; l++) {
@@ -279,7 +232,7 @@ static float q6k_sub_err(const float *x, float dl) {
     float e = 0.0f;
     for (int l = 0; l < 16; l++) {
         int q = 0;
-        if (dl != 0.0f) q = round_clamp(x[l] / dl, -32, 31);
+        if (dl != 0.0f) q = cpu_round_clamp(x[l] / dl, -32, 31);
         const float v = dl * (float)q;
         e += (v - x[l]) * (v - x[l]);
     }
@@ -313,14 +266,14 @@ static void quantize_q6_K(const float *x, uint8_t *y, uint64_t nb) {
                 max_scale = scales[j];
             }
         }
-        const float d = store_half(dp, max_scale / -128.0f);
+        const float d = cpu_store_half(dp, max_scale / -128.0f);
 
         int8_t L[PD_QK_K];
         for (int j = 0; j < 16; j++) {
             const float *xs = x + 16 * j;
             int8_t code = 0;
             if (d != 0.0f) {
-                const int c0 = round_clamp(scales[j] / d, -128, 127);
+                const int c0 = cpu_round_clamp(scales[j] / d, -128, 127);
                 float best_e = INFINITY;
                 for (int a = -1; a <= 1; a++) {
                     const int c = c0 + a;
@@ -335,7 +288,7 @@ static void quantize_q6_K(const float *x, uint8_t *y, uint64_t nb) {
             memcpy(sc8 + j, &code, 1);
             const float dl = d * (float)code;
             for (int l = 0; l < 16; l++)
-                L[16 * j + l] = (int8_t)(dl != 0.0f ? round_clamp(xs[l] / dl, -32, 31) : 0);
+                L[16 * j + l] = (int8_t)(dl != 0.0f ? cpu_round_clamp(xs[l] / dl, -32, 31) : 0);
         }
 
         for (int j = 0; j < PD_QK_K; j += 128) {
@@ -356,7 +309,7 @@ static void quantize_q6_K(const float *x, uint8_t *y, uint64_t nb) {
 
 static void dequantize_q6_K(const uint8_t *x, float *y, uint64_t nb) {
     for (uint64_t i = 0; i < nb; i++, x += Q6_K_BYTES) {
-        const float d = load_half(x + 208);
+        const float d = cpu_load_half(x + 208);
         const uint8_t *ql = x;
         const uint8_t *qh = x + 128;
         const uint8_t *scb = x + 192;
@@ -452,10 +405,10 @@ int pd_dequantize_row(pd_type t, const void *src, float *dst, uint64_t n, pd_err
         memmove(dst, x, n * sizeof(float));
         return PD_OK;
     case PD_TYPE_F16:
-        for (uint64_t i = 0; i < n; i++) dst[i] = pd_fp16_to_fp32(load_u16(x + 2 * i));
+        for (uint64_t i = 0; i < n; i++) dst[i] = pd_fp16_to_fp32(cpu_load_u16(x + 2 * i));
         return PD_OK;
     case PD_TYPE_BF16:
-        for (uint64_t i = 0; i < n; i++) dst[i] = pd_bf16_to_fp32(load_u16(x + 2 * i));
+        for (uint64_t i = 0; i < n; i++) dst[i] = pd_bf16_to_fp32(cpu_load_u16(x + 2 * i));
         return PD_OK;
     case PD_TYPE_Q8_0: dequantize_q8_0(x, dst, nb); return PD_OK;
     case PD_TYPE_Q4_0: dequantize_q4_0(x, dst, nb); return PD_OK;

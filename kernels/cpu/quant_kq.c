@@ -46,30 +46,9 @@
  * helpers
  * ------------------------------------------------------------------------ */
 
-static inline float load_half(const uint8_t *p) {
-    return pd_fp16_to_fp32(cpu_load_u16(p));
-}
-
-/* Store f as fp16 and return the value actually stored. */
-static inline float store_half(uint8_t *p, float f) {
-    const uint16_t h = pd_fp32_to_fp16(f);
-    p[0] = (uint8_t)(h & 0xffu);
-    p[1] = (uint8_t)(h >> 8);
-    return pd_fp16_to_fp32(h);
-}
-
-/* Round to nearest (ties to even), clamped into [lo, hi] in float so the
- * conversion is always defined; NaN maps to lo. */
-static inline int round_clamp(float v, int lo, int hi) {
-    float r = rintf(v);
-    r = fmaxf(r, (float)lo);
-    r = fminf(r, (float)hi);
-    return (int)r;
-}
-
 /* Code of x on the grid dl*q - dm, q in [0, qmax]. */
 static inline int affine_code(float x, float dl, float dm, int qmax) {
-    return dl != 0.0f ? round_clamp((x + dm) / dl, 0, qmax) : 0;
+    return dl != 0.0f ? cpu_round_clamp((x + dm) / dl, 0, qmax) : 0;
 }
 
 /* Squared error of x[0..n) on that grid. */
@@ -103,8 +82,8 @@ static void affine_fit(const float *x, int n, int qmax, float *scale, float *min
  * least squared error. */
 static void affine_codes(const float *x, int n, int qmax, float scale, float min, float d, float dmin, int cmax,
                          int *ls, int *lm) {
-    const int ls0 = d != 0.0f ? round_clamp(scale / d, 0, cmax) : 0;
-    const int lm0 = dmin != 0.0f ? round_clamp(min / dmin, 0, cmax) : 0;
+    const int ls0 = d != 0.0f ? cpu_round_clamp(scale / d, 0, cmax) : 0;
+    const int lm0 = dmin != 0.0f ? cpu_round_clamp(min / dmin, 0, cmax) : 0;
     float best = INFINITY;
     *ls = ls0;
     *lm = lm0;
@@ -156,8 +135,8 @@ void cpu_quantize_q2_K(const float *x, uint8_t *y, uint64_t nb) {
             if (scales[j] > max_scale) max_scale = scales[j];
             if (mins[j] > max_min) max_min = mins[j];
         }
-        const float d = store_half(y + 80, max_scale / 15.0f);
-        const float dmin = store_half(y + 82, max_min / 15.0f);
+        const float d = cpu_store_half(y + 80, max_scale / 15.0f);
+        const float dmin = cpu_store_half(y + 82, max_min / 15.0f);
         uint8_t L[PD_QK_K];
         for (int j = 0; j < 16; j++) {
             const float *xs = x + 16 * j;
@@ -173,8 +152,8 @@ void cpu_quantize_q2_K(const float *x, uint8_t *y, uint64_t nb) {
 
 void cpu_dequantize_q2_K(const uint8_t *x, float *y, uint64_t nb) {
     for (uint64_t i = 0; i < nb; i++, x += Q2_K_BYTES) {
-        const float d = load_half(x + 80);
-        const float min = load_half(x + 82);
+        const float d = cpu_load_half(x + 80);
+        const float min = cpu_load_half(x + 82);
         const uint8_t *sc = x;
         const uint8_t *q = x + 16;
         for (int h = 0; h < 2; h++, q += 32) {
@@ -202,7 +181,7 @@ void cpu_dequantize_q2_K(const uint8_t *x, float *y, uint64_t nb) {
 static float q3k_err(const float *x, float dl) {
     float e = 0.0f;
     for (int l = 0; l < 16; l++) {
-        const int q = dl != 0.0f ? round_clamp(x[l] / dl, -4, 3) : 0;
+        const int q = dl != 0.0f ? cpu_round_clamp(x[l] / dl, -4, 3) : 0;
         const float v = dl * (float)q;
         e += (v - x[l]) * (v - x[l]);
     }
@@ -215,14 +194,14 @@ void cpu_quantize_q3_K(const float *x, uint8_t *y, uint64_t nb) {
         /* each sub-block's extreme maps to -4; the largest scale to -32 */
         float scales[16];
         for (int j = 0; j < 16; j++) scales[j] = signed_amax(x + 16 * j, 16) / -4.0f;
-        const float d = store_half(y + 108, signed_amax(scales, 16) / -32.0f);
+        const float d = cpu_store_half(y + 108, signed_amax(scales, 16) / -32.0f);
         memset(sc, 0, 12);
         uint8_t L[PD_QK_K];
         for (int j = 0; j < 16; j++) {
             const float *xs = x + 16 * j;
             int c = 0;
             if (d != 0.0f) {
-                const int c0 = round_clamp(scales[j] / d, -32, 31);
+                const int c0 = cpu_round_clamp(scales[j] / d, -32, 31);
                 float best = INFINITY;
                 for (int a = -1; a <= 1; a++) {
                     if (c0 + a < -32 || c0 + a > 31) continue;
@@ -241,7 +220,7 @@ void cpu_quantize_q3_K(const float *x, uint8_t *y, uint64_t nb) {
             sc[8 + j % 4] = (uint8_t)(sc[8 + j % 4] | ((l6 >> 4) << (2 * (j / 4))));
             const float dl = d * (float)c;
             for (int l = 0; l < 16; l++)
-                L[16 * j + l] = (uint8_t)((dl != 0.0f ? round_clamp(xs[l] / dl, -4, 3) : 0) + 4);
+                L[16 * j + l] = (uint8_t)((dl != 0.0f ? cpu_round_clamp(xs[l] / dl, -4, 3) : 0) + 4);
         }
         memset(hmask, 0, 32);
         for (int e = 0; e < PD_QK_K; e++) {
@@ -271,7 +250,7 @@ void cpu_q3k_scales(const uint8_t *s, int8_t out[16]) {
 
 void cpu_dequantize_q3_K(const uint8_t *x, float *y, uint64_t nb) {
     for (uint64_t i = 0; i < nb; i++, x += Q3_K_BYTES) {
-        const float d_all = load_half(x + 108);
+        const float d_all = cpu_load_half(x + 108);
         const uint8_t *hm = x;
         const uint8_t *q = x + 32;
         int8_t scales[16];
@@ -297,18 +276,6 @@ void cpu_dequantize_q3_K(const uint8_t *x, float *y, uint64_t nb) {
  * q5_K
  * ------------------------------------------------------------------------ */
 
-/* Inverse of cpu_q4k_scale_min; `s` must start zeroed. */
-static void q4k_pack_scale_min(int j, uint8_t *s, uint8_t sc, uint8_t m) {
-    if (j < 4) {
-        s[j] = (uint8_t)(s[j] | (sc & 63u));
-        s[j + 4] = (uint8_t)(s[j + 4] | (m & 63u));
-    } else {
-        s[j + 4] = (uint8_t)((sc & 0x0fu) | ((m & 0x0fu) << 4));
-        s[j - 4] = (uint8_t)(s[j - 4] | ((sc >> 4) << 6));
-        s[j] = (uint8_t)(s[j] | ((m >> 4) << 6));
-    }
-}
-
 void cpu_quantize_q5_K(const float *x, uint8_t *y, uint64_t nb) {
     for (uint64_t i = 0; i < nb; i++, x += PD_QK_K, y += Q5_K_BYTES) {
         float scales[8], mins[8], max_scale = 0.0f, max_min = 0.0f;
@@ -317,8 +284,8 @@ void cpu_quantize_q5_K(const float *x, uint8_t *y, uint64_t nb) {
             if (scales[j] > max_scale) max_scale = scales[j];
             if (mins[j] > max_min) max_min = mins[j];
         }
-        const float d = store_half(y, max_scale / 63.0f);
-        const float dmin = store_half(y + 2, max_min / 63.0f);
+        const float d = cpu_store_half(y, max_scale / 63.0f);
+        const float dmin = cpu_store_half(y + 2, max_min / 63.0f);
         uint8_t *s = y + 4, *qh = y + 16, *ql = y + 48;
         memset(s, 0, 12);
         uint8_t L[PD_QK_K];
@@ -326,7 +293,7 @@ void cpu_quantize_q5_K(const float *x, uint8_t *y, uint64_t nb) {
             const float *xs = x + 32 * j;
             int ls, lm;
             affine_codes(xs, 32, 31, scales[j], mins[j], d, dmin, 63, &ls, &lm);
-            q4k_pack_scale_min(j, s, (uint8_t)ls, (uint8_t)lm);
+            cpu_q4k_pack_scale_min(j, s, (uint8_t)ls, (uint8_t)lm);
             const float dl = d * (float)ls, dm = dmin * (float)lm;
             for (int l = 0; l < 32; l++) L[32 * j + l] = (uint8_t)affine_code(xs[l], dl, dm, 31);
         }
@@ -343,8 +310,8 @@ void cpu_quantize_q5_K(const float *x, uint8_t *y, uint64_t nb) {
 
 void cpu_dequantize_q5_K(const uint8_t *x, float *y, uint64_t nb) {
     for (uint64_t i = 0; i < nb; i++, x += Q5_K_BYTES) {
-        const float d = load_half(x);
-        const float min = load_half(x + 2);
+        const float d = cpu_load_half(x);
+        const float min = cpu_load_half(x + 2);
         const uint8_t *s = x + 4, *qh = x + 16, *ql = x + 48;
         unsigned u1 = 1, u2 = 2;
         for (int j = 0; j < 8; j += 2, ql += 32, u1 <<= 2, u2 <<= 2) {
@@ -405,7 +372,7 @@ void cpu_quantize_iq4_xs(const float *x, uint8_t *y, uint64_t nb) {
          * scale to the code -32 */
         float scales[8];
         for (int j = 0; j < 8; j++) scales[j] = signed_amax(x + 32 * j, 32) / -127.0f;
-        const float d = store_half(y, signed_amax(scales, 8) / -32.0f);
+        const float d = cpu_store_half(y, signed_amax(scales, 8) / -32.0f);
         unsigned scales_h = 0;
         uint8_t *scales_l = y + 4, *qs = y + 8;
         memset(scales_l, 0, 4);
@@ -413,7 +380,7 @@ void cpu_quantize_iq4_xs(const float *x, uint8_t *y, uint64_t nb) {
             const float *xs = x + 32 * j;
             int c = 0;
             if (d != 0.0f) {
-                const int c0 = round_clamp(scales[j] / d, -32, 31);
+                const int c0 = cpu_round_clamp(scales[j] / d, -32, 31);
                 float best = INFINITY;
                 for (int a = -2; a <= 2; a++) {
                     if (c0 + a < -32 || c0 + a > 31) continue;
@@ -442,7 +409,7 @@ void cpu_quantize_iq4_xs(const float *x, uint8_t *y, uint64_t nb) {
 
 void cpu_dequantize_iq4_xs(const uint8_t *x, float *y, uint64_t nb) {
     for (uint64_t i = 0; i < nb; i++, x += IQ4_XS_BYTES) {
-        const float d = load_half(x);
+        const float d = cpu_load_half(x);
         const unsigned scales_h = cpu_load_u16(x + 2);
         const uint8_t *scales_l = x + 4, *qs = x + 8;
         for (int ib = 0; ib < 8; ib++, qs += 16, y += 32) {

@@ -31,26 +31,6 @@
 
 const int8_t cpu_iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-static inline float load_half(const uint8_t *p) {
-    return pd_fp16_to_fp32(cpu_load_u16(p));
-}
-
-/* Store f as fp16 and return the value actually stored. */
-static inline float store_half(uint8_t *p, float f) {
-    const uint16_t h = pd_fp32_to_fp16(f);
-    p[0] = (uint8_t)(h & 0xffu);
-    p[1] = (uint8_t)(h >> 8);
-    return pd_fp16_to_fp32(h);
-}
-
-/* Round to nearest even, clamped to [lo, hi]; NaN gives lo. */
-static inline int round_clamp(float v, int lo, int hi) {
-    float r = rintf(v);
-    r = fmaxf(r, (float)lo);
-    r = fminf(r, (float)hi);
-    return (int)r;
-}
-
 static inline uint32_t load_u32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
@@ -83,10 +63,10 @@ static void quantize_min_block(const float *x, uint8_t *y, int nmax) {
         if (x[j] > hi) hi = x[j];
     }
     if (!(lo <= hi)) lo = hi = 0.0f; /* all NaN */
-    const float d = store_half(y, (hi - lo) / (float)nmax);
-    const float m = store_half(y + 2, lo);
+    const float d = cpu_store_half(y, (hi - lo) / (float)nmax);
+    const float m = cpu_store_half(y + 2, lo);
     uint8_t L[QK];
-    for (int j = 0; j < QK; j++) L[j] = (uint8_t)(d != 0.0f ? round_clamp((x[j] - m) / d, 0, nmax) : 0);
+    for (int j = 0; j < QK; j++) L[j] = (uint8_t)(d != 0.0f ? cpu_round_clamp((x[j] - m) / d, 0, nmax) : 0);
     if (nmax == 15)
         pack_codes(L, y + 4, NULL);
     else
@@ -95,8 +75,8 @@ static void quantize_min_block(const float *x, uint8_t *y, int nmax) {
 
 static void dequantize_q4_1(const uint8_t *x, float *y, uint64_t nb) {
     for (uint64_t i = 0; i < nb; i++, x += Q4_1_BYTES, y += QK) {
-        const float d = load_half(x);
-        const float m = load_half(x + 2);
+        const float d = cpu_load_half(x);
+        const float m = cpu_load_half(x + 2);
         const uint8_t *qs = x + 4;
         for (int j = 0; j < QK / 2; j++) {
             const int x0 = qs[j] & 0x0f;
@@ -111,8 +91,8 @@ static void dequantize_q4_1(const uint8_t *x, float *y, uint64_t nb) {
 
 static void dequantize_q5_1(const uint8_t *x, float *y, uint64_t nb) {
     for (uint64_t i = 0; i < nb; i++, x += Q5_1_BYTES, y += QK) {
-        const float d = load_half(x);
-        const float m = load_half(x + 2);
+        const float d = cpu_load_half(x);
+        const float m = cpu_load_half(x + 2);
         const uint32_t qh = load_u32(x + 4);
         const uint8_t *qs = x + 8;
         for (int j = 0; j < QK / 2; j++) {
@@ -141,16 +121,16 @@ static void quantize_q5_0(const float *x, uint8_t *y, uint64_t nb) {
                 max = x[j];
             }
         }
-        const float d = store_half(y, max / -16.0f);
+        const float d = cpu_store_half(y, max / -16.0f);
         uint8_t L[QK];
-        for (int j = 0; j < QK; j++) L[j] = (uint8_t)(d != 0.0f ? round_clamp(x[j] / d, -16, 15) + 16 : 16);
+        for (int j = 0; j < QK; j++) L[j] = (uint8_t)(d != 0.0f ? cpu_round_clamp(x[j] / d, -16, 15) + 16 : 16);
         pack_codes(L, y + 6, y + 2);
     }
 }
 
 static void dequantize_q5_0(const uint8_t *x, float *y, uint64_t nb) {
     for (uint64_t i = 0; i < nb; i++, x += Q5_0_BYTES, y += QK) {
-        const float d = load_half(x);
+        const float d = cpu_load_half(x);
         const uint32_t qh = load_u32(x + 2);
         const uint8_t *qs = x + 6;
         for (int j = 0; j < QK / 2; j++) {
@@ -216,7 +196,7 @@ static void quantize_iq4_nl(const float *x, uint8_t *y, uint64_t nb) {
             }
             if (!isfinite(best)) best = 0.0f; /* NaN input */
         }
-        const float d = store_half(y, best);
+        const float d = cpu_store_half(y, best);
         uint8_t L[QK];
         for (int j = 0; j < QK; j++) L[j] = (uint8_t)(d != 0.0f ? iq4nl_nearest(x[j] / d) : 8);
         pack_codes(L, y + 2, NULL);
@@ -225,7 +205,7 @@ static void quantize_iq4_nl(const float *x, uint8_t *y, uint64_t nb) {
 
 static void dequantize_iq4_nl(const uint8_t *x, float *y, uint64_t nb) {
     for (uint64_t i = 0; i < nb; i++, x += IQ4_NL_BYTES, y += QK) {
-        const float d = load_half(x);
+        const float d = cpu_load_half(x);
         const uint8_t *qs = x + 2;
         for (int j = 0; j < QK / 2; j++) {
             y[j] = d * (float)cpu_iq4nl_values[qs[j] & 0x0f];
