@@ -7,14 +7,18 @@
  * ppl_llama is llama-perplexity's "Final estimate" and ppl_prefixd is
  * `prefixctl perplexity` with the same context and chunks.
  *
- * Why sharpen: gen-model's matrices are N(0, 0.02^2) with every norm weight
- * 1.0, so logits and attention scores are nearly flat (perplexity about the
- * vocabulary size, and a wrong rope base moves it by 0.001%): such a model
- * cannot tell a right implementation from a wrong one. Setting every norm
- * weight to a seeded random gain (a different one per element, so a norm
- * that ignored its weight shows too) makes attention scores and logits vary
- * by several units. The `discriminates` tests prove the 0.5% check has
- * teeth: one changed hyper-parameter moves perplexity far more than that.
+ * The models must not be flat: with gen-model's plain weights (matrices
+ * N(0, 0.02^2), every norm weight 1.0) logits and attention scores are
+ * nearly uniform, perplexity is about the vocabulary size and a wrong rope
+ * base moves it by 0.001%, so such a model cannot tell a right
+ * implementation from a wrong one. When gen-model offers `--peaked` weights
+ * (a built-in prior over the vocabulary, sharp attention: perplexity well
+ * below the vocabulary size) every row asks for them. Otherwise the test
+ * "sharpens" the flat model: every norm weight becomes a seeded random gain
+ * (a different one per element, so a norm that ignored its weight shows
+ * too), which makes attention scores and logits vary by several units. The
+ * `discriminates` tests prove the 0.5% check has teeth either way: one
+ * changed hyper-parameter moves perplexity far more than that.
  *
  * Cells whose model prefixd refuses (a weight type or architecture it does
  * not compute yet) or that gen-model cannot write are skipped with the
@@ -75,10 +79,18 @@ static const arch_row ARCHS[] = {
     /* QKV bias, NeoX rope, tied. */
     {"qwen2", "--preset qwen2.5-0.5b --n-vocab 4096 --n-embd 256 --n-ff 512 --n-layer 2 --n-head 4 --n-head-kv 2 "
               "--n-ctx 4096"},
-    {"qwen3", "--preset tiny --arch qwen3 --n-embd 256 --n-ff 512 --n-layer 2 --n-head 4 --n-head-kv 2 --n-ctx 4096"},
-    {"gemma2", "--preset tiny --arch gemma2 --n-embd 256 --n-ff 512 --n-layer 2 --n-head 4 --n-head-kv 2 --n-ctx 4096"},
-    {"gemma3", "--preset tiny --arch gemma3 --n-embd 256 --n-ff 512 --n-layer 2 --n-head 4 --n-head-kv 2 --n-ctx 4096"},
-    {"phi3", "--preset tiny --arch phi3 --vocab-from $VOCAB/ggml-vocab-phi-3.gguf --n-embd 256 --n-ff 512 --n-layer 2 "
+    /* The other architectures from gen-model's presets of real models,
+     * scaled down: per-head q/k norms and head size 128 (qwen3); soft-caps,
+     * post-norms, head size 256 and a 64-token window on every other layer
+     * (gemma2), or on five layers of six (gemma3), so windows matter at a
+     * 128-token context; fused QKV and gate/up, Phi-3's vocab (phi3). */
+    {"qwen3", "--preset qwen3-0.6b --n-vocab 4096 --n-embd 256 --n-ff 512 --n-layer 2 --n-head 4 --n-head-kv 2 "
+              "--n-ctx 4096"},
+    {"gemma2", "--preset gemma-2-2b --n-vocab 4096 --n-embd 256 --n-ff 512 --n-layer 2 --n-head 4 --n-head-kv 2 "
+               "--sliding-window 64 --n-ctx 4096"},
+    {"gemma3", "--preset gemma-3-1b --n-vocab 4096 --n-embd 256 --n-ff 512 --n-layer 6 --n-head 4 --n-head-kv 1 "
+               "--sliding-window 64 --n-ctx 4096"},
+    {"phi3", "--preset phi-3-mini --vocab-from $VOCAB/ggml-vocab-phi-3.gguf --n-embd 256 --n-ff 512 --n-layer 2 "
              "--n-head 4 --n-head-kv 4 --n-ctx 4096"},
 };
 #define N_ARCHS (sizeof ARCHS / sizeof *ARCHS)
@@ -211,10 +223,30 @@ static void *reorder_rope_rows(const pd_gguf_tensor *t, uint32_t n_heads) {
     return out;
 }
 
-/* Copy src to dst with every "*norm.weight" F32 tensor replaced by
- * gain * (0.5 + u), u uniform in [0, 1) from a generator seeded by the
- * tensor's name (deterministic, independent of the weight type, and the
- * same when applied again), and the variant's change if any. */
+static bool is_norm(const pd_gguf_tensor *t) {
+    const size_t len = strlen(t->name);
+    return t->type == PD_TYPE_F32 && t->n_dims == 1 && len > 11 && strcmp(t->name + len - 11, "norm.weight") == 0;
+}
+
+/* Every norm weight 1.0: gen-model's flat weights. */
+static bool flat_norms(const pd_gguf *g) {
+    for (size_t i = 0; i < pd_gguf_tensor_count(g); i++) {
+        const pd_gguf_tensor *t = pd_gguf_tensor_at(g, i);
+        if (!is_norm(t)) continue;
+        for (uint64_t e = 0; e < t->n_elems; e++) {
+            float x;
+            memcpy(&x, t->data + 4 * e, 4);
+            if (x != 1.0f) return false;
+        }
+    }
+    return true;
+}
+
+/* Copy src to dst with, when its norms are flat, every "*norm.weight"
+ * F32 tensor replaced by gain * (0.5 + u), u uniform in [0, 1) from a
+ * generator seeded by the tensor's name (deterministic, independent of the
+ * weight type, and the same when applied again); and the variant's change
+ * if any. */
 static void sharpen(const char *src, const char *dst, const variant *v) {
     pd_gguf *g = NULL;
     pd_gguf_writer *w = NULL;
@@ -239,11 +271,11 @@ static void sharpen(const char *src, const char *dst, const variant *v) {
         }
     }
     cr_assert(!*key || overridden, "%s has no key %s", src, key);
+    const bool flat = flat_norms(g);
     for (size_t i = 0; i < pd_gguf_tensor_count(g); i++) {
         const pd_gguf_tensor *t = pd_gguf_tensor_at(g, i);
         const size_t len = strlen(t->name);
-        const bool norm = t->type == PD_TYPE_F32 && t->n_dims == 1 && len > 11 &&
-                          strcmp(t->name + len - 11, "norm.weight") == 0;
+        const bool norm = flat && is_norm(t);
         const bool q = len > 13 && strcmp(t->name + len - 13, "attn_q.weight") == 0;
         const bool k = len > 13 && strcmp(t->name + len - 13, "attn_k.weight") == 0;
         void *data = NULL;
@@ -289,9 +321,19 @@ static void prune_cache(const char *arch, const char *keep) {
 /* The sharpened F16 model of an architecture, generated once into the cache
  * (name keyed by the options). STEP_REFUSED with *why when gen-model cannot
  * write the architecture. */
+/* Whether gen-model can draw peaked weights (`--peaked`). */
+static bool gen_model_peaked(void) {
+    char *out = NULL;
+    th_runf(&out, "%s gen-model --help 2>&1", getenv("PD_PREFIXCTL"));
+    const bool yes = out && strstr(out, "--peaked");
+    free(out);
+    return yes;
+}
+
 static step_rc base_model(const arch_row *a, char *path, size_t cap, char **why) {
     char args[8192];
-    expand_args(a->gen, args, sizeof args);
+    expand_args(a->gen, args, sizeof args - 16);
+    if (gen_model_peaked()) strcat(args, " --peaked");
     char version[64], key[64];
     snprintf(version, sizeof version, "|sharpen %d %g %g %g %g %g", SHARPEN_VERSION, GAIN_ATTN, GAIN_FFN, GAIN_OUT,
              GAIN_QK, GAIN_POST);
