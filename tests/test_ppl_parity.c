@@ -21,9 +21,9 @@
  * llama.cpp's 8-bit activation rounding at up to 0.75% of perplexity on
  * correct kernels, and a wrong rope base or epsilon moved them less.)
  *
- * Cells whose model prefixd refuses (a weight type or architecture it does
- * not compute yet) or that gen-model cannot write are skipped with the
- * reason; PD_PPL_STRICT=1 makes those failures. The sharpened F16 models
+ * A cell whose model prefixd refuses (a weight type or architecture) or
+ * that gen-model cannot write fails: every cell of the matrix is one this
+ * build supports. Rows the peer cannot run are skipped with its reason. The sharpened F16 models
  * are cached under $PD_PPL_CACHE (the build folder), keyed by their
  * generation options; the mixes are made afresh in a temporary folder.
  * Under AddressSanitizer the matrix is F16 and Q4_K_M only and the
@@ -147,11 +147,6 @@ static const char *text_path(void) {
     cr_assert(root && *root, "PD_SOURCE_ROOT is not set (run through meson test)");
     snprintf(buf, sizeof buf, "%s/tests/data/ppl-stories.txt", root);
     return buf;
-}
-
-static bool strict(void) {
-    const char *s = getenv("PD_PPL_STRICT");
-    return s && *s && strcmp(s, "0") != 0;
 }
 
 static uint64_t fnv1a(uint64_t h, const char *s) {
@@ -386,7 +381,7 @@ static step_rc base_model(const arch_row *a, char *path, size_t cap, char **why)
 }
 
 /* The peer is older than the architecture: nothing to compare with, which
- * is no failure of prefixd's (PD_PPL_STRICT does not change that). */
+ * is no failure of prefixd's. */
 static void peer_lacks_arch(const char *model, char *out) {
     const char *arch = strstr(out, "unknown model architecture");
     char msg[256];
@@ -457,14 +452,13 @@ static step_rc prefixd_ppl(const char *model, int chunks, double *ppl, char **wh
     return STEP_OK;
 }
 
-static void skip_or_fail(const char *cell, const char *stage, char *why) {
+static void cell_fail(const char *cell, const char *stage, char *why) {
     char msg[1024];
     snprintf(msg, sizeof msg, "%s: %s: %.700s", cell, stage, why ? why : "");
     free(why);
     for (char *p = msg; *p; p++)
         if (*p == '\n') *p = ' ';
-    if (strict()) cr_assert_fail("%s", msg);
-    cr_skip_test("%s (not supported yet; PD_PPL_STRICT=1 makes this a failure)", msg);
+    cr_assert_fail("%s", msg);
 }
 
 static double n_vocab(const char *model) {
@@ -503,7 +497,7 @@ ParameterizedTest(cell *c, ppl_parity, cell, .timeout = 120) {
     const char *mix = MIXES[c->mix];
     char name[128], base[4096], model[8192], *why = NULL;
     snprintf(name, sizeof name, "%s/%s", a->name, mix);
-    if (base_model(a, base, sizeof base, &why) == STEP_REFUSED) skip_or_fail(name, "gen-model", why);
+    if (base_model(a, base, sizeof base, &why) == STEP_REFUSED) cell_fail(name, "gen-model", why);
     char *dir = th_mkdtemp();
     cr_assert_not_null(dir);
     quantize(base, mix, dir, a->name, model, sizeof model);
@@ -512,7 +506,7 @@ ParameterizedTest(cell *c, ppl_parity, cell, .timeout = 120) {
     const double ref = rc == STEP_OK ? llama_ppl(model, PPL_CHUNKS) : 0;
     th_rmtree(dir);
     free(dir);
-    if (rc == STEP_REFUSED) skip_or_fail(name, "prefixd", why);
+    if (rc == STEP_REFUSED) cell_fail(name, "prefixd", why);
     const double rel = ours / ref - 1;
     cr_log_info("%-14s %-7s prefixd %12.4f  llama %12.4f  ratio-1 %+.4f%%  (ppl / n_vocab %.2f)", a->name, mix, ours, ref,
                 100 * rel, ref / n_vocab(base));
@@ -533,7 +527,7 @@ static void expect_far(const char *arch_name, const char *what, const variant *v
         if (strcmp(ARCHS[i].name, arch_name) == 0) a = &ARCHS[i];
     cr_assert_not_null(a);
     char base[4096], *why = NULL;
-    if (base_model(a, base, sizeof base, &why) == STEP_REFUSED) skip_or_fail(arch_name, "gen-model", why);
+    if (base_model(a, base, sizeof base, &why) == STEP_REFUSED) cell_fail(arch_name, "gen-model", why);
     char *dir = th_mkdtemp();
     cr_assert_not_null(dir);
     char wrong[4200];
