@@ -349,8 +349,10 @@ typedef struct tm_tensor {
 
 /* Peaked weights sharpen attention (scores of std ~4 rather than ~0.5) so
  * that which keys a query sees, and so masks and windows, matter: Q and K
- * rows are drawn this much larger, per-head Q/K norm weights are this. */
+ * rows are drawn TM_QK_GAIN times larger (elements ~2 after the 0.7 of a
+ * norm), per-head Q/K norm weights are TM_QK_NORM (elements 2 after it). */
 #define TM_QK_GAIN 3.0
+#define TM_QK_NORM 2.0
 
 /* Row r of tensor t (n elements), continuing the tensor's random stream. */
 static void gen_row(const tm_tensor *t, uint64_t r, float *dst, uint64_t n, uint64_t *state) {
@@ -360,7 +362,7 @@ static void gen_row(const tm_tensor *t, uint64_t r, float *dst, uint64_t n, uint
         if (peaked && n > 0) dst[0] = t->dim0;
         if (t->hide0 && n > 0) dst[0] = 0.0f;
         if (t->qk_rows)
-            for (uint64_t i = 0; i < n; i++) dst[i] = (float)TM_QK_GAIN;
+            for (uint64_t i = 0; i < n; i++) dst[i] = (float)TM_QK_NORM;
         return;
     }
     const double std = r < t->qk_rows ? t->std * TM_QK_GAIN : t->std;

@@ -37,7 +37,7 @@ extern "C" {
  * text, scaled to [0, 1] (0 for normal tokens it does not use, -0.5 for
  * control, byte and unused ones), attn_norm/ffn_norm weights hide that
  * element from the layers (0), Q and K rows are drawn 3x larger (and
- * per-head Q/K norm weights are 3) so attention is sharp enough for masks
+ * per-head Q/K norm weights are 2) so attention is sharp enough for masks
  * and windows to matter, and
  * output_norm.weight[0] sizes it so the prior spans about 6 logits on top
  * of a context-dependent spread of about 1. The next-token distribution
