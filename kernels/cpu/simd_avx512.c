@@ -378,7 +378,8 @@ PD_UNROLL
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
             const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
-            const __m128 xd = _mm_castpd_ps(_mm_loaddup_pd((const double *)(const void *)(q->d + (t0 + j) * nb + b)));
+            /* xd0 xd1 (a 4-byte aligned pair: movq, not a double load) */
+            const __m128 xd = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(const void *)(q->d + (t0 + j) * nb + b)));
             const __m128 dx = _mm_mul_ps(dm, _mm_unpacklo_ps(xd, xd)); /* d0 xd0, dmin0 xd0, d1 xd1, dmin1 xd1 */
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_K_block_dot(b0, x, sa0, sb0)), _mm512_broadcastss_ps(dx), acc[j]);
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_K_block_dot(b1, x + PD_QK_K, sa1, sb1)),
