@@ -131,21 +131,25 @@ static bool append(char **buf, size_t *len, size_t *cap, const char *data, size_
     return true;
 }
 
+/* The token of an `Authorization: Bearer TOKEN` header, or NULL. */
+static const char *bearer_token(struct MHD_Connection *c) {
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    return h && strncmp(h, "Bearer ", 7) == 0 ? h + 7 : NULL;
+}
+
 /* The namespace the request's bearer token selects ("" when no key is
  * configured), or NULL when it is missing or wrong. */
 static const char *client_namespace(const pd_server *s, struct MHD_Connection *c) {
     if (!pd_api_keys_required(s->keys)) return "";
-    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!h || strncmp(h, "Bearer ", 7) != 0) return NULL;
-    return pd_api_keys_match(s->keys, h + 7);
+    const char *tok = bearer_token(c);
+    return tok ? pd_api_keys_match(s->keys, tok) : NULL;
 }
 
 static bool authorized(const pd_server *s, struct MHD_Connection *c) { return client_namespace(s, c) != NULL; }
 
 static bool admin_authorized(const pd_server *s, struct MHD_Connection *c) {
-    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!h || strncmp(h, "Bearer ", 7) != 0) return false;
-    const char *tok = h + 7;
+    const char *tok = bearer_token(c);
+    if (!tok) return false;
     size_t a = strlen(tok), b = strlen(s->admin_token);
     return a == b && CRYPTO_memcmp(tok, s->admin_token, a) == 0;
 }
@@ -156,6 +160,23 @@ static bool get_backend(pd_server *s, pd_server_backend *out) {
     if (ready) *out = s->backend;
     pthread_rwlock_unlock(&s->lock);
     return ready;
+}
+
+/* CLOCK_REALTIME (what pthread_cond_timedwait waits on) `ms` from now. */
+static struct timespec realtime_after_ms(int64_t ms) {
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    t.tv_sec += (time_t)(ms / 1000);
+    t.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    return t;
+}
+
+static bool time_before(const struct timespec *a, const struct timespec *b) {
+    return a->tv_sec < b->tv_sec || (a->tv_sec == b->tv_sec && a->tv_nsec < b->tv_nsec);
 }
 
 /* ---- the scheduler's events ------------------------------------------------ */
@@ -250,24 +271,15 @@ static bool client_gone(struct MHD_Connection *c) {
  * CLOCK_REALTIME second-and-nanosecond of the next look. */
 #define CLIENT_CHECK_MS 50
 static void wait_watching_client(http_req *r, struct MHD_Connection *c, struct timespec *next_check) {
-    struct timespec now;
-    clock_gettime(CLOCK_REALTIME, &now);
-    if (now.tv_sec > next_check->tv_sec || (now.tv_sec == next_check->tv_sec && now.tv_nsec >= next_check->tv_nsec)) {
+    const struct timespec now = realtime_after_ms(0);
+    if (!time_before(&now, next_check)) {
         if (!r->client_gone && client_gone(c)) {
             r->client_gone = true;
             pd_sched_request_cancel(r->sreq);
         }
-        *next_check = now;
-        next_check->tv_nsec += CLIENT_CHECK_MS * 1000000L;
-        if (next_check->tv_nsec >= 1000000000L) {
-            next_check->tv_sec++;
-            next_check->tv_nsec -= 1000000000L;
-        }
+        *next_check = realtime_after_ms(CLIENT_CHECK_MS);
     }
-    const bool deadline_first = r->has_deadline && !r->timed_out &&
-                                (r->deadline.tv_sec < next_check->tv_sec ||
-                                 (r->deadline.tv_sec == next_check->tv_sec && r->deadline.tv_nsec < next_check->tv_nsec));
-    if (deadline_first) wait_or_expire(r);
+    if (r->has_deadline && !r->timed_out && time_before(&r->deadline, next_check)) wait_or_expire(r);
     else pthread_cond_timedwait(&r->cv, &r->mu, next_check);
 }
 
@@ -329,8 +341,7 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
     if (!rc && pd_api_response_create(&ro, &r->resp, &err)) rc = pd_api_error_from(&e, &err, NULL);
     r->stream = r->areq.stream;
     if (s->opts.request_timeout_s > 0) {
-        clock_gettime(CLOCK_REALTIME, &r->deadline);
-        r->deadline.tv_sec += s->opts.request_timeout_s;
+        r->deadline = realtime_after_ms((int64_t)s->opts.request_timeout_s * 1000);
         r->has_deadline = true;
     }
     if (!rc && pd_scheduler_submit(b.sched, &sp, on_event, r, &r->sreq, &err)) {
@@ -703,11 +714,7 @@ void pd_server_quiesce(pd_server *s) {
 }
 
 int64_t pd_server_wait_idle(pd_server *s, double seconds) {
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    const double t = (double)until.tv_sec + until.tv_nsec / 1e9 + seconds;
-    until.tv_sec = (time_t)t;
-    until.tv_nsec = (long)((t - (double)until.tv_sec) * 1e9);
+    const struct timespec until = realtime_after_ms((int64_t)(seconds * 1000));
     pthread_mutex_lock(&s->active_mu);
     while (s->active > 0 && pthread_cond_timedwait(&s->active_cv, &s->active_mu, &until) != ETIMEDOUT) {}
     const int64_t left = s->active;
