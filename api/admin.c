@@ -350,10 +350,7 @@ static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len
     uint64_t id = 0;
     pd_error err = {0};
     if (pd_jobs_submit(ctx->jobs, &spec, &id, &err)) {
-        if (err.code == PD_ERANGE && strstr(err.msg, "full"))
-            rc = pd_api_errorf(e, 429, PD_API_ERR_RATE_LIMIT, NULL, "queue_full", "%s; retry later", err.msg);
-        else
-            rc = pd_api_error_from(e, &err, NULL);
+        rc = pd_api_error_from(e, &err, NULL);
         goto done;
     }
     pd_job_status st;

@@ -230,11 +230,14 @@ int pd_api_response_sse_usage(pd_api_response *r, char **out, size_t *len, pd_er
 /* The model's public id: general.name when present and non-empty, else the
  * file name of path without directory and ".gguf". */
 void pd_api_model_id(const pd_gguf *g, const char *path, char *out, size_t cap);
+/* Whether a request's "model" names the served model: one of `names`
+ * (comma-separated) when set, else model_id. */
+bool pd_api_model_served(const char *names, const char *model_id, const char *requested);
 /* {"object":"list","data":[{"id","object":"model","created","owned_by":"prefixd"}]} */
 int pd_api_models_json(const char *model_id, int64_t created, char **out, size_t *len, pd_error *err);
 
 /* ------------------------------------------------------------------------
- * HTTP server (libmicrohttpd, one thread per connection)
+ * HTTP server (libmicrohttpd's epoll event loop on server.threads threads)
  *
  * Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
  * GET /v1/models, GET /health (503 until ready), GET /metrics. The server
@@ -260,6 +263,7 @@ typedef struct pd_server_opts {
     int port;                  /* 0 = any free port (see pd_server_port) */
     const char *api_key;       /* NULL or "" = none; selects namespace "" */
     const char *api_keys_file; /* NULL or "" = none; KEY NAMESPACE lines */
+    int threads;               /* event-loop threads; 0 = one per CPU (default) */
     unsigned max_connections;  /* default 4096 */
     unsigned max_connections_per_client; /* per client address; 0 = no limit (default) */
     int request_timeout_s;     /* a generation's deadline, submit to last token; 0 = none */
@@ -283,6 +287,9 @@ typedef struct pd_server_backend {
     int32_t n_ctx;
     pd_chat_family family;
     char model_id[128];
+    /* server.model_names: NAME[,NAME...] that a request's "model" may say
+     * (model_id is the first); NULL or "": model_id only. */
+    const char *model_names;
     int64_t created;           /* Unix seconds, for /v1/models */
     /* Admin API (all optional; without jobs and store it answers 503). */
     pd_jobs *jobs;

@@ -52,6 +52,8 @@ int pd_api_error_from(pd_api_error *e, const pd_error *err, const char *param) {
         return pd_api_errorf(e, 503, PD_API_ERR_OVERLOADED, NULL, "out_of_memory", "%s", msg);
     case PD_EUNAVAILABLE:
         return pd_api_errorf(e, 503, PD_API_ERR_OVERLOADED, NULL, "shutting_down", "%s", msg);
+    case PD_EBUSY:
+        return pd_api_errorf(e, 429, PD_API_ERR_RATE_LIMIT, NULL, "queue_full", "%s", msg);
     default:
         return pd_api_errorf(e, 500, PD_API_ERR_SERVER, NULL, NULL, "%s", msg);
     }

@@ -580,6 +580,19 @@ void pd_api_model_id(const pd_gguf *g, const char *path, char *out, size_t cap) 
     out[n] = '\0';
 }
 
+bool pd_api_model_served(const char *names, const char *model_id, const char *requested) {
+    if (!requested) return false;
+    if (!names || !*names) return strcmp(requested, model_id) == 0;
+    const size_t n = strlen(requested);
+    for (const char *p = names;;) {
+        const char *end = strchr(p, ',');
+        const size_t k = end ? (size_t)(end - p) : strlen(p);
+        if (k == n && memcmp(p, requested, n) == 0) return true;
+        if (!end) return false;
+        p = end + 1;
+    }
+}
+
 int pd_api_models_json(const char *model_id, int64_t created, char **out, size_t *len, pd_error *err) {
     *out = NULL;
     if (len) *len = 0;

@@ -1,7 +1,13 @@
-/* The HTTP server: libmicrohttpd, one thread per connection (a streaming
- * response blocks its own thread waiting for tokens, nobody else's), thin
- * routing over the pure request/response functions of request.c and
- * response.c, and the scheduler underneath. */
+/* The HTTP server: libmicrohttpd's epoll event loop on a small fixed pool
+ * of threads (server.threads), thin routing over the pure request/response
+ * functions of request.c and response.c, and the scheduler underneath.
+ *
+ * No thread ever blocks on a client or on generation: a request waiting for
+ * the engine (a non-streamed answer, a stream between tokens) is a
+ * suspended connection that the engine's events resume; an admin call that
+ * may wait for a job runs on a thread of its own. One watcher thread looks
+ * after the waiting requests: their deadline, and whether their client has
+ * gone (MHD does not watch a suspended connection's socket). */
 #include <errno.h>
 #include <inttypes.h>
 #include <microhttpd.h>
@@ -13,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netdb.h>
@@ -45,6 +52,15 @@ struct pd_server {
     pthread_mutex_t active_mu;
     pthread_cond_t active_cv;
     int64_t active;
+    int admin_running;  /* admin calls on their own threads (active_mu) */
+    /* Requests that may be suspended (submitted generations, running admin
+     * calls), for the watcher and for the final resume before
+     * MHD_stop_daemon; park_mu guards the list and watch_stop. */
+    pthread_mutex_t park_mu;
+    pthread_cond_t park_cv;
+    struct http_req *parked;
+    bool watch_stop, watcher_started;
+    pthread_t watcher;
 };
 
 /* One HTTP request: its body, then (for generation) the scheduler request
@@ -52,6 +68,10 @@ struct pd_server {
  * the sink, the engine thread; `mu` guards everything below it. */
 typedef struct http_req {
     pd_server *srv;
+    struct MHD_Connection *conn;
+    int fd;              /* the client's socket, polled by the watcher */
+    struct http_req *park_prev, *park_next; /* srv->parked (srv->park_mu) */
+    bool parked;
     char *body;
     size_t len, cap;
     bool too_large;
@@ -69,8 +89,14 @@ typedef struct http_req {
     struct timespec deadline; /* CLOCK_REALTIME, as pthread_cond_timedwait wants */
     bool failed;
     pd_api_error err;
+    bool suspended;      /* the connection waits for resume_locked */
     char *q;             /* streaming: SSE bytes not yet sent */
     size_t q_len, q_off, q_cap;
+    /* An admin call: what its thread needs, and its answer. */
+    bool admin_started;
+    char *admin_method, *admin_url, *admin_ns;
+    pd_admin_ctx admin_ctx;
+    pd_admin_reply admin_rep;
 } http_req;
 
 /* ---- small helpers -------------------------------------------------------- */
@@ -179,12 +205,60 @@ static bool time_before(const struct timespec *a, const struct timespec *b) {
     return a->tv_sec < b->tv_sec || (a->tv_sec == b->tv_sec && a->tv_nsec < b->tv_nsec);
 }
 
+/* ---- suspended connections ------------------------------------------------ */
+
+/* Park the connection until resume_locked; r->mu held. Only from MHD's
+ * callbacks for this connection (the access handler or the content reader). */
+static void suspend_locked(http_req *r) {
+    r->suspended = true;
+    MHD_suspend_connection(r->conn);
+}
+
+/* From any thread; r->mu held, so it never overtakes the suspend. */
+static void resume_locked(http_req *r) {
+    if (!r->suspended) return;
+    r->suspended = false;
+    MHD_resume_connection(r->conn);
+}
+
+static void park(pd_server *s, http_req *r) {
+    pthread_mutex_lock(&s->park_mu);
+    r->park_prev = NULL;
+    r->park_next = s->parked;
+    if (s->parked) s->parked->park_prev = r;
+    s->parked = r;
+    r->parked = true;
+    pthread_mutex_unlock(&s->park_mu);
+}
+
+static void unpark(pd_server *s, http_req *r) {
+    pthread_mutex_lock(&s->park_mu);
+    if (r->parked) {
+        if (r->park_prev) r->park_prev->park_next = r->park_next;
+        else s->parked = r->park_next;
+        if (r->park_next) r->park_next->park_prev = r->park_prev;
+        r->parked = false;
+    }
+    pthread_mutex_unlock(&s->park_mu);
+}
+
 /* ---- the scheduler's events ------------------------------------------------ */
 
 static void queue_sse(http_req *r, char *chunk, size_t len) {
     if (!chunk) return;
     if (!append(&r->q, &r->q_len, &r->q_cap, chunk, len)) r->failed = true;
     free(chunk);
+}
+
+/* A stream's last words when it cannot finish: the error as an event (its
+ * headers are gone), then [DONE]. r->mu held. */
+static void queue_sse_error(http_req *r) {
+    char *chunk = NULL;
+    size_t len = 0;
+    if (pd_api_error_json(&r->err, &chunk, &len) != PD_OK) return;
+    append(&r->q, &r->q_len, &r->q_cap, "data: ", 6);
+    queue_sse(r, chunk, len);
+    append(&r->q, &r->q_len, &r->q_cap, "\n\n" PD_API_SSE_DONE, 2 + strlen(PD_API_SSE_DONE));
 }
 
 /* Runs on the engine thread. */
@@ -228,82 +302,120 @@ static void on_event(void *ctx, const pd_sched_event *ev) {
             pd_api_error_from(&r->err, &e, NULL);
         r->failed = true;
         r->done = true;
-        if (r->stream && pd_api_error_json(&r->err, &chunk, &len) == PD_OK) {
-            /* Headers are gone already: the error travels as an event. */
-            append(&r->q, &r->q_len, &r->q_cap, "data: ", 6);
-            queue_sse(r, chunk, len);
-            append(&r->q, &r->q_len, &r->q_cap, "\n\n" PD_API_SSE_DONE, 2 + strlen(PD_API_SSE_DONE));
-        }
+        if (r->stream) queue_sse_error(r);
         break;
     }
     }
-    /* A non-streamed waiter needs only the end (it watches its client on
-     * its own clock); waking it per token would be a context switch each. */
-    if (r->stream || r->done) pthread_cond_broadcast(&r->cv);
+    /* A non-streamed answer needs only the end; a stream, every byte. */
+    if (r->stream || r->done) resume_locked(r);
     pthread_mutex_unlock(&r->mu);
 }
 
-/* Wait for the sink (r->mu held). Past the request's deadline, cancel it
- * once; the scheduler then ends it with an error event. */
-static void wait_or_expire(http_req *r) {
-    if (!r->has_deadline || r->timed_out) {
-        pthread_cond_wait(&r->cv, &r->mu);
-        return;
-    }
-    if (pthread_cond_timedwait(&r->cv, &r->mu, &r->deadline) == ETIMEDOUT && !r->done) {
-        r->timed_out = true;
-        pd_sched_request_cancel(r->sreq);
-    }
-}
-
 /* The client closed its end (or the connection broke). */
-static bool client_gone(struct MHD_Connection *c) {
-    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
-    if (!ci) return false;
-    struct pollfd p = {.fd = ci->connect_fd, .events = POLLRDHUP};
-    return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
-}
+static bool socket_closed(short revents) { return revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL); }
 
-/* A non-streamed request's wait: nothing is sent while the engine works,
- * so the client's socket is looked at every CLIENT_CHECK_MS and a request
- * whose client went away is cancelled (its batch slot and the rest of its
- * tokens go to someone who is listening). r->mu held; *next_check is the
- * CLOCK_REALTIME second-and-nanosecond of the next look. */
+/* The watcher: every CLIENT_CHECK_MS, each waiting generation past its
+ * deadline is cancelled (the scheduler then ends it with an error event,
+ * which answers 504), and so is one whose client closed the connection (its
+ * batch slot and the rest of its tokens go to someone who is listening).
+ * One poll() over all their sockets. */
 #define CLIENT_CHECK_MS 50
-static void wait_watching_client(http_req *r, struct MHD_Connection *c, struct timespec *next_check) {
-    const struct timespec now = realtime_after_ms(0);
-    if (!time_before(&now, next_check)) {
-        if (!r->client_gone && client_gone(c)) {
-            r->client_gone = true;
-            pd_sched_request_cancel(r->sreq);
+static void *watch_parked(void *arg) {
+    pd_server *s = arg;
+    struct pollfd *fds = NULL;
+    http_req **reqs = NULL;
+    size_t cap = 0;
+    pthread_mutex_lock(&s->park_mu);
+    while (!s->watch_stop) {
+        size_t n = 0;
+        for (http_req *r = s->parked; r; r = r->park_next) {
+            if (!r->sreq) continue;
+            if (n == cap) {
+                size_t nc = cap ? 2 * cap : 64;
+                struct pollfd *nf = realloc(fds, nc * sizeof *nf);
+                if (nf) fds = nf;
+                http_req **nr = nf ? realloc(reqs, nc * sizeof *nr) : NULL;
+                if (nr) reqs = nr;
+                if (!nf || !nr) break; /* watch the ones that fit; the rest next time */
+                cap = nc;
+            }
+            fds[n] = (struct pollfd){.fd = r->fd, .events = POLLRDHUP};
+            reqs[n++] = r;
         }
-        *next_check = realtime_after_ms(CLIENT_CHECK_MS);
+        if (n && poll(fds, (nfds_t)n, 0) < 0)
+            for (size_t i = 0; i < n; i++) fds[i].revents = 0;
+        const struct timespec now = realtime_after_ms(0);
+        for (size_t i = 0; i < n; i++) {
+            http_req *r = reqs[i];
+            bool cancel = false;
+            pthread_mutex_lock(&r->mu);
+            if (!r->done && r->has_deadline && !r->timed_out && !time_before(&now, &r->deadline))
+                cancel = r->timed_out = true;
+            else if (!r->done && !r->client_gone && socket_closed(fds[i].revents))
+                cancel = r->client_gone = true;
+            pthread_mutex_unlock(&r->mu);
+            if (cancel) pd_sched_request_cancel(r->sreq);
+        }
+        const struct timespec next = realtime_after_ms(CLIENT_CHECK_MS);
+        pthread_cond_timedwait(&s->park_cv, &s->park_mu, &next);
     }
-    if (r->has_deadline && !r->timed_out && time_before(&r->deadline, next_check)) wait_or_expire(r);
-    else pthread_cond_timedwait(&r->cv, &r->mu, next_check);
+    pthread_mutex_unlock(&s->park_mu);
+    free(fds);
+    free(reqs);
+    return NULL;
 }
 
-/* Streaming body: hand out queued SSE bytes, blocking this connection's
- * thread until the engine produces more or the request ends. */
+/* Streaming body: hand out queued SSE bytes; with none yet, park the
+ * connection until the engine's next event resumes it. */
 static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max) {
     (void)pos;
     http_req *r = cls;
     pthread_mutex_lock(&r->mu);
-    while (r->q_off == r->q_len && !r->done) wait_or_expire(r);
     ssize_t n;
     if (r->q_off < r->q_len) {
         size_t k = r->q_len - r->q_off < max ? r->q_len - r->q_off : max;
         memcpy(buf, r->q + r->q_off, k);
         r->q_off += k;
+        if (r->q_off == r->q_len) r->q_off = r->q_len = 0;
         n = (ssize_t)k;
-    } else {
+    } else if (r->done) {
         n = MHD_CONTENT_READER_END_OF_STREAM;
+    } else {
+        suspend_locked(r);
+        n = 0;
     }
     pthread_mutex_unlock(&r->mu);
     return n;
 }
 
 /* ---- routes ---------------------------------------------------------------- */
+
+/* A submitted non-streamed request: its answer once the engine is done;
+ * until then (the first call, or a resume that was not the last) the
+ * connection waits, suspended. */
+static enum MHD_Result answer_generation(pd_server *s, struct MHD_Connection *c, http_req *r) {
+    pthread_mutex_lock(&r->mu);
+    if (!r->done) {
+        suspend_locked(r);
+        pthread_mutex_unlock(&r->mu);
+        return MHD_YES;
+    }
+    const bool failed = r->failed;
+    pd_api_error e = r->err;
+    pthread_mutex_unlock(&r->mu);
+    if (failed) {
+        if (!e.http_status) pd_api_errorf(&e, 500, PD_API_ERR_SERVER, NULL, NULL, "generation failed");
+        return send_error(s, c, &e);
+    }
+    char *body = NULL;
+    size_t len = 0;
+    pd_error err = {0};
+    if (pd_api_response_json(r->resp, &body, &len, &err)) {
+        pd_api_error_from(&e, &err, NULL);
+        return send_error(s, c, &e);
+    }
+    return send_json(c, MHD_HTTP_OK, body, len);
+}
 
 static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, http_req *r, pd_api_kind kind,
                                        const char *ns) {
@@ -324,6 +436,13 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
                            draining ? "the server is shutting down" : "the model is still loading; retry shortly");
     }
     const pd_server_backend b = s->backend;
+    if (!pd_api_model_served(b.model_names, b.model_id, r->areq.model)) {
+        pthread_rwlock_unlock(&s->lock);
+        pd_api_errorf(&e, 404, PD_API_ERR_NOT_FOUND, "model", "model_not_found",
+                      "the model '%.64s' is not served here; this server serves '%s' (GET /v1/models; more names: "
+                      "server.model_names)", r->areq.model, b.model_id);
+        return send_error(s, c, &e);
+    }
     pd_token *prompt = NULL;
     int64_t n_prompt = 0;
     const pd_tokenizer *tok = pd_model_tokenizer(b.model);
@@ -345,16 +464,14 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
         r->has_deadline = true;
     }
     if (!rc && pd_scheduler_submit(b.sched, &sp, on_event, r, &r->sreq, &err)) {
-        if (strstr(err.msg, "queue is full"))
-            pd_api_errorf(&e, 429, PD_API_ERR_RATE_LIMIT, NULL, "queue_full", "%s; retry shortly", err.msg);
-        else
-            pd_api_error_from(&e, &err, NULL);
+        pd_api_error_from(&e, &err, NULL);
         rc = PD_EINVAL;
     }
     pthread_rwlock_unlock(&s->lock);
     free(prompt);
     if (rc) return send_error(s, c, &e);
 
+    park(s, r);
     if (r->stream) {
         if (s->streams) pd_counter_add(s->streams, 1);
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 4096, read_stream, r, NULL);
@@ -365,23 +482,7 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
         MHD_destroy_response(resp);
         return ret;
     }
-    pthread_mutex_lock(&r->mu);
-    struct timespec next_check = {0, 0};
-    while (!r->done) wait_watching_client(r, c, &next_check);
-    bool failed = r->failed;
-    e = r->err;
-    pthread_mutex_unlock(&r->mu);
-    if (failed) {
-        if (!e.http_status) pd_api_errorf(&e, 500, PD_API_ERR_SERVER, NULL, NULL, "generation failed");
-        return send_error(s, c, &e);
-    }
-    char *body = NULL;
-    size_t len = 0;
-    if (pd_api_response_json(r->resp, &body, &len, &err)) {
-        pd_api_error_from(&e, &err, NULL);
-        return send_error(s, c, &e);
-    }
-    return send_json(c, MHD_HTTP_OK, body, len);
+    return answer_generation(s, c, r);
 }
 
 static enum MHD_Result handle_get(pd_server *s, struct MHD_Connection *c, const char *url) {
@@ -442,9 +543,57 @@ static bool server_stopping(void *ctx) {
     return d;
 }
 
-/* /admin/...: authenticated with admin.token, then api/admin.c. The backend
- * is copied and the lock not held: a registration may wait for its job, and
- * the jobs outlive the server (daemon/main.c frees them after it). */
+/* An admin call on its own thread: a registration may wait for its job
+ * (wait: true), which must not stall an event-loop thread. The answer is
+ * kept for answer_admin and the connection resumed. */
+static void *run_admin(void *arg) {
+    http_req *r = arg;
+    pd_server *s = r->srv;
+    pd_admin_reply rep = {0};
+    pd_api_error e;
+    const int rc = pd_admin_handle(&r->admin_ctx, r->admin_method, r->admin_url, r->admin_ns, r->body, r->len, &rep, &e);
+    pthread_mutex_lock(&r->mu);
+    r->admin_rep = rep;
+    r->failed = rc != PD_OK;
+    if (rc) r->err = e;
+    r->done = true;
+    resume_locked(r);
+    pthread_mutex_unlock(&r->mu);
+    pthread_mutex_lock(&s->active_mu);
+    if (--s->admin_running == 0) pthread_cond_broadcast(&s->active_cv);
+    pthread_mutex_unlock(&s->active_mu);
+    return NULL;
+}
+
+/* At most this many admin calls at once; they are the operator's, but
+ * each is a thread. */
+#define MAX_ADMIN_CALLS 64
+
+static enum MHD_Result answer_admin(pd_server *s, struct MHD_Connection *c, http_req *r) {
+    pthread_mutex_lock(&r->mu);
+    if (!r->done) {
+        suspend_locked(r);
+        pthread_mutex_unlock(&r->mu);
+        return MHD_YES;
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (r->failed) return send_error(s, c, &r->err);
+    pd_admin_reply *rep = &r->admin_rep;
+    if (!rep->body) {
+        struct MHD_Response *resp = MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT);
+        if (!resp) return MHD_NO;
+        enum MHD_Result ret = MHD_queue_response(c, (unsigned)rep->status, resp);
+        MHD_destroy_response(resp);
+        return ret;
+    }
+    char *body = rep->body;
+    rep->body = NULL;
+    return send_json(c, (unsigned)rep->status, body, rep->len);
+}
+
+/* /admin/...: authenticated with admin.token, then api/admin.c on a thread
+ * of its own. The backend is copied and the lock not held: the jobs outlive
+ * the server (daemon/main.c frees them after it). */
 static enum MHD_Result handle_admin(pd_server *s, struct MHD_Connection *c, http_req *r, const char *url,
                                     const char *method) {
     if (!admin_authorized(s, c))
@@ -462,21 +611,45 @@ static enum MHD_Result handle_admin(pd_server *s, struct MHD_Connection *c, http
         return send_errorf(s, c, 503, PD_API_ERR_OVERLOADED, draining ? "shutting_down" : "loading",
                            draining ? "the server is shutting down" : "the model is still loading; retry shortly");
     }
-    pd_admin_ctx ctx = {.model = b.model, .family = b.family, .n_ctx = b.n_ctx, .jobs = b.jobs, .store = b.store,
-                        .hot = b.hot, .default_policy = b.default_policy, .quality_budget = b.quality_budget,
-                        .max_body_bytes = s->opts.limits.max_body_bytes, .stopping = server_stopping,
-                        .stopping_ctx = s};
+    r->admin_ctx = (pd_admin_ctx){.model = b.model, .family = b.family, .n_ctx = b.n_ctx, .jobs = b.jobs,
+                                  .store = b.store, .hot = b.hot, .default_policy = b.default_policy,
+                                  .quality_budget = b.quality_budget,
+                                  .max_body_bytes = s->opts.limits.max_body_bytes, .stopping = server_stopping,
+                                  .stopping_ctx = s};
     const char *ns = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "namespace");
-    pd_admin_reply rep;
-    if (pd_admin_handle(&ctx, method, url, ns, r->body, r->len, &rep, &e)) return send_error(s, c, &e);
-    if (!rep.body) {
-        struct MHD_Response *resp = MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT);
-        if (!resp) return MHD_NO;
-        enum MHD_Result ret = MHD_queue_response(c, (unsigned)rep.status, resp);
-        MHD_destroy_response(resp);
-        return ret;
+    r->admin_method = strdup(method);
+    r->admin_url = strdup(url);
+    r->admin_ns = ns ? strdup(ns) : NULL;
+    if (!r->admin_method || !r->admin_url || (ns && !r->admin_ns)) return MHD_NO;
+    pthread_mutex_lock(&s->active_mu);
+    const bool room = s->admin_running < MAX_ADMIN_CALLS;
+    if (room) s->admin_running++;
+    pthread_mutex_unlock(&s->active_mu);
+    if (!room)
+        return send_errorf(s, c, 429, PD_API_ERR_RATE_LIMIT, "too_many_admin_calls",
+                           "too many admin calls in progress; retry shortly");
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_t t;
+    park(s, r);
+    pthread_mutex_lock(&r->mu);
+    r->admin_started = true;
+    const int prc = pthread_create(&t, &attr, run_admin, r);
+    pthread_attr_destroy(&attr);
+    if (prc) {
+        r->done = r->failed = true;
+        pd_api_errorf(&r->err, 503, PD_API_ERR_OVERLOADED, NULL, "out_of_threads",
+                      "cannot start a thread for the admin call (%s); retry shortly", strerror(prc));
+        pthread_mutex_unlock(&r->mu);
+        pthread_mutex_lock(&s->active_mu);
+        s->admin_running--;
+        pthread_mutex_unlock(&s->active_mu);
+        return answer_admin(s, c, r);
     }
-    return send_json(c, (unsigned)rep.status, rep.body, rep.len);
+    suspend_locked(r);
+    pthread_mutex_unlock(&r->mu);
+    return MHD_YES;
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
@@ -488,6 +661,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     if (!r) {
         if (!(r = calloc(1, sizeof *r))) return MHD_NO;
         r->srv = s;
+        r->conn = c;
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+        r->fd = ci ? ci->connect_fd : -1;
         pthread_mutex_init(&r->mu, NULL);
         pthread_cond_init(&r->cv, NULL);
         *con_cls = r;
@@ -518,6 +694,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         *upload_size = 0;
         return MHD_YES;
     }
+    /* Resumed: a generation or admin call under way answers when done. */
+    if (r->sreq && !r->stream) return answer_generation(s, c, r);
+    if (r->admin_started) return answer_admin(s, c, r);
     /* The admin routes live on the admin listener when there is one, else
      * on the public one; with no admin token they do not exist. */
     bool admin_url = strncmp(url, PD_ADMIN_PREFIX, strlen(PD_ADMIN_PREFIX)) == 0 ||
@@ -544,6 +723,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
     http_req *r = *con_cls;
     if (!r) return;
     pd_server *s = r->srv;
+    unpark(s, r);
     if (r->sreq) pd_sched_request_release(r->sreq);
     pd_api_response_free(r->resp);
     pd_api_request_free(&r->areq);
@@ -551,6 +731,10 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
     pthread_cond_destroy(&r->cv);
     free(r->q);
     free(r->body);
+    free(r->admin_method);
+    free(r->admin_url);
+    free(r->admin_ns);
+    free(r->admin_rep.body);
     free(r);
     *con_cls = NULL;
     pthread_mutex_lock(&s->active_mu);
@@ -588,24 +772,31 @@ static int resolve_listen(const char *key, const char *host, int port, struct so
     return PD_OK;
 }
 
-/* A connection's thread runs request parsing, tokenization and the JSON
- * answer, never the model: 1 MiB of stack is plenty, and keeps thousands
- * of mostly idle connections cheap in address space. (poll(), not
- * select(): descriptors above 1023 are normal with thousands of them.) */
+/* An event-loop thread runs request parsing, tokenization and the JSON
+ * answer, never the model: 1 MiB of stack is plenty. */
 #define CONNECTION_STACK_BYTES (1u << 20)
 /* Headers and query arguments live in a per-connection pool; with MHD's
  * 32 KiB a few hundred arguments exhausted it and the connection closed
  * without an answer. Pages are touched only as used. */
 #define CONNECTION_POOL_BYTES (256u << 10)
 
-static struct MHD_Daemon *start_mhd(const pd_server_opts *o, struct sockaddr_storage *sa, listener *li) {
+/* server.threads, where 0 means one per CPU. */
+static unsigned event_threads(const pd_server_opts *o) {
+    if (o->threads > 0) return (unsigned)o->threads;
+    const long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (unsigned)n : 1;
+}
+
+/* epoll, a fixed pool of event-loop threads, suspend/resume for requests
+ * that wait on the engine (see the top of this file). */
+static struct MHD_Daemon *start_mhd(const pd_server_opts *o, unsigned threads, struct sockaddr_storage *sa,
+                                    listener *li) {
     const unsigned ipv6 = sa->ss_family == AF_INET6 ? MHD_USE_IPv6 : 0;
     return MHD_start_daemon(
-        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL | MHD_USE_ITC |
-            MHD_USE_ERROR_LOG | ipv6,
-        0,
+        MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG | ipv6, 0,
         NULL, NULL, on_request, li, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
-        li->srv, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+        li->srv, MHD_OPTION_THREAD_POOL_SIZE, threads, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections,
+        MHD_OPTION_PER_IP_CONNECTION_LIMIT,
         o->max_connections_per_client, MHD_OPTION_CONNECTION_TIMEOUT,
         (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 0), MHD_OPTION_THREAD_STACK_SIZE,
         (size_t)CONNECTION_STACK_BYTES, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)CONNECTION_POOL_BYTES,
@@ -631,7 +822,12 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
     pthread_rwlock_init(&s->lock, NULL);
     pthread_mutex_init(&s->active_mu, NULL);
     pthread_cond_init(&s->active_cv, NULL);
+    pthread_mutex_init(&s->park_mu, NULL);
+    pthread_cond_init(&s->park_cv, NULL);
     int rc = PD_OK;
+    const int wrc = pthread_create(&s->watcher, NULL, watch_parked, s);
+    if (wrc) rc = pd_errorf(err, PD_EIO, "cannot start the HTTP server's watcher thread: %s", strerror(wrc));
+    s->watcher_started = wrc == 0;
     if (metrics) {
         rc = pd_metrics_counter(metrics, "prefixd_http_requests_total", "HTTP requests received.", NULL,
                                 &s->requests, err);
@@ -654,7 +850,7 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
     struct sockaddr_storage sa;
     if (!rc) rc = resolve_listen("server.listen", o->listen, o->port, &sa, err);
     if (!rc) {
-        s->mhd = start_mhd(o, &sa, &s->pub);
+        s->mhd = start_mhd(o, event_threads(o), &sa, &s->pub);
         if (!s->mhd)
             rc = pd_errorf(err, PD_EIO, "cannot listen on %s:%d (in use, or not allowed?)", o->listen, o->port);
     }
@@ -666,17 +862,12 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
             rc = pd_errorf(err, PD_EINVAL, "admin.port %d is out of range (1..65535)", o->admin_port);
         else if ((rc = resolve_listen("admin.listen", al, o->admin_port, &asa, err)))
             ;
-        else if (!(s->admin_mhd = start_mhd(o, &asa, &s->adm)))
+        else if (!(s->admin_mhd = start_mhd(o, 1, &asa, &s->adm)))
             rc = pd_errorf(err, PD_EIO, "cannot listen on %s:%d for the admin API (in use, or not allowed?)", al,
                            o->admin_port);
     }
     if (rc) {
-        if (s->mhd) MHD_stop_daemon(s->mhd);
-        pthread_rwlock_destroy(&s->lock);
-        pthread_mutex_destroy(&s->active_mu);
-        pthread_cond_destroy(&s->active_cv);
-        pd_api_keys_free(s->keys);
-        free(s);
+        pd_server_stop(s);
         return rc;
     }
     *out = s;
@@ -722,13 +913,49 @@ int64_t pd_server_wait_idle(pd_server *s, double seconds) {
     return left;
 }
 
+/* Before MHD_stop_daemon, which must find no connection suspended: wait
+ * for the admin calls (a waiting one sees the drain within a second), stop
+ * the watcher, then answer and resume every request still waiting (the
+ * scheduler has normally ended them all already). */
+static void release_parked(pd_server *s) {
+    pthread_mutex_lock(&s->active_mu);
+    while (s->admin_running > 0) pthread_cond_wait(&s->active_cv, &s->active_mu);
+    pthread_mutex_unlock(&s->active_mu);
+    pthread_mutex_lock(&s->park_mu);
+    s->watch_stop = true;
+    pthread_cond_broadcast(&s->park_cv);
+    pthread_mutex_unlock(&s->park_mu);
+    if (s->watcher_started) pthread_join(s->watcher, NULL);
+    s->watcher_started = false;
+    pthread_mutex_lock(&s->park_mu);
+    for (http_req *r = s->parked; r; r = r->park_next) {
+        pthread_mutex_lock(&r->mu);
+        if (!r->done) {
+            pd_api_errorf(&r->err, 503, PD_API_ERR_OVERLOADED, NULL, "shutting_down",
+                          "the server shut down before the request finished; retry it");
+            r->done = r->failed = true;
+            if (r->stream) queue_sse_error(r);
+        }
+        resume_locked(r);
+        pthread_mutex_unlock(&r->mu);
+    }
+    pthread_mutex_unlock(&s->park_mu);
+}
+
 void pd_server_stop(pd_server *s) {
     if (!s) return;
+    pthread_rwlock_wrlock(&s->lock);
+    s->ready = false;
+    s->draining = true;
+    pthread_rwlock_unlock(&s->lock);
+    release_parked(s);
     if (s->admin_mhd) MHD_stop_daemon(s->admin_mhd);
     if (s->mhd) MHD_stop_daemon(s->mhd);
     pthread_rwlock_destroy(&s->lock);
     pthread_mutex_destroy(&s->active_mu);
     pthread_cond_destroy(&s->active_cv);
+    pthread_mutex_destroy(&s->park_mu);
+    pthread_cond_destroy(&s->park_cv);
     pd_api_keys_free(s->keys);
     free(s);
 }

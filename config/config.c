@@ -107,6 +107,7 @@ static const char *const log_format_names[] = {"text", "json", NULL};
 static const char *check_address(const char *s);
 static const char *check_secret(const char *s);
 static const char *check_not_empty(const char *s);
+static const char *check_model_names(const char *s);
 static const char *check_policy_spec(const char *s);
 static const char *check_quality_budget(double v);
 
@@ -124,6 +125,7 @@ static const key_desc keys[] = {
     INT_KEY(server, shutdown_grace_s, 0, 3600, "30"),
     STRING_KEY(server, api_key, check_secret, true, ""),
     STRING_KEY(server, api_keys_file, NULL, false, ""),
+    STRING_KEY(server, model_names, check_model_names, false, ""),
     BOOL_KEY(server, metrics, "true"),
     BOOL_KEY(server, metrics_auth, "false"),
 
@@ -528,6 +530,24 @@ static const char *check_secret(const char *s) {
     for (; *s; s++)
         if ((unsigned char)*s <= 0x20 || (unsigned char)*s >= 0x7f)
             return "must be printable ASCII without spaces";
+    return NULL;
+}
+
+/* Comma-separated names, each 1..127 printable ASCII bytes without spaces
+ * (what fits pd_server_backend.model_id). */
+static const char *check_model_names(const char *s) {
+    if (!*s) return NULL;
+    for (const char *p = s;;) {
+        const char *end = strchr(p, ',');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        if (n == 0) return "has an empty name (write NAME or NAME1,NAME2 without spaces)";
+        if (n > 127) return "has a name longer than 127 bytes";
+        for (size_t i = 0; i < n; i++)
+            if ((unsigned char)p[i] <= 0x20 || (unsigned char)p[i] >= 0x7f)
+                return "must be printable ASCII names without spaces, separated by commas";
+        if (!end) break;
+        p = end + 1;
+    }
     return NULL;
 }
 

@@ -75,6 +75,7 @@ typedef struct pd_config {
         int shutdown_grace_s;           /* SIGTERM: time in-flight requests get to finish */
         char api_key[PD_CONFIG_STR_CAP]; /* "" = no authentication */
         char api_keys_file[PD_CONFIG_STR_CAP]; /* KEY NAMESPACE lines; "" = none */
+        char model_names[PD_CONFIG_STR_CAP]; /* NAME[,NAME...] the API answers to; "" = the model id */
         bool metrics;                   /* serve GET /metrics */
         bool metrics_auth;              /* /metrics needs the API key too */
     } server;

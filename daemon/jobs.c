@@ -486,7 +486,7 @@ int pd_jobs_submit(pd_jobs *j, const pd_job_spec *spec, uint64_t *job_id, pd_err
         for (int i = 0; i < j->n_table && victim < 0; i++)
             if (finished(j->table[i])) victim = i;
         if (victim < 0) {
-            rc = pd_errorf(err, PD_ERANGE, "the job queue is full: %d precompression jobs are queued or running; "
+            rc = pd_errorf(err, PD_EBUSY, "the job queue is full: %d precompression jobs are queued or running; "
                                              "wait for some to finish",
                            j->max_jobs);
             goto out;

@@ -232,6 +232,7 @@ static int run(const pd_config *cfg) {
     so.port = cfg->server.port;
     so.api_key = cfg->server.api_key;
     so.api_keys_file = cfg->server.api_keys_file;
+    so.threads = cfg->server.threads;
     so.request_timeout_s = cfg->server.request_timeout_s;
     so.idle_timeout_s = cfg->server.idle_timeout_s;
     so.max_connections = (unsigned)cfg->server.max_connections;
@@ -298,6 +299,11 @@ static int run(const pd_config *cfg) {
         const pd_hparams *hp = pd_model_hparams(model);
         b.n_ctx = cfg->model.n_ctx > 0 && cfg->model.n_ctx < hp->n_ctx_train ? cfg->model.n_ctx : hp->n_ctx_train;
         pd_api_model_id(pd_model_gguf(model), cfg->model.path, b.model_id, sizeof b.model_id);
+        if (cfg->server.model_names[0]) {
+            /* The first of the configured names is the id. */
+            b.model_names = cfg->server.model_names;
+            snprintf(b.model_id, sizeof b.model_id, "%.*s", (int)strcspn(b.model_names, ","), b.model_names);
+        }
         pd_server_set_ready(server, &b);
         fprintf(stderr, "prefixd: serving %s (%s, chat template: %s, %s KV cache), prefix store %s\n", b.model_id,
                 hp->arch_name, pd_chat_family_name(b.family), pd_kv_cache_type_name(cfg->model.kv_type),

@@ -401,7 +401,7 @@ int pd_scheduler_submit(pd_scheduler *s, const pd_sched_params *p, pd_sched_sink
         if (s->stopping) {
             rc = pd_errorf(err, PD_EUNAVAILABLE, "the server is shutting down; retry on another instance");
         } else if (s->st.queued >= s->o.max_queue) {
-            rc = pd_errorf(err, PD_ERANGE, "queue is full (%d requests waiting); retry later", s->o.max_queue);
+            rc = pd_errorf(err, PD_EBUSY, "queue is full (%d requests waiting); retry later", s->o.max_queue);
         } else {
             if (s->qtail) s->qtail->next = r;
             else s->qhead = r;

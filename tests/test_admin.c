@@ -56,7 +56,7 @@ static void start_daemon_on(const char *model_path, const char *extra) {
     }
     char args[4096], log[1200];
     snprintf(args, sizeof args, "--set model.path=%s --set cache.path=%s/store --set cache.map_size_mb=64 "
-             "--set model.n_threads=2 --set compression.min_prefix_tokens=8 %s",
+             "--set model.n_threads=2 --set compression.min_prefix_tokens=8 --set server.model_names=test %s",
              model_path, tmpdir, extra ? extra : "");
     snprintf(log, sizeof log, "%s/prefixd.log", tmpdir);
     daemon_pid = th_daemon_start(args, log, &port);
@@ -91,7 +91,7 @@ static json_int_t completion_cached(const char *path, const char *body) {
 
 static json_int_t story_cached(void) {
     char body[2048];
-    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":4,\"temperature\":0}", story);
+    snprintf(body, sizeof body, "{\"model\":\"test\",\"prompt\":\"%s Then\",\"max_tokens\":4,\"temperature\":0}", story);
     return completion_cached("/v1/completions", body);
 }
 
@@ -110,7 +110,7 @@ static json_t *register_story(const char *extra) {
 /* The number of story tokens as completions see them (BOS included). */
 static json_int_t story_tokens(void) {
     char body[2048];
-    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s\",\"max_tokens\":1,\"cache\":\"off\"}", story);
+    snprintf(body, sizeof body, "{\"model\":\"test\",\"prompt\":\"%s\",\"max_tokens\":1,\"cache\":\"off\"}", story);
     char *out = NULL;
     cr_assert_eq(req("POST", "/v1/completions", body, NULL, &out), 200, "%s", out);
     json_t *j = th_json_parse(out);
@@ -388,11 +388,11 @@ Test(admin, chat_messages_register_the_system_prompt) {
     json_decref(j);
     free(out);
     cr_assert_gt(n, 10);
-    snprintf(body, sizeof body, "{\"model\":\"x\",\"messages\":[{\"role\":\"system\",\"content\":\"%s\"},"
+    snprintf(body, sizeof body, "{\"model\":\"test\",\"messages\":[{\"role\":\"system\",\"content\":\"%s\"},"
              "{\"role\":\"user\",\"content\":\"A story about a cat.\"}],\"max_tokens\":4,\"temperature\":0}", sys);
     cr_assert_eq(completion_cached("/v1/chat/completions", body), n, "the chat request used the system prefix");
     /* Another system prompt does not match. */
-    snprintf(body, sizeof body, "{\"model\":\"x\",\"messages\":[{\"role\":\"system\",\"content\":\"Be terse.\"},"
+    snprintf(body, sizeof body, "{\"model\":\"test\",\"messages\":[{\"role\":\"system\",\"content\":\"Be terse.\"},"
              "{\"role\":\"user\",\"content\":\"A story about a cat.\"}],\"max_tokens\":4,\"temperature\":0}");
     cr_assert_eq(completion_cached("/v1/chat/completions", body), 0);
     /* A conversation without a leading system message has no prefix. */
@@ -449,4 +449,65 @@ Test(admin, prefixctl_prefix_end_to_end) {
     cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s show %s 2>&1", ctl, url, TOKEN, id), 1, "%s", out);
     free(out);
     cr_assert_eq(story_cached(), 0);
+}
+
+/* A registration waiting for its job (wait: true) when the daemon is told to
+ * stop is answered 202 with where to ask, as docs/api.md says, not with a
+ * closed connection; the daemon still exits cleanly. */
+Test(admin, a_waiting_registration_is_answered_202_at_shutdown) {
+    TH_REQUIRE_SHARED();
+    char vocab[1024], slow[1200];
+    if (!th_shared_file("vocab/ggml-vocab-llama-spm.gguf", vocab, sizeof vocab)) cr_skip_test("no llama-spm vocab");
+    /* SmolLM2-shaped: a 3000-token prefix takes about a second to compress. */
+    snprintf(slow, sizeof slow, "%s/slow.gguf", tmpdir);
+    char *out = NULL;
+    cr_assert_eq(th_runf(&out, "%s gen-model --preset smollm2-135m --n-layer 6 --type q8_0 --seed 1 --vocab-from %s -o %s "
+                               "2>&1", getenv("PD_PREFIXCTL"), vocab, slow),
+                 0, "%s", out);
+    free(out);
+    start_daemon_on(slow, "--set admin.token=" TOKEN);
+    const size_t cap = 40 * (strlen(story) + 1) + 256;
+    char *text = calloc(1, cap), *body = malloc(cap);
+    for (int i = 0; i < 40; i++) strcat(strcat(text, story), " ");
+    /* Three jobs ahead of the waiting one: it is still queued or running
+     * when the stop comes. */
+    const double ahead[3] = {0.3, 0.4, 0.6};
+    for (int i = 0; i < 3; i++) {
+        snprintf(body, cap, "{\"text\":\"%s\",\"policy\":\"compactor\",\"retention\":%.1f}", text, ahead[i]);
+        cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 202, "%s", out);
+        free(out);
+    }
+    snprintf(body, cap, "{\"text\":\"%s\",\"policy\":\"compactor\",\"retention\":0.5,\"wait\":true}", text);
+    char path[1200];
+    snprintf(path, sizeof path, "%s/wait.json", tmpdir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(body, f);
+    fclose(f);
+    char *bg = NULL;
+    cr_assert_eq(th_runf(&bg, "(curl -s -o %s/wait.out -w '%%{http_code}' -H 'Authorization: Bearer " TOKEN "' "
+                              "-H 'Content-Type: application/json' --data-binary @%s "
+                              "http://127.0.0.1:%d/admin/v1/prefixes > %s/wait.code 2>&1) >/dev/null 2>&1 & echo $!",
+                         tmpdir, path, port, tmpdir),
+                 0);
+    const int client = atoi(bg);
+    free(bg);
+    usleep(400 * 1000);
+    kill(daemon_pid, SIGTERM);
+    int st;
+    cr_assert_eq(waitpid(daemon_pid, &st, 0), daemon_pid);
+    daemon_pid = 0;
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d", st);
+    cr_assert_eq(th_runf(NULL, "while kill -0 %d 2>/dev/null; do sleep 0.05; done", client), 0);
+    cr_assert_eq(th_runf(&out, "cat %s/wait.code", tmpdir), 0);
+    cr_assert_str_eq(out, "202", "the waiting registration's status");
+    free(out);
+    cr_assert_eq(th_runf(&out, "cat %s/wait.out", tmpdir), 0);
+    json_t *j = th_json_parse(out);
+    cr_assert(th_json_int(j, "job_id", NULL) > 0, "%s", out);
+    cr_assert(json_is_string(json_object_get(j, "status_url")), "%s", out);
+    json_decref(j);
+    free(out);
+    free(text);
+    free(body);
 }

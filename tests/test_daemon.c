@@ -44,11 +44,11 @@ static void teardown(void) {
 TestSuite(daemon, .init = setup, .fini = teardown, .timeout = 240);
 
 /* Start prefixd serving model_path with extra --set arguments; wait until
- * /health says ok. */
+ * /health says ok. Requests name the model "test". */
 static void start_daemon_model(const char *model_path, const char *extra) {
     char args[4096], log[1200];
     snprintf(args, sizeof args, "--set model.path=%s --set cache.path=%s/store --set cache.map_size_mb=64 "
-             "--set model.n_threads=2 %s", model_path, tmpdir, extra ? extra : "");
+             "--set model.n_threads=2 --set server.model_names=test %s", model_path, tmpdir, extra ? extra : "");
     snprintf(log, sizeof log, "%s/prefixd.log", tmpdir);
     daemon_pid = th_daemon_start(args, log, &port);
 }
@@ -117,7 +117,7 @@ Test(daemon, health_models_and_greedy_completion_match_the_engine) {
     json_decref(m);
     free(out);
 
-    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"Once upon a time\",\"max_tokens\":24,"
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"test\",\"prompt\":\"Once upon a time\",\"max_tokens\":24,"
                                          "\"temperature\":0}", NULL, &out), 200, "%s", out);
     json_t *j = th_json_parse(out);
     char *text = choice_text(j);
@@ -138,7 +138,7 @@ Test(daemon, health_models_and_greedy_completion_match_the_engine) {
 
 Test(daemon, streamed_and_non_streamed_output_are_identical) {
     start_daemon(NULL);
-    const char *req = "{\"model\":\"x\",\"prompt\":\"The little dog\",\"max_tokens\":40,\"temperature\":1,"
+    const char *req = "{\"model\":\"test\",\"prompt\":\"The little dog\",\"max_tokens\":40,\"temperature\":1,"
                       "\"seed\":7%s}";
     char body[512], *plain = NULL, *sse = NULL;
     snprintf(body, sizeof body, req, "");
@@ -155,7 +155,7 @@ Test(daemon, streamed_and_non_streamed_output_are_identical) {
 Test(daemon, errors_are_openai_shaped) {
     start_daemon("--set server.api_key=sekrit --set server.max_body_bytes=2048");
     char *out = NULL;
-    const char *ok = "{\"model\":\"x\",\"prompt\":\"Hi\",\"max_tokens\":2}";
+    const char *ok = "{\"model\":\"test\",\"prompt\":\"Hi\",\"max_tokens\":2}";
     cr_assert_eq(post("/v1/completions", ok, NULL, &out), 401, "%s", out);
     json_t *j = th_json_parse(out);
     cr_assert(json_is_string(json_object_get(json_object_get(j, "error"), "message")));
@@ -167,7 +167,7 @@ Test(daemon, errors_are_openai_shaped) {
     free(out);
     cr_assert_eq(post("/v1/completions", "{not json", "sekrit", &out), 400, "%s", out);
     free(out);
-    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"Hi\",\"temperature\":9}", "sekrit", &out), 400,
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"test\",\"prompt\":\"Hi\",\"temperature\":9}", "sekrit", &out), 400,
                  "%s", out);
     j = th_json_parse(out);
     cr_assert_str_eq(json_string_value(json_object_get(json_object_get(j, "error"), "param")), "temperature");
@@ -178,9 +178,60 @@ Test(daemon, errors_are_openai_shaped) {
     char big[4096];
     memset(big, ' ', sizeof big - 1);
     big[sizeof big - 1] = '\0';
-    memcpy(big, "{\"model\":\"x\",\"prompt\":\"", 22);
+    const char *head = "{\"model\":\"test\",\"prompt\":\"";
+    memcpy(big, head, strlen(head));
     memcpy(big + sizeof big - 3, "\"}", 2);
     cr_assert_eq(post("/v1/completions", big, "sekrit", &out), 413, "%s", out);
+    free(out);
+}
+
+/* The error's code, or "". */
+static const char *error_code_of(json_t *j) {
+    const char *code = json_string_value(json_object_get(json_object_get(j, "error"), "code"));
+    return code ? code : "";
+}
+
+/* "model" must name what is served (docs/api.md): the GGUF id by default,
+ * or one of server.model_names, whose first name becomes the id. */
+Test(daemon, the_model_field_must_name_the_served_model) {
+    start_daemon("--set server.model_names=");
+    char *out = NULL;
+    cr_assert_eq(th_runf(&out, "curl -s http://127.0.0.1:%d/v1/models", port), 0);
+    json_t *m = th_json_parse(out);
+    char id[256];
+    snprintf(id, sizeof id, "%s",
+             json_string_value(json_object_get(json_array_get(json_object_get(m, "data"), 0), "id")));
+    json_decref(m);
+    free(out);
+    char body[1024];
+    snprintf(body, sizeof body, "{\"model\":\"%s\",\"prompt\":\"Hi\",\"max_tokens\":2}", id);
+    cr_assert_eq(post("/v1/completions", body, NULL, &out), 200, "the id from /v1/models: %s", out);
+    free(out);
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"gpt-4o\",\"prompt\":\"Hi\",\"max_tokens\":2}", NULL, &out),
+                 404, "%s", out);
+    json_t *j = th_json_parse(out);
+    cr_assert_str_eq(error_code_of(j), "model_not_found", "%s", out);
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(j, "error"), "param")), "model");
+    cr_assert(strstr(json_string_value(json_object_get(json_object_get(j, "error"), "message")), id),
+              "the message names the served model: %s", out);
+    json_decref(j);
+    free(out);
+    cr_assert_eq(post("/v1/chat/completions", "{\"model\":\"gpt-4o\",\"messages\":[{\"role\":\"user\","
+                      "\"content\":\"Hi\"}]}", NULL, &out), 404, "%s", out);
+    free(out);
+    stop_daemon(SIGTERM);
+
+    start_daemon("--set server.model_names=alpha,beta");
+    cr_assert_eq(th_runf(&out, "curl -s http://127.0.0.1:%d/v1/models", port), 0);
+    cr_assert(strstr(out, "\"id\":\"alpha\""), "the first name is the id: %s", out);
+    free(out);
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"beta\",\"prompt\":\"Hi\",\"max_tokens\":2}", NULL, &out), 200,
+                 "%s", out);
+    j = th_json_parse(out);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "model")), "alpha", "answers carry the id");
+    json_decref(j);
+    free(out);
+    cr_assert_eq(post("/v1/completions", body, NULL, &out), 404, "names replace the GGUF id: %s", out);
     free(out);
 }
 
@@ -191,7 +242,7 @@ Test(daemon, concurrent_streams_all_complete_and_sigterm_exits_cleanly) {
     char cmd[4096];
     snprintf(cmd, sizeof cmd,
              "for i in $(seq 1 64); do curl -s -N -H 'Content-Type: application/json' --data-binary "
-             "\"{\\\"model\\\":\\\"x\\\",\\\"prompt\\\":\\\"Tom had a ball $i\\\",\\\"max_tokens\\\":32,"
+             "\"{\\\"model\\\":\\\"test\\\",\\\"prompt\\\":\\\"Tom had a ball $i\\\",\\\"max_tokens\\\":32,"
              "\\\"stream\\\":true,\\\"seed\\\":$i}\" http://127.0.0.1:%d/v1/completions > %s/s$i.txt & done; wait",
              port, tmpdir);
     cr_assert_eq(th_runf(NULL, "%s", cmd), 0);
@@ -226,7 +277,7 @@ Test(daemon, a_stored_prefix_is_used_and_exact_at_retention_1) {
     free(out);
     start_daemon("--set compression.min_prefix_tokens=8");
     char body[2048];
-    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":20,\"temperature\":0}", story);
+    snprintf(body, sizeof body, "{\"model\":\"test\",\"prompt\":\"%s Then\",\"max_tokens\":20,\"temperature\":0}", story);
     cr_assert_eq(post("/v1/completions", body, NULL, &out), 200, "%s", out);
     json_t *j = th_json_parse(out);
     json_t *details = json_object_get(json_object_get(j, "usage"), "prompt_tokens_details");
@@ -236,7 +287,7 @@ Test(daemon, a_stored_prefix_is_used_and_exact_at_retention_1) {
     json_decref(j);
     free(out);
     snprintf(body, sizeof body,
-             "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":20,\"temperature\":0,\"cache\":\"off\"}", story);
+             "{\"model\":\"test\",\"prompt\":\"%s Then\",\"max_tokens\":20,\"temperature\":0,\"cache\":\"off\"}", story);
     cr_assert_eq(post("/v1/completions", body, NULL, &out), 200, "%s", out);
     j = th_json_parse(out);
     details = json_object_get(json_object_get(j, "usage"), "prompt_tokens_details");
@@ -292,7 +343,7 @@ Test(daemon, chat_without_a_template_is_a_400_naming_the_problem) {
     cr_assert_eq(get("/v1/models", &out), 200, "%s", out);
     free(out);
     cr_assert_eq(post("/v1/chat/completions",
-                      "{\"model\":\"x\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":4}", NULL,
+                      "{\"model\":\"test\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":4}", NULL,
                       &out),
                  400, "%s", out);
     json_t *j = th_json_parse(out);
@@ -304,7 +355,7 @@ Test(daemon, chat_without_a_template_is_a_400_naming_the_problem) {
     json_decref(j);
     free(out);
     /* The server is still fine afterwards. */
-    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"Hi\",\"max_tokens\":2}", NULL, &out), 200,
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"test\",\"prompt\":\"Hi\",\"max_tokens\":2}", NULL, &out), 200,
                  "%s", out);
     free(out);
 }
@@ -314,7 +365,7 @@ Test(daemon, chat_on_a_phi3_vocab_model_streamed_and_not_are_identical) {
     char path[1200];
     phi3_model(path, sizeof path);
     start_daemon_model(path, NULL);
-    const char *req = "{\"model\":\"x\",\"messages\":[{\"role\":\"system\",\"content\":\"You are a helpful "
+    const char *req = "{\"model\":\"test\",\"messages\":[{\"role\":\"system\",\"content\":\"You are a helpful "
                       "assistant.\"},{\"role\":\"user\",\"content\":\"Tell me a story.\"}],\"max_tokens\":16,"
                       "\"temperature\":1,\"seed\":11%s}";
     char body[1024], *plain = NULL, *sse = NULL;
@@ -391,11 +442,11 @@ static void stream_then_disconnect(const char *json) {
 Test(daemon, a_client_gone_mid_stream_frees_its_slot) {
     start_daemon("--set scheduler.max_batch=1");
     /* Long enough that it cannot finish on its own first: EOS is banned. */
-    stream_then_disconnect("{\"model\":\"x\",\"prompt\":\"Once upon a time\",\"max_tokens\":1900,\"stream\":true,"
+    stream_then_disconnect("{\"model\":\"test\",\"prompt\":\"Once upon a time\",\"max_tokens\":1900,\"stream\":true,"
                            "\"seed\":1,\"logit_bias\":{\"2\":-100}}");
     /* With one slot this runs only once the first request left the batch. */
     char *out = NULL;
-    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"The cat\",\"max_tokens\":8,\"temperature\":0}",
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"test\",\"prompt\":\"The cat\",\"max_tokens\":8,\"temperature\":0}",
                       NULL, &out),
                  200, "%s", out);
     json_t *j = th_json_parse(out);
@@ -429,7 +480,7 @@ Test(daemon, a_client_gone_before_a_non_streamed_answer_frees_its_slot) {
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
-    const char *json = "{\"model\":\"x\",\"prompt\":\"Once upon a time\",\"max_tokens\":1900,\"seed\":1,"
+    const char *json = "{\"model\":\"test\",\"prompt\":\"Once upon a time\",\"max_tokens\":1900,\"seed\":1,"
                        "\"logit_bias\":{\"2\":-100}}";
     char req[4096];
     int n = snprintf(req, sizeof req,
@@ -441,7 +492,7 @@ Test(daemon, a_client_gone_before_a_non_streamed_answer_frees_its_slot) {
     close(fd);
     /* With one slot this runs only once the first request left the batch. */
     char *out = NULL;
-    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"The cat\",\"max_tokens\":8,\"temperature\":0}",
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"test\",\"prompt\":\"The cat\",\"max_tokens\":8,\"temperature\":0}",
                       NULL, &out),
                  200, "%s", out);
     free(out);
@@ -558,11 +609,11 @@ Test(daemon, the_end_of_the_grace_period_answers_everyone) {
     /* EOS banned, 1900 tokens each: 8 of them take seconds with 2 slots. */
     snprintf(cmd, sizeof cmd,
              "for i in $(seq 1 6); do curl -s -N -H 'Content-Type: application/json' --data-binary "
-             "\"{\\\"model\\\":\\\"x\\\",\\\"prompt\\\":\\\"Tom had a ball $i\\\",\\\"max_tokens\\\":1900,"
+             "\"{\\\"model\\\":\\\"test\\\",\\\"prompt\\\":\\\"Tom had a ball $i\\\",\\\"max_tokens\\\":1900,"
              "\\\"stream\\\":true,\\\"seed\\\":$i,\\\"logit_bias\\\":{\\\"2\\\":-100}}\" "
              "http://127.0.0.1:%d/v1/completions > %s/s$i.txt & done; "
              "for i in 7 8; do curl -s -D %s/h$i.txt -H 'Content-Type: application/json' --data-binary "
-             "\"{\\\"model\\\":\\\"x\\\",\\\"prompt\\\":\\\"Tom had a ball $i\\\",\\\"max_tokens\\\":1900,"
+             "\"{\\\"model\\\":\\\"test\\\",\\\"prompt\\\":\\\"Tom had a ball $i\\\",\\\"max_tokens\\\":1900,"
              "\\\"seed\\\":$i,\\\"logit_bias\\\":{\\\"2\\\":-100}}\" "
              "http://127.0.0.1:%d/v1/completions > %s/s$i.txt & done; wait",
              port, tmpdir, tmpdir, port, tmpdir);
@@ -672,7 +723,7 @@ Test(daemon, api_keys_select_namespaces_and_isolate_them) {
     start_daemon(extra);
 
     char body[2048];
-    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":4,\"temperature\":0}", story);
+    snprintf(body, sizeof body, "{\"model\":\"test\",\"prompt\":\"%s Then\",\"max_tokens\":4,\"temperature\":0}", story);
     cr_assert_eq(post_as("key-a", body, &out), 200, "%s", out);
     cr_assert_gt(cached_tokens_of(out), 30, "tenant a finds its prefix: %s", out);
     free(out);
@@ -682,7 +733,7 @@ Test(daemon, api_keys_select_namespaces_and_isolate_them) {
     cr_assert_eq(post_as("key-c", body, &out), 401, "%s", out);
     free(out);
     /* A salt isolates further: a's prefix was registered without one. */
-    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":4,\"cache_salt\":\"s1\"}",
+    snprintf(body, sizeof body, "{\"model\":\"test\",\"prompt\":\"%s Then\",\"max_tokens\":4,\"cache_salt\":\"s1\"}",
              story);
     cr_assert_eq(post_as("key-a", body, &out), 200, "%s", out);
     cr_assert_eq(cached_tokens_of(out), 0, "a salted request sees only salted prefixes: %s", out);
@@ -696,7 +747,7 @@ Test(daemon, api_keys_select_namespaces_and_isolate_them) {
         char *m[2];
         const char *ids[2] = {id, unknown};
         for (int k = 0; k < 2; k++) {
-            snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s%s\",\"max_tokens\":4,\"prefix_id\":\"%s\"}",
+            snprintf(body, sizeof body, "{\"model\":\"test\",\"prompt\":\"%s%s\",\"max_tokens\":4,\"prefix_id\":\"%s\"}",
                      i ? "" : story, prompts[i], ids[k]);
             cr_assert_eq(post_as("key-b", body, &out), 404, "%s", out);
             m[k] = error_message_without_id(out, ids[k]);
@@ -705,7 +756,7 @@ Test(daemon, api_keys_select_namespaces_and_isolate_them) {
         cr_assert_str_eq(m[0], m[1], "another tenant's prefix answers like an unknown id");
         free(m[0]), free(m[1]);
     }
-    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":4,\"prefix_id\":\"%s\"}", story,
+    snprintf(body, sizeof body, "{\"model\":\"test\",\"prompt\":\"%s Then\",\"max_tokens\":4,\"prefix_id\":\"%s\"}", story,
              id);
     cr_assert_eq(post_as("key-a", body, &out), 200, "its own tenant uses it: %s", out);
     cr_assert_gt(cached_tokens_of(out), 30, "%s", out);
@@ -732,7 +783,7 @@ Test(daemon, slow_clients_do_not_stop_service) {
     char *out = NULL;
     cr_assert_eq(get("/health", &out), 200, "with %d slow clients: %s", open_n, out);
     free(out);
-    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"The cat\",\"max_tokens\":4}", NULL, &out), 200,
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"test\",\"prompt\":\"The cat\",\"max_tokens\":4}", NULL, &out), 200,
                  "%s", out);
     free(out);
     for (int i = 0; i < open_n; i++) close(fds[i]);
@@ -774,7 +825,7 @@ Test(daemon, a_prefix_at_retention_half_is_used_and_reported) {
     store_story_prefix(0.5);
     start_daemon("--set compression.min_prefix_tokens=8");
     char body[2048], *out = NULL;
-    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s Then\",\"max_tokens\":20,\"temperature\":0}", story);
+    snprintf(body, sizeof body, "{\"model\":\"test\",\"prompt\":\"%s Then\",\"max_tokens\":20,\"temperature\":0}", story);
     cr_assert_eq(post("/v1/completions", body, NULL, &out), 200, "%s", out);
     json_t *j = th_json_parse(out);
     json_t *usage = json_object_get(j, "usage");
@@ -802,7 +853,7 @@ Test(daemon, a_prefix_at_retention_half_is_used_and_reported) {
 Test(daemon, metrics_expose_the_scheduler_series_after_a_request) {
     start_daemon(NULL);
     char *out = NULL;
-    cr_assert_eq(post("/v1/completions", "{\"model\":\"x\",\"prompt\":\"Tom\",\"max_tokens\":10,\"temperature\":0,"
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"test\",\"prompt\":\"Tom\",\"max_tokens\":10,\"temperature\":0,"
                                          "\"stream\":true}", NULL, &out),
                  200, "%s", out);
     free(out);
@@ -866,7 +917,7 @@ Test(daemon, a_request_past_its_timeout_is_cancelled) {
     free(out);
     start_daemon_model(slow, "--set server.request_timeout_s=1");
     /* EOS (id 2 in this vocabulary) is banned so nothing ends it early. */
-    const char *body = "{\"model\":\"x\",\"prompt\":\"Hello\",\"max_tokens\":1500,\"logit_bias\":{\"2\":-100}%s}";
+    const char *body = "{\"model\":\"test\",\"prompt\":\"Hello\",\"max_tokens\":1500,\"logit_bias\":{\"2\":-100}%s}";
     char req[512];
     snprintf(req, sizeof req, body, "");
     cr_assert_eq(post("/v1/completions", req, NULL, &out), 504, "%s", out);

@@ -439,7 +439,7 @@ static int pair_http(int which, const char *method, const char *path, const char
  * parsed response in *resp (json_decref it). */
 static char *greedy_completion(int which, const char *prompt, int max_tokens, json_t **resp) {
     char body[4096], *out = NULL;
-    snprintf(body, sizeof body, "{\"model\":\"x\",\"prompt\":\"%s\",\"max_tokens\":%d,\"temperature\":0}", prompt,
+    snprintf(body, sizeof body, "{\"model\":\"test\",\"prompt\":\"%s\",\"max_tokens\":%d,\"temperature\":0}", prompt,
              max_tokens);
     cr_assert_eq(pair_http(which, "POST", "/v1/completions", body, NULL, &out), 200, "daemon %d: %s", which, out);
     json_t *j = th_json_parse(out);
@@ -474,7 +474,7 @@ Test(device_cli, prefixd_on_cuda_serves_like_prefixd_on_the_cpu, .init = pair_se
         char args[4096], log[1200];
         snprintf(args, sizeof args,
                  "--set model.path=%s --set cache.path=%s/store%d --set cache.map_size_mb=64 "
-                 "--set model.n_threads=2 --set admin.token=" GPU_TOKEN " --set model.device=%s",
+                 "--set model.n_threads=2 --set server.model_names=test --set admin.token=" GPU_TOKEN " --set model.device=%s",
                  model, pair_dir, i, devices[i]);
         snprintf(log, sizeof log, "%s/prefixd%d.log", pair_dir, i);
         pair_pid[i] = th_daemon_start(args, log, &pair_port[i]);
@@ -504,7 +504,7 @@ Test(device_cli, prefixd_on_cuda_serves_like_prefixd_on_the_cpu, .init = pair_se
      * text, in server-sent events ending with [DONE]. */
     char *sse = NULL;
     cr_assert_eq(pair_http(0, "POST", "/v1/completions",
-                           "{\"model\":\"x\",\"prompt\":\"Once upon a time\",\"max_tokens\":24,\"temperature\":0,"
+                           "{\"model\":\"test\",\"prompt\":\"Once upon a time\",\"max_tokens\":24,\"temperature\":0,"
                            "\"stream\":true}",
                            NULL, &sse),
                  200, "%s", sse);
@@ -576,7 +576,7 @@ Test(device_cli, prefixd_on_cuda_serves_like_prefixd_on_the_cpu, .init = pair_se
         char args[4096], log_path[1200];
         snprintf(args, sizeof args,
                  "--set model.path=%s --set cache.path=%s/store2 --set cache.map_size_mb=64 "
-                 "--set model.n_threads=2 --set admin.token=" GPU_TOKEN " --set model.device=cpu",
+                 "--set model.n_threads=2 --set server.model_names=test --set admin.token=" GPU_TOKEN " --set model.device=cpu",
                  model, pair_dir);
         snprintf(log_path, sizeof log_path, "%s/prefixd2.log", pair_dir);
         pair_pid[2] = th_daemon_start(args, log_path, &pair_port[2]);

@@ -865,7 +865,7 @@ Test(scheduler, queue_full) {
     col_wait_reached(&c[0]); /* running, so out of the queue */
     r[1] = submit(s, &p, &c[1]);
     r[2] = submit(s, &p, &c[2]);
-    expect_refused(s, &p, PD_ERANGE, "queue is full");
+    expect_refused(s, &p, PD_EBUSY, "queue is full");
     col_go(&c[0]);
     for (int i = 0; i < 3; i++) {
         col_wait_end(&c[i]);

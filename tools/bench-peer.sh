@@ -615,7 +615,7 @@ run_prefixd_server() { # round config store
     local r=$1 cfg=$2 store=$3 port st out cached
     port=$(free_port) || return 1
     start_server "$WORK/prefixd-$cfg.log" "$PREFIXD" --set "model.path=$SMOL" --set "server.listen=127.0.0.1" \
-        --set "server.port=$port" --set "cache.path=$store" --set "model.n_threads=$TTFT_THREADS"
+        --set "server.port=$port" --set "cache.path=$store" --set "model.n_threads=$TTFT_THREADS" --set "server.model_names=m"
     local pid=$SERVER_PID i body
     if ! wait_healthy "$pid" "$port" "$WORK/prefixd-$cfg.log"; then
         stop_server "$pid"

@@ -237,7 +237,7 @@ static int start_server(const bench *b, const char *store, server *s) {
     snprintf(a_batch, sizeof a_batch, "scheduler.max_batch=%d", b->max_batch);
     char *argv[] = {(char *)b->prefixd, "--set", a_model, "--set", a_port, "--set", a_store, "--set", a_threads,
                     "--set", a_batch, "--set", "compression.min_prefix_tokens=8", "--set", "cache.map_size_mb=1024",
-                    NULL};
+                    "--set", "server.model_names=x", NULL};
     s->pid = spawn(argv, s->log);
     if (s->pid < 0) return -1;
     /* Ready when /health says 200 (bounded: a minute). */

@@ -101,7 +101,8 @@ def main():
     work = tempfile.mkdtemp(prefix="slowloris-")
     log = open(os.path.join(work, "prefixd.log"), "w")
     cmd = [a.prefixd, "--set", f"model.path={a.model}", "--set", f"cache.path={work}/store",
-           "--set", f"server.port={port}", "--set", "cache.map_size_mb=64"]
+           "--set", f"server.port={port}", "--set", "cache.map_size_mb=64",
+           "--set", "server.model_names=x"]
     for kv in a.set:
         cmd += ["--set", kv]
     d = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -22,6 +22,7 @@ enum {
     PD_EUNSUPPORTED = -6, /* valid, but not something we implement */
     PD_ERANGE = -7,       /* a value is outside its allowed range */
     PD_EUNAVAILABLE = -8, /* the service is stopping or not ready yet: retry later or elsewhere */
+    PD_EBUSY = -9,        /* a queue is full: the same request may succeed shortly */
 };
 
 /* Every fallible function takes one of these and, on failure, leaves a
