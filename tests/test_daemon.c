@@ -932,3 +932,70 @@ Test(daemon, a_request_past_its_timeout_is_cancelled) {
     cr_assert(strstr(out, "\"timeout\"") && strstr(out, "data: [DONE]"), "%s", out);
     free(out);
 }
+
+/* deploy/haproxy/prefixd.cfg, the recipe for HAProxy in front: answers and
+ * streams pass through unchanged, and when prefixd is down the client still
+ * gets the OpenAI error shape (502/503 in JSON), not HTML. */
+Test(daemon, the_haproxy_recipe_passes_answers_and_keeps_errors_json) {
+    if (system("haproxy -v >/dev/null 2>&1") != 0) cr_skip_test("haproxy is not installed");
+    start_daemon(NULL);
+    const char *src = getenv("PD_SOURCE_ROOT");
+    cr_assert_not_null(src);
+    const int hp = th_free_port();
+    char *out = NULL;
+    cr_assert_eq(th_runf(&out, "sed -e 's#/etc/haproxy/prefixd-errors#%s/deploy/haproxy/errors#' "
+                               "-e 's#bind :8443#bind 127.0.0.1:%d#' -e 's#127.0.0.1:8080#127.0.0.1:%d#' "
+                               "-e 's#log stdout.*#log stderr format raw local0#' "
+                               "%s/deploy/haproxy/prefixd.cfg > %s/haproxy.cfg && haproxy -c -f %s/haproxy.cfg 2>&1",
+                         src, hp, port, src, tmpdir, tmpdir),
+                 0, "the recipe does not pass haproxy -c: %s", out);
+    free(out);
+    char *pid_text = NULL;
+    cr_assert_eq(th_runf(&pid_text, "haproxy -f %s/haproxy.cfg -db >%s/haproxy.log 2>&1 & echo $!", tmpdir, tmpdir), 0);
+    const pid_t proxy = (pid_t)atoi(pid_text);
+    free(pid_text);
+    int st = 0;
+    for (int i = 0; i < 100 && (st = th_http(hp, "GET", "/health", NULL, NULL, NULL, &out)) != 200; i++) {
+        free(out);
+        out = NULL;
+        usleep(50 * 1000);
+    }
+    cr_assert_eq(st, 200, "/health through the proxy: %s", out);
+    free(out);
+
+    const char *greedy = "{\"model\":\"test\",\"prompt\":\"Once upon a time\",\"max_tokens\":12,\"temperature\":0}";
+    char *direct = NULL, *proxied = NULL, path[1200];
+    snprintf(path, sizeof path, "%s/body.json", tmpdir);
+    cr_assert_eq(post("/v1/completions", greedy, NULL, &direct), 200, "%s", direct);
+    cr_assert_eq(th_http(hp, "POST", "/v1/completions", greedy, NULL, path, &proxied), 200, "%s", proxied);
+    json_t *a = th_json_parse(direct), *b = th_json_parse(proxied);
+    char *ta = choice_text(a), *tb = choice_text(b);
+    cr_assert_str_eq(ta, tb, "the same greedy text through the proxy");
+    free(ta);
+    free(tb);
+    json_decref(a);
+    json_decref(b);
+    free(direct);
+    free(proxied);
+    cr_assert_eq(th_http(hp, "POST", "/v1/completions",
+                         "{\"model\":\"test\",\"prompt\":\"Tom had\",\"max_tokens\":16,\"stream\":true}", NULL, path, &out),
+                 200, "%s", out);
+    free(stream_text(out)); /* checks the [DONE] */
+    free(out);
+    cr_assert_eq(th_http(hp, "POST", "/v1/completions", "{\"model\":\"nope\",\"prompt\":\"Hi\"}", NULL, path, &out), 404,
+                 "%s", out);
+    json_t *j = th_json_parse(out);
+    cr_assert_str_eq(error_code_of(j), "model_not_found", "prefixd's own error passes unchanged: %s", out);
+    json_decref(j);
+    free(out);
+
+    stop_daemon(SIGKILL);
+    st = th_http(hp, "GET", "/health", NULL, NULL, NULL, &out);
+    cr_assert(st == 502 || st == 503, "prefixd down: %d %s", st, out);
+    j = th_json_parse(out); /* fails the test unless the body is JSON */
+    cr_assert(json_is_string(json_object_get(json_object_get(j, "error"), "type")), "%s", out);
+    json_decref(j);
+    free(out);
+    kill(proxy, SIGTERM);
+    cr_assert_eq(th_runf(NULL, "while kill -0 %d 2>/dev/null; do sleep 0.05; done", (int)proxy), 0);
+}
