@@ -252,6 +252,11 @@ void cpu_quant_q8_K_avx2(const float *x, int64_t cols, int8_t *qs, float *d, int
  * the 32-element sub-blocks 0 2 1 3 4 6 5 7, and the first 8 bsums the
  * sums of each sub-block (natural order). */
 void cpu_quant_q8_K4_avx512(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c, int16_t *bsums);
+/* q8_0 in the order the AVX-512 kernels of the 32-element 4- and 5-bit types
+ * read it: per group of four blocks, the first 16 elements of each, then
+ * the last 16 of each (a tail of fewer than four blocks in natural order);
+ * c divided by 16. */
+void cpu_quant_q8_0_q4_avx512(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c, int16_t *bsums);
 #endif
 
 /* The CPU backend object (pd_backend.impl points at it). Used by one

@@ -222,7 +222,7 @@ PD_UNROLL
     for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]);
 }
 
-/* q4_0 against activations in the layout quant_q8_0_q4 writes: per group of
+/* q4_0 against activations in the layout cpu_quant_q8_0_q4_avx512 writes: per group of
  * four 32-blocks, the first 16 elements of each block, then the last 16 of
  * each. The 16 code bytes of four blocks then fill one register, whose low
  * nibbles meet the first 64 activations and high nibbles the next 64 in two
@@ -285,8 +285,8 @@ PD_UNROLL
 
 /* q8_0 activations in the order q4_0_row reads them (see there), with c
  * divided by 16. Same quantized values as quant_q8_0. */
-PD_TARGET_AVX512 static void quant_q8_0_q4(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
-                                            int16_t *bsums) {
+PD_TARGET_AVX512 void cpu_quant_q8_0_q4_avx512(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
+                                              int16_t *bsums) {
     cpu_quant_q8_0_avx2(x, cols, qs, d, c, bsums);
     const int64_t nb = cols / 32;
     for (int64_t g = 0; g < nb / Q4_0_GROUP; g++) {
@@ -787,7 +787,7 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     k->mm_any_n[PD_TYPE_Q4_K] = true;
     k->mm_any_n[PD_TYPE_Q6_K] = true;
     k->quant_act[PD_TYPE_Q4_K] = cpu_quant_q8_K4_avx512;
-    k->quant_act[PD_TYPE_Q4_0] = quant_q8_0_q4;
+    k->quant_act[PD_TYPE_Q4_0] = cpu_quant_q8_0_q4_avx512;
     k->mm[PD_TYPE_F32] = mm_f32;
     k->mm[PD_TYPE_F16] = mm_f16;
     k->mm[PD_TYPE_BF16] = mm_bf16;
