@@ -142,6 +142,22 @@ static enum MHD_Result send_errorf(pd_server *s, struct MHD_Connection *c, int s
     return send_error(s, c, &e);
 }
 
+/* 413: the body, as declared (Content-Length) or as received (NULL), is
+ * over server.max_body_bytes. */
+static enum MHD_Result send_too_large(pd_server *s, struct MHD_Connection *c, const char *declared) {
+    pd_api_error e;
+    pd_api_errorf(&e, 413, PD_API_ERR_TOO_LARGE, NULL, NULL, "the request body%s%s%s is larger than %zu bytes "
+                  "(server.max_body_bytes)", declared ? " (Content-Length " : "", declared ? declared : "",
+                  declared ? ")" : "", s->opts.limits.max_body_bytes);
+    return send_error(s, c, &e);
+}
+
+/* 503 before the model is loaded and after the drain began. */
+static enum MHD_Result send_not_ready(pd_server *s, struct MHD_Connection *c, bool draining) {
+    return send_errorf(s, c, 503, PD_API_ERR_OVERLOADED, draining ? "shutting_down" : "loading",
+                       draining ? "the server is shutting down" : "the model is still loading; retry shortly");
+}
+
 static bool append(char **buf, size_t *len, size_t *cap, const char *data, size_t n) {
     if (*len + n + 1 > *cap) {
         size_t nc = *cap ? *cap : 4096;
@@ -420,20 +436,14 @@ static enum MHD_Result answer_generation(pd_server *s, struct MHD_Connection *c,
 static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, http_req *r, pd_api_kind kind,
                                        const char *ns) {
     pd_api_error e;
-    if (r->too_large) {
-        pd_api_errorf(&e, 413, PD_API_ERR_TOO_LARGE, NULL, NULL, "the request body is larger than %zu bytes "
-                      "(server.max_body_bytes)", s->opts.limits.max_body_bytes);
-        return send_error(s, c, &e);
-    }
     if (pd_api_parse_request(kind, r->body ? r->body : "", r->len, &s->opts.limits, &r->areq, &e) ||
         pd_api_request_namespace(&r->areq, ns, &e))
         return send_error(s, c, &e);
     pthread_rwlock_rdlock(&s->lock);
     if (!s->ready) {
-        bool draining = s->draining;
+        const bool draining = s->draining;
         pthread_rwlock_unlock(&s->lock);
-        return send_errorf(s, c, 503, PD_API_ERR_OVERLOADED, draining ? "shutting_down" : "loading",
-                           draining ? "the server is shutting down" : "the model is still loading; retry shortly");
+        return send_not_ready(s, c, draining);
     }
     const pd_server_backend b = s->backend;
     if (!pd_api_model_served(b.model_names, b.model_id, r->areq.model)) {
@@ -599,18 +609,8 @@ static enum MHD_Result handle_admin(pd_server *s, struct MHD_Connection *c, http
     if (!admin_authorized(s, c))
         return send_errorf(s, c, 401, PD_API_ERR_AUTH, "invalid_admin_token",
                            "missing or wrong admin token (send Authorization: Bearer ADMIN_TOKEN, admin.token)");
-    pd_api_error e;
-    if (r->too_large) {
-        pd_api_errorf(&e, 413, PD_API_ERR_TOO_LARGE, NULL, NULL, "the request body is larger than %zu bytes "
-                      "(server.max_body_bytes)", s->opts.limits.max_body_bytes);
-        return send_error(s, c, &e);
-    }
     pd_server_backend b;
-    if (!get_backend(s, &b)) {
-        bool draining = server_stopping(s);
-        return send_errorf(s, c, 503, PD_API_ERR_OVERLOADED, draining ? "shutting_down" : "loading",
-                           draining ? "the server is shutting down" : "the model is still loading; retry shortly");
-    }
+    if (!get_backend(s, &b)) return send_not_ready(s, c, server_stopping(s));
     r->admin_ctx = (pd_admin_ctx){.model = b.model, .family = b.family, .n_ctx = b.n_ctx, .jobs = b.jobs,
                                   .store = b.store, .hot = b.hot, .default_policy = b.default_policy,
                                   .quality_budget = b.quality_budget,
@@ -678,13 +678,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
             char *end;
             errno = 0;
             const unsigned long long n = strtoull(cl, &end, 10);
-            if (end != cl && (errno == ERANGE || n > s->opts.limits.max_body_bytes)) {
-                pd_api_error e;
-                pd_api_errorf(&e, 413, PD_API_ERR_TOO_LARGE, NULL, NULL,
-                              "the request body (Content-Length %s) is larger than %zu bytes (server.max_body_bytes)",
-                              cl, s->opts.limits.max_body_bytes);
-                return send_error(s, c, &e);
-            }
+            if (end != cl && (errno == ERANGE || n > s->opts.limits.max_body_bytes)) return send_too_large(s, c, cl);
         }
         return MHD_YES;
     }
@@ -694,6 +688,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         *upload_size = 0;
         return MHD_YES;
     }
+    /* A body that grew past the limit (no Content-Length, or a false one). */
+    if (r->too_large) return send_too_large(s, c, NULL);
     /* Resumed: a generation or admin call under way answers when done. */
     if (r->sreq && !r->stream) return answer_generation(s, c, r);
     if (r->admin_started) return answer_admin(s, c, r);
