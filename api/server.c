@@ -776,6 +776,30 @@ static int resolve_listen(const char *key, const char *host, int port, struct so
  * without an answer. Pages are touched only as used. */
 #define CONNECTION_POOL_BYTES (256u << 10)
 
+static int hex_digit(char ch) {
+    return ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : ch >= 'A' && ch <= 'F' ? ch - 'A' + 10 : -1;
+}
+
+/* URL decoding for the path and query arguments, except that "%00" stays
+ * as it is: decoded, the NUL would end the string early, and
+ * "/metrics%00x" would be routed as "/metrics" (past a proxy rule that
+ * blocks exactly that path). */
+static size_t unescape_keeping_nul(void *cls, struct MHD_Connection *c, char *s) {
+    (void)cls, (void)c;
+    char *w = s;
+    for (const char *p = s; *p;) {
+        const int hi = p[0] == '%' ? hex_digit(p[1]) : -1, lo = hi >= 0 ? hex_digit(p[2]) : -1;
+        if (lo >= 0 && (hi | lo) != 0) {
+            *w++ = (char)(hi * 16 + lo);
+            p += 3;
+        } else {
+            *w++ = *p++;
+        }
+    }
+    *w = '\0';
+    return (size_t)(w - s);
+}
+
 /* server.threads, where 0 means one per CPU. */
 static unsigned event_threads(const pd_server_opts *o) {
     if (o->threads > 0) return (unsigned)o->threads;
@@ -792,7 +816,7 @@ static struct MHD_Daemon *start_mhd(const pd_server_opts *o, unsigned threads, s
         MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG | ipv6, 0,
         NULL, NULL, on_request, li, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
         li->srv, MHD_OPTION_THREAD_POOL_SIZE, threads, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections,
-        MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+        MHD_OPTION_UNESCAPE_CALLBACK, unescape_keeping_nul, NULL, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
         o->max_connections_per_client, MHD_OPTION_CONNECTION_TIMEOUT,
         (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 0), MHD_OPTION_THREAD_STACK_SIZE,
         (size_t)CONNECTION_STACK_BYTES, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)CONNECTION_POOL_BYTES,

@@ -675,9 +675,8 @@ def malformed_cases(mid, rng):
     for raw in ["1e400", "-1e400", "123456789012345678901234567890", "-0", "0.0000000000000000001e-400",
                 "1E2", "00", "01", "+1", ".5", "1.", "0x10", "Infinity"]:
         post(f"raw number max_tokens={raw}", '{"model":%s,"prompt":"Hi","max_tokens":%s}' % (json.dumps(mid), raw))
-    # The model name must be the served one (GET /v1/models). Until unknown
-    # names are refused (404, being added), one is still served: 200.
-    post("unknown model name", dict(good, model="no-such-model"), {200, 404})
+    # The model name must be the served one (GET /v1/models).
+    post("unknown model name", dict(good, model="no-such-model"), {404})
     post("missing model", {"prompt": "Hi", "max_tokens": 2}, {400})
     post("missing prompt", {"model": mid, "max_tokens": 2}, {400})
 

@@ -804,6 +804,16 @@ Test(daemon, http_edges_get_answers_not_silence) {
     cr_assert(strncmp(out, "HTTP/1.1 200", 12) == 0, "600 query arguments: '%.200s'", out);
     free(out);
     free(req);
+    /* An encoded NUL does not end the path: "/metrics%00x" is not /metrics. */
+    const char *nul_paths[] = {"/metrics%00x", "/health%00", "/v1/models%00junk"};
+    for (size_t i = 0; i < sizeof nul_paths / sizeof nul_paths[0]; i++) {
+        char get_req[256];
+        const int k = snprintf(get_req, sizeof get_req, "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+                               nul_paths[i]);
+        out = raw_exchange(get_req, (size_t)k);
+        cr_assert(strncmp(out, "HTTP/1.1 404", 12) == 0, "%s: '%.200s'", nul_paths[i], out);
+        free(out);
+    }
     /* A transfer coding libmicrohttpd cannot decode: the body never
      * arrives as far as it is concerned, and the idle timeout, not the
      * 600 s generation deadline, ends the wait. */
