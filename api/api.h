@@ -230,6 +230,10 @@ int pd_api_response_sse_usage(pd_api_response *r, char **out, size_t *len, pd_er
 /* The model's public id: general.name when present and non-empty, else the
  * file name of path without directory and ".gguf". */
 void pd_api_model_id(const pd_gguf *g, const char *path, char *out, size_t cap);
+/* Whether the JSON text nests at most max_depth levels (strings skipped),
+ * checked before parsing so that "[[[[..." never reaches the recursive
+ * parser. */
+bool pd_api_json_depth_ok(const char *s, size_t len, int max_depth);
 /* Whether a request's "model" names the served model: one of `names`
  * (comma-separated) when set, else model_id. */
 bool pd_api_model_served(const char *names, const char *model_id, const char *requested);

@@ -117,9 +117,7 @@ void pd_api_limits_default(pd_api_limits *l) {
     pd_api_errorf((e), 400, PD_API_ERR_INVALID, (param), "unsupported_parameter", __VA_ARGS__)
 #define OOM(e) pd_api_errorf((e), 503, PD_API_ERR_OVERLOADED, NULL, "out_of_memory", "out of memory parsing the request")
 
-/* Nesting depth of a JSON text, without parsing it, so an attacker's
- * "[[[[..." never reaches the recursive parser. Strings are skipped. */
-static int json_depth_ok(const char *s, size_t len, int max_depth) {
+bool pd_api_json_depth_ok(const char *s, size_t len, int max_depth) {
     int depth = 0;
     bool in_str = false;
     for (size_t i = 0; i < len; i++) {
@@ -130,12 +128,12 @@ static int json_depth_ok(const char *s, size_t len, int max_depth) {
         } else if (c == '"') {
             in_str = true;
         } else if (c == '[' || c == '{') {
-            if (++depth > max_depth) return 0;
+            if (++depth > max_depth) return false;
         } else if (c == ']' || c == '}') {
             depth--;
         }
     }
-    return 1;
+    return true;
 }
 
 static const char *json_type_name(const json_t *v) {
@@ -548,7 +546,7 @@ int pd_api_parse_request(pd_api_kind kind, const char *body, size_t len, const p
         return pd_api_errorf(e, 413, PD_API_ERR_TOO_LARGE, NULL, "request_too_large",
                              "the request body has %zu bytes; the limit is %zu", len, lim->max_body_bytes);
     if (len == 0) return BAD(e, NULL, "the request body is empty: send a JSON object");
-    if (!json_depth_ok(body, len, lim->max_depth))
+    if (!pd_api_json_depth_ok(body, len, lim->max_depth))
         return BAD(e, NULL, "the request body nests JSON deeper than %d levels", lim->max_depth);
 
     json_error_t jerr;

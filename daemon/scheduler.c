@@ -233,6 +233,14 @@ static int64_t request_kv_bytes(const pd_sched_request *r) {
 
 /* ---- prefix resolution ------------------------------------------------- */
 
+/* A stored record that fails its checks (PD_EFORMAT from the store) is the
+ * server's fault, not the request's: PD_EIO, with the store's message
+ * (which names `prefixctl store verify --repair`). */
+static int stored_prefix_error(int rc, pd_error *err) {
+    if (rc == PD_EFORMAT) err->code = rc = PD_EIO;
+    return rc;
+}
+
 /* Acquire a stored prefix by id (through the hot tier when there is one)
  * and check it can continue this request's prompt. */
 static int prefix_acquire(pd_scheduler *s, pd_sched_request *r, const pd_prefix_id *id, pd_error *err) {
@@ -240,12 +248,12 @@ static int prefix_acquire(pd_scheduler *s, pd_sched_request *r, const pd_prefix_
     const pd_token *tokens;
     int rc;
     if (s->o.hot) {
-        if ((rc = pd_hot_acquire(s->o.hot, id, &r->hot, err))) return rc;
+        if ((rc = pd_hot_acquire(s->o.hot, id, &r->hot, err))) return stored_prefix_error(rc, err);
         info = pd_hot_entry_info(r->hot);
         tokens = pd_hot_entry_tokens(r->hot);
         r->prefix = pd_hot_entry_kv(r->hot);
     } else {
-        if ((rc = pd_store_get(s->o.store, id, &r->ref, err))) return rc;
+        if ((rc = pd_store_get(s->o.store, id, &r->ref, err))) return stored_prefix_error(rc, err);
         info = pd_prefix_ref_info(r->ref);
         tokens = pd_prefix_ref_tokens(r->ref);
         r->prefix = pd_prefix_ref_kv(r->ref);

@@ -246,6 +246,8 @@ Test(admin, auth_and_bad_input_errors) {
         {"{\"segments\":[{\"name\":\"a\",\"text\":\"\"}]}", "segments[0].text"},
         /* stories260K has no chat template */
         {"{\"messages\":[{\"role\":\"system\",\"content\":\"Be nice.\"}]}", "messages"},
+        /* nesting past 16 levels, as for completions, even in an ignored field */
+        {"{\"text\":\"Hi\",\"x\":[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]}", NULL},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         cr_assert_eq(req("POST", "/admin/v1/prefixes", bad[i].body, TOKEN, &out), 400, "%s: %s", bad[i].body, out);

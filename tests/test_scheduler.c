@@ -650,6 +650,62 @@ static void stored_prefix(bool with_hot) {
     pd_model_free(m);
 }
 
+static void expect_refused(pd_scheduler *s, const pd_sched_params *p, int code, const char *needle) {
+    pd_sched_request *r = NULL;
+    pd_error err = {0};
+    collector c;
+    int rc = pd_scheduler_submit(s, p, sink, &c, &r, &err);
+    cr_assert_eq(rc, code, "expected %s, got %s: %s", pd_status_name(code), pd_status_name(rc), err.msg);
+    cr_assert_null(r);
+    cr_assert(strstr(err.msg, needle), "message '%s' lacks '%s'", err.msg, needle);
+}
+
+/* A stored prefix whose record fails its checks is refused as the server's
+ * fault (PD_EIO: a 500), not as a bad request (PD_EFORMAT would be a 400). */
+Test(scheduler, a_damaged_stored_prefix_is_a_server_error) {
+    TH_REQUIRE_SHARED();
+    pd_model *m = load_stories();
+    pd_token prompt[256];
+    const int64_t n = tokenize_story(m, story, prompt, 256), P = 32;
+    pd_store *st = open_store();
+    pd_prefix_info info;
+    compress_put(m, st, prompt, P, "streaming:retention=1", &info);
+    pd_store_close(st);
+    /* Flip a byte of the stored token list (the record checks it). */
+    char path[1200];
+    snprintf(path, sizeof path, "%s/store/data.mdb", tmpdir);
+    char *buf = NULL;
+    size_t size = 0;
+    pd_error err = {0};
+    cr_assert_eq(pd_read_file(path, &buf, &size, &err), PD_OK, "%s", err.msg);
+    int hits = 0;
+    for (size_t i = 0; i + sizeof(pd_token) * P <= size; i++)
+        if (memcmp(buf + i, prompt, sizeof(pd_token) * P) == 0) {
+            buf[i + 4 * 7] ^= 0x40;
+            hits++;
+        }
+    cr_assert_gt(hits, 0, "the token list is in the data file");
+    FILE *f = fopen(path, "r+b");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(buf, 1, size, f), size);
+    fclose(f);
+    free(buf);
+
+    st = open_store();
+    pd_scheduler_opts o;
+    pd_scheduler_opts_default(&o);
+    o.store = st;
+    pd_scheduler *s = start(m, &o);
+    pd_sampler_params sp = greedy();
+    pd_sched_params p = params(prompt, n, &sp, 4);
+    p.has_prefix_id = true;
+    p.prefix_id = info.id;
+    expect_refused(s, &p, PD_EIO, "verify --repair");
+    pd_scheduler_free(s);
+    pd_store_close(st);
+    pd_model_free(m);
+}
+
 Test(scheduler, stored_prefix_from_store) {
     TH_REQUIRE_SHARED();
     stored_prefix(false);
@@ -772,15 +828,6 @@ Test(scheduler, release_without_waiting_delivers_nothing_after) {
 
 /* ---- (f) validation and a full queue ------------------------------------ */
 
-static void expect_refused(pd_scheduler *s, const pd_sched_params *p, int code, const char *needle) {
-    pd_sched_request *r = NULL;
-    pd_error err = {0};
-    collector c;
-    int rc = pd_scheduler_submit(s, p, sink, &c, &r, &err);
-    cr_assert_eq(rc, code, "expected %s, got %s: %s", pd_status_name(code), pd_status_name(rc), err.msg);
-    cr_assert_null(r);
-    cr_assert(strstr(err.msg, needle), "message '%s' lacks '%s'", err.msg, needle);
-}
 
 Test(scheduler, validation) {
     pd_model *m = load_generated();
