@@ -22,7 +22,10 @@ static json_t *num_or_null(double v) {
     return isfinite(v) ? json_real(v) : json_null();
 }
 
-void *pd_admin_prefix_json(const pd_prefix_info *info) {
+/* The JSON object for a stored prefix (id, tokens, kept_rows, kept_fraction,
+ * policy, namespace, pinned, dtype, bytes, quality, created_at, last_used);
+ * NULL when out of memory. */
+static json_t *prefix_json(const pd_prefix_info *info) {
     char hex[PD_PREFIX_ID_HEX];
     pd_prefix_id_hex(&info->id, hex);
     /* kept_fraction: kept rows over every (token, layer, kv head) row. */
@@ -41,7 +44,7 @@ void *pd_admin_prefix_json(const pd_prefix_info *info) {
 
 static json_t *job_json(const pd_job_status *st) {
     json_t *prefix = NULL;
-    if (st->state == PD_JOB_DONE && !(prefix = pd_admin_prefix_json(&st->info))) return NULL;
+    if (st->state == PD_JOB_DONE && !(prefix = prefix_json(&st->info))) return NULL;
     char url[64];
     snprintf(url, sizeof url, JOBS_URL "%" PRIu64, st->id);
     return json_pack("{s:I,s:s,s:s,s:s,s:f,s:o,s:o,s:b,s:o,s:o}", "id", (json_int_t)st->id, "object", "job", "state",
@@ -82,7 +85,7 @@ static int tokenize(const pd_admin_ctx *ctx, const char *text, size_t len, bool 
                     size_t *n, const char *param, pd_api_error *e) {
     pd_error err = {0};
     pd_tokenize_opts o = {.add_special = true, .parse_special = parse_special};
-    if (pd_tokenize(pd_model_tokenizer(ctx->model), text, len, o, out, n, &err))
+    if (pd_tokenize(pd_model_tokenizer(ctx->b.model), text, len, o, out, n, &err))
         return pd_api_error_from(e, &err, param);
     return PD_OK;
 }
@@ -104,7 +107,7 @@ static int reg_text(const pd_admin_ctx *ctx, json_t *v, reg *r, pd_api_error *e)
  * tokens, so that is checked on the conversation given (with a placeholder
  * user turn when it holds only system messages). */
 static int reg_messages(const pd_admin_ctx *ctx, json_t *v, reg *r, pd_api_error *e) {
-    if (ctx->family == PD_CHAT_NONE)
+    if (ctx->b.family == PD_CHAT_NONE)
         return pd_api_errorf(e, 400, PD_API_ERR_INVALID, "messages", "no_chat_template",
                              "the model has no chat template prefixd recognises (tokenizer.chat_template); "
                              "register the prefix as 'text' instead");
@@ -143,13 +146,13 @@ static int reg_messages(const pd_admin_ctx *ctx, json_t *v, reg *r, pd_api_error
     int64_t n_full = 0;
     size_t sys = 0;
     lim.max_prompt_tokens = INT64_MAX;
-    rc = pd_api_prompt_tokens(&areq, pd_model_tokenizer(ctx->model), ctx->family, &lim, &full, &n_full, &sys, e);
+    rc = pd_api_prompt_tokens(&areq, pd_model_tokenizer(ctx->b.model), ctx->b.family, &lim, &full, &n_full, &sys, e);
     char *text = NULL;
     pd_error err = {0};
     if (!rc && sys == 0)
         rc = BAD(e, "messages", "the %s chat template does not render the system message as a separate leading "
-                 "part, so it cannot be stored as a prefix", pd_chat_family_name(ctx->family));
-    if (!rc && pd_chat_render(ctx->family, areq.messages, areq.n_messages, true, &text, NULL, NULL, &err))
+                 "part, so it cannot be stored as a prefix", pd_chat_family_name(ctx->b.family));
+    if (!rc && pd_chat_render(ctx->b.family, areq.messages, areq.n_messages, true, &text, NULL, NULL, &err))
         rc = pd_api_error_from(e, &err, "messages");
     if (!rc) rc = tokenize(ctx, text, sys, true, &r->tokens, &r->n, "messages", e);
     if (!rc && (r->n > (size_t)n_full || memcmp(r->tokens, full, r->n * sizeof *full) != 0))
@@ -268,7 +271,7 @@ static int wait_job(const pd_admin_ctx *ctx, uint64_t id, pd_job_status *st, pd_
     pd_error err = {0};
     /* In slices, so a server shutting down does not wait for the job. */
     for (double waited = 0; waited < PD_ADMIN_WAIT_S; waited += 1.0) {
-        if (pd_jobs_wait(ctx->jobs, id, 1.0, st, &err)) return pd_api_error_from(e, &err, NULL);
+        if (pd_jobs_wait(ctx->b.jobs, id, 1.0, st, &err)) return pd_api_error_from(e, &err, NULL);
         if (st->state == PD_JOB_DONE || st->state == PD_JOB_FAILED) break;
         if (ctx->stopping && ctx->stopping(ctx->stopping_ctx)) break;
     }
@@ -316,17 +319,18 @@ static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len
         if (!(spec.retention > 0 && spec.retention <= 1))
             rc = BAD(e, "retention", "'retention' must be in (0, 1], the fraction of rows kept");
     }
-    if (!rc && opt_type(root, "quality", &v, JSON_REAL, "a number >= 1", e, &rc)) {
+    if (!rc && opt_type(root, "quality", &v, JSON_REAL, "a number above 1", e, &rc)) {
         spec.quality = json_number_value(v);
         has_quality = true;
-        if (!(spec.quality >= 1 && spec.quality <= 1e6))
-            rc = BAD(e, "quality", "'quality' is the largest NLL ratio allowed (tau, >= 1), e.g. 1.05");
+        if (!pd_calib_tau_valid(spec.quality))
+            rc = BAD(e, "quality", "'quality' is the largest NLL ratio allowed (tau: above 1, at most %g), e.g. 1.05",
+                     PD_CALIB_TAU_MAX);
     }
     if (!rc && has_retention && has_quality)
         rc = BAD(e, "quality", "send 'retention' or 'quality', not both: quality chooses the retention");
     /* The configured quality budget applies when the request fixes nothing. */
-    if (!rc && !has_retention && !has_quality && ctx->quality_budget > 0) spec.quality = ctx->quality_budget;
-    if (!rc && !spec.policy) spec.policy = ctx->default_policy;
+    if (!rc && !has_retention && !has_quality && ctx->b.quality_budget > 0) spec.quality = ctx->b.quality_budget;
+    if (!rc && !spec.policy) spec.policy = ctx->b.default_policy;
     if (!rc && opt_type(root, "namespace", &v, JSON_STRING, "a string", e, &rc)) {
         spec.ns = json_string_value(v);
         if (strlen(spec.ns) >= PD_PREFIX_NS_MAX)
@@ -341,10 +345,10 @@ static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len
 
     rc = text ? reg_text(ctx, text, &r, e) : msgs ? reg_messages(ctx, msgs, &r, e) : reg_segments(ctx, segs, &r, e);
     if (rc) goto done;
-    if (ctx->n_ctx > 0 && r.n >= (size_t)ctx->n_ctx) {
+    if (ctx->b.n_ctx > 0 && r.n >= (size_t)ctx->b.n_ctx) {
         rc = pd_api_errorf(e, 400, PD_API_ERR_INVALID, text ? "text" : msgs ? "messages" : "segments",
                            "context_length_exceeded", "the prefix is %zu tokens; it must be shorter than the "
-                           "context (%d tokens) to leave room for requests", r.n, (int)ctx->n_ctx);
+                           "context (%d tokens) to leave room for requests", r.n, (int)ctx->b.n_ctx);
         goto done;
     }
     pd_layout layout = {.spans = r.spans, .n_spans = r.n_spans};
@@ -353,7 +357,7 @@ static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len
     spec.layout = r.n_spans ? &layout : NULL;
     uint64_t id = 0;
     pd_error err = {0};
-    if (pd_jobs_submit(ctx->jobs, &spec, &id, &err)) {
+    if (pd_jobs_submit(ctx->b.jobs, &spec, &id, &err)) {
         rc = pd_api_error_from(e, &err, NULL);
         goto done;
     }
@@ -370,7 +374,7 @@ static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len
             rc = reply(job_json(&st), 201, out, e);
             goto done;
         }
-    } else if ((rc = pd_jobs_status(ctx->jobs, id, &st, &err))) {
+    } else if ((rc = pd_jobs_status(ctx->b.jobs, id, &st, &err))) {
         rc = pd_api_error_from(e, &err, NULL);
         goto done;
     }
@@ -411,7 +415,7 @@ static int list_one(void *vctx, const pd_prefix_id *id, const pd_prefix_info *in
         j = json_pack("{s:s,s:s,s:s}", "id", hex, "object", "prefix", "error", why ? why : "corrupt header");
     } else {
         if (l->ns && strcmp(l->ns, info->ns) != 0) return 0;
-        j = pd_admin_prefix_json(info);
+        j = prefix_json(info);
     }
     return j && json_array_append_new(l->data, j) == 0 ? 0 : PD_ENOMEM;
 }
@@ -420,7 +424,7 @@ static int handle_list(const pd_admin_ctx *ctx, const char *ns, pd_admin_reply *
     list_ctx l = {.data = json_array(), .ns = ns};
     if (!l.data) return reply(NULL, 0, out, e);
     pd_error err = {0};
-    int rc = pd_store_list(ctx->store, list_one, &l, &err);
+    int rc = pd_store_list(ctx->b.store, list_one, &l, &err);
     if (rc) {
         json_decref(l.data);
         if (rc == PD_ENOMEM && !err.msg[0]) return reply(NULL, 0, out, e);
@@ -437,13 +441,13 @@ static int handle_prefix(const pd_admin_ctx *ctx, const char *method, const char
     pd_error err = {0};
     if (strcmp(method, "GET") == 0) {
         pd_prefix_info info;
-        if (pd_store_info(ctx->store, &id, &info, &err)) return pd_api_error_from(e, &err, NULL);
-        return reply(pd_admin_prefix_json(&info), 200, out, e);
+        if (pd_store_info(ctx->b.store, &id, &info, &err)) return pd_api_error_from(e, &err, NULL);
+        return reply(prefix_json(&info), 200, out, e);
     }
     if (strcmp(method, "DELETE") == 0) {
-        if (pd_store_delete(ctx->store, &id, &err)) return pd_api_error_from(e, &err, NULL);
+        if (pd_store_delete(ctx->b.store, &id, &err)) return pd_api_error_from(e, &err, NULL);
         /* Requests already attending to it keep their reference. */
-        if (ctx->hot) pd_hot_invalidate(ctx->hot, &id);
+        if (ctx->b.hot) pd_hot_invalidate(ctx->b.hot, &id);
         out->status = 204;
         return PD_OK;
     }
@@ -457,7 +461,7 @@ static int handle_job(const pd_admin_ctx *ctx, const char *idtext, pd_admin_repl
         return pd_api_errorf(e, 404, PD_API_ERR_NOT_FOUND, NULL, "job_not_found", "'%.40s' is not a job id", idtext);
     pd_job_status st;
     pd_error err = {0};
-    if (pd_jobs_status(ctx->jobs, (uint64_t)id, &st, &err)) {
+    if (pd_jobs_status(ctx->b.jobs, (uint64_t)id, &st, &err)) {
         if (err.code == PD_ENOTFOUND)
             return pd_api_errorf(e, 404, PD_API_ERR_NOT_FOUND, NULL, "job_not_found",
                                  "no job %llu (unknown, or finished long ago and forgotten)", id);
@@ -469,7 +473,7 @@ static int handle_job(const pd_admin_ctx *ctx, const char *idtext, pd_admin_repl
 int pd_admin_handle(const pd_admin_ctx *ctx, const char *method, const char *url, const char *query_namespace,
                     const char *body, size_t len, pd_admin_reply *out, pd_api_error *e) {
     memset(out, 0, sizeof *out);
-    if (!ctx->jobs || !ctx->store || !ctx->model)
+    if (!ctx->b.jobs || !ctx->b.store || !ctx->b.model)
         return pd_api_errorf(e, 503, PD_API_ERR_OVERLOADED, NULL, "admin_unavailable",
                              "the admin API is not available (the model or the prefix store is not open)");
     if (strcmp(url, PREFIXES_URL) == 0) {

@@ -345,14 +345,7 @@ void pd_server_stop(pd_server *s);
 
 /* What the admin routes work on (not owned). */
 typedef struct pd_admin_ctx {
-    pd_model *model;            /* the served model: tokenizer, fingerprint, context */
-    pd_chat_family family;
-    int32_t n_ctx;
-    pd_jobs *jobs;
-    pd_store *store;
-    pd_hot *hot;                /* may be NULL */
-    const char *default_policy; /* NULL = the jobs' default */
-    double quality_budget;      /* > 0: the default tau */
+    pd_server_backend b;        /* the served model, jobs, store, hot tier (may be NULL), defaults */
     size_t max_body_bytes;
     /* "wait": true polls this once a second and stops waiting (202) when it
      * says the server is stopping. May be NULL. */
@@ -371,12 +364,6 @@ typedef struct pd_admin_reply {
  * failure e (status 400/404/405/413/500/503) and out->body is NULL. */
 int pd_admin_handle(const pd_admin_ctx *ctx, const char *method, const char *url, const char *query_namespace,
                     const char *body, size_t len, pd_admin_reply *out, pd_api_error *e);
-
-/* The JSON object for a stored prefix (id, tokens, kept_rows, kept_fraction,
- * policy, namespace, pinned, dtype, bytes, quality, created_at, last_used),
- * as a jansson json_t * (returned as void * to keep jansson out of this
- * header); NULL when out of memory. */
-void *pd_admin_prefix_json(const pd_prefix_info *info);
 
 #ifdef __cplusplus
 }

@@ -64,8 +64,9 @@ struct pd_server {
 };
 
 /* One HTTP request: its body, then (for generation) the scheduler request
- * and what its events produced. Shared by the connection thread and, through
- * the sink, the engine thread; `mu` guards everything below it. */
+ * and what its events produced. Shared by the event-loop thread, the engine
+ * thread (through the sink), the watcher and an admin call's thread; `mu`
+ * guards everything below it. */
 typedef struct http_req {
     pd_server *srv;
     struct MHD_Connection *conn;
@@ -82,11 +83,10 @@ typedef struct http_req {
     bool stream;
 
     pthread_mutex_t mu;
-    pthread_cond_t cv;
     bool done;           /* DONE or ERROR seen */
     bool has_deadline, timed_out;
     bool client_gone;    /* cancelled because the client closed the connection */
-    struct timespec deadline; /* CLOCK_REALTIME, as pthread_cond_timedwait wants */
+    struct timespec deadline; /* CLOCK_MONOTONIC */
     bool failed;
     pd_api_error err;
     bool suspended;      /* the connection waits for resume_locked */
@@ -204,10 +204,11 @@ static bool get_backend(pd_server *s, pd_server_backend *out) {
     return ready;
 }
 
-/* CLOCK_REALTIME (what pthread_cond_timedwait waits on) `ms` from now. */
-static struct timespec realtime_after_ms(int64_t ms) {
+/* CLOCK_MONOTONIC (the server's condition variables wait on it, see
+ * cond_init_monotonic) `ms` from now. */
+static struct timespec monotonic_after_ms(int64_t ms) {
     struct timespec t;
-    clock_gettime(CLOCK_REALTIME, &t);
+    clock_gettime(CLOCK_MONOTONIC, &t);
     t.tv_sec += (time_t)(ms / 1000);
     t.tv_nsec += (long)(ms % 1000) * 1000000L;
     if (t.tv_nsec >= 1000000000L) {
@@ -215,6 +216,16 @@ static struct timespec realtime_after_ms(int64_t ms) {
         t.tv_nsec -= 1000000000L;
     }
     return t;
+}
+
+/* Timed waits on the monotonic clock: a wall-clock step (NTP, an admin)
+ * neither cuts nor stretches a deadline. */
+static void cond_init_monotonic(pthread_cond_t *cv) {
+    pthread_condattr_t a;
+    pthread_condattr_init(&a);
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    pthread_cond_init(cv, &a);
+    pthread_condattr_destroy(&a);
 }
 
 static bool time_before(const struct timespec *a, const struct timespec *b) {
@@ -360,7 +371,7 @@ static void *watch_parked(void *arg) {
         }
         if (n && poll(fds, (nfds_t)n, 0) < 0)
             for (size_t i = 0; i < n; i++) fds[i].revents = 0;
-        const struct timespec now = realtime_after_ms(0);
+        const struct timespec now = monotonic_after_ms(0);
         for (size_t i = 0; i < n; i++) {
             http_req *r = reqs[i];
             bool cancel = false;
@@ -372,7 +383,7 @@ static void *watch_parked(void *arg) {
             pthread_mutex_unlock(&r->mu);
             if (cancel) pd_sched_request_cancel(r->sreq);
         }
-        const struct timespec next = realtime_after_ms(CLIENT_CHECK_MS);
+        const struct timespec next = monotonic_after_ms(CLIENT_CHECK_MS);
         pthread_cond_timedwait(&s->park_cv, &s->park_mu, &next);
     }
     pthread_mutex_unlock(&s->park_mu);
@@ -470,7 +481,7 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
     if (!rc && pd_api_response_create(&ro, &r->resp, &err)) rc = pd_api_error_from(&e, &err, NULL);
     r->stream = r->areq.stream;
     if (s->opts.request_timeout_s > 0) {
-        r->deadline = realtime_after_ms((int64_t)s->opts.request_timeout_s * 1000);
+        r->deadline = monotonic_after_ms((int64_t)s->opts.request_timeout_s * 1000);
         r->has_deadline = true;
     }
     if (!rc && pd_scheduler_submit(b.sched, &sp, on_event, r, &r->sreq, &err)) {
@@ -611,11 +622,8 @@ static enum MHD_Result handle_admin(pd_server *s, struct MHD_Connection *c, http
                            "missing or wrong admin token (send Authorization: Bearer ADMIN_TOKEN, admin.token)");
     pd_server_backend b;
     if (!get_backend(s, &b)) return send_not_ready(s, c, server_stopping(s));
-    r->admin_ctx = (pd_admin_ctx){.model = b.model, .family = b.family, .n_ctx = b.n_ctx, .jobs = b.jobs,
-                                  .store = b.store, .hot = b.hot, .default_policy = b.default_policy,
-                                  .quality_budget = b.quality_budget,
-                                  .max_body_bytes = s->opts.limits.max_body_bytes, .stopping = server_stopping,
-                                  .stopping_ctx = s};
+    r->admin_ctx = (pd_admin_ctx){.b = b, .max_body_bytes = s->opts.limits.max_body_bytes,
+                                  .stopping = server_stopping, .stopping_ctx = s};
     const char *ns = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "namespace");
     r->admin_method = strdup(method);
     r->admin_url = strdup(url);
@@ -665,7 +673,6 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
         r->fd = ci ? ci->connect_fd : -1;
         pthread_mutex_init(&r->mu, NULL);
-        pthread_cond_init(&r->cv, NULL);
         *con_cls = r;
         if (s->requests) pd_counter_add(s->requests, 1);
         pthread_mutex_lock(&s->active_mu);
@@ -724,7 +731,6 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
     pd_api_response_free(r->resp);
     pd_api_request_free(&r->areq);
     pthread_mutex_destroy(&r->mu);
-    pthread_cond_destroy(&r->cv);
     free(r->q);
     free(r->body);
     free(r->admin_method);
@@ -843,9 +849,9 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
     s->metrics = metrics;
     pthread_rwlock_init(&s->lock, NULL);
     pthread_mutex_init(&s->active_mu, NULL);
-    pthread_cond_init(&s->active_cv, NULL);
+    cond_init_monotonic(&s->active_cv);
     pthread_mutex_init(&s->park_mu, NULL);
-    pthread_cond_init(&s->park_cv, NULL);
+    cond_init_monotonic(&s->park_cv);
     int rc = PD_OK;
     const int wrc = pthread_create(&s->watcher, NULL, watch_parked, s);
     if (wrc) rc = pd_errorf(err, PD_EIO, "cannot start the HTTP server's watcher thread: %s", strerror(wrc));
@@ -927,7 +933,7 @@ void pd_server_quiesce(pd_server *s) {
 }
 
 int64_t pd_server_wait_idle(pd_server *s, double seconds) {
-    const struct timespec until = realtime_after_ms((int64_t)(seconds * 1000));
+    const struct timespec until = monotonic_after_ms((int64_t)(seconds * 1000));
     pthread_mutex_lock(&s->active_mu);
     while (s->active > 0 && pthread_cond_timedwait(&s->active_cv, &s->active_mu, &until) != ETIMEDOUT) {}
     const int64_t left = s->active;

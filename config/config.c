@@ -580,9 +580,10 @@ static const char *check_policy_spec(const char *s) {
     }
 }
 
+/* pd_calib_tau_valid's rule (policies.h; config depends on util only). */
 static const char *check_quality_budget(double v) {
-    if (v == 0.0 || (v >= 1.0 && v <= 10.0)) return NULL;
-    return "is out of range (0 = off, or 1..10)";
+    if (v == 0.0 || (v > 1.0 && v <= 10.0)) return NULL;
+    return "is out of range (0 = off, or above 1 and at most 10)";
 }
 
 /* ------------------------------------------------------------------------

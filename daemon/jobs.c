@@ -400,10 +400,10 @@ static int job_build(pd_jobs *j, const pd_job_spec *spec, job **out, pd_error *e
         return pd_errorf(err, PD_EINVAL, "retention %g must be in (0, 1] (the fraction of tokens kept), or 0 to use "
                                          "the policy's own",
                          spec->retention);
-    if (isnan(spec->quality) || !isfinite(spec->quality) || (spec->quality != 0 && !(spec->quality > 1)))
-        return pd_errorf(err, PD_EINVAL, "quality %g must be above 1 (the allowed NLL ratio, e.g. 1.05), or 0 for "
-                                         "no calibration",
-                         spec->quality);
+    if (spec->quality != 0 && !pd_calib_tau_valid(spec->quality))
+        return pd_errorf(err, PD_EINVAL, "quality %g must be above 1 and at most %g (the allowed NLL ratio, e.g. "
+                                         "1.05), or 0 for no calibration",
+                         spec->quality, PD_CALIB_TAU_MAX);
     if (spec->quality > 1 && spec->retention > 0)
         return pd_errorf(err, PD_EINVAL, "give a retention or a quality target, not both (calibration chooses the "
                                          "retention)");

@@ -135,7 +135,6 @@ int pd_gguf_get_arr(const pd_gguf *g, const char *key, pd_gguf_vtype elem_type,
 /* Element accessors for fixed-size arrays (caller checks i < n and type). */
 float pd_gguf_arr_f32(const pd_gguf_value *arr, uint64_t i);
 int32_t pd_gguf_arr_i32(const pd_gguf_value *arr, uint64_t i);
-uint32_t pd_gguf_arr_u32(const pd_gguf_value *arr, uint64_t i);
 /* Any integer element type, widened. */
 int64_t pd_gguf_arr_int(const pd_gguf_value *arr, uint64_t i);
 

@@ -657,10 +657,6 @@ int32_t pd_gguf_arr_i32(const pd_gguf_value *arr, uint64_t i) {
     return (int32_t)(uint32_t)load_le(arr->arr.data + 4 * i, 4);
 }
 
-uint32_t pd_gguf_arr_u32(const pd_gguf_value *arr, uint64_t i) {
-    return (uint32_t)load_le(arr->arr.data + 4 * i, 4);
-}
-
 int64_t pd_gguf_arr_int(const pd_gguf_value *arr, uint64_t i) {
     pd_gguf_vtype t = arr->arr.elem_type;
     unsigned sz = vtype_size[t];

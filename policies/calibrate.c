@@ -182,9 +182,12 @@ void pd_calib_opts_default(pd_calib_opts *o) {
 #define MIN_PROBE 16
 #define MIN_PREFIX 32
 
+bool pd_calib_tau_valid(double tau) { return tau > 1.0 && tau <= PD_CALIB_TAU_MAX; }
+
 static int check_opts(const pd_calib_opts *o, pd_error *err) {
-    if (!(o->tau > 1) || !isfinite(o->tau))
-        return pd_errorf(err, PD_EINVAL, "calibration: tau %g must be a number above 1 (the allowed NLL ratio)", o->tau);
+    if (!pd_calib_tau_valid(o->tau))
+        return pd_errorf(err, PD_EINVAL, "calibration: tau %g must be above 1 and at most %g (the allowed NLL ratio)",
+                         o->tau, PD_CALIB_TAU_MAX);
     if (o->n_points < 2 || o->n_points > PD_CALIB_MAX_POINTS)
         return pd_errorf(err, PD_EINVAL, "calibration: n_points %d must be in [2, %d]", o->n_points,
                          PD_CALIB_MAX_POINTS);

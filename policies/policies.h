@@ -344,9 +344,13 @@ int pd_curve_fit(const double *retention, const double *ratio, int m, double und
                  pd_error *err);
 
 #define PD_CALIB_MAX_POINTS 8
+/* The allowed NLL ratio tau of a calibrated compression: above 1 (at 1 no
+ * loss at all is allowed: keep everything) and at most this. */
+#define PD_CALIB_TAU_MAX 10.0
+bool pd_calib_tau_valid(double tau);
 
 typedef struct pd_calib_opts {
-    double tau;                 /* allowed NLL ratio, > 1 */
+    double tau;                 /* allowed NLL ratio (pd_calib_tau_valid) */
     int n_points;               /* retentions measured (default 4) */
     double points[PD_CALIB_MAX_POINTS]; /* default 0.5, 0.25, 0.125, 0.0625 */
     double min_retention;       /* never go below (default 0.05) */

@@ -239,6 +239,8 @@ Test(admin, auth_and_bad_input_errors) {
         {"{\"text\":\"Hi\",\"retention\":2}", "retention"},
         {"{\"text\":\"Hi\",\"retention\":0.5,\"quality\":1.1}", "quality"},
         {"{\"text\":\"Hi\",\"quality\":0.5}", "quality"},
+        {"{\"text\":\"Hi\",\"quality\":1}", "quality"}, /* tau 1 allows no loss: the jobs' rule */
+        {"{\"text\":\"Hi\",\"quality\":11}", "quality"},
         {"{\"text\":\"Hi\",\"dtype\":\"f8\"}", "dtype"},
         {"{\"text\":\"Hi\",\"pin\":\"yes\"}", "pin"},
         {"{\"text\":\"Hi\",\"policy\":\"nosuchpolicy\"}", NULL},

@@ -296,6 +296,8 @@ Test(config_errors, kv_type_parses_and_defaults_to_f16) {
 }
 
 Test(config_errors, bad_double, .init = setup_dir, .fini = teardown_dir) {
+    expect_file_error("[compression]\nquality_budget = 1\n", "bad.conf:2:", "compression.quality_budget",
+                      "out of range", NULL);
     expect_file_error("[compression]\nquality_budget = 1.05x\n", "bad.conf:2:",
                       "compression.quality_budget", "is not a number", NULL);
     expect_file_error("[compression]\nquality_budget = nan\n", "bad.conf:2:",

@@ -39,12 +39,6 @@ int pd_error_prefix(pd_error *err, const char *fmt, ...) {
     return err->code;
 }
 
-void pd_error_clear(pd_error *err) {
-    if (!err) return;
-    err->code = PD_OK;
-    err->msg[0] = '\0';
-}
-
 const char *pd_status_name(int code) {
     switch (code) {
     case PD_OK: return "ok";

@@ -40,7 +40,6 @@ int pd_verrorf(pd_error *err, int code, const char *fmt, va_list ap);
 /* Prepend context to an existing message: "ctx: old message". */
 int pd_error_prefix(pd_error *err, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
-void pd_error_clear(pd_error *err);
 const char *pd_status_name(int code);
 
 /* SHA-256 (OpenSSL EVP). Incremental, so callers can hash several parts. */
