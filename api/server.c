@@ -614,7 +614,7 @@ static enum MHD_Result answer_admin(pd_server *s, struct MHD_Connection *c, http
 
 /* /admin/...: authenticated with admin.token, then api/admin.c on a thread
  * of its own. The backend is copied and the lock not held: the jobs outlive
- * the server (daemon/main.c frees them after it). */
+ * the server (cmd/prefixd/main.c frees them after it). */
 static enum MHD_Result handle_admin(pd_server *s, struct MHD_Connection *c, http_req *r, const char *url,
                                     const char *method) {
     if (!admin_authorized(s, c))

@@ -93,6 +93,8 @@ void pd_scheduler_opts_default(pd_scheduler_opts *o);
 /* Starts the engine thread. The model must outlive the scheduler and is used
  * only by that thread from now on. */
 int pd_scheduler_create(pd_model *m, const pd_scheduler_opts *o, pd_scheduler **out, pd_error *err);
+/* The context length its sequences get (opts n_ctx, or the model's). */
+int32_t pd_scheduler_n_ctx(const pd_scheduler *s);
 /* Cancels what is queued or running (their sinks get PD_SCHED_ERROR,
  * PD_EIO, "shutting down" unless already done), joins the thread. Submits
  * racing with it are refused (PD_EINVAL, "the scheduler is shutting

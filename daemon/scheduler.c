@@ -173,6 +173,24 @@ static void m_observe(pd_histogram *h, double v) {
     if (h) pd_histogram_observe(h, v);
 }
 
+typedef enum { END_DONE, END_FAILED, END_CANCELLED } end_kind;
+
+/* An outcome, counted once: in the stats and in its Prometheus counter
+ * (s->mu held). */
+static void count_end_locked(pd_scheduler *s, end_kind kind) {
+    if (kind == END_DONE) s->st.completed++;
+    else if (kind == END_FAILED) s->st.failed++;
+    else s->st.cancelled++;
+    m_add(kind == END_DONE ? s->m_completed : kind == END_FAILED ? s->m_failed : s->m_cancelled, 1);
+}
+
+/* A stored-prefix lookup's result, the same way (s->mu held). */
+static void count_prefix_locked(pd_scheduler *s, bool hit) {
+    if (hit) s->st.prefix_hits++;
+    else s->st.prefix_misses++;
+    m_add(hit ? s->m_hits : s->m_misses, 1);
+}
+
 /* Publish the gauges from the stats; call with s->mu held. */
 static void publish_gauges_locked(pd_scheduler *s) {
     if (s->m_queue) pd_gauge_set(s->m_queue, (double)s->st.queued);
@@ -446,6 +464,8 @@ void pd_sched_request_release(pd_sched_request *r) {
     request_unref(r);
 }
 
+int32_t pd_scheduler_n_ctx(const pd_scheduler *s) { return s->n_ctx; }
+
 void pd_scheduler_stats_get(pd_scheduler *s, pd_scheduler_stats *out) {
     pthread_mutex_lock(&s->mu);
     *out = s->st;
@@ -454,7 +474,6 @@ void pd_scheduler_stats_get(pd_scheduler *s, pd_scheduler_stats *out) {
 
 /* ---- the engine thread ------------------------------------------------- */
 
-typedef enum { END_DONE, END_FAILED, END_CANCELLED } end_kind;
 
 /* Recompute the KV gauge from the live sequences (each step, and when sequences go). */
 static void update_kv(pd_scheduler *s) {
@@ -479,12 +498,9 @@ static void finish_request(pd_scheduler *s, int idx, end_kind kind, int code, co
     update_kv(s); /* without r, which left the batch */
     pthread_mutex_lock(&s->mu);
     s->st.running -= seqs;
-    if (kind == END_DONE) s->st.completed++;
-    else if (kind == END_FAILED) s->st.failed++;
-    else s->st.cancelled++;
+    count_end_locked(s, kind);
     publish_gauges_locked(s);
     pthread_mutex_unlock(&s->mu);
-    m_add(kind == END_DONE ? s->m_completed : kind == END_FAILED ? s->m_failed : s->m_cancelled, 1);
     if (kind == END_DONE) {
         pd_sched_event ev = {.kind = PD_SCHED_DONE, .usage = &r->usage};
         emit(r, &ev);
@@ -499,10 +515,8 @@ static void finish_request(pd_scheduler *s, int idx, end_kind kind, int code, co
  * failed admission). */
 static void end_unadmitted(pd_scheduler *s, pd_sched_request *r, end_kind kind, int code, const char *msg) {
     pthread_mutex_lock(&s->mu);
-    if (kind == END_FAILED) s->st.failed++;
-    else s->st.cancelled++;
+    count_end_locked(s, kind);
     pthread_mutex_unlock(&s->mu);
-    m_add(kind == END_FAILED ? s->m_failed : s->m_cancelled, 1);
     emit_error(r, code, msg);
     request_free_work(s, r);
     request_unref(r);
@@ -511,17 +525,10 @@ static void end_unadmitted(pd_scheduler *s, pd_sched_request *r, end_kind kind, 
 /* Admission on the engine thread: prefix, sequences, STARTED. */
 static int admit(pd_scheduler *s, pd_sched_request *r, pd_error *err) {
     int rc;
-    if (r->looked_up) {
+    if (r->looked_up || r->prefix) { /* a lookup, or an explicit prefix_id (a hit) */
         pthread_mutex_lock(&s->mu);
-        if (r->prefix) s->st.prefix_hits++;
-        else s->st.prefix_misses++;
+        count_prefix_locked(s, r->prefix != NULL);
         pthread_mutex_unlock(&s->mu);
-        m_add(r->prefix ? s->m_hits : s->m_misses, 1);
-    } else if (r->prefix) {
-        pthread_mutex_lock(&s->mu);
-        s->st.prefix_hits++;
-        pthread_mutex_unlock(&s->mu);
-        m_add(s->m_hits, 1);
     }
     r->usage.prompt_tokens = r->n_prompt;
     for (int i = 0; i < r->n_choices; i++) {

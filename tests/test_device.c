@@ -537,7 +537,7 @@ Test(device_cli, prefixd_on_cuda_serves_like_prefixd_on_the_cpu, .init = pair_se
 
     /* The long story registered through the admin API with the default
      * policy on both. On the cuda:0 daemon the precompression job runs on
-     * the device serving resolved to (daemon/main.c: jo.device), so its
+     * the device serving resolved to (cmd/prefixd/main.c: jo.device), so its
      * prefill and Compactor scoring run there. */
     char body[4096];
     snprintf(body, sizeof body, "{\"text\":\"%s\",\"wait\":true}", long_story);

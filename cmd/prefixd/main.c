@@ -296,8 +296,7 @@ static int run(const pd_config *cfg) {
                                .created = (int64_t)time(NULL), .jobs = jobs, .store = store, .hot = hot,
                                .default_policy = cfg->compression.policy,
                                .quality_budget = cfg->compression.quality_budget};
-        const pd_hparams *hp = pd_model_hparams(model);
-        b.n_ctx = cfg->model.n_ctx > 0 && cfg->model.n_ctx < hp->n_ctx_train ? cfg->model.n_ctx : hp->n_ctx_train;
+        b.n_ctx = pd_scheduler_n_ctx(sched);
         pd_api_model_id(pd_model_gguf(model), cfg->model.path, b.model_id, sizeof b.model_id);
         if (cfg->server.model_names[0]) {
             /* The first of the configured names is the id. */
@@ -306,7 +305,7 @@ static int run(const pd_config *cfg) {
         }
         pd_server_set_ready(server, &b);
         fprintf(stderr, "prefixd: serving %s (%s, chat template: %s, %s KV cache), prefix store %s\n", b.model_id,
-                hp->arch_name, pd_chat_family_name(b.family), pd_kv_cache_type_name(cfg->model.kv_type),
+                pd_model_hparams(model)->arch_name, pd_chat_family_name(b.family), pd_kv_cache_type_name(cfg->model.kv_type),
                 cfg->cache.path);
         sd_notify(0, "READY=1\nSTATUS=serving");
         wait_for_stop(&set);
