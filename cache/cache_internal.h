@@ -153,11 +153,25 @@ int cache_ref_own(pd_prefix_ref *r, pd_error *err);
  * record for id, PD_ENOTFOUND when not. One short read transaction. */
 int cache_record_exists(pd_store *s, const pd_prefix_id *id, pd_error *err);
 
-/* The last-use stamp (microseconds) of a record; 0 when unknown. */
-uint64_t cache_meta_stamp(pd_store *s, MDB_txn *txn, const pd_prefix_id *id);
+/* ---- meta.c: LMDB errors and a record's bookkeeping ------------------ */
 
 /* Map an LMDB failure to a status and a message that says what to do. */
 int cache_lmdb_error(const pd_store *s, int rc, const char *what, pd_error *err);
+
+static inline MDB_val cache_mval(const void *p, size_t n) { return (MDB_val){.mv_size = n, .mv_data = (void *)p}; }
+
+typedef struct cache_record_meta {
+    uint64_t stamp; /* last use, microseconds since the epoch */
+    uint64_t bytes;
+    bool pinned;
+    uint8_t index_key[PD_SHA256_LEN];
+} cache_record_meta;
+
+/* PD_ENOTFOUND when absent, PD_EFORMAT when its checksum fails. */
+int cache_meta_get(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, cache_record_meta *m, pd_error *err);
+int cache_meta_put(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, const cache_record_meta *m, pd_error *err);
+/* The last-use stamp (microseconds) of a record; 0 when unknown. */
+uint64_t cache_meta_stamp(pd_store *s, MDB_txn *txn, const pd_prefix_id *id);
 
 /* ---- the lookup index (lookup.c) -------------------------------------- */
 

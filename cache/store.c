@@ -34,56 +34,6 @@ void pd_store_opts_default(pd_store_opts *o) {
 
 /* ---- errors -------------------------------------------------------------- */
 
-static uint64_t map_size_now(const pd_store *s) {
-    MDB_envinfo ei;
-    if (s->env && mdb_env_info(s->env, &ei) == 0) return ei.me_mapsize;
-    return s->opts.map_size;
-}
-
-/* Less than 16 MiB free for unprivileged writers on dir's file system. */
-static bool disk_nearly_full(const char *dir) {
-    struct statvfs v;
-    return statvfs(dir, &v) == 0 && (uint64_t)v.f_bavail * v.f_frsize < (16u << 20);
-}
-
-int cache_lmdb_error(const pd_store *s, int rc, const char *what, pd_error *err) {
-    switch (rc) {
-    case MDB_MAP_FULL:
-        return pd_errorf(err, PD_ERANGE,
-                         "the prefix store is full (map size %" PRIu64
-                         " MiB, cache.map_size_mb): raise it, set a size limit for eviction, or delete prefixes",
-                         map_size_now(s) >> 20);
-    case MDB_TXN_FULL:
-        return pd_errorf(err, PD_ERANGE,
-                         "%s: the change touches more pages than one LMDB transaction can hold; store smaller prefixes",
-                         what);
-    case MDB_READERS_FULL:
-        return pd_errorf(err, PD_ERANGE,
-                         "%s: all %u reader slots of the prefix store are in use; release prefixes sooner or raise "
-                         "max_readers",
-                         what, s->opts.max_readers);
-    case MDB_MAP_RESIZED:
-        return pd_errorf(err, PD_EIO, "%s: another process grew the prefix store in %s; reopen the store", what,
-                         s->dir);
-    case MDB_CORRUPTED:
-    case MDB_PAGE_NOTFOUND:
-        return pd_errorf(err, PD_EFORMAT,
-                         "%s: the LMDB file in %s is corrupt (%s); restore it from a backup or delete it",
-                         what, s->dir, mdb_strerror(rc));
-    case EIO: /* LMDB reports a short write (the disk filled up) as EIO */
-        if (!disk_nearly_full(s->dir)) break;
-        /* fall through */
-    case ENOSPC:
-        return pd_errorf(err, PD_EIO,
-                         "%s: no space left on the disk holding the prefix store %s: free disk space, or delete "
-                         "prefixes (the file keeps its size: `mdb_copy -c %s NEW_DIR` writes a compacted copy)",
-                         what, s->dir, s->dir);
-    case ENOMEM: return pd_errorf(err, PD_ENOMEM, "%s: out of memory", what);
-    default: break;
-    }
-    return pd_errorf(err, PD_EIO, "%s in the prefix store %s: %s", what, s->dir, mdb_strerror(rc));
-}
-
 static int corrupt_error(const pd_prefix_id *id, pd_error *err) {
     char hex[PD_PREFIX_ID_HEX];
     pd_prefix_id_hex(id, hex);
@@ -105,17 +55,8 @@ typedef struct store_totals {
     uint64_t prefixes, bytes, pinned;
 } store_totals;
 
-typedef struct record_meta {
-    uint64_t stamp; /* last use, microseconds since the epoch */
-    uint64_t bytes;
-    bool pinned;
-    uint8_t index_key[PD_SHA256_LEN];
-} record_meta;
-
-static MDB_val mval(const void *p, size_t n) { return (MDB_val){.mv_size = n, .mv_data = (void *)p}; }
-
 static int totals_get(pd_store *s, MDB_txn *txn, store_totals *t, pd_error *err) {
-    MDB_val k = mval(CACHE_STORE_KEY, strlen(CACHE_STORE_KEY)), v;
+    MDB_val k = cache_mval(CACHE_STORE_KEY, strlen(CACHE_STORE_KEY)), v;
     int rc = mdb_get(txn, s->meta, &k, &v);
     if (rc) return cache_lmdb_error(s, rc, "reading the store's totals", err);
     if (v.mv_size != CACHE_STORE_VAL_LEN)
@@ -134,43 +75,9 @@ static int totals_put(pd_store *s, MDB_txn *txn, const store_totals *t, pd_error
     cache_wr_u64(b + 16, t->prefixes);
     cache_wr_u64(b + 24, t->bytes);
     cache_wr_u64(b + 32, t->pinned);
-    MDB_val k = mval(CACHE_STORE_KEY, strlen(CACHE_STORE_KEY)), v = mval(b, sizeof b);
+    MDB_val k = cache_mval(CACHE_STORE_KEY, strlen(CACHE_STORE_KEY)), v = cache_mval(b, sizeof b);
     int rc = mdb_put(txn, s->meta, &k, &v, 0);
     return rc ? cache_lmdb_error(s, rc, "writing the store's totals", err) : PD_OK;
-}
-
-/* PD_ENOTFOUND when absent, PD_EFORMAT when its checksum fails. */
-static int meta_get(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, record_meta *m, pd_error *err) {
-    MDB_val k = mval(id->b, PD_PREFIX_ID_LEN), v;
-    int rc = mdb_get(txn, s->meta, &k, &v);
-    if (rc == MDB_NOTFOUND) return PD_ENOTFOUND;
-    if (rc) return cache_lmdb_error(s, rc, "reading a prefix's bookkeeping", err);
-    const uint8_t *p = v.mv_data;
-    if (v.mv_size != CACHE_META_LEN || cache_rd_u64(p + 56) != XXH3_64bits(p, 56))
-        return pd_errorf(err, PD_EFORMAT, "bookkeeping entry fails its checksum");
-    m->stamp = cache_rd_u64(p);
-    m->bytes = cache_rd_u64(p + 8);
-    m->pinned = cache_rd_u32(p + 16) & 1;
-    memcpy(m->index_key, p + 24, PD_SHA256_LEN);
-    return PD_OK;
-}
-
-uint64_t cache_meta_stamp(pd_store *s, MDB_txn *txn, const pd_prefix_id *id) {
-    record_meta m;
-    pd_error e;
-    return meta_get(s, txn, id, &m, &e) == PD_OK ? m.stamp : 0;
-}
-
-static int meta_put(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, const record_meta *m, pd_error *err) {
-    uint8_t b[CACHE_META_LEN] = {0};
-    cache_wr_u64(b, m->stamp);
-    cache_wr_u64(b + 8, m->bytes);
-    cache_wr_u32(b + 16, m->pinned ? 1u : 0u);
-    memcpy(b + 24, m->index_key, PD_SHA256_LEN);
-    cache_wr_u64(b + 56, XXH3_64bits(b, 56));
-    MDB_val k = mval(id->b, PD_PREFIX_ID_LEN), v = mval(b, sizeof b);
-    int rc = mdb_put(txn, s->meta, &k, &v, 0);
-    return rc ? cache_lmdb_error(s, rc, "writing a prefix's bookkeeping", err) : PD_OK;
 }
 
 static void lru_key(uint8_t key[CACHE_LRU_KEY_LEN], uint64_t stamp, const pd_prefix_id *id) {
@@ -181,7 +88,7 @@ static void lru_key(uint8_t key[CACHE_LRU_KEY_LEN], uint64_t stamp, const pd_pre
 static int lru_put(pd_store *s, MDB_txn *txn, uint64_t stamp, const pd_prefix_id *id, pd_error *err) {
     uint8_t key[CACHE_LRU_KEY_LEN];
     lru_key(key, stamp, id);
-    MDB_val k = mval(key, sizeof key), v = mval("", 0);
+    MDB_val k = cache_mval(key, sizeof key), v = cache_mval("", 0);
     int rc = mdb_put(txn, s->lru, &k, &v, 0);
     return rc ? cache_lmdb_error(s, rc, "writing the LRU order", err) : PD_OK;
 }
@@ -189,7 +96,7 @@ static int lru_put(pd_store *s, MDB_txn *txn, uint64_t stamp, const pd_prefix_id
 static int lru_del(pd_store *s, MDB_txn *txn, uint64_t stamp, const pd_prefix_id *id, pd_error *err) {
     uint8_t key[CACHE_LRU_KEY_LEN];
     lru_key(key, stamp, id);
-    MDB_val k = mval(key, sizeof key);
+    MDB_val k = cache_mval(key, sizeof key);
     int rc = mdb_del(txn, s->lru, &k, NULL);
     return rc && rc != MDB_NOTFOUND ? cache_lmdb_error(s, rc, "updating the LRU order", err) : PD_OK;
 }
@@ -264,9 +171,9 @@ static int flush_accesses(pd_store *s, MDB_txn *txn, pd_error *err) {
     pthread_mutex_unlock(&s->mu);
     int rc = PD_OK;
     for (size_t i = 0; i < n && !rc; i++) {
-        record_meta m;
+        cache_record_meta m;
         pd_error e2;
-        int mrc = meta_get(s, txn, &acc[i].id, &m, &e2);
+        int mrc = cache_meta_get(s, txn, &acc[i].id, &m, &e2);
         if (mrc == PD_ENOTFOUND || mrc == PD_EFORMAT) continue; /* deleted since, or for verify to handle */
         if (mrc) {
             *err = e2;
@@ -277,7 +184,7 @@ static int flush_accesses(pd_store *s, MDB_txn *txn, pd_error *err) {
         if ((rc = lru_del(s, txn, m.stamp, &acc[i].id, err))) break;
         m.stamp = acc[i].stamp;
         if ((rc = lru_put(s, txn, m.stamp, &acc[i].id, err))) break;
-        rc = meta_put(s, txn, &acc[i].id, &m, err);
+        rc = cache_meta_put(s, txn, &acc[i].id, &m, err);
     }
     free(acc);
     return rc;
@@ -360,7 +267,7 @@ static int open_dbs(pd_store *s, pd_error *err) {
             return cache_lmdb_error(s, rc, "opening the prefix store's databases", err);
         }
     }
-    MDB_val k = mval(CACHE_STORE_KEY, strlen(CACHE_STORE_KEY)), v;
+    MDB_val k = cache_mval(CACHE_STORE_KEY, strlen(CACHE_STORE_KEY)), v;
     rc = mdb_get(txn, s->meta, &k, &v);
     if (rc == MDB_NOTFOUND) {
         MDB_stat st;
@@ -586,7 +493,7 @@ void pd_store_close(pd_store *s) {
 
 /* The index key of a record whose bookkeeping is lost, from its header. */
 static bool index_key_from_header(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, uint8_t key[PD_SHA256_LEN]) {
-    MDB_val k = mval(id->b, PD_PREFIX_ID_LEN), v;
+    MDB_val k = cache_mval(id->b, PD_PREFIX_ID_LEN), v;
     cache_header h;
     pd_error e;
     if (mdb_get(txn, s->records, &k, &v) || cache_header_decode(v.mv_data, v.mv_size, NULL, &h, &e)) return false;
@@ -635,7 +542,7 @@ static int scan_remove(pd_store *s, MDB_txn *txn, MDB_dbi db, bool in_value, con
     mdb_cursor_close(c);
     if (!res && rc != MDB_NOTFOUND) res = cache_lmdb_error(s, rc, "scanning the store", err);
     for (size_t i = 0; !res && i < n; i++) {
-        MDB_val dk = mval(found[i].key, found[i].key_len), dv = mval(id->b, PD_PREFIX_ID_LEN);
+        MDB_val dk = cache_mval(found[i].key, found[i].key_len), dv = cache_mval(id->b, PD_PREFIX_ID_LEN);
         rc = mdb_del(txn, db, &dk, in_value ? &dv : NULL);
         if (rc && rc != MDB_NOTFOUND) res = cache_lmdb_error(s, rc, "scanning the store", err);
     }
@@ -646,16 +553,16 @@ static int scan_remove(pd_store *s, MDB_txn *txn, MDB_dbi db, bool in_value, con
 /* Delete one record: header, streams, bookkeeping, LRU and index entries.
  * Works on corrupt records too; t (may be NULL) loses the bytes removed. */
 static int remove_record(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, store_totals *t, pd_error *err) {
-    MDB_val k = mval(id->b, PD_PREFIX_ID_LEN), v;
+    MDB_val k = cache_mval(id->b, PD_PREFIX_ID_LEN), v;
     uint64_t freed = 0;
     int rc = mdb_get(txn, s->records, &k, &v);
     if (rc == MDB_NOTFOUND) return not_found(id, err);
     if (rc) return cache_lmdb_error(s, rc, "deleting a prefix", err);
     freed += v.mv_size;
 
-    record_meta m;
+    cache_record_meta m;
     pd_error e2;
-    int mrc = meta_get(s, txn, id, &m, &e2);
+    int mrc = cache_meta_get(s, txn, id, &m, &e2);
     if (mrc && mrc != PD_ENOTFOUND && mrc != PD_EFORMAT) {
         *err = e2;
         return mrc;
@@ -675,7 +582,7 @@ static int remove_record(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, stor
     for (;;) {
         uint8_t first[CACHE_STREAM_KEY_LEN];
         cache_stream_key(first, id, 0, 0);
-        MDB_val sk = mval(first, sizeof first), sv;
+        MDB_val sk = cache_mval(first, sizeof first), sv;
         rc = mdb_cursor_get(c, &sk, &sv, MDB_SET_RANGE);
         if (rc || sk.mv_size < PD_PREFIX_ID_LEN || memcmp(sk.mv_data, id->b, PD_PREFIX_ID_LEN) != 0) break;
         freed += sv.mv_size;
@@ -729,9 +636,9 @@ static int evict(pd_store *s, MDB_txn *txn, store_totals *t, const pd_prefix_id 
             pd_prefix_id id;
             memcpy(id.b, (const uint8_t *)k.mv_data + 8, PD_PREFIX_ID_LEN);
             if (memcmp(id.b, keep->b, PD_PREFIX_ID_LEN) == 0) continue;
-            record_meta m;
+            cache_record_meta m;
             pd_error e2;
-            int mrc = meta_get(s, txn, &id, &m, &e2);
+            int mrc = cache_meta_get(s, txn, &id, &m, &e2);
             if (mrc == PD_OK && m.pinned) continue;
             victims[nv++] = id;
             freeing += mrc == PD_OK ? m.bytes : 0;
@@ -758,9 +665,9 @@ static int info_from_record(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, c
                             pd_prefix_info *info, pd_error *err) {
     cache_header_to_info(h, info);
     info->id = *id;
-    record_meta m;
+    cache_record_meta m;
     pd_error e2;
-    int rc = meta_get(s, txn, id, &m, &e2);
+    int rc = cache_meta_get(s, txn, id, &m, &e2);
     if (rc && rc != PD_ENOTFOUND && rc != PD_EFORMAT) {
         *err = e2;
         return rc;
@@ -839,7 +746,7 @@ int pd_store_put(pd_store *s, pd_prefix_info *info, const pd_token *tokens, int6
     if ((rc = write_begin(s, &txn, err))) return rc;
     store_totals t;
     if ((rc = totals_get(s, txn, &t, err))) goto fail;
-    MDB_val k = mval(id.b, PD_PREFIX_ID_LEN), v;
+    MDB_val k = cache_mval(id.b, PD_PREFIX_ID_LEN), v;
     rc = mdb_get(txn, s->records, &k, &v);
     if (rc == 0) {
         cache_header old;
@@ -857,7 +764,7 @@ int pd_store_put(pd_store *s, pd_prefix_info *info, const pd_token *tokens, int6
         goto fail;
     }
 
-    v = mval(NULL, hsize);
+    v = cache_mval(NULL, hsize);
     if ((rc = mdb_put(txn, s->records, &k, &v, MDB_RESERVE | MDB_NOOVERWRITE)) != 0) {
         rc = cache_lmdb_error(s, rc, "storing a prefix", err);
         goto fail;
@@ -871,16 +778,16 @@ int pd_store_put(pd_store *s, pd_prefix_info *info, const pd_token *tokens, int6
             if ((rc = cache_stream_size(pd_kv_prefix_stream(kv, l, hd, NULL, NULL, NULL), h.head_dim, h.dtype,
                                         h.page_tokens, &ss, err)))
                 goto fail;
-            MDB_val sk = mval(skey, sizeof skey), sv = mval(NULL, ss);
+            MDB_val sk = cache_mval(skey, sizeof skey), sv = cache_mval(NULL, ss);
             if ((rc = mdb_put(txn, s->streams, &sk, &sv, MDB_RESERVE)) != 0) {
                 rc = cache_lmdb_error(s, rc, "storing a prefix's rows", err);
                 goto fail;
             }
             cache_stream_write(sv.mv_data, ss, kv, l, hd, h.head_dim, h.dtype, h.page_tokens);
         }
-    record_meta m = {.stamp = next_stamp(s), .bytes = total, .pinned = info->pinned};
+    cache_record_meta m = {.stamp = next_stamp(s), .bytes = total, .pinned = info->pinned};
     memcpy(m.index_key, ikey, sizeof ikey);
-    if ((rc = meta_put(s, txn, &id, &m, err)) || (rc = lru_put(s, txn, m.stamp, &id, err)) ||
+    if ((rc = cache_meta_put(s, txn, &id, &m, err)) || (rc = lru_put(s, txn, m.stamp, &id, err)) ||
         (rc = cache_index_add(s, txn, ikey, &id, err)))
         goto fail;
     t.prefixes++;
@@ -947,7 +854,7 @@ void pd_prefix_ref_release(pd_prefix_ref *r) {
 
 /* Read and verify a record's header inside txn. */
 static int load_header(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, cache_header *h, pd_error *err) {
-    MDB_val k = mval(id->b, PD_PREFIX_ID_LEN), v;
+    MDB_val k = cache_mval(id->b, PD_PREFIX_ID_LEN), v;
     int rc = mdb_get(txn, s->records, &k, &v);
     if (rc == MDB_NOTFOUND) return not_found(id, err);
     if (rc) return cache_lmdb_error(s, rc, "reading a prefix", err);
@@ -1007,7 +914,7 @@ static int load_streams(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, const
         for (int32_t hd = 0; hd < h->n_head_kv && !rc; hd++) {
             uint8_t skey[CACHE_STREAM_KEY_LEN];
             cache_stream_key(skey, id, l, hd);
-            MDB_val k = mval(skey, sizeof skey), v;
+            MDB_val k = cache_mval(skey, sizeof skey), v;
             int mrc = mdb_get(txn, s->streams, &k, &v);
             if (mrc == MDB_NOTFOUND) {
                 rc = pd_errorf(err, PD_EFORMAT, "stream (layer %d, head %d) is missing", l, hd);
@@ -1109,7 +1016,7 @@ int cache_record_exists(pd_store *s, const pd_prefix_id *id, pd_error *err) {
     MDB_txn *txn;
     int rc = read_begin(s, &txn, err);
     if (rc) return rc;
-    MDB_val k = mval(id->b, PD_PREFIX_ID_LEN), v;
+    MDB_val k = cache_mval(id->b, PD_PREFIX_ID_LEN), v;
     const int mrc = mdb_get(txn, s->records, &k, &v);
     mdb_txn_abort(txn);
     if (mrc == MDB_NOTFOUND) return not_found(id, err);
@@ -1159,15 +1066,15 @@ int pd_store_pin(pd_store *s, const pd_prefix_id *id, bool pinned, pd_error *err
     MDB_txn *txn;
     int rc = write_begin(s, &txn, err);
     if (rc) return rc;
-    record_meta m;
+    cache_record_meta m;
     store_totals t;
-    MDB_val k = mval(id->b, PD_PREFIX_ID_LEN), v;
+    MDB_val k = cache_mval(id->b, PD_PREFIX_ID_LEN), v;
     int grc = mdb_get(txn, s->records, &k, &v);
     if (grc == MDB_NOTFOUND)
         rc = not_found(id, err);
     else if (grc)
         rc = cache_lmdb_error(s, grc, "pinning a prefix", err);
-    else if ((rc = meta_get(s, txn, id, &m, err)) != PD_OK) {
+    else if ((rc = cache_meta_get(s, txn, id, &m, err)) != PD_OK) {
         if (rc == PD_ENOTFOUND || rc == PD_EFORMAT) {
             pd_errorf(err, PD_EFORMAT, "its bookkeeping entry is missing or corrupt");
             rc = corrupt_error(id, err);
@@ -1178,7 +1085,7 @@ int pd_store_pin(pd_store *s, const pd_prefix_id *id, bool pinned, pd_error *err
             t.pinned++;
         else if (t.pinned)
             t.pinned--;
-        if (!(rc = meta_put(s, txn, id, &m, err))) rc = totals_put(s, txn, &t, err);
+        if (!(rc = cache_meta_put(s, txn, id, &m, err))) rc = totals_put(s, txn, &t, err);
     }
     if (rc) {
         mdb_txn_abort(txn);
@@ -1246,7 +1153,7 @@ static int id_list_add(id_list *l, const pd_prefix_id *id, pd_error *err) {
 static int id_cmp(const void *a, const void *b) { return memcmp(a, b, PD_PREFIX_ID_LEN); }
 
 static bool record_exists(pd_store *s, MDB_txn *txn, const uint8_t *idb) {
-    MDB_val k = mval(idb, PD_PREFIX_ID_LEN), v;
+    MDB_val k = cache_mval(idb, PD_PREFIX_ID_LEN), v;
     return mdb_get(txn, s->records, &k, &v) == 0;
 }
 
@@ -1285,14 +1192,14 @@ static int remove_orphan(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, pd_e
     for (;;) {
         uint8_t first[CACHE_STREAM_KEY_LEN];
         cache_stream_key(first, id, 0, 0);
-        MDB_val sk = mval(first, sizeof first), sv;
+        MDB_val sk = cache_mval(first, sizeof first), sv;
         rc = mdb_cursor_get(c, &sk, &sv, MDB_SET_RANGE);
         if (rc || memcmp(sk.mv_data, id->b, PD_PREFIX_ID_LEN) != 0) break;
         if ((rc = mdb_cursor_del(c, 0)) != 0) break;
     }
     mdb_cursor_close(c);
     if (rc && rc != MDB_NOTFOUND) return cache_lmdb_error(s, rc, "repairing the store", err);
-    MDB_val k = mval(id->b, PD_PREFIX_ID_LEN);
+    MDB_val k = cache_mval(id->b, PD_PREFIX_ID_LEN);
     rc = mdb_del(txn, s->meta, &k, NULL);
     if (rc && rc != MDB_NOTFOUND) return cache_lmdb_error(s, rc, "repairing the store", err);
     if ((rc = scan_remove(s, txn, s->lru, false, id, err))) return rc;
@@ -1303,7 +1210,7 @@ static int remove_orphan(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, pd_e
  * (present, intact, and counting the bytes actually stored). PD_EFORMAT
  * with the reason in *why when damaged; other codes are LMDB failures. */
 static int check_record(pd_store *s, MDB_txn *txn, const MDB_val *k, const MDB_val *v, cache_header *h,
-                        bool *header_ok, record_meta *m, pd_error *why) {
+                        bool *header_ok, cache_record_meta *m, pd_error *why) {
     *header_ok = false;
     if (k->mv_size != PD_PREFIX_ID_LEN) return pd_errorf(why, PD_EFORMAT, "record key has %zu bytes", k->mv_size);
     pd_prefix_id id;
@@ -1314,7 +1221,7 @@ static int check_record(pd_store *s, MDB_txn *txn, const MDB_val *k, const MDB_v
     uint64_t bytes;
     if ((rc = load_streams(s, txn, &id, h, NULL, NULL, &bytes, why))) return rc;
     pd_error e2;
-    rc = meta_get(s, txn, &id, m, &e2);
+    rc = cache_meta_get(s, txn, &id, m, &e2);
     if (rc == PD_ENOTFOUND || rc == PD_EFORMAT)
         return pd_errorf(why, PD_EFORMAT, "its bookkeeping entry is missing or corrupt");
     if (rc) {
@@ -1373,7 +1280,7 @@ int pd_store_verify(pd_store *s, bool repair, pd_store_visit_fn fn, void *ctx, p
         pd_error why;
         pd_prefix_info info;
         memset(&info, 0, sizeof info);
-        record_meta m = {0};
+        cache_record_meta m = {0};
         bool header_ok;
         int vrc = check_record(s, txn, &k, &v, &h, &header_ok, &m, &why);
         if (vrc && vrc != PD_EFORMAT) { /* an LMDB failure, not damage */
@@ -1424,12 +1331,12 @@ int pd_store_verify(pd_store *s, bool repair, pd_store_visit_fn fn, void *ctx, p
             for (size_t i = 0; !rc && i < bad.n; i++) {
                 /* Check again under the write lock: a writer may have
                  * replaced the damaged record since the read pass. */
-                MDB_val bk = mval(bad.v[i].b, PD_PREFIX_ID_LEN), bv;
+                MDB_val bk = cache_mval(bad.v[i].b, PD_PREFIX_ID_LEN), bv;
                 int grc = mdb_get(w, s->records, &bk, &bv);
                 if (grc == 0) {
                     cache_header h;
                     bool header_ok;
-                    record_meta m;
+                    cache_record_meta m;
                     pd_error why;
                     int crc = check_record(s, w, &bk, &bv, &h, &header_ok, &m, &why);
                     if (crc == PD_OK) continue;

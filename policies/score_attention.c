@@ -55,14 +55,6 @@ static int attn_ctx_init(const char *name, const pd_layer_kv *kv, bool need_v, i
     return PD_OK;
 }
 
-void *pd_scorer_alloc(int64_t n, size_t size, const char *name, pd_error *err) {
-    uint64_t bytes;
-    void *p = NULL;
-    if (n >= 0 && pd_mul_ok((uint64_t)n, size, &bytes) && bytes <= SIZE_MAX) p = malloc(bytes ? (size_t)bytes : 1);
-    if (!p) pd_errorf(err, PD_ENOMEM, "%s: out of memory for %" PRId64 " scratch values", name, n);
-    return p;
-}
-
 void pd_attention_rows(const pd_layer_kv *kv, int64_t lo, int a, int64_t q0, int64_t nq, float *out, int64_t ld,
                        float *logits) {
     const int d = kv->head_dim, q_stride = kv->n_head * d, k_stride = kv->n_head_kv * d;

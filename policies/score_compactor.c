@@ -48,24 +48,6 @@ void pd_zscore(float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = (float)(((double)x[i] - mean) / sd);
 }
 
-/* Window [i - w/2, i - w/2 + w - 1] (centred for odd w), outside values
- * count as zeros; in and out must not overlap. */
-void pd_avg_pool(const float *in, int64_t n, int w, float *out) {
-    if (n <= 0) return;
-    if (w <= 1) {
-        memcpy(out, in, (size_t)n * sizeof *out);
-        return;
-    }
-    int64_t left = w / 2, right = (int64_t)w - 1 - left;
-    double sum = 0;
-    for (int64_t j = 0; j <= right && j < n; j++) sum += in[j];
-    for (int64_t i = 0; i < n; i++) {
-        out[i] = (float)(sum / w);
-        if (i + right + 1 < n) sum += in[i + right + 1];
-        if (i - left >= 0) sum -= in[i - left];
-    }
-}
-
 typedef struct ranked {
     float v;
     int64_t i;

@@ -19,21 +19,6 @@
  * SIMD level
  * ------------------------------------------------------------------------ */
 
-#if PD_X86
-/* cpuid, not __builtin_cpu_supports: clang 14 does not know "f16c". Asked
- * once (cpuid traps to the hypervisor in a VM) and kept: a hardware fact. */
-bool cpu_has_f16c(void) {
-    static atomic_int known; /* 0 not asked yet, 1 no, 2 yes */
-    int k = atomic_load_explicit(&known, memory_order_relaxed);
-    if (!k) {
-        unsigned a, b, c, d;
-        k = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) && (c & bit_AVX) ? 2 : 1;
-        atomic_store_explicit(&known, k, memory_order_relaxed);
-    }
-    return k == 2;
-}
-#endif
-
 static cpu_simd_level best_level(void) {
 #if PD_X86
     __builtin_cpu_init();
@@ -116,18 +101,6 @@ int pd_weight_init(pd_weight *w, pd_type type, const void *data, int64_t rows, i
     w->rows = rows;
     w->cols = cols;
     w->row_bytes = (size_t)rb;
-    return PD_OK;
-}
-
-int cpu_scratch_reserve(void **buf, size_t *cap, size_t bytes, pd_error *err) {
-    if (bytes <= *cap && *buf) return PD_OK;
-    size_t want = bytes + bytes / 4 + 4096; /* grow with headroom */
-    want = (want + 63) & ~(size_t)63;
-    void *p = aligned_alloc(64, want);
-    if (!p) return pd_errorf(err, PD_ENOMEM, "cpu backend: cannot allocate %zu bytes of scratch", want);
-    free(*buf);
-    *buf = p;
-    *cap = want;
     return PD_OK;
 }
 

@@ -7,7 +7,22 @@
 #include <string.h>
 
 #if PD_X86
+#include <cpuid.h>
 #include <immintrin.h>
+#include <stdatomic.h>
+
+/* cpuid, not __builtin_cpu_supports: clang 14 does not know "f16c". Asked
+ * once (cpuid traps to the hypervisor in a VM) and kept: a hardware fact. */
+bool cpu_has_f16c(void) {
+    static atomic_int known; /* 0 not asked yet, 1 no, 2 yes */
+    int k = atomic_load_explicit(&known, memory_order_relaxed);
+    if (!k) {
+        unsigned a, b, c, d;
+        k = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) && (c & bit_AVX) ? 2 : 1;
+        atomic_store_explicit(&known, k, memory_order_relaxed);
+    }
+    return k == 2;
+}
 #endif
 
 static inline uint32_t f32_bits(float f) {
