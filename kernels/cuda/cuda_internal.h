@@ -95,6 +95,21 @@ cuda_weight_entry *cuda_weight_find(cuda_backend *cb, const void *host);
 // owns e->dev afterwards. Adding moves entries: earlier pointers from
 // cuda_weight_find are invalid after it.
 cuda_weight_entry *cuda_weight_add(cuda_backend *cb, const cuda_weight_entry *e, pd_error *err);
+// Drop the device copy of the weight at host (after the stream drains).
+void cuda_weight_forget(cuda_backend *cb, const void *host);
+// Report (once) a failure that a release could not return.
+int cuda_take_deferred(cuda_backend *cb, pd_error *err);
+// Whether host pointer p is page-locked (so the copy engine reads it
+// directly); PD_EINVAL for device memory passed where host memory belongs.
+int cuda_host_kind(const void *p, bool *pinned, const char *op, pd_error *err);
+
+// Pinned staging buffers for pageable host copies: two, so the CPU fills
+// one while the copy engine drains the other.
+#define CUDA_PINNED_BYTES ((size_t)8 << 20)
+// Up to this size a pageable copy goes straight through cudaMemcpyAsync:
+// staging would cost more than it saves.
+#define CUDA_SMALL_COPY ((size_t)64 << 10)
+
 
 // Blocks for a grid-stride loop over `total` items: enough to fill the
 // device, never more than the items need.

@@ -1,0 +1,272 @@
+// What the CUDA backend's files share: error helpers, device allocation,
+// scratch buffers, the weight table and host-to-device upload. In a file of
+// their own so that the ops (matmul.cu, elementwise.cu, attention.cu,
+// compactor.cu) and the backend that calls them (backend.cu) both use them
+// without using each other.
+#include "kernels/cuda/cuda_internal.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------
+ * errors
+ * ------------------------------------------------------------------------ */
+
+int cuda_fail(pd_error *err, cudaError_t e, const char *what) {
+    // A failed runtime call also sets the thread's "last error"; clear it so
+    // the next cuda_check_launch does not report this failure a second time
+    // (sticky errors, which poison the context, stay whatever we do).
+    (void)cudaGetLastError();
+    const int code = e == cudaErrorMemoryAllocation ? PD_ENOMEM : PD_EIO;
+    return pd_errorf(err, code, "CUDA %s failed: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+int cublas_fail(pd_error *err, cublasStatus_t s, const char *what) {
+    const int code = s == CUBLAS_STATUS_ALLOC_FAILED ? PD_ENOMEM : PD_EIO;
+    return pd_errorf(err, code, "cuBLAS %s failed: %s (status %d)", what, cublasGetStatusString(s), (int)s);
+}
+
+static const char *cusolver_status_name(cusolverStatus_t s) {
+    switch (s) {
+    case CUSOLVER_STATUS_SUCCESS: return "success";
+    case CUSOLVER_STATUS_NOT_INITIALIZED: return "library not initialized";
+    case CUSOLVER_STATUS_ALLOC_FAILED: return "resource allocation failed";
+    case CUSOLVER_STATUS_INVALID_VALUE: return "invalid value";
+    case CUSOLVER_STATUS_ARCH_MISMATCH: return "architecture mismatch";
+    case CUSOLVER_STATUS_EXECUTION_FAILED: return "execution failed";
+    case CUSOLVER_STATUS_INTERNAL_ERROR: return "internal error";
+    case CUSOLVER_STATUS_MATRIX_TYPE_NOT_SUPPORTED: return "matrix type not supported";
+    case CUSOLVER_STATUS_NOT_SUPPORTED: return "not supported";
+    default: return "unknown status";
+    }
+}
+
+int cusolver_fail(pd_error *err, cusolverStatus_t s, const char *what) {
+    const int code = s == CUSOLVER_STATUS_ALLOC_FAILED ? PD_ENOMEM : PD_EIO;
+    return pd_errorf(err, code, "cuSOLVER %s failed: %s (status %d)", what, cusolver_status_name(s), (int)s);
+}
+
+int cuda_check_launch(pd_error *err, const char *what) {
+    const cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) return PD_OK;
+    char buf[160];
+    snprintf(buf, sizeof buf, "kernel %s", what);
+    return cuda_fail(err, e, buf);
+}
+
+int cuda_enter(cuda_backend *cb, pd_error *err) {
+    const cudaError_t e = cudaSetDevice(cb->device);
+    return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "cudaSetDevice");
+}
+
+// Report (once) a failure that release() could not return.
+int cuda_take_deferred(cuda_backend *cb, pd_error *err) {
+    const cudaError_t e = cb->deferred;
+    if (e == cudaSuccess) return PD_OK;
+    cb->deferred = cudaSuccess;
+    return cuda_fail(err, e, "an earlier release of backend memory");
+}
+
+int cuda_malloc(cuda_backend *cb, void **p, size_t bytes, const char *what, pd_error *err) {
+    *p = NULL;
+    const cudaError_t e = cudaMalloc(p, bytes);
+    if (e == cudaSuccess) return PD_OK;
+    *p = NULL;
+    if (e != cudaErrorMemoryAllocation) {
+        char buf[160];
+        snprintf(buf, sizeof buf, "cudaMalloc of %zu bytes for %s", bytes, what);
+        return cuda_fail(err, e, buf);
+    }
+    (void)cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) (void)cudaGetLastError();
+    const double mib = 1024.0 * 1024.0;
+    return pd_errorf(err, PD_ENOMEM,
+                     "CUDA device %d (%s) is out of memory: %.1f MiB for %s do not fit (%.1f MiB free of "
+                     "%.1f MiB); use a smaller model or context, free the GPU, or set model.device = cpu",
+                     cb->device, cb->prop.name, (double)bytes / mib, what, (double)free_b / mib,
+                     (double)total_b / mib);
+}
+
+/* ------------------------------------------------------------------------
+ * scratch
+ * ------------------------------------------------------------------------ */
+
+void *cuda_scratch_get(cuda_backend *cb, int slot, size_t bytes, pd_error *err) {
+    if (slot < 0 || slot >= (int)(sizeof cb->scratch / sizeof cb->scratch[0])) {
+        pd_errorf(err, PD_EINVAL, "cuda backend: no scratch slot %d", slot);
+        return NULL;
+    }
+    cuda_scratch *s = &cb->scratch[slot];
+    if (s->p && bytes <= s->bytes) return s->p;
+    // Grow with a quarter of headroom, in whole MiB, so a slowly growing
+    // size does not reallocate on every call.
+    const size_t mib = (size_t)1 << 20;
+    if (bytes > SIZE_MAX / 2) {
+        pd_errorf(err, PD_ERANGE, "cuda backend: scratch request of %zu bytes is too large", bytes);
+        return NULL;
+    }
+    size_t want = bytes + bytes / 4;
+    want = (want + mib - 1) / mib * mib;
+    if (want == 0) want = mib;
+    if (s->p) {
+        // Kernels queued earlier may still read the old block.
+        const cudaError_t e = cudaStreamSynchronize(cb->stream);
+        if (e != cudaSuccess) {
+            cuda_fail(err, e, "stream synchronize (growing scratch)");
+            return NULL;
+        }
+        (void)cudaFree(s->p);
+        s->p = NULL;
+        s->bytes = 0;
+    }
+    void *p = NULL;
+    if (cuda_malloc(cb, &p, want, "scratch", err) != PD_OK) {
+        // The headroom may be what does not fit: try the exact size.
+        if (cuda_malloc(cb, &p, bytes ? bytes : 1, "scratch", err) != PD_OK) return NULL;
+        want = bytes ? bytes : 1;
+    }
+    s->p = p;
+    s->bytes = want;
+    return p;
+}
+
+/* ------------------------------------------------------------------------
+ * weight table: open addressing on the host pointer
+ * ------------------------------------------------------------------------ */
+
+static uint64_t ptr_hash(const void *p) {
+    uint64_t h = (uint64_t)(uintptr_t)p;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    return h;
+}
+
+cuda_weight_entry *cuda_weight_find(cuda_backend *cb, const void *host) {
+    if (cb->weight_slots == 0) return NULL;
+    const uint64_t mask = (uint64_t)cb->weight_slots - 1;
+    for (uint64_t i = ptr_hash(host) & mask;; i = (i + 1) & mask) {
+        const int64_t slot = cb->weight_index[i];
+        if (slot == 0) return NULL;
+        if (cb->weights[slot - 1].host == host) return &cb->weights[slot - 1];
+    }
+}
+
+static void index_insert(int64_t *index, int64_t slots, const void *host, int64_t entry) {
+    const uint64_t mask = (uint64_t)slots - 1;
+    uint64_t i = ptr_hash(host) & mask;
+    while (index[i] != 0) i = (i + 1) & mask;
+    index[i] = entry + 1;
+}
+
+// Swap-remove the entry and rebuild the index: only a model's teardown
+// calls this, a few hundred weights at most.
+void cuda_weight_forget(cuda_backend *cb, const void *host) {
+    cuda_weight_entry *e = cuda_weight_find(cb, host);
+    if (!e) return;
+    // Kernels queued earlier may still read it.
+    (void)cudaStreamSynchronize(cb->stream);
+    (void)cudaFree(e->dev);
+    *e = cb->weights[--cb->n_weights];
+    for (int64_t i = 0; i < cb->weight_slots; i++) cb->weight_index[i] = 0;
+    for (int64_t i = 0; i < cb->n_weights; i++) index_insert(cb->weight_index, cb->weight_slots, cb->weights[i].host, i);
+}
+
+cuda_weight_entry *cuda_weight_add(cuda_backend *cb, const cuda_weight_entry *e, pd_error *err) {
+    if (cb->n_weights == cb->cap_weights) {
+        const int64_t cap = cb->cap_weights ? cb->cap_weights * 2 : 64;
+        cuda_weight_entry *w =
+            (cuda_weight_entry *)realloc(cb->weights, (size_t)cap * sizeof(cuda_weight_entry));
+        if (!w) {
+            pd_errorf(err, PD_ENOMEM, "cuda backend: out of host memory for the weight table");
+            return NULL;
+        }
+        cb->weights = w;
+        cb->cap_weights = cap;
+    }
+    // Keep the index at most half full so probes stay short.
+    if ((cb->n_weights + 1) * 2 > cb->weight_slots) {
+        const int64_t slots = cb->weight_slots ? cb->weight_slots * 2 : 128;
+        int64_t *index = (int64_t *)calloc((size_t)slots, sizeof(int64_t));
+        if (!index) {
+            pd_errorf(err, PD_ENOMEM, "cuda backend: out of host memory for the weight table");
+            return NULL;
+        }
+        for (int64_t i = 0; i < cb->n_weights; i++) index_insert(index, slots, cb->weights[i].host, i);
+        free(cb->weight_index);
+        cb->weight_index = index;
+        cb->weight_slots = slots;
+    }
+    cb->weights[cb->n_weights] = *e;
+    index_insert(cb->weight_index, cb->weight_slots, e->host, cb->n_weights);
+    return &cb->weights[cb->n_weights++];
+}
+
+/* ------------------------------------------------------------------------
+ * upload
+ * ------------------------------------------------------------------------ */
+
+// Whether host pointer p is page-locked (cudaHostAlloc'd or registered), so
+// the copy engine can read it directly. Fails with PD_EINVAL for device
+// memory passed where host memory belongs.
+int cuda_host_kind(const void *p, bool *pinned, const char *op, pd_error *err) {
+    cudaPointerAttributes a;
+    memset(&a, 0, sizeof a);
+    *pinned = false;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        (void)cudaGetLastError(); // plain pageable memory on older drivers
+        return PD_OK;
+    }
+    if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged)
+        return pd_errorf(err, PD_EINVAL, "cuda backend: %s was given device memory where host memory belongs", op);
+    *pinned = a.type == cudaMemoryTypeHost;
+    return PD_OK;
+}
+
+int cuda_upload(cuda_backend *cb, void *dst, const void *src, size_t bytes, pd_error *err) {
+    if (bytes == 0) return PD_OK;
+    if (!dst || !src) return pd_errorf(err, PD_EINVAL, "cuda backend: upload with a NULL pointer");
+    bool pinned;
+    int rc = cuda_host_kind(src, &pinned, "upload", err);
+    if (rc) return rc;
+    cudaError_t e;
+    if (pinned) {
+        // A copy from pinned memory is truly asynchronous, but the caller may
+        // reuse src as soon as we return: wait for it.
+        e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cb->stream);
+        if (e == cudaSuccess) e = cudaStreamSynchronize(cb->stream);
+        return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "upload (cudaMemcpyAsync from pinned memory)");
+    }
+    if (bytes <= CUDA_SMALL_COPY) {
+        // From pageable memory the runtime copies src into its own staging
+        // memory before cudaMemcpyAsync returns (CUDA's documented
+        // synchronisation behaviour), so src is reusable on return and the
+        // copy stays ordered on our stream without a host wait.
+        e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cb->stream);
+        return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "upload (cudaMemcpyAsync)");
+    }
+    // Large pageable copy (a KV prefix in the LMDB map, a weight in the
+    // GGUF map): alternate between the two pinned buffers. Before refilling
+    // one, wait for the DMA that last read it. Once the loop ends every
+    // byte of src is in a pinned buffer, so src is reusable; later users of
+    // the buffers wait on pinned_done themselves.
+    const uint8_t *s = (const uint8_t *)src;
+    uint8_t *d = (uint8_t *)dst;
+    int buf = 0;
+    for (size_t off = 0; off < bytes;) {
+        const size_t len = bytes - off < cb->pinned_bytes ? bytes - off : cb->pinned_bytes;
+        e = cudaEventSynchronize(cb->pinned_done[buf]);
+        if (e != cudaSuccess) return cuda_fail(err, e, "upload (waiting for a staging buffer)");
+        memcpy(cb->pinned[buf], s + off, len);
+        e = cudaMemcpyAsync(d + off, cb->pinned[buf], len, cudaMemcpyHostToDevice, cb->stream);
+        if (e != cudaSuccess) return cuda_fail(err, e, "upload (cudaMemcpyAsync from staging)");
+        e = cudaEventRecord(cb->pinned_done[buf], cb->stream);
+        if (e != cudaSuccess) return cuda_fail(err, e, "upload (cudaEventRecord)");
+        off += len;
+        buf ^= 1;
+    }
+    return PD_OK;
+}
