@@ -32,7 +32,8 @@ ALLOWED = {
     "api": {"daemon", "policies", "cache", "engine", "kernels", "util"},
     "cmd": {"api", "daemon", "config", "policies", "cache", "engine", "kernels", "util"},
 }
-LIBS = {"util": ["util/libpd_util.a"], "kernels": ["kernels/libpd_kernels.a", "kernels/libpd_kernels_cuda.a"],
+LIBS = {"util": ["util/libpd_util.a"], "kernels": ["kernels/libpd_kernels.a", "kernels/libpd_kernels_cuda.a",
+                                                        "kernels/libpd_kernels_cudaemu.a"],
         "config": ["config/libpd_config.a"], "engine": ["engine/libpd_engine.a"],
         "policies": ["policies/libpd_policies.a"], "cache": ["cache/libpd_cache.a"],
         "daemon": ["daemon/libpd_daemon.a"], "api": ["api/libpd_api.a"]}
