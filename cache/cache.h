@@ -25,7 +25,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "engine/engine.h"
+#include "engine/model.h" /* pd_model, pd_kv_prefix, pd_layer_kv */
 #include "util/util.h"
 
 #ifdef __cplusplus

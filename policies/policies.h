@@ -23,7 +23,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "engine/engine.h"
+#include "engine/model.h" /* pd_model, pd_kv_prefix, pd_layer_kv */
 #include "util/util.h"
 
 #ifdef __cplusplus
