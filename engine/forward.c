@@ -53,7 +53,7 @@ typedef struct fwd_bufs {
 
 static size_t align_up(size_t n) { return (n + 255) & ~(size_t)255; }
 
-static bool host_backend(const pd_model *m) { return m->backend->ops->host_memory; }
+static bool host_backend(const pd_model *m) { return pd_backend_host_memory(m->backend); }
 
 /* A model-owned 1-D tensor as the backend reads it. */
 static const float *on_backend(const pd_model *m, const float *host) {
@@ -66,15 +66,15 @@ static int scratch_grow(pd_model *m, bool dev, size_t bytes, void **out, pd_erro
     size_t *have = dev ? &m->scratch.dev_bytes : &m->scratch.host_bytes;
     if (bytes > *have) {
         if (dev) {
-            be->ops->release(be, *block);
-            *block = be->ops->alloc(be, bytes, err);
+            pd_backend_release(be, *block);
+            *block = pd_backend_alloc(be, bytes, err);
         } else {
             free(*block);
             *block = malloc(bytes);
         }
         *have = *block ? bytes : 0;
         if (!*block)
-            return dev ? pd_error_prefix(err, "the forward pass needs %zu MiB of %s scratch", bytes >> 20, be->ops->name)
+            return dev ? pd_error_prefix(err, "the forward pass needs %zu MiB of %s scratch", bytes >> 20, pd_backend_name(be))
                        : pd_errorf(err, PD_ENOMEM, "out of memory: the forward pass needs %zu MiB of scratch", bytes >> 20);
     }
     *out = *block;
@@ -143,8 +143,8 @@ static int append_kv(pd_model *m, const fwd_entry *es, int n_es, int64_t R, int 
     if (m->kv_type == PD_TYPE_F16) {
         const int64_t n = R * nkv * hd;
         int rc;
-        if ((rc = be->ops->convert(be, b->k16, PD_TYPE_F16, b->k, PD_TYPE_F32, n, err)) ||
-            (rc = be->ops->convert(be, b->v16, PD_TYPE_F16, b->v, PD_TYPE_F32, n, err)))
+        if ((rc = pd_backend_convert(be, b->k16, PD_TYPE_F16, b->k, PD_TYPE_F32, n, err)) ||
+            (rc = pd_backend_convert(be, b->v16, PD_TYPE_F16, b->v, PD_TYPE_F32, n, err)))
             return rc;
         ksrc = (const char *)b->k16, vsrc = (const char *)b->v16;
     }
@@ -165,7 +165,7 @@ static int append_kv(pd_model *m, const fwd_entry *es, int n_es, int64_t R, int 
                                                     sizeof(int32_t), (size_t)e->n * sizeof(int32_t), 1};
         }
     }
-    int rc = be->ops->copy2d_batch(be, b->copies, n_copies, err);
+    int rc = pd_backend_copy2d_batch(be, b->copies, n_copies, err);
     if (rc) return rc;
     /* Only now that the copies are queued do the lengths grow. */
     for (int i = 0; i < n_es; i++) {
@@ -204,15 +204,15 @@ static int compact_kv(pd_model *m, const fwd_entry *e, int layer, const uint8_t 
         } else {
             /* Gather into the activation buffers (free by now), then back. */
             int rc;
-            if ((rc = be->ops->gather(be, b->q, k, b->idx, n_kept, row, err)) ||
-                (rc = be->ops->copy(be, k, b->q, (size_t)n_kept * row, err)) ||
-                (rc = be->ops->gather(be, b->q, v, b->idx, n_kept, row, err)) ||
-                (rc = be->ops->copy(be, v, b->q, (size_t)n_kept * row, err)))
+            if ((rc = pd_backend_gather(be, b->q, k, b->idx, n_kept, row, err)) ||
+                (rc = pd_backend_copy(be, k, b->q, (size_t)n_kept * row, err)) ||
+                (rc = pd_backend_gather(be, b->q, v, b->idx, n_kept, row, err)) ||
+                (rc = pd_backend_copy(be, v, b->q, (size_t)n_kept * row, err)))
                 return rc;
         }
         for (int64_t j = 0; j < n_kept; j++) st->pos[base + j] = st->pos[base + b->idx[j]];
         if (st->dpos) {
-            int rc = be->ops->upload(be, st->dpos + base, st->pos + base, (size_t)n_kept * sizeof(int32_t), err);
+            int rc = pd_backend_upload(be, st->dpos + base, st->pos + base, (size_t)n_kept * sizeof(int32_t), err);
             if (rc) return rc;
         }
         st->len = base + n_kept;
@@ -277,7 +277,7 @@ static int attend(pd_model *m, const fwd_entry *es, int i0, int i1, int64_t r0, 
         .softcap = hp->attn_softcap,
         .out = b->attn,
     };
-    rc = m->backend->ops->attention(m->backend, &args, err);
+    rc = pd_backend_attention(m->backend, &args, err);
 done:
     if (shared != shared_small) free(shared);
     if (own != own_small) free(own);
@@ -309,10 +309,10 @@ static int run_hook(pd_model *m, const fwd_entry *e, int layer, const pd_prefill
     if (host_backend(m)) {
         view.k_pre_rope = b->k_pre, view.q = b->q, view.k = b->k, view.v = b->v;
     } else if (!opts->hook_device_only) {
-        if ((rc = be->ops->download(be, b->hq, b->q, n * qd * 4, err)) ||
-            (rc = be->ops->download(be, b->hk, b->k, n * kvd * 4, err)) ||
-            (rc = be->ops->download(be, b->hv, b->v, n * kvd * 4, err)) ||
-            (rc = be->ops->download(be, b->hk_pre, b->k_pre, n * kvd * 4, err)))
+        if ((rc = pd_backend_download(be, b->hq, b->q, n * qd * 4, err)) ||
+            (rc = pd_backend_download(be, b->hk, b->k, n * kvd * 4, err)) ||
+            (rc = pd_backend_download(be, b->hv, b->v, n * kvd * 4, err)) ||
+            (rc = pd_backend_download(be, b->hk_pre, b->k_pre, n * kvd * 4, err)))
             return rc;
         view.k_pre_rope = b->hk_pre, view.q = b->hq, view.k = b->hk, view.v = b->hv;
     }
@@ -335,7 +335,6 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
     const pd_hparams *hp = &m->hp;
     const layer_weights *L = &m->layers[layer];
     pd_backend *be = m->backend;
-    const pd_backend_ops *ops = be->ops;
     const int64_t d = hp->n_embd, qd = (int64_t)hp->n_head * hp->head_dim, kvd = (int64_t)hp->n_head_kv * hp->head_dim,
                   ff = hp->n_ff;
     int rc;
@@ -343,25 +342,25 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
     /* Q, K, V for every row. */
     for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
         const int64_t n = R - r0 < ROW_CHUNK ? R - r0 : ROW_CHUNK;
-        if ((rc = ops->rmsnorm(be, b->x + r0 * d, on_backend(m, L->attn_norm), n, d, hp->rms_eps, b->h, err)) ||
-            (rc = ops->matmul(be, &L->wq, b->h, n, b->q + r0 * qd, err)) ||
-            (rc = ops->matmul(be, &L->wk, b->h, n, b->k + r0 * kvd, err)) ||
-            (rc = ops->matmul(be, &L->wv, b->h, n, b->v + r0 * kvd, err)))
+        if ((rc = pd_backend_rmsnorm(be, b->x + r0 * d, on_backend(m, L->attn_norm), n, d, hp->rms_eps, b->h, err)) ||
+            (rc = pd_backend_matmul(be, &L->wq, b->h, n, b->q + r0 * qd, err)) ||
+            (rc = pd_backend_matmul(be, &L->wk, b->h, n, b->k + r0 * kvd, err)) ||
+            (rc = pd_backend_matmul(be, &L->wv, b->h, n, b->v + r0 * kvd, err)))
             return rc;
-        if ((L->bq && (rc = ops->add(be, b->q + r0 * qd, on_backend(m, L->bq), n, qd, 0, err))) ||
-            (L->bk && (rc = ops->add(be, b->k + r0 * kvd, on_backend(m, L->bk), n, kvd, 0, err))) ||
-            (L->bv && (rc = ops->add(be, b->v + r0 * kvd, on_backend(m, L->bv), n, kvd, 0, err))))
+        if ((L->bq && (rc = pd_backend_add(be, b->q + r0 * qd, on_backend(m, L->bq), n, qd, 0, err))) ||
+            (L->bk && (rc = pd_backend_add(be, b->k + r0 * kvd, on_backend(m, L->bk), n, kvd, 0, err))) ||
+            (L->bv && (rc = pd_backend_add(be, b->v + r0 * kvd, on_backend(m, L->bv), n, kvd, 0, err))))
             return rc;
     }
     /* qwen3, gemma3: every head of Q and K RMS-normed before rope. */
-    if ((L->q_norm && (rc = ops->rmsnorm(be, b->q, on_backend(m, L->q_norm), R * hp->n_head, hp->head_dim,
+    if ((L->q_norm && (rc = pd_backend_rmsnorm(be, b->q, on_backend(m, L->q_norm), R * hp->n_head, hp->head_dim,
                                          hp->rms_eps, b->q, err))) ||
-        (L->k_norm && (rc = ops->rmsnorm(be, b->k, on_backend(m, L->k_norm), R * hp->n_head_kv, hp->head_dim,
+        (L->k_norm && (rc = pd_backend_rmsnorm(be, b->k, on_backend(m, L->k_norm), R * hp->n_head_kv, hp->head_dim,
                                          hp->rms_eps, b->k, err))))
         return rc;
-    if (b->k_pre && (rc = ops->copy(be, b->k_pre, b->k, sizeof(float) * (size_t)(R * kvd), err))) return rc;
-    if ((rc = ops->rope(be, b->q, b->pos, R, hp->n_head, hp->head_dim, L->rope, err)) ||
-        (rc = ops->rope(be, b->k, b->pos, R, hp->n_head_kv, hp->head_dim, L->rope, err)) ||
+    if (b->k_pre && (rc = pd_backend_copy(be, b->k_pre, b->k, sizeof(float) * (size_t)(R * kvd), err))) return rc;
+    if ((rc = pd_backend_rope(be, b->q, b->pos, R, hp->n_head, hp->head_dim, L->rope, err)) ||
+        (rc = pd_backend_rope(be, b->k, b->pos, R, hp->n_head_kv, hp->head_dim, L->rope, err)) ||
         (rc = append_kv(m, es, n_es, R, layer, b, err)))
         return rc;
 
@@ -373,10 +372,10 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
         for (int64_t r0 = es[i].row0; r0 < end; r0 += ROW_CHUNK) {
             const int64_t r1 = end - r0 < ROW_CHUNK ? end : r0 + ROW_CHUNK;
             if ((rc = attend(m, es, i, j, r0, r1, layer, b, err)) ||
-                (rc = ops->matmul(be, &L->wo, b->attn, r1 - r0, b->h, err)) ||
-                (L->post_attn_norm && (rc = ops->rmsnorm(be, b->h, on_backend(m, L->post_attn_norm), r1 - r0, d,
+                (rc = pd_backend_matmul(be, &L->wo, b->attn, r1 - r0, b->h, err)) ||
+                (L->post_attn_norm && (rc = pd_backend_rmsnorm(be, b->h, on_backend(m, L->post_attn_norm), r1 - r0, d,
                                                          hp->rms_eps, b->h, err))) ||
-                (rc = ops->add(be, b->x + r0 * d, b->h, r1 - r0, d, d, err)))
+                (rc = pd_backend_add(be, b->x + r0 * d, b->h, r1 - r0, d, d, err)))
                 return rc;
         }
         i = j;
@@ -389,15 +388,15 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
     const bool gemma = hp->arch == PD_ARCH_GEMMA2 || hp->arch == PD_ARCH_GEMMA3;
     for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
         const int64_t n = R - r0 < ROW_CHUNK ? R - r0 : ROW_CHUNK;
-        if ((rc = ops->rmsnorm(be, b->x + r0 * d, on_backend(m, L->ffn_norm), n, d, hp->rms_eps, b->h, err)) ||
-            (rc = ops->matmul(be, &L->w_gate, b->h, n, b->gate, err)) ||
-            (rc = ops->matmul(be, &L->w_up, b->h, n, b->up, err)) ||
-            (rc = gemma ? ops->geglu(be, b->gate, b->up, n * ff, b->gate, err)
-                        : ops->swiglu(be, b->gate, b->up, n * ff, b->gate, err)) ||
-            (rc = ops->matmul(be, &L->w_down, b->gate, n, b->h, err)) ||
+        if ((rc = pd_backend_rmsnorm(be, b->x + r0 * d, on_backend(m, L->ffn_norm), n, d, hp->rms_eps, b->h, err)) ||
+            (rc = pd_backend_matmul(be, &L->w_gate, b->h, n, b->gate, err)) ||
+            (rc = pd_backend_matmul(be, &L->w_up, b->h, n, b->up, err)) ||
+            (rc = gemma ? pd_backend_geglu(be, b->gate, b->up, n * ff, b->gate, err)
+                        : pd_backend_swiglu(be, b->gate, b->up, n * ff, b->gate, err)) ||
+            (rc = pd_backend_matmul(be, &L->w_down, b->gate, n, b->h, err)) ||
             (L->post_ffn_norm &&
-             (rc = ops->rmsnorm(be, b->h, on_backend(m, L->post_ffn_norm), n, d, hp->rms_eps, b->h, err))) ||
-            (rc = ops->add(be, b->x + r0 * d, b->h, n, d, d, err)))
+             (rc = pd_backend_rmsnorm(be, b->h, on_backend(m, L->post_ffn_norm), n, d, hp->rms_eps, b->h, err))) ||
+            (rc = pd_backend_add(be, b->x + r0 * d, b->h, n, d, d, err)))
             return rc;
     }
     return PD_OK;
@@ -408,7 +407,6 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
 static int output_logits(pd_model *m, const fwd_entry *es, int n_es, fwd_bufs *b, float *logits, pd_error *err) {
     const pd_hparams *hp = &m->hp;
     pd_backend *be = m->backend;
-    const pd_backend_ops *ops = be->ops;
     const int64_t d = hp->n_embd, V = hp->n_vocab;
     int64_t n = 0, out_of[LOGIT_CHUNK];
     int rc = PD_OK;
@@ -423,13 +421,13 @@ static int output_logits(pd_model *m, const fwd_entry *es, int n_es, fwd_bufs *b
             for (int64_t r = 1; r < n; r++) consecutive &= out_of[r] == out_of[0] + r;
             /* On the host, consecutive slots are written in place. */
             float *dst = host_backend(m) && consecutive ? logits + out_of[0] * V : b->logits;
-            if ((rc = ops->gather(be, b->h, b->x, b->idx, n, (size_t)d * sizeof(float), err)) ||
-                (rc = ops->rmsnorm(be, b->h, on_backend(m, m->output_norm), n, d, hp->rms_eps, b->h, err)) ||
-                (rc = ops->matmul(be, &m->output, b->h, n, dst, err)) ||
-                (hp->final_softcap > 0.0f && (rc = ops->softcap(be, dst, n * V, hp->final_softcap, err))))
+            if ((rc = pd_backend_gather(be, b->h, b->x, b->idx, n, (size_t)d * sizeof(float), err)) ||
+                (rc = pd_backend_rmsnorm(be, b->h, on_backend(m, m->output_norm), n, d, hp->rms_eps, b->h, err)) ||
+                (rc = pd_backend_matmul(be, &m->output, b->h, n, dst, err)) ||
+                (hp->final_softcap > 0.0f && (rc = pd_backend_softcap(be, dst, n * V, hp->final_softcap, err))))
                 break;
             for (int64_t r = 0; r < n && !rc && dst == b->logits; r++)
-                rc = ops->download(be, logits + out_of[r] * V, b->logits + r * V, (size_t)V * sizeof(float), err);
+                rc = pd_backend_download(be, logits + out_of[r] * V, b->logits + r * V, (size_t)V * sizeof(float), err);
             n = 0;
         }
     }
@@ -459,14 +457,13 @@ static int forward(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_opts *
     if (rc) return rc;
 
     pd_backend *be = m->backend;
-    const pd_backend_ops *ops = be->ops;
     for (int i = 0; i < n_es; i++) {
         const fwd_entry *e = &es[i];
-        if ((rc = ops->get_rows(be, &m->tok_embd, e->tokens, e->n, b.x + e->row0 * hp->n_embd, err))) return rc;
+        if ((rc = pd_backend_get_rows(be, &m->tok_embd, e->tokens, e->n, b.x + e->row0 * hp->n_embd, err))) return rc;
         for (int64_t t = 0; t < e->n; t++) b.hpos[e->row0 + t] = e->seq->next_pos + (int32_t)t;
     }
-    if (hp->embd_scale != 1.0f && (rc = ops->scale(be, b.x, R * hp->n_embd, hp->embd_scale, err))) return rc;
-    if ((rc = ops->upload(be, b.pos, b.hpos, sizeof(int32_t) * (size_t)R, err))) return rc;
+    if (hp->embd_scale != 1.0f && (rc = pd_backend_scale(be, b.x, R * hp->n_embd, hp->embd_scale, err))) return rc;
+    if ((rc = pd_backend_upload(be, b.pos, b.hpos, sizeof(int32_t) * (size_t)R, err))) return rc;
 
     for (int l = 0; l < hp->n_layer; l++) {
         if ((rc = run_layer(m, es, n_es, R, l, opts, &b, err))) {
@@ -481,7 +478,7 @@ static int forward(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_opts *
         }
     }
     /* A device backend reports late failures here rather than in the next call. */
-    if (!logits && (rc = ops->sync(be, err))) return rc;
+    if (!logits && (rc = pd_backend_sync(be, err))) return rc;
     for (int i = 0; i < n_es; i++) es[i].seq->next_pos += (int32_t)es[i].n;
     return logits ? output_logits(m, es, n_es, &b, logits, err) : PD_OK;
 }

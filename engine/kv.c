@@ -6,31 +6,30 @@
 
 #include "engine/model_internal.h"
 
-static bool on_device(const pd_backend *be) { return be && !be->ops->host_memory; }
+static bool on_device(const pd_backend *be) { return be && !pd_backend_host_memory(be); }
 
 /* Device streams grow by allocate, copy, release: backend memory has no realloc. */
 static int reserve_device(kv_stream *s, pd_backend *be, int64_t new_cap, size_t row, pd_error *err) {
     const size_t rows = (size_t)new_cap;
-    const pd_backend_ops *ops = be->ops;
     int32_t *pos = realloc(s->pos, rows * sizeof *pos);
     if (!pos) return pd_errorf(err, PD_ENOMEM, "out of memory growing the KV cache to %" PRId64 " rows", new_cap);
     s->pos = pos;
-    void *k = ops->alloc(be, rows * row, err);
-    void *v = k ? ops->alloc(be, rows * row, err) : NULL;
-    int32_t *dpos = v ? ops->alloc(be, rows * sizeof *dpos, err) : NULL;
+    void *k = pd_backend_alloc(be, rows * row, err);
+    void *v = k ? pd_backend_alloc(be, rows * row, err) : NULL;
+    int32_t *dpos = v ? pd_backend_alloc(be, rows * sizeof *dpos, err) : NULL;
     int rc = dpos ? PD_OK : PD_ENOMEM;
-    if (!rc && s->len > 0 && !(rc = ops->copy(be, k, s->k, (size_t)s->len * row, err)) &&
-        !(rc = ops->copy(be, v, s->v, (size_t)s->len * row, err)))
-        rc = ops->copy(be, dpos, s->dpos, (size_t)s->len * sizeof *dpos, err);
+    if (!rc && s->len > 0 && !(rc = pd_backend_copy(be, k, s->k, (size_t)s->len * row, err)) &&
+        !(rc = pd_backend_copy(be, v, s->v, (size_t)s->len * row, err)))
+        rc = pd_backend_copy(be, dpos, s->dpos, (size_t)s->len * sizeof *dpos, err);
     if (rc) {
-        ops->release(be, k);
-        ops->release(be, v);
-        ops->release(be, dpos);
+        pd_backend_release(be, k);
+        pd_backend_release(be, v);
+        pd_backend_release(be, dpos);
         return pd_error_prefix(err, "growing the KV cache to %" PRId64 " rows", new_cap);
     }
-    ops->release(be, s->k);
-    ops->release(be, s->v);
-    ops->release(be, s->dpos);
+    pd_backend_release(be, s->k);
+    pd_backend_release(be, s->v);
+    pd_backend_release(be, s->dpos);
     s->k = k;
     s->v = v;
     s->dpos = dpos;
@@ -72,9 +71,9 @@ oom:
 
 void kv_stream_free(kv_stream *s, pd_backend *be) {
     if (on_device(be)) {
-        be->ops->release(be, s->k);
-        be->ops->release(be, s->v);
-        be->ops->release(be, s->dpos);
+        pd_backend_release(be, s->k);
+        pd_backend_release(be, s->v);
+        pd_backend_release(be, s->dpos);
         free(s->pos);
     } else if (!s->borrowed) {
         free(s->k);
@@ -208,7 +207,7 @@ int pd_kv_prefix_clone(const pd_kv_prefix *p, pd_kv_prefix **out, pd_error *err)
 void pd_kv_prefix_free(pd_kv_prefix *p) {
     if (!p) return;
     streams_free(p->streams, (int64_t)p->n_layer * p->n_head_kv, NULL);
-    if (p->dev_backend) p->dev_backend->ops->release(p->dev_backend, p->dev_block);
+    if (p->dev_backend) pd_backend_release(p->dev_backend, p->dev_block);
     free(p->dev_streams);
     pthread_mutex_destroy(&p->dev_lock);
     free(p);
@@ -223,7 +222,7 @@ static int upload_prefix(pd_kv_prefix *p, pd_backend *be, pd_error *err) {
     size_t bytes = 0;
     for (int64_t i = 0; i < n; i++) bytes += (size_t)p->streams[i].len * (2 * row + sizeof(int32_t)) + 3 * 256;
     kv_stream *ds = calloc((size_t)n, sizeof *ds);
-    char *block = ds ? be->ops->alloc(be, bytes ? bytes : 1, err) : NULL;
+    char *block = ds ? pd_backend_alloc(be, bytes ? bytes : 1, err) : NULL;
     if (!block) {
         free(ds);
         return ds ? pd_error_prefix(err, "uploading a KV prefix of %zu MiB", bytes >> 20)
@@ -241,13 +240,13 @@ static int upload_prefix(pd_kv_prefix *p, pd_backend *be, pd_error *err) {
         d->pos = hs->pos;
         d->len = d->cap = hs->len;
         d->borrowed = true;
-        if (len && ((rc = be->ops->upload(be, d->k, hs->k, len * row, err)) ||
-                    (rc = be->ops->upload(be, d->v, hs->v, len * row, err)) ||
-                    (rc = be->ops->upload(be, d->dpos, hs->pos, len * sizeof(int32_t), err))))
+        if (len && ((rc = pd_backend_upload(be, d->k, hs->k, len * row, err)) ||
+                    (rc = pd_backend_upload(be, d->v, hs->v, len * row, err)) ||
+                    (rc = pd_backend_upload(be, d->dpos, hs->pos, len * sizeof(int32_t), err))))
             pd_error_prefix(err, "uploading a KV prefix");
     }
     if (rc) {
-        be->ops->release(be, block);
+        pd_backend_release(be, block);
         free(ds);
         return rc;
     }
@@ -395,8 +394,8 @@ int pd_seq_to_prefix(const pd_seq *s, pd_kv_prefix **out, pd_error *err) {
              * from the engine, so the checks of _set are not needed. */
             kv_stream *d = &p->streams[(int64_t)l * hp->n_head_kv + h];
             if ((rc = kv_stream_reserve(d, NULL, st->len, row, err))) break;
-            if (st->len && ((rc = be->ops->download(be, d->k, st->k, (size_t)st->len * row, err)) ||
-                            (rc = be->ops->download(be, d->v, st->v, (size_t)st->len * row, err))))
+            if (st->len && ((rc = pd_backend_download(be, d->k, st->k, (size_t)st->len * row, err)) ||
+                            (rc = pd_backend_download(be, d->v, st->v, (size_t)st->len * row, err))))
                 break;
             if (st->len) memcpy(d->pos, st->pos, (size_t)st->len * sizeof *d->pos);
             d->len = st->len;
@@ -414,7 +413,7 @@ int pd_seq_set_mask(pd_seq *s, int layer, int kv_head, const uint8_t *keep, int6
     if (layer < 0 || layer >= hp->n_layer || kv_head < 0 || kv_head >= hp->n_head_kv)
         return pd_errorf(err, PD_EINVAL, "stream (layer %d, kv head %d) is out of range", layer, kv_head);
     kv_stream *st = &s->streams[(int64_t)layer * hp->n_head_kv + kv_head];
-    if (!s->model->backend->ops->host_memory)
+    if (!pd_backend_host_memory(s->model->backend))
         return pd_errorf(err, PD_EUNSUPPORTED, "attention masks are a host-backend feature (model.device = cpu)");
     if (!keep) {
         free(st->keep);

@@ -495,23 +495,23 @@ static int check_all_used(const loader *ld, const pd_hparams *hp, pd_error *err)
  * running out of device memory show at load, and of the 1-D tensors. */
 static int place_on_backend(pd_model *m, pd_error *err) {
     pd_backend *be = m->backend;
-    if (be->ops->host_memory) {
+    if (pd_backend_host_memory(be)) {
         m->dev_norms = m->norms;
         return PD_OK;
     }
     const size_t bytes = m->norms_len * sizeof(float);
-    if (!(m->dev_norms = be->ops->alloc(be, bytes, err))) return PD_ENOMEM;
-    int rc = be->ops->upload(be, m->dev_norms, m->norms, bytes, err);
-    if (rc || !be->ops->prepare_weight) return rc;
-    if ((rc = be->ops->prepare_weight(be, &m->tok_embd, err))) return rc;
-    if (!m->hp.tied_output && (rc = be->ops->prepare_weight(be, &m->output, err))) return rc;
+    if (!(m->dev_norms = pd_backend_alloc(be, bytes, err))) return PD_ENOMEM;
+    int rc = pd_backend_upload(be, m->dev_norms, m->norms, bytes, err);
+    if (rc || !pd_backend_caches_weights(be)) return rc;
+    if ((rc = pd_backend_prepare_weight(be, &m->tok_embd, err))) return rc;
+    if (!m->hp.tied_output && (rc = pd_backend_prepare_weight(be, &m->output, err))) return rc;
     for (int l = 0; l < m->hp.n_layer; l++) {
         const pd_weight *ws[N_LAYER_MATRICES];
         layer_matrices(&m->layers[l], ws);
         for (size_t i = 0; i < N_LAYER_MATRICES; i++)
-            if ((rc = be->ops->prepare_weight(be, ws[i], err))) return pd_error_prefix(err, "layer %d", l);
+            if ((rc = pd_backend_prepare_weight(be, ws[i], err))) return pd_error_prefix(err, "layer %d", l);
     }
-    return be->ops->sync(be, err);
+    return pd_backend_sync(be, err);
 }
 
 int pd_model_load(const char *path, const pd_model_params *params, pd_model **out, pd_error *err) {
@@ -521,7 +521,7 @@ int pd_model_load(const char *path, const pd_model_params *params, pd_model **ou
     m->kv_type = params && params->kv_f32 ? PD_TYPE_F32 : PD_TYPE_F16;
     /* The CPU computes from the file's bytes: read them into huge-page
      * memory. A device backend uploads them, so a mapping is enough. */
-    const bool host = !params || !params->backend || params->backend->ops->host_memory;
+    const bool host = !params || !params->backend || pd_backend_host_memory(params->backend);
     const bool in_memory = host && !(params && params->mmap_weights);
     int rc = in_memory ? pd_gguf_load(path, &m->gguf, err) : pd_gguf_open(path, &m->gguf, err);
     if (!rc && (rc = read_hparams(m->gguf, &m->hp, err))) pd_error_prefix(err, "%s", path);
@@ -542,7 +542,7 @@ int pd_model_load(const char *path, const pd_model_params *params, pd_model **ou
             m->owns_backend = rc == PD_OK;
         }
     }
-    if (!rc && (rc = place_on_backend(m, err))) pd_error_prefix(err, "%s: %s backend", path, m->backend->ops->name);
+    if (!rc && (rc = place_on_backend(m, err))) pd_error_prefix(err, "%s: %s backend", path, pd_backend_name(m->backend));
     if (rc) {
         pd_model_free(m);
         return rc;
@@ -555,17 +555,17 @@ void pd_model_free(pd_model *m) {
     if (!m) return;
     if (m->backend) {
         pd_backend *be = m->backend;
-        if (be->ops->forget_weight && m->layers) {
-            be->ops->forget_weight(be, &m->tok_embd);
-            if (!m->hp.tied_output) be->ops->forget_weight(be, &m->output);
+        if (pd_backend_caches_weights(be) && m->layers) {
+            pd_backend_forget_weight(be, &m->tok_embd);
+            if (!m->hp.tied_output) pd_backend_forget_weight(be, &m->output);
             for (int l = 0; l < m->hp.n_layer; l++) {
                 const pd_weight *ws[N_LAYER_MATRICES];
                 layer_matrices(&m->layers[l], ws);
-                for (size_t i = 0; i < N_LAYER_MATRICES; i++) be->ops->forget_weight(be, ws[i]);
+                for (size_t i = 0; i < N_LAYER_MATRICES; i++) pd_backend_forget_weight(be, ws[i]);
             }
         }
-        if (m->dev_norms != m->norms) m->backend->ops->release(m->backend, m->dev_norms);
-        m->backend->ops->release(m->backend, m->scratch.dev);
+        if (m->dev_norms != m->norms) pd_backend_release(m->backend, m->dev_norms);
+        pd_backend_release(m->backend, m->scratch.dev);
     }
     free(m->scratch.host);
     if (m->owns_backend) pd_backend_free(m->backend);

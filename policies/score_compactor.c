@@ -407,14 +407,14 @@ static int check_spec(const pd_policy_spec *spec, bool lev, bool attn, pd_error 
  * approx (exact leverage, a pivoted QR, stays on the host). */
 static bool on_backend(const pd_policy_spec *spec, const pd_layer_kv *kv, bool lev, bool attn) {
     const pd_backend *be = kv->backend;
-    if (!be || !be->ops || !be->ops->compactor_scores) return false;
+    if (!be || !pd_backend_has_compactor_scores(be)) return false;
     if (lev && (spec->leverage != PD_LEVERAGE_APPROX || !kv->dev_k_pre_rope)) return false;
     if (attn && (!kv->dev_q || !kv->dev_k || (spec->vnorm && !kv->dev_v))) return false;
     return true;
 }
 
 bool pd_scorer_runs_on_backend(const pd_policy_spec *spec, const pd_backend *be) {
-    if (!spec || !be || !be->ops || !be->ops->compactor_scores) return false;
+    if (!spec || !be || !pd_backend_has_compactor_scores(be)) return false;
     switch (spec->scorer) {
     case PD_POLICY_COMPACTOR:
     case PD_POLICY_LEVERAGE: return spec->leverage == PD_LEVERAGE_APPROX;
@@ -469,7 +469,7 @@ static int backend_scores(const pd_policy_spec *spec, const pd_layer_kv *kv, int
         .lambda = lev && attn ? (spec->lambda < 0 ? 1.0 - spec->retention : spec->lambda) : 0.0,
         .scores = out,
     };
-    int rc = kv->backend->ops->compactor_scores(kv->backend, &args, err);
+    int rc = pd_backend_compactor_scores(kv->backend, &args, err);
     free(phi);
     if (rc) prefix_layer(err, kv->layer);
     return rc;

@@ -98,8 +98,8 @@ static backends open_backends(void) {
     pd_error err = {0};
     cr_assert_eq(pd_backend_cpu_create(2, &b.cpu, &err), PD_OK, "cpu backend: %s", err.msg);
     cr_assert_eq(device_backend_create(&b.gpu, &err), PD_OK, "device backend: %s", err.msg);
-    cr_assert(b.cpu->ops->host_memory);
-    cr_assert(!b.gpu->ops->host_memory, "the CUDA backend must not claim host memory");
+    cr_assert(pd_backend_host_memory(b.cpu));
+    cr_assert(!pd_backend_host_memory(b.gpu), "the CUDA backend must not claim host memory");
     return b;
 }
 
@@ -111,19 +111,19 @@ static void close_backends(backends *b) {
 
 static void *be_alloc(pd_backend *be, size_t bytes) {
     pd_error err = {0};
-    void *p = be->ops->alloc(be, bytes ? bytes : 1, &err);
-    cr_assert_not_null(p, "%s: alloc(%zu): %s", be->ops->name, bytes, err.msg);
+    void *p = pd_backend_alloc(be, bytes ? bytes : 1, &err);
+    cr_assert_not_null(p, "%s: alloc(%zu): %s", pd_backend_name(be), bytes, err.msg);
     return p;
 }
 
-static void be_release(pd_backend *be, const void *p) { be->ops->release(be, (void *)p); }
+static void be_release(pd_backend *be, const void *p) { pd_backend_release(be, (void *)p); }
 
 /* Backend copy of `bytes` of host memory. */
 static void *be_put(pd_backend *be, const void *host, size_t bytes) {
     void *p = be_alloc(be, bytes);
     if (bytes) {
         pd_error err = {0};
-        cr_assert_eq(be->ops->upload(be, p, host, bytes, &err), PD_OK, "%s: upload(%zu): %s", be->ops->name,
+        cr_assert_eq(pd_backend_upload(be, p, host, bytes, &err), PD_OK, "%s: upload(%zu): %s", pd_backend_name(be),
                      bytes, err.msg);
     }
     return p;
@@ -131,12 +131,12 @@ static void *be_put(pd_backend *be, const void *host, size_t bytes) {
 
 static void be_get(pd_backend *be, void *host, const void *src, size_t bytes) {
     pd_error err = {0};
-    cr_assert_eq(be->ops->download(be, host, src, bytes, &err), PD_OK, "%s: download(%zu): %s", be->ops->name,
+    cr_assert_eq(pd_backend_download(be, host, src, bytes, &err), PD_OK, "%s: download(%zu): %s", pd_backend_name(be),
                  bytes, err.msg);
 }
 
 static void be_ok(pd_backend *be, int rc, const pd_error *err, const char *what) {
-    cr_assert_eq(rc, PD_OK, "%s on %s: %s", what, be->ops->name, err->msg);
+    cr_assert_eq(rc, PD_OK, "%s on %s: %s", what, pd_backend_name(be), err->msg);
 }
 
 /* ------------------------------------------------------------------------
@@ -187,7 +187,7 @@ static void run_matmul(pd_backend *be, const pd_weight *w, const float *x, int64
     const size_t xb = sizeof(float) * (size_t)(n * w->cols), yb = sizeof(float) * (size_t)(n * w->rows);
     float *dx = be_put(be, x, xb);
     float *dy = be_alloc(be, yb);
-    be_ok(be, be->ops->matmul(be, w, dx, n, dy, &err), &err, "matmul");
+    be_ok(be, pd_backend_matmul(be, w, dx, n, dy, &err), &err, "matmul");
     be_get(be, y, dy, yb);
     be_release(be, dx);
     be_release(be, dy);
@@ -337,7 +337,7 @@ Test(cuda_parity, get_rows_every_type) {
         for (int k = 0; k < 2; k++) {
             pd_error err = {0};
             float *d = be_alloc(bes[k], ob);
-            be_ok(bes[k], bes[k]->ops->get_rows(bes[k], &hw[t].w, ids, n, d, &err), &err, "get_rows");
+            be_ok(bes[k], pd_backend_get_rows(bes[k], &hw[t].w, ids, n, d, &err), &err, "get_rows");
             be_get(bes[k], outs[k], d, ob);
             be_release(bes[k], d);
         }
@@ -371,7 +371,7 @@ static void run_rmsnorm(pd_backend *be, const float *x, const float *w, int64_t 
     float *dx = be_put(be, x, xb);
     float *dw = be_put(be, w, sizeof(float) * (size_t)dim);
     float *dout = in_place ? dx : be_alloc(be, xb);
-    be_ok(be, be->ops->rmsnorm(be, dx, dw, n, dim, eps, dout, &err), &err, "rmsnorm");
+    be_ok(be, pd_backend_rmsnorm(be, dx, dw, n, dim, eps, dout, &err), &err, "rmsnorm");
     be_get(be, out, dout, xb);
     if (!in_place) be_release(be, dout);
     be_release(be, dx);
@@ -419,7 +419,7 @@ static void run_rope(pd_backend *be, const float *x, const int32_t *pos, int64_t
     const size_t xb = sizeof(float) * (size_t)(n * n_heads * head_dim);
     float *dx = be_put(be, x, xb);
     int32_t *dp = be_put(be, pos, sizeof(int32_t) * (size_t)n);
-    be_ok(be, be->ops->rope(be, dx, dp, n, n_heads, head_dim, p, &err), &err, "rope");
+    be_ok(be, pd_backend_rope(be, dx, dp, n, n_heads, head_dim, p, &err), &err, "rope");
     be_get(be, out, dx, xb);
     be_release(be, dx);
     be_release(be, dp);
@@ -480,7 +480,7 @@ static void run_swiglu(pd_backend *be, const float *g, const float *u, int64_t n
     const size_t bytes = sizeof(float) * (size_t)n;
     float *dg = be_put(be, g, bytes), *du = be_put(be, u, bytes);
     float *dout = in_place ? dg : be_alloc(be, bytes);
-    be_ok(be, be->ops->swiglu(be, dg, du, n, dout, &err), &err, "swiglu");
+    be_ok(be, pd_backend_swiglu(be, dg, du, n, dout, &err), &err, "swiglu");
     be_get(be, out, dout, bytes);
     if (!in_place) be_release(be, dout);
     be_release(be, dg);
@@ -530,9 +530,9 @@ Test(cuda_parity, geglu_softcap_scale) {
             pd_backend *be = bes[i];
             pd_error err = {0};
             float *dg = be_put(be, g, bytes), *du = be_put(be, u, bytes);
-            if (op == 0) be_ok(be, be->ops->geglu(be, dg, du, n, dg, &err), &err, "geglu");
-            if (op == 1) be_ok(be, be->ops->softcap(be, dg, n, 5.0f, &err), &err, "softcap");
-            if (op == 2) be_ok(be, be->ops->scale(be, dg, n, 0.3f, &err), &err, "scale");
+            if (op == 0) be_ok(be, pd_backend_geglu(be, dg, du, n, dg, &err), &err, "geglu");
+            if (op == 1) be_ok(be, pd_backend_softcap(be, dg, n, 5.0f, &err), &err, "softcap");
+            if (op == 2) be_ok(be, pd_backend_scale(be, dg, n, 0.3f, &err), &err, "scale");
             be_get(be, i ? og : oc, dg, bytes);
             be_release(be, dg);
             be_release(be, du);
@@ -564,7 +564,7 @@ Test(cuda_parity, add_bias_and_elementwise) {
             pd_error err = {0};
             float *dy = be_put(bes[k], y, sizeof(float) * (size_t)(rows * width));
             float *dx = be_put(bes[k], x, sizeof(float) * (size_t)((bias ? 1 : rows) * width));
-            be_ok(bes[k], bes[k]->ops->add(bes[k], dy, dx, rows, width, stride, &err), &err, "add");
+            be_ok(bes[k], pd_backend_add(bes[k], dy, dx, rows, width, stride, &err), &err, "add");
             be_get(bes[k], outs[k], dy, sizeof(float) * (size_t)(rows * width));
             be_release(bes[k], dy);
             be_release(bes[k], dx);
@@ -607,11 +607,11 @@ Test(cuda_parity, copy2d_copy2d_batch_and_gather) {
     for (int k = 0; k < 2; k++) {
         pd_error err = {0};
         uint8_t *ds = be_put(bes[k], src, rows * spitch), *dd = be_put(bes[k], dst0, rows * dpitch);
-        be_ok(bes[k], bes[k]->ops->copy2d(bes[k], dd, dpitch, ds, spitch, width, rows, &err), &err, "copy2d");
+        be_ok(bes[k], pd_backend_copy2d(bes[k], dd, dpitch, ds, spitch, width, rows, &err), &err, "copy2d");
         be_get(bes[k], got, dd, rows * dpitch);
         for (size_t i = 0; i < rows * dpitch; i++)
             cr_assert_eq(got[i], want[i], "copy2d on %s: byte %zu (row %zu, offset %zu) is %u, expected %u",
-                         bes[k]->ops->name, i, i / dpitch, i % dpitch, got[i], want[i]);
+                         pd_backend_name(bes[k]), i, i / dpitch, i % dpitch, got[i], want[i]);
         be_release(bes[k], ds);
         be_release(bes[k], dd);
     }
@@ -644,10 +644,10 @@ Test(cuda_parity, copy2d_copy2d_batch_and_gather) {
                 descs[j] = (pd_copy2d){.dst = dd + sh[j].dst_off, .src = ds + sh[j].src_off,
                                        .dst_pitch = sh[j].dst_pitch, .src_pitch = sh[j].src_pitch,
                                        .width = sh[j].width, .rows = sh[j].rows};
-            be_ok(bes[k], bes[k]->ops->copy2d_batch(bes[k], descs, 3, &err), &err, "copy2d_batch");
+            be_ok(bes[k], pd_backend_copy2d_batch(bes[k], descs, 3, &err), &err, "copy2d_batch");
             be_get(bes[k], bgot, dd, dbytes);
             for (size_t i = 0; i < dbytes; i++)
-                cr_assert_eq(bgot[i], bwant[i], "copy2d_batch on %s: byte %zu is %u, expected %u", bes[k]->ops->name,
+                cr_assert_eq(bgot[i], bwant[i], "copy2d_batch on %s: byte %zu is %u, expected %u", pd_backend_name(bes[k]),
                              i, bgot[i], bwant[i]);
             be_release(bes[k], ds);
             be_release(bes[k], dd);
@@ -675,11 +675,11 @@ Test(cuda_parity, copy2d_copy2d_batch_and_gather) {
         for (int k = 0; k < 2; k++) {
             pd_error err = {0};
             uint8_t *ds = be_put(bes[k], gs, rb * (size_t)n_src), *dd = be_alloc(bes[k], rb * (size_t)n_idx);
-            be_ok(bes[k], bes[k]->ops->gather(bes[k], dd, ds, idx, n_idx, rb, &err), &err, "gather");
+            be_ok(bes[k], pd_backend_gather(bes[k], dd, ds, idx, n_idx, rb, &err), &err, "gather");
             be_get(bes[k], gout, dd, rb * (size_t)n_idx);
             for (int64_t i = 0; i < n_idx; i++)
                 cr_assert(memcmp(gout + (size_t)i * rb, gs + (size_t)idx[i] * rb, rb) == 0,
-                          "gather on %s, rows of %zu bytes: output row %lld is not source row %d", bes[k]->ops->name,
+                          "gather on %s, rows of %zu bytes: output row %lld is not source row %d", pd_backend_name(bes[k]),
                           rb, (long long)i, idx[i]);
             be_release(bes[k], ds);
             be_release(bes[k], dd);
@@ -704,12 +704,12 @@ Test(cuda_parity, upload_download_round_trip_20_mib_of_pageable_memory) {
     for (size_t i = 0; i < bytes; i++) src[i] = pattern_byte(i, 9);
     pd_error err = {0};
     uint8_t *d1 = be_alloc(gpu, bytes), *d2 = be_alloc(gpu, bytes);
-    be_ok(gpu, gpu->ops->upload(gpu, d1, src, bytes, &err), &err, "upload");
+    be_ok(gpu, pd_backend_upload(gpu, d1, src, bytes, &err), &err, "upload");
     /* kernels.h: the source may be reused as soon as upload returns. */
     memset(src, 0xA5, bytes);
-    be_ok(gpu, gpu->ops->copy(gpu, d2, d1, bytes, &err), &err, "copy");
+    be_ok(gpu, pd_backend_copy(gpu, d2, d1, bytes, &err), &err, "copy");
     be_get(gpu, back, d2, bytes);
-    be_ok(gpu, gpu->ops->sync(gpu, &err), &err, "sync");
+    be_ok(gpu, pd_backend_sync(gpu, &err), &err, "sync");
     size_t bad = bytes;
     for (size_t i = 0; i < bytes && bad == bytes; i++)
         if (back[i] != pattern_byte(i, 9)) bad = i;
@@ -904,7 +904,7 @@ static void run_attention(pd_backend *be, const attn_case *c, const attn_data *d
                             .softcap = c->softcap,
                             .out = dout};
     pd_error err = {0};
-    be_ok(be, be->ops->attention(be, &a, &err), &err, c->name);
+    be_ok(be, pd_backend_attention(be, &a, &err), &err, c->name);
     be_get(be, out, dout, qb);
     be_release(be, dq);
     be_release(be, dqp);
@@ -1086,16 +1086,16 @@ Test(cuda_parity, attention_query_without_visible_keys_gives_zeros) {
         float *junk = xmalloc(sizeof(float) * 2 * NH * HD);
         for (int i = 0; i < 2 * NH * HD; i++) junk[i] = 12345.0f;
         pd_error err = {0};
-        be_ok(be, be->ops->upload(be, dout, junk, sizeof(float) * 2 * NH * HD, &err), &err, "upload");
+        be_ok(be, pd_backend_upload(be, dout, junk, sizeof(float) * 2 * NH * HD, &err), &err, "upload");
         pd_kv_view views[NKV];
         for (int h = 0; h < NKV; h++) views[h] = (pd_kv_view){.k = dk, .v = dk, .pos = dkp, .len = LEN};
         const pd_attn_args a = {.q = dq, .q_pos = dqp, .n_tokens = 2, .n_head = NH, .n_head_kv = NKV, .head_dim = HD,
                                 .n_segments = 1, .kv = views, .n_groups = 0, .scale = 0.125f, .causal = true,
                                 .out = dout};
-        be_ok(be, be->ops->attention(be, &a, &err), &err, "attention with nothing visible");
+        be_ok(be, pd_backend_attention(be, &a, &err), &err, "attention with nothing visible");
         be_get(be, junk, dout, sizeof(float) * 2 * NH * HD);
         for (int i = 0; i < 2 * NH * HD; i++)
-            cr_assert(junk[i] == 0.0f, "%s: output %d is %g, expected 0", be->ops->name, i, (double)junk[i]);
+            cr_assert(junk[i] == 0.0f, "%s: output %d is %g, expected 0", pd_backend_name(be), i, (double)junk[i]);
         free(junk);
         be_release(be, dq);
         be_release(be, dqp);
@@ -1121,7 +1121,7 @@ static pd_model *load_on(const char *path, pd_backend *be) {
     pd_model *m = NULL;
     pd_error err = {0};
     pd_model_params p = {.n_threads = 2, .backend = be};
-    cr_assert_eq(pd_model_load(path, &p, &m, &err), PD_OK, "%s on %s: %s", path, be->ops->name, err.msg);
+    cr_assert_eq(pd_model_load(path, &p, &m, &err), PD_OK, "%s on %s: %s", path, pd_backend_name(be), err.msg);
     return m;
 }
 

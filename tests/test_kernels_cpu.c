@@ -171,7 +171,7 @@ static void check_weight(const pd_weight *w, const char *simd, uint64_t *s, cons
             const int64_t n = ns[ni];
             pd_error err = {0};
             for (int64_t i = 0; i < n * rows; i++) y[i] = NAN;
-            cr_assert_eq(be->ops->matmul(be, w, x, n, y, &err), PD_OK, "%s", err.msg);
+            cr_assert_eq(pd_backend_matmul(be, w, x, n, y, &err), PD_OK, "%s", err.msg);
             for (int64_t i = 0; i < n * rows; i++) {
                 const double e = fabs((double)y[i] - ref[i]);
                 cr_assert(e <= bound[i],
@@ -532,7 +532,7 @@ Test(matmul, q32_kernels_are_exact_on_quantized_activations, .timeout = 300) {
                     for (size_t ni = 0; ni < sizeof q32_ns / sizeof q32_ns[0]; ni++) {
                         const int64_t n = q32_ns[ni];
                         pd_error err = {0};
-                        cr_assert_eq(be->ops->matmul(be, &w, x, n, y, &err), PD_OK, "%s", err.msg);
+                        cr_assert_eq(pd_backend_matmul(be, &w, x, n, y, &err), PD_OK, "%s", err.msg);
                         for (int64_t k = 0; k < n * rows; k++)
                             cr_assert(fabs((double)y[k] - ref[k]) <= tol[k],
                                       "%s %s %lldx%lld n=%lld threads=%d: y[%lld][%lld] = %.9g, exact %.9g (tol %.3g)",
@@ -592,8 +592,8 @@ Test(matmul, simd_agrees_with_scalar) {
             const int64_t ns[] = {1, 3, 7};
             for (size_t ni = 0; ni < 3; ni++) {
                 pd_error err = {0};
-                cr_assert_eq(sc->ops->matmul(sc, &w, x, ns[ni], y0, &err), PD_OK, "%s", err.msg);
-                cr_assert_eq(sv->ops->matmul(sv, &w, x, ns[ni], y1, &err), PD_OK, "%s", err.msg);
+                cr_assert_eq(pd_backend_matmul(sc, &w, x, ns[ni], y0, &err), PD_OK, "%s", err.msg);
+                cr_assert_eq(pd_backend_matmul(sv, &w, x, ns[ni], y1, &err), PD_OK, "%s", err.msg);
                 for (int64_t k = 0; k < ns[ni] * rows; k++) {
                     const double tol = 1e-5 * rs[k] + 1e-30;
                     cr_assert(fabs((double)y0[k] - (double)y1[k]) <= tol,
@@ -624,15 +624,15 @@ Test(matmul, padded_rows_and_empty_shapes) {
     fill_acts(&s, x, 2 * 64);
     pd_backend *be = make_backend(2, NULL);
     pd_error err = {0};
-    cr_assert_eq(be->ops->matmul(be, &w, x, 2, y0, &err), PD_OK, "%s", err.msg);
-    cr_assert_eq(be->ops->matmul(be, &wp, x, 2, y1, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_matmul(be, &w, x, 2, y0, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_matmul(be, &wp, x, 2, y1, &err), PD_OK, "%s", err.msg);
     cr_assert_eq(memcmp(y0, y1, sizeof y0), 0);
     /* n = 0 and rows = 0 are no-ops; cols = 0 gives zeros */
-    cr_assert_eq(be->ops->matmul(be, &w, x, 0, y0, &err), PD_OK);
+    cr_assert_eq(pd_backend_matmul(be, &w, x, 0, y0, &err), PD_OK);
     pd_weight we;
     cr_assert_eq(pd_weight_init(&we, PD_TYPE_F32, x, 3, 0, &err), PD_OK, "%s", err.msg);
     y0[0] = y0[1] = y0[2] = 1.0f;
-    cr_assert_eq(be->ops->matmul(be, &we, x, 1, y0, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_matmul(be, &we, x, 1, y0, &err), PD_OK, "%s", err.msg);
     cr_assert(y0[0] == 0.0f && y0[1] == 0.0f && y0[2] == 0.0f);
     pd_backend_free(be);
     free(padded);
@@ -647,7 +647,7 @@ Test(matmul, errors) {
     uint8_t buf[4 * 40] = {0};
     /* a type the backend cannot multiply */
     cr_assert_eq(pd_weight_init(&w, PD_TYPE_Q8_1, buf, 2, 32, &err), PD_OK, "%s", err.msg);
-    cr_assert_eq(be->ops->matmul(be, &w, x, 1, y, &err), PD_EUNSUPPORTED);
+    cr_assert_eq(pd_backend_matmul(be, &w, x, 1, y, &err), PD_EUNSUPPORTED);
     cr_assert(strstr(err.msg, "q8_1") != NULL, "message names the type: %s", err.msg);
     /* shape checks */
     cr_assert_eq(pd_weight_init(&w, PD_TYPE_Q8_0, buf, 2, 33, &err), PD_EFORMAT);
@@ -656,9 +656,9 @@ Test(matmul, errors) {
     cr_assert_eq(pd_weight_init(&w, (pd_type)99, buf, 2, 4, &err), PD_EINVAL);
     cr_assert_eq(pd_weight_init(&w, PD_TYPE_Q8_0, buf, 2, 32, &err), PD_OK, "%s", err.msg);
     w.row_bytes = 10;
-    cr_assert_eq(be->ops->matmul(be, &w, x, 1, y, &err), PD_EINVAL);
+    cr_assert_eq(pd_backend_matmul(be, &w, x, 1, y, &err), PD_EINVAL);
     w.row_bytes = 34;
-    cr_assert_eq(be->ops->matmul(be, &w, x, -1, y, &err), PD_EINVAL);
+    cr_assert_eq(pd_backend_matmul(be, &w, x, -1, y, &err), PD_EINVAL);
     pd_backend_free(be);
 
     setenv("PD_CPU_SIMD", "sse9", 1);
@@ -686,7 +686,7 @@ Test(get_rows, dequantizes_selected_rows_exactly) {
         const int32_t ids[] = {0, 16, 3, 3, 9};
         float out[5 * 512], want[512];
         pd_error err = {0};
-        cr_assert_eq(be->ops->get_rows(be, &w, ids, 5, out, &err), PD_OK, "%s", err.msg);
+        cr_assert_eq(pd_backend_get_rows(be, &w, ids, 5, out, &err), PD_OK, "%s", err.msg);
         for (int k = 0; k < 5; k++) {
             cr_assert_eq(pd_dequantize_row(t, data + (size_t)ids[k] * w.row_bytes, want, (uint64_t)cols, &err),
                          PD_OK);
@@ -694,9 +694,9 @@ Test(get_rows, dequantizes_selected_rows_exactly) {
                          pd_type_get(t)->name, ids[k]);
         }
         const int32_t bad[] = {1, 17};
-        cr_assert_eq(be->ops->get_rows(be, &w, bad, 2, out, &err), PD_ERANGE);
+        cr_assert_eq(pd_backend_get_rows(be, &w, bad, 2, out, &err), PD_ERANGE);
         const int32_t neg[] = {-1};
-        cr_assert_eq(be->ops->get_rows(be, &w, neg, 1, out, &err), PD_ERANGE);
+        cr_assert_eq(pd_backend_get_rows(be, &w, neg, 1, out, &err), PD_ERANGE);
         free(data);
     }
     pd_backend_free(be);
@@ -722,7 +722,7 @@ Test(rmsnorm, matches_formula_and_works_in_place) {
                 float *out = malloc(sizeof(float) * (size_t)(n * dim));
                 for (int64_t i = 0; i < n * dim; i++) x[i] = rng_normal(&s) * 3.0f;
                 for (int64_t i = 0; i < dim; i++) wt[i] = 1.0f + rng_uniform(&s);
-                cr_assert_eq(be->ops->rmsnorm(be, x, wt, n, dim, 1e-5f, out, NULL), PD_OK);
+                cr_assert_eq(pd_backend_rmsnorm(be, x, wt, n, dim, 1e-5f, out, NULL), PD_OK);
                 for (int64_t r = 0; r < n; r++) {
                     double ss = 0;
                     for (int64_t i = 0; i < dim; i++) ss += (double)x[r * dim + i] * x[r * dim + i];
@@ -734,7 +734,7 @@ Test(rmsnorm, matches_formula_and_works_in_place) {
                                   (long long)r, (long long)i, (double)out[r * dim + i], want);
                     }
                 }
-                cr_assert_eq(be->ops->rmsnorm(be, x, wt, n, dim, 1e-5f, x, NULL), PD_OK); /* in place */
+                cr_assert_eq(pd_backend_rmsnorm(be, x, wt, n, dim, 1e-5f, x, NULL), PD_OK); /* in place */
                 cr_assert_eq(memcmp(x, out, sizeof(float) * (size_t)(n * dim)), 0);
                 free(x);
                 free(wt);
@@ -764,7 +764,7 @@ Test(swiglu, matches_formula_and_works_in_place) {
                 g[1] = -100.0f; /* and 0 for very negative x */
                 g[2] = 0.0f;
             }
-            cr_assert_eq(be->ops->swiglu(be, g, u, n, out, NULL), PD_OK);
+            cr_assert_eq(pd_backend_swiglu(be, g, u, n, out, NULL), PD_OK);
             for (int64_t i = 0; i < n; i++) {
                 const double x = g[i];
                 const double want = x / (1.0 + exp(-x)) * u[i];
@@ -772,7 +772,7 @@ Test(swiglu, matches_formula_and_works_in_place) {
                           "n %lld [%lld]: silu(%g)*%g = %.9g, want %.9g", (long long)n, (long long)i, x,
                           (double)u[i], (double)out[i], want);
             }
-            cr_assert_eq(be->ops->swiglu(be, g, u, n, g, NULL), PD_OK); /* in place */
+            cr_assert_eq(pd_backend_swiglu(be, g, u, n, g, NULL), PD_OK); /* in place */
             cr_assert_eq(memcmp(g, out, sizeof(float) * (size_t)n), 0);
             free(g);
             free(u);
@@ -797,7 +797,7 @@ Test(elementwise, geglu_softcap_scale_match_formulas) {
             u[i] = rng_normal(&s);
         }
         if (n > 4) g[0] = 30.0f, g[1] = -30.0f, g[2] = 0.0f; /* gelu(x) = x, 0, 0 */
-        cr_assert_eq(be->ops->geglu(be, g, u, n, out, NULL), PD_OK);
+        cr_assert_eq(pd_backend_geglu(be, g, u, n, out, NULL), PD_OK);
         for (int64_t i = 0; i < n; i++) {
             const double a = g[i];
             const double want = 0.5 * a * (1.0 + tanh(sqrt(2.0 / M_PI) * (a + 0.044715 * a * a * a))) * u[i];
@@ -805,25 +805,25 @@ Test(elementwise, geglu_softcap_scale_match_formulas) {
                       "n %lld [%lld]: gelu(%g)*%g = %.9g, want %.9g", (long long)n, (long long)i, a, (double)u[i],
                       (double)out[i], want);
         }
-        cr_assert_eq(be->ops->geglu(be, g, u, n, g, NULL), PD_OK); /* in place */
+        cr_assert_eq(pd_backend_geglu(be, g, u, n, g, NULL), PD_OK); /* in place */
         cr_assert_eq(memcmp(g, out, sizeof(float) * (size_t)n), 0);
 
         for (int64_t i = 0; i < n; i++) x[i] = u[i] * 40.0f;
         memcpy(out, x, sizeof(float) * (size_t)n);
-        cr_assert_eq(be->ops->softcap(be, out, n, 30.0f, NULL), PD_OK);
+        cr_assert_eq(pd_backend_softcap(be, out, n, 30.0f, NULL), PD_OK);
         for (int64_t i = 0; i < n; i++) {
             const double want = 30.0 * tanh(x[i] / 30.0);
             cr_assert(fabs(out[i] - want) <= 4e-6 * fmax(1.0, fabs(want)), "softcap(%g) = %.9g, want %.9g",
                       (double)x[i], (double)out[i], want);
         }
         memcpy(out, x, sizeof(float) * (size_t)n);
-        cr_assert_eq(be->ops->scale(be, out, n, 0.375f, NULL), PD_OK);
+        cr_assert_eq(pd_backend_scale(be, out, n, 0.375f, NULL), PD_OK);
         for (int64_t i = 0; i < n; i++) cr_assert_eq(out[i], x[i] * 0.375f);
         free(g), free(u), free(out), free(x);
     }
     pd_error err = {0};
     float y = 1.0f;
-    cr_expect_eq(be->ops->softcap(be, &y, 1, 0.0f, &err), PD_EINVAL, "a cap of 0 is refused");
+    cr_expect_eq(pd_backend_softcap(be, &y, 1, 0.0f, &err), PD_EINVAL, "a cap of 0 is refused");
     pd_backend_free(be);
 }
 
@@ -869,7 +869,7 @@ Test(rope, both_modes_match_formula) {
                 for (int64_t t = 0; t < n; t++) pos[t] = (int32_t)(t * 37 % 8191); /* gaps, any order */
                 memcpy(want, x, sizeof(float) * (size_t)(n * nh * hd));
                 rope_ref(want, pos, n, nh, hd, &p);
-                cr_assert_eq(be->ops->rope(be, x, pos, n, nh, hd, &p, NULL), PD_OK);
+                cr_assert_eq(pd_backend_rope(be, x, pos, n, nh, hd, &p, NULL), PD_OK);
                 for (int64_t i = 0; i < n * nh * hd; i++) {
                     const int d = (int)(i % hd);
                     if (d >= p.n_rot)
@@ -894,7 +894,7 @@ Test(rope, position_zero_is_identity) {
     const int32_t pos[4] = {0, 0, 0, 0};
     for (int m = 0; m < 2; m++) {
         pd_rope_params p = {m ? PD_ROPE_NEOX : PD_ROPE_NORM, 64, 500000.0f, NULL};
-        cr_assert_eq(be->ops->rope(be, x, pos, 4, 2, 64, &p, NULL), PD_OK);
+        cr_assert_eq(pd_backend_rope(be, x, pos, 4, 2, 64, &p, NULL), PD_OK);
         cr_assert_eq(memcmp(x, orig, sizeof x), 0);
     }
     pd_backend_free(be);
@@ -1059,7 +1059,7 @@ static void run_attn_case(const attn_case *c, uint64_t seed, int threads, const 
     pd_backend *be = make_backend(threads, simd);
     pd_error err = {0};
     for (int64_t i = 0; i < nq; i++) out[i] = NAN;
-    cr_assert_eq(be->ops->attention(be, &a, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_attention(be, &a, &err), PD_OK, "%s", err.msg);
     const char *tn = kv_type == PD_TYPE_F16 ? "f16" : "f32";
     for (int64_t i = 0; i < nq; i++)
         cr_assert(fabs((double)out[i] - want[i]) <= 1e-5,
@@ -1151,25 +1151,25 @@ Test(attention, masked_and_future_keys_are_never_read) {
     pd_attn_args a = {.q = q, .q_pos = &qpos, .n_tokens = 1, .n_head = 1, .n_head_kv = 1, .head_dim = hd,
                       .n_segments = 1, .kv = &kv, .scale = 0.25f, .causal = true, .out = out};
     pd_error err = {0};
-    cr_assert_eq(be->ops->attention(be, &a, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_attention(be, &a, &err), PD_OK, "%s", err.msg);
     for (int d = 0; d < hd; d++) cr_assert(isfinite(out[d]), "out[%d] = %g", d, (double)out[d]);
     pd_kv_view kv16 = {k16, v16, pos, keep, 4, PD_TYPE_F16};
     a.kv = &kv16;
-    cr_assert_eq(be->ops->attention(be, &a, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_attention(be, &a, &err), PD_OK, "%s", err.msg);
     for (int d = 0; d < hd; d++) cr_assert(isfinite(out[d]), "f16: out[%d] = %g", d, (double)out[d]);
     /* only f32 and f16 rows */
     kv16.type = PD_TYPE_BF16;
-    cr_assert_eq(be->ops->attention(be, &a, &err), PD_EUNSUPPORTED);
+    cr_assert_eq(pd_backend_attention(be, &a, &err), PD_EUNSUPPORTED);
     cr_assert(strstr(err.msg, "f32 or f16"), "%s", err.msg);
     a.kv = &kv;
     /* bad shapes */
     a.n_head = 3;
     a.n_head_kv = 2;
-    cr_assert_eq(be->ops->attention(be, &a, &err), PD_EINVAL);
+    cr_assert_eq(pd_backend_attention(be, &a, &err), PD_EINVAL);
     a.n_head = 1;
     a.n_head_kv = 1;
     a.n_segments = PD_MAX_KV_SEGMENTS + 1;
-    cr_assert_eq(be->ops->attention(be, &a, &err), PD_EINVAL);
+    cr_assert_eq(pd_backend_attention(be, &a, &err), PD_EINVAL);
     pd_backend_free(be);
 }
 
@@ -1223,21 +1223,21 @@ static void groups_over_shared(pd_type shared_type) {
         pd_attn_args one = {.q = q + starts[g] * NH * HD, .q_pos = qpos + starts[g], .n_tokens = tokens[g],
                             .n_head = NH, .n_head_kv = NKV, .head_dim = HD, .n_segments = 2, .kv = segs,
                             .scale = 0.2f, .causal = true, .out = want + starts[g] * NH * HD};
-        cr_assert_eq(be->ops->attention(be, &one, &err), PD_OK, "%s", err.msg);
+        cr_assert_eq(pd_backend_attention(be, &one, &err), PD_OK, "%s", err.msg);
     }
     pd_attn_args all = {.q = q, .q_pos = qpos, .n_tokens = T, .n_head = NH, .n_head_kv = NKV, .head_dim = HD,
                         .n_segments = 1, .kv = own, .n_shared = 1, .shared = shared, .n_groups = NG,
                         .group_start = starts, .scale = 0.2f, .causal = true, .out = out};
-    cr_assert_eq(be->ops->attention(be, &all, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_attention(be, &all, &err), PD_OK, "%s", err.msg);
     /* the same arithmetic in the same order: equal bits */
     for (int64_t i = 0; i < T * NH * HD; i++) cr_assert_eq(out[i], want[i], "out[%lld]", (long long)i);
     /* groups must cover the tokens */
     starts[NG] = T + 1;
-    cr_assert_eq(be->ops->attention(be, &all, &err), PD_EINVAL);
+    cr_assert_eq(pd_backend_attention(be, &all, &err), PD_EINVAL);
     cr_assert(strstr(err.msg, "groups cover"), "%s", err.msg);
     starts[NG] = T;
     all.n_segments = PD_MAX_KV_SEGMENTS;
-    cr_assert_eq(be->ops->attention(be, &all, &err), PD_EINVAL);
+    cr_assert_eq(pd_backend_attention(be, &all, &err), PD_EINVAL);
     for (int g = 0; g < NG; g++) free(ok[g]), free(ov[g]), free(opos[g]);
     free(sk), free(sv), free(spos), free(sk16), free(sv16);
     pd_backend_free(be);
@@ -1277,15 +1277,15 @@ Test(attention, f16_conversions_match_the_reference_bit_for_bit) {
             pd_error err = {0};
             for (int n = N; n >= N - 17; n -= 17) { /* tails of every length mod 16 */
                 memset(h, 0xab, 2 * N);
-                cr_assert_eq(be->ops->convert(be, h, PD_TYPE_F16, x, PD_TYPE_F32, n, &err), PD_OK, "%s", err.msg);
+                cr_assert_eq(pd_backend_convert(be, h, PD_TYPE_F16, x, PD_TYPE_F32, n, &err), PD_OK, "%s", err.msg);
                 for (int i = 0; i < n; i++)
                     cr_assert_eq(h[i], ref[i], "%s: f16(%a) is %#x, the reference %#x", levels[l] ? levels[l] : "auto",
                                  (double)x[i], h[i], ref[i]);
                 for (int i = n; i < N; i++) cr_assert_eq(h[i], 0xabab, "wrote past n");
-                cr_assert_eq(be->ops->convert(be, back, PD_TYPE_F32, ref, PD_TYPE_F16, n, &err), PD_OK, "%s", err.msg);
+                cr_assert_eq(pd_backend_convert(be, back, PD_TYPE_F32, ref, PD_TYPE_F16, n, &err), PD_OK, "%s", err.msg);
                 cr_assert(memcmp(back, ref_back, sizeof(float) * (size_t)n) == 0, "f16 -> f32 differs");
             }
-            cr_assert_eq(be->ops->convert(be, h, PD_TYPE_BF16, x, PD_TYPE_F32, 4, &err), PD_EUNSUPPORTED);
+            cr_assert_eq(pd_backend_convert(be, h, PD_TYPE_BF16, x, PD_TYPE_F32, 4, &err), PD_EUNSUPPORTED);
             pd_backend_free(be);
         }
     }
@@ -1300,44 +1300,44 @@ Test(attention, f16_conversions_match_the_reference_bit_for_bit) {
 Test(backend_memory, copies_gather_and_add) {
     pd_backend *be = make_backend(1, NULL);
     pd_error err = {0};
-    cr_assert(be->ops->host_memory);
-    float *a = be->ops->alloc(be, 64 * sizeof(float), &err), *b = be->ops->alloc(be, 64 * sizeof(float), &err);
+    cr_assert(pd_backend_host_memory(be));
+    float *a = pd_backend_alloc(be, 64 * sizeof(float), &err), *b = pd_backend_alloc(be, 64 * sizeof(float), &err);
     cr_assert(a && b, "%s", err.msg);
     cr_assert_eq((uintptr_t)a % 256, 0);
     float src[64];
     for (int i = 0; i < 64; i++) src[i] = (float)i;
-    cr_assert_eq(be->ops->upload(be, a, src, sizeof src, &err), PD_OK);
+    cr_assert_eq(pd_backend_upload(be, a, src, sizeof src, &err), PD_OK);
     /* [4 rows][2 heads][8] -> head 1's rows contiguous, via copy2d_batch */
     pd_copy2d d[2] = {{b, a + 8, 8 * sizeof(float), 16 * sizeof(float), 8 * sizeof(float), 4},
                       {b + 32, a, 8 * sizeof(float), 16 * sizeof(float), 8 * sizeof(float), 4}};
-    cr_assert_eq(be->ops->copy2d_batch(be, d, 2, &err), PD_OK);
+    cr_assert_eq(pd_backend_copy2d_batch(be, d, 2, &err), PD_OK);
     for (int r = 0; r < 4; r++)
         for (int i = 0; i < 8; i++) {
             cr_assert_eq(b[r * 8 + i], (float)(r * 16 + 8 + i));
             cr_assert_eq(b[32 + r * 8 + i], (float)(r * 16 + i));
         }
     const int32_t idx[3] = {3, 0, 3};
-    cr_assert_eq(be->ops->gather(be, b, a, idx, 3, 4 * sizeof(float), &err), PD_OK);
+    cr_assert_eq(pd_backend_gather(be, b, a, idx, 3, 4 * sizeof(float), &err), PD_OK);
     for (int i = 0; i < 4; i++) {
         cr_assert_eq(b[i], (float)(12 + i));
         cr_assert_eq(b[4 + i], (float)i);
         cr_assert_eq(b[8 + i], (float)(12 + i));
     }
     const int32_t bad[1] = {-1};
-    cr_assert_eq(be->ops->gather(be, b, a, bad, 1, 4, &err), PD_EINVAL);
+    cr_assert_eq(pd_backend_gather(be, b, a, bad, 1, 4, &err), PD_EINVAL);
     /* bias (stride 0) and element-wise */
     float y[6] = {1, 2, 3, 4, 5, 6}, bias[3] = {10, 20, 30}, x[6] = {1, 1, 1, 2, 2, 2};
-    cr_assert_eq(be->ops->add(be, y, bias, 2, 3, 0, &err), PD_OK);
-    cr_assert_eq(be->ops->add(be, y, x, 2, 3, 3, &err), PD_OK);
+    cr_assert_eq(pd_backend_add(be, y, bias, 2, 3, 0, &err), PD_OK);
+    cr_assert_eq(pd_backend_add(be, y, x, 2, 3, 3, &err), PD_OK);
     const float want[6] = {12, 23, 34, 16, 27, 38};
     for (int i = 0; i < 6; i++) cr_assert_eq(y[i], want[i]);
-    cr_assert_eq(be->ops->add(be, y, x, 2, 3, 2, &err), PD_EINVAL);
+    cr_assert_eq(pd_backend_add(be, y, x, 2, 3, 2, &err), PD_EINVAL);
     float back[64];
-    cr_assert_eq(be->ops->download(be, back, a, sizeof back, &err), PD_OK);
+    cr_assert_eq(pd_backend_download(be, back, a, sizeof back, &err), PD_OK);
     cr_assert_eq(memcmp(back, src, sizeof src), 0);
-    cr_assert_eq(be->ops->sync(be, &err), PD_OK);
-    be->ops->release(be, a);
-    be->ops->release(be, b);
-    be->ops->release(be, NULL);
+    cr_assert_eq(pd_backend_sync(be, &err), PD_OK);
+    pd_backend_release(be, a);
+    pd_backend_release(be, b);
+    pd_backend_release(be, NULL);
     pd_backend_free(be);
 }

@@ -77,7 +77,7 @@ static void usage(FILE *f) {
  * n_copies weights. */
 static int time_matmul(pd_backend *be, const pd_weight *w, long n_copies, const float *x, long n, float *y,
                        double min_time, double *out, pd_error *err) {
-    int rc = be->ops->matmul(be, &w[0], x, n, y, err); /* warm up */
+    int rc = pd_backend_matmul(be, &w[0], x, n, y, err); /* warm up */
     if (rc) return rc;
     /* best of 5 rounds: other processes on the machine only ever add time */
     double best = INFINITY;
@@ -87,7 +87,7 @@ static int time_matmul(pd_backend *be, const pd_weight *w, long n_copies, const 
         const double t0 = pd_now_seconds();
         double t;
         do {
-            rc = be->ops->matmul(be, &w[k++ % n_copies], x, n, y, err);
+            rc = pd_backend_matmul(be, &w[k++ % n_copies], x, n, y, err);
             if (rc) return rc;
             iters++;
             t = pd_now_seconds() - t0;
@@ -131,14 +131,14 @@ static int time_attention(pd_backend *be, long n_tokens, long n_keys, bool causa
     pd_attn_args a = {.q = q, .q_pos = qpos, .n_tokens = n_tokens, .n_head = nh, .n_head_kv = nkv,
                       .head_dim = hd, .n_segments = 1, .kv = kv, .scale = 0.125f, .causal = causal,
                       .out = o};
-    int rc = be->ops->attention(be, &a, err);
+    int rc = pd_backend_attention(be, &a, err);
     double best = INFINITY;
     for (int round = 0; round < 5 && rc == PD_OK; round++) {
         long iters = 0;
         const double t0 = pd_now_seconds();
         double t = 0;
         while (rc == PD_OK && (t < min_time / 5 || iters < 2)) {
-            rc = be->ops->attention(be, &a, err);
+            rc = pd_backend_attention(be, &a, err);
             iters++;
             t = pd_now_seconds() - t0;
         }

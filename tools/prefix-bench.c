@@ -551,7 +551,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "prefix-bench: --device %s: %s\n", device_text, err.msg);
             return 1;
         }
-        on_cuda = !dev_be->ops->host_memory;
+        on_cuda = !pd_backend_host_memory(dev_be);
         if (!on_cuda) { /* auto fell back to the CPU: measure it the CPU way */
             pd_backend_free(dev_be);
             dev_be = NULL;

@@ -162,7 +162,7 @@ static pd_device config_device(const pd_config *cfg) {
  * "prefixd: compute: cpu (avx2, 16 threads)": which backend `auto` chose, and
  * the line to look for after a driver or config change. */
 static void log_compute(const pd_backend *be, const pd_device *d, int n_threads) {
-    if (be->ops->host_memory) {
+    if (pd_backend_host_memory(be)) {
         long online = sysconf(_SC_NPROCESSORS_ONLN);
         int threads = n_threads > 0 ? n_threads : (online > 0 ? (int)online : 1);
         fprintf(stderr, "prefixd: compute: cpu (%s, %d threads)\n", pd_cpu_simd_name(), threads);
@@ -176,7 +176,7 @@ static void log_compute(const pd_backend *be, const pd_device *d, int n_threads)
                 info.name, info.cc_major, info.cc_minor, (double)info.total_mem / (1024.0 * 1024 * 1024),
                 info.sm_count);
     else
-        fprintf(stderr, "prefixd: compute: cuda:%d (%s backend; no device details: %s)\n", d->index, be->ops->name,
+        fprintf(stderr, "prefixd: compute: cuda:%d (%s backend; no device details: %s)\n", d->index, pd_backend_name(be),
                 err.msg);
 }
 
@@ -284,7 +284,7 @@ static int run(const pd_config *cfg) {
     jo.n_threads = cfg->model.n_threads > 0 ? cfg->model.n_threads : 1;
     jo.kv_f32 = kv_f32;
     /* Precompression computes where serving does (auto resolved already). */
-    jo.device = backend && !backend->ops->host_memory ? (pd_device){PD_DEVICE_CUDA, device.index}
+    jo.device = backend && !pd_backend_host_memory(backend) ? (pd_device){PD_DEVICE_CUDA, device.index}
                                                        : (pd_device){PD_DEVICE_CPU, 0};
     jo.store = store;
     jo.hot = hot;

@@ -9,7 +9,7 @@
 #include <unistd.h>
 
 #include "kernels/cpu/cpu_internal.h"
-#include "kernels/kernels.h"
+#include "kernels/backend_impl.h"
 
 #if PD_X86
 #include <cpuid.h>

@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "kernels/kernels.h"
+#include "kernels/backend_impl.h"
 
 #define PD_CPU_MAX_THREADS 512
 

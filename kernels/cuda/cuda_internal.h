@@ -8,7 +8,7 @@
 #include <cusolverDn.h>
 #include <math.h>
 
-#include "kernels/kernels.h"
+#include "kernels/backend_impl.h"
 
 // C linkage for everything here, so a definition written either with or
 // without `extern "C"` matches these declarations.

@@ -1,0 +1,108 @@
+/* The pd_backend_* functions: thin calls through the backend's ops table
+ * (kernels/backend_impl.h), with the optional ops' defaults. */
+#include "kernels/backend_impl.h"
+
+void pd_backend_free(pd_backend *be) {
+    if (be) be->ops->free(be);
+}
+
+const char *pd_backend_name(const pd_backend *be) { return be->ops->name; }
+
+bool pd_backend_host_memory(const pd_backend *be) { return be->ops->host_memory; }
+
+void *pd_backend_alloc(pd_backend *be, size_t bytes, pd_error *err) {
+    return be->ops->alloc(be, bytes, err);
+}
+
+void pd_backend_release(pd_backend *be, void *p) {
+    be->ops->release(be, p);
+}
+
+int pd_backend_upload(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err) {
+    return be->ops->upload(be, dst, src, bytes, err);
+}
+
+int pd_backend_download(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err) {
+    return be->ops->download(be, dst, src, bytes, err);
+}
+
+int pd_backend_copy(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err) {
+    return be->ops->copy(be, dst, src, bytes, err);
+}
+
+int pd_backend_copy2d(pd_backend *be, void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t width, size_t rows, pd_error *err) {
+    return be->ops->copy2d(be, dst, dst_pitch, src, src_pitch, width, rows, err);
+}
+
+int pd_backend_copy2d_batch(pd_backend *be, const pd_copy2d *descs, int64_t n, pd_error *err) {
+    return be->ops->copy2d_batch(be, descs, n, err);
+}
+
+int pd_backend_convert(pd_backend *be, void *dst, pd_type dst_type, const void *src, pd_type src_type, int64_t n, pd_error *err) {
+    return be->ops->convert(be, dst, dst_type, src, src_type, n, err);
+}
+
+int pd_backend_gather(pd_backend *be, void *dst, const void *src, const int32_t *idx, int64_t n, size_t row_bytes, pd_error *err) {
+    return be->ops->gather(be, dst, src, idx, n, row_bytes, err);
+}
+
+int pd_backend_sync(pd_backend *be, pd_error *err) {
+    return be->ops->sync(be, err);
+}
+
+int pd_backend_prepare_weight(pd_backend *be, const pd_weight *w, pd_error *err) {
+    return be->ops->prepare_weight ? be->ops->prepare_weight(be, w, err) : PD_OK;
+}
+
+void pd_backend_forget_weight(pd_backend *be, const pd_weight *w) {
+    if (be->ops->forget_weight) be->ops->forget_weight(be, w);
+}
+
+int pd_backend_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y, pd_error *err) {
+    return be->ops->matmul(be, w, x, n, y, err);
+}
+
+int pd_backend_get_rows(pd_backend *be, const pd_weight *w, const int32_t *ids, int64_t n, float *out, pd_error *err) {
+    return be->ops->get_rows(be, w, ids, n, out, err);
+}
+
+int pd_backend_rmsnorm(pd_backend *be, const float *x, const float *weight, int64_t n, int64_t dim, float eps, float *out, pd_error *err) {
+    return be->ops->rmsnorm(be, x, weight, n, dim, eps, out, err);
+}
+
+int pd_backend_rope(pd_backend *be, float *x, const int32_t *pos, int64_t n, int n_heads, int head_dim, const pd_rope_params *p, pd_error *err) {
+    return be->ops->rope(be, x, pos, n, n_heads, head_dim, p, err);
+}
+
+int pd_backend_swiglu(pd_backend *be, const float *gate, const float *up, int64_t n, float *out, pd_error *err) {
+    return be->ops->swiglu(be, gate, up, n, out, err);
+}
+
+int pd_backend_geglu(pd_backend *be, const float *gate, const float *up, int64_t n, float *out, pd_error *err) {
+    return be->ops->geglu(be, gate, up, n, out, err);
+}
+
+int pd_backend_softcap(pd_backend *be, float *x, int64_t n, float cap, pd_error *err) {
+    return be->ops->softcap(be, x, n, cap, err);
+}
+
+int pd_backend_scale(pd_backend *be, float *x, int64_t n, float s, pd_error *err) {
+    return be->ops->scale(be, x, n, s, err);
+}
+
+int pd_backend_add(pd_backend *be, float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride, pd_error *err) {
+    return be->ops->add(be, y, x, rows, width, x_stride, err);
+}
+
+int pd_backend_attention(pd_backend *be, const pd_attn_args *a, pd_error *err) {
+    return be->ops->attention(be, a, err);
+}
+
+int pd_backend_compactor_scores(pd_backend *be, const pd_compactor_args *a, pd_error *err) {
+    if (!be->ops->compactor_scores) return pd_errorf(err, PD_EUNSUPPORTED, "backend %s has no compactor_scores op", be->ops->name);
+    return be->ops->compactor_scores(be, a, err);
+}
+
+bool pd_backend_caches_weights(const pd_backend *be) { return be->ops->prepare_weight != NULL; }
+
+bool pd_backend_has_compactor_scores(const pd_backend *be) { return be->ops->compactor_scores != NULL; }

@@ -1,0 +1,359 @@
+/* kernels/backend.h: the compute backend: weights, op arguments, the pd_backend_* operations, the CPU and CUDA backends and device selection.
+ * Part of kernels' public contract (kernels/kernels.h includes every part). */
+#ifndef PD_KERNELS_BACKEND_H
+#define PD_KERNELS_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------
+ * Compute backend
+ *
+ * The engine calls every heavy operation through this vtable, so a CUDA
+ * backend takes the CPU's place without the engine changing (the shape of
+ * ggml's backend interface, without the graph).
+ *
+ * Memory. Every float/int array an op reads or writes, except where a
+ * comment says "host", is *backend memory*: obtained from ops->alloc and
+ * filled with ops->upload / ops->copy / ops->copy2d. On a backend whose
+ * `host_memory` is true (the CPU), backend memory is plain host memory and
+ * the copies are memcpy, so host pointers may be passed directly. On a
+ * device backend ops are queued in order on one stream: they may return
+ * before the work is done, and a failure that happens later is reported by
+ * the next op that can fail, by download, or by sync.
+ *
+ * Weights (pd_weight.data) are always host pointers into the mapped GGUF. A
+ * device backend keeps its own copy of each weight, keyed by data pointer,
+ * made by prepare_weight (called by the model loader for every matrix, so
+ * upload cost and out-of-memory show at load time) or on first use.
+ * ------------------------------------------------------------------------ */
+
+/* A 2-D weight as GGUF stores it: `rows` rows of `cols` elements of `type`,
+ * each row `row_bytes` long and contiguous. y = W x means
+ * y[r] = dot(W[r, :], x). */
+typedef struct pd_weight {
+    pd_type type;
+    const void *data;
+    int64_t rows;
+    int64_t cols;
+    size_t row_bytes;
+} pd_weight;
+
+/* Fill a pd_weight for a tensor of the given type and shape; checks that
+ * cols is a multiple of the type's block size. */
+int pd_weight_init(pd_weight *w, pd_type type, const void *data, int64_t rows, int64_t cols,
+                   pd_error *err);
+
+typedef enum pd_rope_mode {
+    PD_ROPE_NORM = 0, /* rotate adjacent pairs (x[2i], x[2i+1]): llama in GGUF */
+    PD_ROPE_NEOX = 2, /* rotate halves (x[i], x[i + n_rot/2]): qwen2 */
+} pd_rope_mode;
+
+#define PD_ROPE_MAX_FACTORS 256 /* n_rot/2 <= this: head_dim up to 512 */
+
+typedef struct pd_rope_params {
+    pd_rope_mode mode;
+    int n_rot;                  /* rotated dimensions per head (<= head_dim, even) */
+    float freq_base;            /* theta */
+    const float *freq_factors;  /* host: n_rot/2 divisors of each frequency (llama3 scaling), or NULL */
+} pd_rope_params;
+
+/* One (layer, kv_head) run of cached keys and values. Rows are head_dim
+ * elements of `type`: PD_TYPE_F32 (0, so a zeroed view is f32) or
+ * PD_TYPE_F16 (IEEE half, half the bytes; attention converts on load and
+ * computes in f32). Each view has its own type, so an f32 prefix and f16
+ * own rows can be attended to in one call. `pos` gives each row's original
+ * position (kept tokens keep theirs, so positions may have gaps). `keep`,
+ * if not NULL, masks rows out (0 = ignore this key), which tests use to
+ * check eviction against masking (host-memory backends only). */
+typedef struct pd_kv_view {
+    const void *k;
+    const void *v;
+    const int32_t *pos;
+    const uint8_t *keep;
+    int64_t len;
+    pd_type type;
+} pd_kv_view;
+
+/* Element types a pd_kv_view may hold. */
+static inline bool pd_kv_type_ok(pd_type t) { return t == PD_TYPE_F32 || t == PD_TYPE_F16; }
+
+/* Attention of n_tokens queries over segments of KV per kv head, each
+ * processed with an online softmax and merged with log-sum-exp, so the
+ * result equals softmax attention over the concatenation. Query head h
+ * reads kv head h / (n_head / n_head_kv). With `causal`, keys whose position
+ * is greater than the query's are ignored. A query with no visible key gets
+ * zeros.
+ *
+ * Batching. The tokens form n_groups contiguous groups (one per sequence;
+ * n_groups 0 means one group of all tokens), group g owning tokens
+ * [group_start[g], group_start[g + 1]). Every group attends to the
+ * n_shared `shared` segments (a compressed prefix common to the batch: a
+ * device backend reads it once per call for all groups) and to its own
+ * n_segments segments. At most PD_MAX_KV_SEGMENTS segments per group in
+ * all. The pd_kv_view arrays and group_start are host memory; what the
+ * views point to is backend memory. Whatever the views' types, scores,
+ * softmax and the weighted value sums are f32 (f16 rows are widened
+ * exactly as they are read), and out is f32. */
+#define PD_MAX_KV_SEGMENTS 4
+typedef struct pd_attn_args {
+    const float *q;       /* [n_tokens][n_head][head_dim], f32 whatever the KV type */
+    const int32_t *q_pos; /* [n_tokens] */
+    int64_t n_tokens;
+    int n_head, n_head_kv, head_dim;
+    int n_segments;
+    const pd_kv_view *kv;          /* [n_groups][n_segments][n_head_kv] */
+    int n_shared;
+    const pd_kv_view *shared;      /* [n_shared][n_head_kv] */
+    int n_groups;
+    const int64_t *group_start;    /* host, [n_groups + 1], 0 .. n_tokens, non-decreasing */
+    float scale;          /* usually 1/sqrt(head_dim) */
+    bool causal;
+    /* Sliding window (0 = none): a key at position p is visible to a query
+     * at position t only if t - p < window (llama.cpp's rule), on top of
+     * causality. Positions are the rows' original ones, so a compressed
+     * prefix's kept rows drop out of the window where their tokens would. */
+    int32_t window;
+    /* Soft-capping (0 = none): each scaled score s becomes
+     * softcap * tanh(s / softcap) before masking and the softmax (Gemma 2). */
+    float softcap;
+    float *out;           /* [n_tokens][n_head][head_dim] */
+} pd_attn_args;
+
+/* Compactor scores of one layer on the backend (the GPU path of the
+ * policies' Compactor, leverage and non-causal scorers; see
+ * policies/score_compactor.c for the CPU reference it must match):
+ *   lev = z-score over all (head, token) of the approximate leverage of the
+ *         pre-RoPE keys of tokens [lo, hi), per kv head, in chunks of
+ *         lev_chunk rows (0 = all): centre the chunk, X = rows * phi,
+ *         G = X^T X + ridge I (ridge x10 up to 4 more times while Cholesky
+ *         fails; a zero ridge retries at 1e-2), l_i = ||L^-1 x_i||^2;
+ *   att = z-score of the non-causal attention that the keys of [lo, hi)
+ *         receive from the queries of the same chunk of attn_chunk tokens,
+ *         summed over the kv head's query heads, times ||v|| if vnorm, then
+ *         average-pooled over `pool` tokens (odd; 1 = none);
+ *   scores[h][i] = att + lambda * lev (or only the half that is enabled).
+ * Inputs are the layer's rows for all n_tokens tokens, backend memory;
+ * phi (host, [head_dim][sketch]) and scores (host, [n_head_kv][hi - lo])
+ * are host memory. Fails with PD_ERANGE where the CPU reference would
+ * (non-finite keys, Cholesky failing every time). */
+typedef struct pd_compactor_args {
+    const float *q;      /* [n_tokens][n_head][head_dim], after RoPE */
+    const float *k;      /* [n_tokens][n_head_kv][head_dim], after RoPE */
+    const float *k_pre;  /* [n_tokens][n_head_kv][head_dim], before RoPE */
+    const float *v;      /* [n_tokens][n_head_kv][head_dim] */
+    int64_t n_tokens;
+    int n_head, n_head_kv, head_dim;
+    int64_t lo, hi;
+    bool use_leverage;
+    const float *phi;
+    int sketch;
+    int64_t lev_chunk;
+    double ridge;
+    bool use_attention;
+    int64_t attn_chunk;
+    float scale;         /* 0 = 1/sqrt(head_dim) */
+    bool vnorm;
+    int pool;
+    double lambda;
+    float *scores;
+} pd_compactor_args;
+
+/* One 2-D copy within backend memory: rows rows of width bytes. */
+typedef struct pd_copy2d {
+    void *dst;
+    const void *src;
+    size_t dst_pitch, src_pitch, width, rows;
+} pd_copy2d;
+
+/* ---- the compute backend ----------------------------------------------
+ * A device's memory and compute behind one interface: the ops table is
+ * internal to kernels/ (kernels/backend_impl.h, versioned by
+ * PD_BACKEND_OPS_VERSION); callers use these functions. Every op returns
+ * PD_OK or a status with err filled, unless its type says otherwise. */
+typedef struct pd_backend pd_backend;
+
+/* The backend's name ("cpu", "cpu-discrete", "cuda:0"). */
+const char *pd_backend_name(const pd_backend *be);
+/* Backend memory is host memory: pointers may be shared both ways. */
+bool pd_backend_host_memory(const pd_backend *be);
+/* bytes of backend memory (aligned to 256 bytes), or NULL with err
+ * filled; release(NULL) is a no-op. */
+void *pd_backend_alloc(pd_backend *be, size_t bytes, pd_error *err);
+void pd_backend_release(pd_backend *be, void *p);
+/* host -> backend. A device backend stages large copies through pinned
+ * buffers, so src may be any host memory (an LMDB map, say) and may be
+ * reused as soon as the call returns. */
+int pd_backend_upload(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err);
+/* backend -> host; waits for the queued work first. */
+int pd_backend_download(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err);
+/* Within backend memory; regions may not overlap. */
+int pd_backend_copy(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err);
+/* rows rows of width bytes each, from src (rows src_pitch apart) to dst
+ * (dst_pitch apart), within backend memory. */
+int pd_backend_copy2d(pd_backend *be, void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t width, size_t rows, pd_error *err);
+/* Many 2-D copies at once (descs is host memory): one launch on a
+ * device backend, where a decode step appends K/V rows to hundreds of
+ * (layer, kv head, sequence) streams. Copies must not overlap. */
+int pd_backend_copy2d_batch(pd_backend *be, const pd_copy2d *descs, int64_t n, pd_error *err);
+/* dst[i] = src[i] for i < n, from src_type to dst_type, within
+ * backend memory: f32 -> f16 (round to nearest even; beyond +-65504
+ * gives +-inf, as F16C and __float2half_rn do), f16 -> f32 (exact), or
+ * a copy when the types are equal. Other types: PD_EUNSUPPORTED.
+ * Regions may not overlap. */
+int pd_backend_convert(pd_backend *be, void *dst, pd_type dst_type, const void *src, pd_type src_type, int64_t n, pd_error *err);
+/* dst[i] = src[idx[i]] for rows of row_bytes; idx is host memory;
+ * dst and src must not overlap. */
+int pd_backend_gather(pd_backend *be, void *dst, const void *src, const int32_t *idx, int64_t n, size_t row_bytes, pd_error *err);
+/* Wait for everything queued; report any failure since the last check. */
+int pd_backend_sync(pd_backend *be, pd_error *err);
+/* Make the backend's copy of a weight now (NULL on host backends). */
+int pd_backend_prepare_weight(pd_backend *be, const pd_weight *w, pd_error *err);
+/* Drop the backend's copy of a weight (NULL on host backends): called
+ * when a model is freed, since another file mapped later at the same
+ * address must not find stale weights. */
+void pd_backend_forget_weight(pd_backend *be, const pd_weight *w);
+/* y[i][r] = dot(W[r,:], x[i,:]) for i < n: y is [n][rows], x is [n][cols].
+ * Small n uses quantized dot products directly, large n a GEMM.
+ * Accuracy (CPU): f32/f16/bf16 weights use float x (relative error of
+ * float accumulation, ~1e-6). Quantized weights are multiplied exactly
+ * by x quantized to int8 (per 32 elements for the 32-element types, per
+ * 256 for the 256-element ones, scale amax/127 kept in float), so each
+ * output is within sum_i |W[r,i]| * amax(block of i) / 254 (plus float
+ * rounding) of the exact product; where a GEMM on dequantized weights
+ * serves large n the error is only float rounding. Accuracy (CUDA):
+ * weights in f16/bf16 (quantized ones dequantized to bf16 at upload), x
+ * rounded to bf16 for tensor-core GEMMs, f32 accumulation. */
+int pd_backend_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y, pd_error *err);
+/* out[i][:] = dequantized row ids[i] of W (embedding lookup); ids is
+ * host memory. */
+int pd_backend_get_rows(pd_backend *be, const pd_weight *w, const int32_t *ids, int64_t n, float *out, pd_error *err);
+/* out[i] = x[i] / rms(x[i]) * weight, rows of dim; out may equal x.
+ * Per-head norms (Qwen3, Gemma 3) are rows of head_dim: n * n_heads rows. */
+int pd_backend_rmsnorm(pd_backend *be, const float *x, const float *weight, int64_t n, int64_t dim, float eps, float *out, pd_error *err);
+/* In-place rotary embedding of x [n][n_heads][head_dim] at positions pos[n]:
+ * pairs i < n_rot/2 rotate by theta_i = pos * freq_base^(-2i/n_rot)
+ * / freq_factors[i]; dimensions from n_rot on are left alone. An n_rot
+ * above head_dim is treated as head_dim, an odd one rounded down. */
+int pd_backend_rope(pd_backend *be, float *x, const int32_t *pos, int64_t n, int n_heads, int head_dim, const pd_rope_params *p, pd_error *err);
+/* out[i] = silu(gate[i]) * up[i] for i < n; out may equal gate. */
+int pd_backend_swiglu(pd_backend *be, const float *gate, const float *up, int64_t n, float *out, pd_error *err);
+/* out[i] = gelu(gate[i]) * up[i] for i < n, with GELU's tanh
+ * approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) as
+ * Gemma and ggml use it; out may equal gate. */
+int pd_backend_geglu(pd_backend *be, const float *gate, const float *up, int64_t n, float *out, pd_error *err);
+/* In place, x[i] = cap * tanh(x[i] / cap) for i < n (cap > 0): final
+ * logit soft-capping. */
+int pd_backend_softcap(pd_backend *be, float *x, int64_t n, float cap, pd_error *err);
+/* In place, x[i] *= s for i < n (Gemma's sqrt(n_embd) embedding scale). */
+int pd_backend_scale(pd_backend *be, float *x, int64_t n, float s, pd_error *err);
+/* y[r][i] += x[r][i] for r < rows, i < width, where x_stride is 0 (one
+ * row broadcast to every row: a bias) or width (element-wise). */
+int pd_backend_add(pd_backend *be, float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride, pd_error *err);
+int pd_backend_attention(pd_backend *be, const pd_attn_args *a, pd_error *err);
+/* Optional (NULL: the caller scores on the host): pd_compactor_args. */
+int pd_backend_compactor_scores(pd_backend *be, const pd_compactor_args *a, pd_error *err);
+/* Whether the backend keeps copies of weights of its own (prepare_weight
+ * and forget_weight do something); false on host-memory backends. */
+bool pd_backend_caches_weights(const pd_backend *be);
+/* Whether compactor_scores runs on the backend (optional; without it the
+ * caller scores on the host). */
+bool pd_backend_has_compactor_scores(const pd_backend *be);
+
+/* The CPU backend: OpenBLAS for batched products, AVX2/AVX-512 quantized dot
+ * products chosen at run time (portable C otherwise), n_threads workers
+ * (<= 0: all CPUs). The backend owns its scratch buffers and is used by
+ * one thread at a time.
+ *
+ * Environment, read at creation:
+ *   PD_CPU_SIMD=scalar|avx2|avx512|auto  cap the SIMD level (never above
+ *       what the CPU supports); tests use "scalar" to compare paths. An
+ *       unknown value makes creation fail with PD_EINVAL.
+ *   PD_CPU_GEMM_MIN_N=N  batch size from which dequantize + sgemm replaces
+ *       the dot-product kernels, for every type (tuning only; the defaults
+ *       are per type and SIMD level, 4 to 64; q8_0 on AVX-512 VNNI always
+ *       uses its integer GEMM kernel).
+ * Creation also sets OpenBLAS to one thread (process-wide): the backend
+ * parallelises GEMM tiles on its own pool. */
+int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err);
+/* The same CPU backend presenting itself as a device with memory of its
+ * own (host_memory = false, name "cpu-discrete"): callers then take every
+ * path they take on a GPU (uploads, downloads, batched copies, prefix
+ * upload, hook copies) with the CPU's arithmetic. Machines without a GPU
+ * (CI) test the engine's device paths with it; results equal the CPU's. */
+int pd_backend_cpu_discrete_create(int n_threads, pd_backend **out, pd_error *err);
+/* NULL is a no-op. */
+void pd_backend_free(pd_backend *be);
+/* OpenBLAS's pthreads build starts one spinning thread per core when it is
+ * loaded, which steals cores from the backend's own pool (the backend calls
+ * OpenBLAS single-threaded). Programs call this first thing in main: unless
+ * OPENBLAS_NUM_THREADS is set it sets it to 1 and re-executes the program
+ * (/proc/self/exe) so the setting is seen at load time; where re-execution
+ * is impossible it returns and the program runs on. */
+void pd_cpu_prepare_process(char **argv);
+/* Which SIMD path a CPU backend created now would pick ("avx512vnni",
+ * "avx2", "scalar"): the best the CPU supports, capped by $PD_CPU_SIMD. */
+const char *pd_cpu_simd_name(void);
+
+/* The CUDA backend on device `index`: weights uploaded once (f16/bf16 as
+ * they are, f32 kept f32, quantized types dequantized to bf16), cuBLAS
+ * GEMMs with f32 accumulation for batches, GEMV kernels for decode, fused
+ * elementwise kernels, flash-style attention, and the Compactor scorer.
+ * One stream; used by one thread at a time (any thread). Fails with
+ * PD_EUNSUPPORTED when the build has no CUDA, PD_ENOTFOUND when there is
+ * no such device. */
+int pd_backend_cuda_create(int index, pd_backend **out, pd_error *err);
+
+/* Where to compute: "cpu", "cuda" (device 0), "cuda:N", or "auto" (CUDA
+ * device 0 when one is present and the build has CUDA, else the CPU). */
+typedef enum pd_device_kind {
+    PD_DEVICE_CPU = 0,
+    PD_DEVICE_CUDA = 1,
+    PD_DEVICE_AUTO = 2,
+} pd_device_kind;
+typedef struct pd_device {
+    pd_device_kind kind;
+    int index; /* CUDA device index (cuda, auto) */
+} pd_device;
+/* Parse the strings above (case-insensitive; N is 0..255). */
+int pd_device_parse(const char *text, pd_device *out, pd_error *err);
+/* Canonical text: "cpu", "auto", "cuda:N"; buf of at least 16 bytes. */
+void pd_device_format(const pd_device *d, char *buf, size_t cap);
+/* Create the backend a device names. `cuda` fails cleanly (naming the
+ * alternatives) when CUDA is not compiled in or the device is absent;
+ * `auto` then falls back to the CPU. n_threads is for the CPU backend. */
+int pd_backend_create(const pd_device *d, int n_threads, pd_backend **out, pd_error *err);
+
+/* CUDA backend probe. Always linkable: without CUDA support compiled in, it
+ * reports zero devices and `pd_cuda_compiled()` is false. */
+bool pd_cuda_compiled(void);
+typedef struct pd_cuda_device_info {
+    int index;
+    char name[256];
+    int cc_major, cc_minor;
+    uint64_t total_mem;
+    int mem_bus_width_bits;
+    int mem_clock_khz; /* peak bandwidth = 2 * clock * width / 8 */
+    int sm_count;
+} pd_cuda_device_info;
+/* Number of usable CUDA devices (0 when none or not compiled in). */
+int pd_cuda_device_count(void);
+int pd_cuda_device_info_get(int index, pd_cuda_device_info *out, pd_error *err);
+/* Round-trip a small SGEMM through cuBLAS on device `index` and compare with
+ * the CPU; proves the toolkit, driver and library agree. */
+int pd_cuda_selftest(int index, double *max_abs_err, pd_error *err);
+/* Measured device-to-device copy bandwidth of device `index` (bytes/s),
+ * copying `bytes` a few times; the bound decode speed is compared with. */
+int pd_cuda_copy_bandwidth(int index, size_t bytes, double *bytes_per_s, pd_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
