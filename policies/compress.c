@@ -243,16 +243,10 @@ int pd_compressor_hook(void *compressor, const pd_layer_kv *kv, uint8_t *keep, p
             .scores = c->scores,
             .scores2 = c->n_criteria > 1 ? c->scores + (int64_t)H * n : NULL,
             .share = sp->alpha,
-            .sink = sp->sink,
-            .recent = sp->recent,
             .chunk = sp->chunk,
             .layout = c->has_layout ? &c->layout : NULL,
         };
-        if (sp->kind == PD_POLICY_LASERKV) {
-            /* LASER-KV protects B/divisor anchors and B/divisor recent tokens. */
-            a.sink = sp->divisor > 0 ? B / sp->divisor : 0;
-            a.recent = a.sink;
-        }
+        pd_policy_spec_protected(sp, B, &a.sink, &a.recent);
         if (sp->fair) rc = select_fair(c, kv, &a, keep, err);
         else rc = pd_policy_select(&a, keep, err);
         if (rc) return pd_error_prefix(err, "layer %d", l);

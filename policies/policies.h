@@ -138,6 +138,10 @@ int pd_policy_spec_validate(const pd_policy_spec *spec, pd_error *err);
  * defaults included, numbers in the shortest form that round-trips.
  * parse(print(s)) prints the same string. Returns the length. */
 size_t pd_policy_spec_print(const pd_policy_spec *spec, char *buf, size_t cap);
+/* The tokens a policy always keeps at a per-head budget of B: sink first
+ * tokens and recent last ones (its `sink` and `recent` keys, or LASER-KV's
+ * B/divisor of each). */
+void pd_policy_spec_protected(const pd_policy_spec *spec, int64_t budget, int64_t *sink, int64_t *recent);
 /* Set the retention (used by calibration); keeps everything else. */
 void pd_policy_spec_set_retention(pd_policy_spec *spec, double retention);
 const char *pd_policy_kind_name(pd_policy_kind kind);

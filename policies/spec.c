@@ -724,6 +724,15 @@ static int parse_into(char *buf, pd_policy_spec *out, pd_error *err) {
     return PD_OK;
 }
 
+void pd_policy_spec_protected(const pd_policy_spec *spec, int64_t budget, int64_t *sink, int64_t *recent) {
+    if (spec->kind == PD_POLICY_LASERKV) { /* anchors and recent tokens scale with the budget */
+        *sink = *recent = spec->divisor > 0 ? budget / spec->divisor : 0;
+        return;
+    }
+    *sink = spec->sink;
+    *recent = spec->recent;
+}
+
 int pd_policy_spec_parse(const char *text, pd_policy_spec *out, pd_error *err) {
     if (!text) return pd_errorf(err, PD_EINVAL, "no policy spec given");
     size_t len = strlen(text);
