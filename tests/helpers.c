@@ -219,3 +219,34 @@ double th_metric(const char *text, const char *series) {
         if (strncmp(p, series, n) == 0 && p[n] == ' ') return strtod(p + n + 1, NULL);
     return -1;
 }
+
+void th_slow_model(const char *dir, char *path, size_t cap) {
+    TH_REQUIRE_SHARED();
+    char vocab[1024];
+    if (!th_shared_file("vocab/ggml-vocab-llama-spm.gguf", vocab, sizeof vocab)) cr_skip_test("no llama-spm vocab");
+    snprintf(path, cap, "%s/slow.gguf", dir);
+    char *out = NULL;
+    cr_assert_eq(th_runf(&out, "%s gen-model --preset smollm2-135m --n-layer 6 --type q8_0 --seed 1 --vocab-from %s -o %s "
+                               "2>&1", getenv("PD_PREFIXCTL"), vocab, path),
+                 0, "%s", out);
+    free(out);
+}
+
+int th_flip_in_file(const char *path, const void *pat, size_t len, size_t at) {
+    char *buf = NULL;
+    size_t size = 0;
+    pd_error err = {0};
+    cr_assert_eq(pd_read_file(path, &buf, &size, &err), PD_OK, "%s", err.msg);
+    int hits = 0;
+    for (size_t i = 0; i + len <= size; i++)
+        if (memcmp(buf + i, pat, len) == 0) {
+            buf[i + at] ^= 0x40;
+            hits++;
+        }
+    FILE *f = fopen(path, "r+b");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(buf, 1, size, f), size);
+    fclose(f);
+    free(buf);
+    return hits;
+}

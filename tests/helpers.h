@@ -15,6 +15,14 @@ char *th_mkdtemp(void);
 void th_rmtree(const char *dir);
 /* Run a shell command, capturing stdout (malloc'd) and the exit status. */
 int th_run(const char *cmd, char **out);
+/* A SmolLM2-shaped 6-layer Q8_0 model with the llama-spm vocabulary (EOS id
+ * 2), generated into dir/slow.gguf: slow enough that 1500 tokens, or
+ * compressing a 3000-token prefix, take about a second or more. Skips the
+ * test when the shared vocabulary is absent. path gets the file name. */
+void th_slow_model(const char *dir, char *path, size_t cap);
+/* Flip bit 6 of byte `at` of every occurrence of pat (len bytes) in file
+ * path, in place; returns how many there were. */
+int th_flip_in_file(const char *path, const void *pat, size_t len, size_t at);
 /* The same with a printf-style command line (at most 8 KiB). */
 __attribute__((format(printf, 2, 3))) int th_runf(char **out, const char *fmt, ...);
 /* Quantize the GGUF src into dst as ftype ("Q5_K_M", "IQ4_XS", ...) with

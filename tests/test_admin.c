@@ -459,16 +459,8 @@ Test(admin, prefixctl_prefix_end_to_end) {
  * stop is answered 202 with where to ask, as docs/api.md says, not with a
  * closed connection; the daemon still exits cleanly. */
 Test(admin, a_waiting_registration_is_answered_202_at_shutdown) {
-    TH_REQUIRE_SHARED();
-    char vocab[1024], slow[1200];
-    if (!th_shared_file("vocab/ggml-vocab-llama-spm.gguf", vocab, sizeof vocab)) cr_skip_test("no llama-spm vocab");
-    /* SmolLM2-shaped: a 3000-token prefix takes about a second to compress. */
-    snprintf(slow, sizeof slow, "%s/slow.gguf", tmpdir);
-    char *out = NULL;
-    cr_assert_eq(th_runf(&out, "%s gen-model --preset smollm2-135m --n-layer 6 --type q8_0 --seed 1 --vocab-from %s -o %s "
-                               "2>&1", getenv("PD_PREFIXCTL"), vocab, slow),
-                 0, "%s", out);
-    free(out);
+    char slow[1200], *out = NULL;
+    th_slow_model(tmpdir, slow, sizeof slow);
     start_daemon_on(slow, "--set admin.token=" TOKEN);
     const size_t cap = 40 * (strlen(story) + 1) + 256;
     char *text = calloc(1, cap), *body = malloc(cap);

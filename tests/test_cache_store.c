@@ -832,22 +832,7 @@ Test(store, concurrent_readers_and_a_writer) {
 static int flip_in_data_file(const char *dir, const void *pat, size_t len, size_t at) {
     char path[700];
     snprintf(path, sizeof path, "%s/data.mdb", dir);
-    char *buf = NULL;
-    size_t size = 0;
-    pd_error err = {0};
-    cr_assert_eq(pd_read_file(path, &buf, &size, &err), PD_OK, "%s", err.msg);
-    int hits = 0;
-    for (size_t i = 0; i + len <= size; i++)
-        if (memcmp(buf + i, pat, len) == 0) {
-            buf[i + at] ^= 0x40;
-            hits++;
-        }
-    FILE *f = fopen(path, "r+b");
-    cr_assert_not_null(f);
-    cr_assert_eq(fwrite(buf, 1, size, f), size);
-    fclose(f);
-    free(buf);
-    return hits;
+    return th_flip_in_file(path, pat, len, at);
 }
 
 typedef struct bad_ctx {

@@ -915,16 +915,8 @@ Test(daemon, the_official_openai_npm_client_works_against_the_server, .timeout =
 /* server.request_timeout_s cancels a generation that runs too long: 504 for
  * a JSON response, an error event then [DONE] for a stream. */
 Test(daemon, a_request_past_its_timeout_is_cancelled) {
-    TH_REQUIRE_SHARED();
-    char vocab[1024], slow[1200];
-    if (!th_shared_file("vocab/ggml-vocab-llama-spm.gguf", vocab, sizeof vocab)) cr_skip_test("no llama-spm vocab");
-    /* A SmolLM2-shaped model: slow enough that 1500 tokens take several seconds. */
-    snprintf(slow, sizeof slow, "%s/slow.gguf", tmpdir);
-    char *out = NULL;
-    cr_assert_eq(th_runf(&out, "%s gen-model --preset smollm2-135m --n-layer 6 --type q8_0 --seed 1 --vocab-from %s -o %s "
-                           "2>&1", getenv("PD_PREFIXCTL"), vocab, slow),
-                 0, "%s", out);
-    free(out);
+    char slow[1200], *out = NULL;
+    th_slow_model(tmpdir, slow, sizeof slow);
     start_daemon_model(slow, "--set server.request_timeout_s=1");
     /* EOS (id 2 in this vocabulary) is banned so nothing ends it early. */
     const char *body = "{\"model\":\"test\",\"prompt\":\"Hello\",\"max_tokens\":1500,\"logit_bias\":{\"2\":-100}%s}";

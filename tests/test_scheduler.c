@@ -674,22 +674,7 @@ Test(scheduler, a_damaged_stored_prefix_is_a_server_error) {
     /* Flip a byte of the stored token list (the record checks it). */
     char path[1200];
     snprintf(path, sizeof path, "%s/store/data.mdb", tmpdir);
-    char *buf = NULL;
-    size_t size = 0;
-    pd_error err = {0};
-    cr_assert_eq(pd_read_file(path, &buf, &size, &err), PD_OK, "%s", err.msg);
-    int hits = 0;
-    for (size_t i = 0; i + sizeof(pd_token) * P <= size; i++)
-        if (memcmp(buf + i, prompt, sizeof(pd_token) * P) == 0) {
-            buf[i + 4 * 7] ^= 0x40;
-            hits++;
-        }
-    cr_assert_gt(hits, 0, "the token list is in the data file");
-    FILE *f = fopen(path, "r+b");
-    cr_assert_not_null(f);
-    cr_assert_eq(fwrite(buf, 1, size, f), size);
-    fclose(f);
-    free(buf);
+    cr_assert_gt(th_flip_in_file(path, prompt, sizeof(pd_token) * P, 4 * 7), 0, "the token list is in the data file");
 
     st = open_store();
     pd_scheduler_opts o;
