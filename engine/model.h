@@ -177,7 +177,7 @@ typedef struct pd_layer_kv {
     const float *v;           /* [n_tokens][n_head_kv][head_dim] */
     /* The same four arrays in the model's backend memory (equal to the host
      * pointers on a host-memory backend), for scorers that run on the
-     * backend (pd_backend_compactor_scores). With pd_prefill_opts.hook_device_only
+     * backend (pd_backend_token_scores). With pd_prefill_opts.hook_device_only
      * on a device backend, the host arrays above are NULL (pos stays). */
     pd_backend *backend;
     const float *dev_k_pre_rope, *dev_q, *dev_k, *dev_v;

@@ -98,11 +98,11 @@ int pd_backend_attention(pd_backend *be, const pd_attn_args *a, pd_error *err) {
     return be->ops->attention(be, a, err);
 }
 
-int pd_backend_compactor_scores(pd_backend *be, const pd_compactor_args *a, pd_error *err) {
-    if (!be->ops->compactor_scores) return pd_errorf(err, PD_EUNSUPPORTED, "backend %s has no compactor_scores op", be->ops->name);
-    return be->ops->compactor_scores(be, a, err);
+int pd_backend_token_scores(pd_backend *be, const pd_token_score_args *a, pd_error *err) {
+    if (!be->ops->token_scores) return pd_errorf(err, PD_EUNSUPPORTED, "backend %s has no token_scores op", be->ops->name);
+    return be->ops->token_scores(be, a, err);
 }
 
 bool pd_backend_caches_weights(const pd_backend *be) { return be->ops->prepare_weight != NULL; }
 
-bool pd_backend_has_compactor_scores(const pd_backend *be) { return be->ops->compactor_scores != NULL; }
+bool pd_backend_has_token_scores(const pd_backend *be) { return be->ops->token_scores != NULL; }

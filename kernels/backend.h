@@ -127,9 +127,10 @@ typedef struct pd_attn_args {
     float *out;           /* [n_tokens][n_head][head_dim] */
 } pd_attn_args;
 
-/* Compactor scores of one layer on the backend (the GPU path of the
- * policies' Compactor, leverage and non-causal scorers; see
- * policies/score_compactor.c for the CPU reference it must match):
+/* Token importance scores of one layer on the backend, from two signals
+ * (the GPU path of the policies' Compactor, leverage and non-causal
+ * scorers; see policies/score_compactor.c for the CPU reference it must
+ * match):
  *   lev = z-score over all (head, token) of the approximate leverage of the
  *         pre-RoPE keys of tokens [lo, hi), per kv head, in chunks of
  *         lev_chunk rows (0 = all): centre the chunk, X = rows * phi,
@@ -144,7 +145,7 @@ typedef struct pd_attn_args {
  * phi (host, [head_dim][sketch]) and scores (host, [n_head_kv][hi - lo])
  * are host memory. Fails with PD_ERANGE where the CPU reference would
  * (non-finite keys, Cholesky failing every time). */
-typedef struct pd_compactor_args {
+typedef struct pd_token_score_args {
     const float *q;      /* [n_tokens][n_head][head_dim], after RoPE */
     const float *k;      /* [n_tokens][n_head_kv][head_dim], after RoPE */
     const float *k_pre;  /* [n_tokens][n_head_kv][head_dim], before RoPE */
@@ -164,7 +165,7 @@ typedef struct pd_compactor_args {
     int pool;
     double lambda;
     float *scores;
-} pd_compactor_args;
+} pd_token_score_args;
 
 /* One 2-D copy within backend memory: rows rows of width bytes. */
 typedef struct pd_copy2d {
@@ -258,14 +259,14 @@ int pd_backend_scale(pd_backend *be, float *x, int64_t n, float s, pd_error *err
  * row broadcast to every row: a bias) or width (element-wise). */
 int pd_backend_add(pd_backend *be, float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride, pd_error *err);
 int pd_backend_attention(pd_backend *be, const pd_attn_args *a, pd_error *err);
-/* Optional (NULL: the caller scores on the host): pd_compactor_args. */
-int pd_backend_compactor_scores(pd_backend *be, const pd_compactor_args *a, pd_error *err);
+/* Optional (NULL: the caller scores on the host): pd_token_score_args. */
+int pd_backend_token_scores(pd_backend *be, const pd_token_score_args *a, pd_error *err);
 /* Whether the backend keeps copies of weights of its own (prepare_weight
  * and forget_weight do something); false on host-memory backends. */
 bool pd_backend_caches_weights(const pd_backend *be);
-/* Whether compactor_scores runs on the backend (optional; without it the
+/* Whether token_scores runs on the backend (optional; without it the
  * caller scores on the host). */
-bool pd_backend_has_compactor_scores(const pd_backend *be);
+bool pd_backend_has_token_scores(const pd_backend *be);
 
 /* The CPU backend: OpenBLAS for batched products, AVX2/AVX-512 quantized dot
  * products chosen at run time (portable C otherwise), n_threads workers

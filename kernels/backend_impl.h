@@ -105,8 +105,8 @@ typedef struct pd_backend_ops {
     int (*add)(pd_backend *be, float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride,
                pd_error *err);
     int (*attention)(pd_backend *be, const pd_attn_args *a, pd_error *err);
-    /* Optional (NULL: the caller scores on the host): pd_compactor_args. */
-    int (*compactor_scores)(pd_backend *be, const pd_compactor_args *a, pd_error *err);
+    /* Optional (NULL: the caller scores on the host): pd_token_score_args. */
+    int (*token_scores)(pd_backend *be, const pd_token_score_args *a, pd_error *err);
 } pd_backend_ops;
 
 struct pd_backend {

@@ -403,18 +403,18 @@ static int check_spec(const pd_policy_spec *spec, bool lev, bool attn, pd_error 
 /* ---- the backend path --------------------------------------------------- */
 
 /* Which halves the backend can score for this layer: it has
- * compactor_scores, the arrays it reads are in its memory, and leverage is
+ * token_scores, the arrays it reads are in its memory, and leverage is
  * approx (exact leverage, a pivoted QR, stays on the host). */
 static bool on_backend(const pd_policy_spec *spec, const pd_layer_kv *kv, bool lev, bool attn) {
     const pd_backend *be = kv->backend;
-    if (!be || !pd_backend_has_compactor_scores(be)) return false;
+    if (!be || !pd_backend_has_token_scores(be)) return false;
     if (lev && (spec->leverage != PD_LEVERAGE_APPROX || !kv->dev_k_pre_rope)) return false;
     if (attn && (!kv->dev_q || !kv->dev_k || (spec->vnorm && !kv->dev_v))) return false;
     return true;
 }
 
 bool pd_scorer_runs_on_backend(const pd_policy_spec *spec, const pd_backend *be) {
-    if (!spec || !be || !pd_backend_has_compactor_scores(be)) return false;
+    if (!spec || !be || !pd_backend_has_token_scores(be)) return false;
     switch (spec->scorer) {
     case PD_POLICY_COMPACTOR:
     case PD_POLICY_LEVERAGE: return spec->leverage == PD_LEVERAGE_APPROX;
@@ -423,14 +423,9 @@ bool pd_scorer_runs_on_backend(const pd_policy_spec *spec, const pd_backend *be)
     }
 }
 
-/* The backend names the kv head ("kv head 1: rows [...): ..."); the CPU
- * path says "layer 3, kv head 1: ...", so join the two the same way. */
+/* The backend's message ("kv head 1: rows [...): ...") gets its layer. */
 static void prefix_layer(pd_error *err, int layer) {
-    if (!err) return;
-    bool head_first = strncmp(err->msg, "kv head ", 8) == 0;
-    pd_error_prefix(err, "layer %d", layer);
-    char *colon = head_first ? strchr(err->msg, ':') : NULL;
-    if (colon) *colon = ',';
+    if (err) pd_error_prefix(err, "layer %d", layer);
 }
 
 /* Scores of tokens [a, b) on the backend, [n_head_kv][b - a] into out (host):
@@ -445,7 +440,7 @@ static int backend_scores(const pd_policy_spec *spec, const pd_layer_kv *kv, int
         if (!phi) return pd_errorf(err, PD_ENOMEM, "out of memory for a %" PRId64 " x %d sketch", d, spec->sketch);
         pd_gaussian_sketch(spec->seed, (int)d, spec->sketch, phi);
     }
-    pd_compactor_args args = {
+    pd_token_score_args args = {
         .q = kv->dev_q,
         .k = kv->dev_k,
         .k_pre = kv->dev_k_pre_rope,
@@ -469,7 +464,7 @@ static int backend_scores(const pd_policy_spec *spec, const pd_layer_kv *kv, int
         .lambda = lev && attn ? (spec->lambda < 0 ? 1.0 - spec->retention : spec->lambda) : 0.0,
         .scores = out,
     };
-    int rc = pd_backend_compactor_scores(kv->backend, &args, err);
+    int rc = pd_backend_token_scores(kv->backend, &args, err);
     free(phi);
     if (rc) prefix_layer(err, kv->layer);
     return rc;

@@ -18,7 +18,7 @@ int pd_score_leverage(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t
 int pd_score_noncausal(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t lo, int64_t hi, float *scores,
                        pd_error *err);
 /* Whether the spec's scorer runs entirely on backend `be` (compactor and
- * leverage with approx leverage, noncausal; `be` has compactor_scores), so
+ * leverage with approx leverage, noncausal; `be` has token_scores), so
  * it reads only the dev_* arrays of pd_layer_kv and the prefill may skip
  * copying q/k/v to the host (pd_prefill_opts.hook_device_only). */
 bool pd_scorer_runs_on_backend(const pd_policy_spec *spec, const pd_backend *be);

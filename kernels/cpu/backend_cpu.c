@@ -502,7 +502,7 @@ static void cpu_free(pd_backend *be) {
     .scale = cpu_scale, \
     .add = cpu_add, \
     .attention = cpu_attention, \
-    .compactor_scores = NULL,
+    .token_scores = NULL,
 
 static const pd_backend_ops cpu_ops = {
     .name = "cpu",

@@ -310,7 +310,7 @@ static pd_backend_ops make_cuda_ops(void) {
     o.scale = cuda_scale;
     o.add = cuda_add;
     o.attention = cuda_attention;
-    o.compactor_scores = cuda_compactor_scores;
+    o.token_scores = cuda_token_scores;
     return o;
 }
 

@@ -1,4 +1,4 @@
-// Compactor scores of one layer on the GPU (pd_compactor_args in
+// Compactor scores of one layer on the GPU (pd_token_score_args in
 // kernels/kernels.h). The CPU reference is policies/score_compactor.c
 // (pd_leverage_scores in approx mode, pd_noncausal_colsum, pd_avg_pool,
 // pd_zscore, layer_leverage, layer_attention, pd_score_compactor); every
@@ -514,7 +514,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 unsigned grid_1d(int64_t n, int threads) { return (unsigned)ceil_div(n, threads); }
 
-int check_args(const pd_compactor_args *a, pd_error *err) {
+int check_args(const pd_token_score_args *a, pd_error *err) {
     if (!a || !a->scores)
         return pd_errorf(err, PD_EINVAL, "cuda compactor: arguments and the scores array must not be NULL");
     if (a->n_head <= 0 || a->n_head_kv <= 0 || a->head_dim <= 0 || a->n_head % a->n_head_kv != 0)
@@ -706,7 +706,7 @@ int lev_run(cuda_backend *cb, const lev_plan &lp, char *base, const layout &lay,
     return PD_OK;
 }
 
-int attn_run(cuda_backend *cb, const pd_compactor_args *a, const attn_geom &ag, char *base, const layout &lay,
+int attn_run(cuda_backend *cb, const pd_token_score_args *a, const attn_geom &ag, char *base, const layout &lay,
              pd_error *err) {
     float *att = reinterpret_cast<float *>(base + lay.att);
     float *row_max = reinterpret_cast<float *>(base + lay.row_max);
@@ -746,7 +746,7 @@ int zscore(cuda_backend *cb, float *x, int64_t n, double *stats, pd_error *err) 
 
 } // namespace
 
-extern "C" int cuda_compactor_scores(pd_backend *be, const pd_compactor_args *a, pd_error *err) {
+extern "C" int cuda_token_scores(pd_backend *be, const pd_token_score_args *a, pd_error *err) {
     if (!be) return pd_errorf(err, PD_EINVAL, "cuda compactor: no backend");
     int rc = check_args(a, err);
     if (rc) return rc;

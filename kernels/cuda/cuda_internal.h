@@ -143,7 +143,7 @@ int cuda_convert(pd_backend *be, void *dst, pd_type dst_type, const void *src, p
 // attention.cu
 int cuda_attention(pd_backend *be, const pd_attn_args *a, pd_error *err);
 // compactor.cu
-int cuda_compactor_scores(pd_backend *be, const pd_compactor_args *a, pd_error *err);
+int cuda_token_scores(pd_backend *be, const pd_token_score_args *a, pd_error *err);
 
 } // extern "C"
 
