@@ -1001,3 +1001,34 @@ Test(daemon, the_haproxy_recipe_passes_answers_and_keeps_errors_json) {
     kill(proxy, SIGTERM);
     cr_assert_eq(th_runf(NULL, "while kill -0 %d 2>/dev/null; do sleep 0.05; done", (int)proxy), 0);
 }
+
+/* log.format = json writes one JSON object per line (ts, level, msg);
+ * log.level = error leaves out the info lines. */
+Test(daemon, log_level_and_format_take_effect) {
+    start_daemon("--set log.format=json");
+    stop_daemon(SIGTERM);
+    char *out = NULL;
+    cr_assert_eq(th_runf(&out, "cat %s/prefixd.log", tmpdir), 0);
+    int lines = 0;
+    bool serving = false;
+    for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n")) {
+        json_t *j = th_json_parse(line); /* fails the test unless each line is JSON */
+        cr_assert(json_is_string(json_object_get(j, "ts")), "%s", line);
+        const char *level = json_string_value(json_object_get(j, "level"));
+        cr_assert(level && strstr("error warn info debug", level), "%s", line);
+        const char *msg = json_string_value(json_object_get(j, "msg"));
+        cr_assert_not_null(msg, "%s", line);
+        serving |= strncmp(msg, "serving ", 8) == 0;
+        json_decref(j);
+        lines++;
+    }
+    free(out);
+    cr_assert(lines >= 3 && serving, "%d lines, serving logged: %d", lines, serving);
+
+    cr_assert_eq(th_runf(NULL, ": > %s/prefixd.log", tmpdir), 0);
+    start_daemon("--set log.level=error");
+    stop_daemon(SIGTERM);
+    cr_assert_eq(th_runf(&out, "cat %s/prefixd.log", tmpdir), 0);
+    cr_assert_null(strstr(out, "serving"), "info lines at log.level = error: %s", out);
+    free(out);
+}

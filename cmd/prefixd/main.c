@@ -3,6 +3,7 @@
  * the daemon. */
 #include <getopt.h>
 #include <inttypes.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -93,16 +94,58 @@ static int load_config(const options *opt, pd_config *cfg, pd_error *err) {
 
 /* Secrets in a config file others can read are secrets no longer; say so
  * (the file may be shared on purpose, so this does not stop the start). */
+/* The daemon's log: stderr (the journal under systemd), lines of
+ * log.level or more severe, as "prefixd: message" (log.format = text) or
+ * one JSON object per line (json). Set once from the configuration before
+ * any thread starts: part of the config snapshot. */
+static pd_log_level log_level = PD_LOG_INFO;
+static pd_log_format log_format = PD_LOG_TEXT;
+
+__attribute__((format(printf, 2, 3))) static void log_line(pd_log_level level, const char *fmt, ...) {
+    if (level > log_level) return;
+    char msg[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (log_format == PD_LOG_TEXT) {
+        fprintf(stderr, "prefixd: %s%s\n", level == PD_LOG_WARN ? "warning: " : "", msg);
+        return;
+    }
+    char ts[40];
+    struct timespec now;
+    struct tm tm;
+    clock_gettime(CLOCK_REALTIME, &now);
+    gmtime_r(&now.tv_sec, &tm);
+    size_t n = strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
+    snprintf(ts + n, sizeof ts - n, ".%03ldZ", now.tv_nsec / 1000000);
+    /* The message as a JSON string: quotes, backslashes and control bytes escaped. */
+    char esc[2 * sizeof msg + 8];
+    size_t k = 0;
+    for (const unsigned char *c = (const unsigned char *)msg; *c && k + 7 < sizeof esc; c++) {
+        if (*c == '"' || *c == '\\') {
+            esc[k++] = '\\';
+            esc[k++] = (char)*c;
+        } else if (*c < 0x20) {
+            k += (size_t)snprintf(esc + k, sizeof esc - k, "\\u%04x", *c);
+        } else {
+            esc[k++] = (char)*c;
+        }
+    }
+    esc[k] = '\0';
+    fprintf(stderr, "{\"ts\":\"%s\",\"level\":\"%s\",\"msg\":\"%s\"}\n", ts, pd_log_level_name(level), esc);
+}
+
 static void warn_exposed_secrets(const options *opt, const pd_config *cfg) {
     struct stat st;
     if (!opt->config_path || (!cfg->server.api_key[0] && !cfg->admin.token[0]) || stat(opt->config_path, &st) != 0 ||
         !(st.st_mode & 077))
         return;
-    fprintf(stderr,
-            "prefixd: warning: config file %s is readable by %s (mode %04o) and the configuration holds secrets "
-            "(server.api_key, admin.token): chmod 600 %s, or 640 with a group only the service is in\n",
-            opt->config_path, st.st_mode & 004 ? "everyone" : "its group", (unsigned)(st.st_mode & 07777),
-            opt->config_path);
+    log_line(PD_LOG_WARN,
+             "config file %s is readable by %s (mode %04o) and the configuration holds secrets "
+             "(server.api_key, admin.token): chmod 600 %s, or 640 with a group only the service is in",
+             opt->config_path, st.st_mode & 004 ? "everyone" : "its group", (unsigned)(st.st_mode & 07777),
+             opt->config_path);
 }
 
 /* Wait for SIGTERM/SIGINT (signals are blocked in every thread and taken
@@ -122,10 +165,10 @@ static void wait_for_stop(const sigset_t *set) {
             continue;
         }
         if (sig == SIGHUP) {
-            fprintf(stderr, "prefixd: SIGHUP: logs go to stderr, nothing to reopen\n");
+            log_line(PD_LOG_INFO, "SIGHUP: logs go to stderr, nothing to reopen");
             continue;
         }
-        fprintf(stderr, "prefixd: %s: draining\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+        log_line(PD_LOG_INFO, "%s: draining", sig == SIGTERM ? "SIGTERM" : "SIGINT");
         return;
     }
 }
@@ -138,7 +181,7 @@ static void drain(pd_scheduler *sched, int grace_s) {
         pd_scheduler_stats_get(sched, &st);
         if (st.queued + st.running == 0) return;
         if (pd_now_seconds() >= deadline) {
-            fprintf(stderr, "prefixd: grace period over: cancelling %" PRId64 " requests\n", st.queued + st.running);
+            log_line(PD_LOG_WARN, "grace period over: cancelling %" PRId64 " requests", st.queued + st.running);
             return;
         }
         struct timespec ts = {.tv_sec = 0, .tv_nsec = 50 * 1000 * 1000};
@@ -165,18 +208,18 @@ static void log_compute(const pd_backend *be, const pd_device *d, int n_threads)
     if (pd_backend_host_memory(be)) {
         long online = sysconf(_SC_NPROCESSORS_ONLN);
         int threads = n_threads > 0 ? n_threads : (online > 0 ? (int)online : 1);
-        fprintf(stderr, "prefixd: compute: cpu (%s, %d threads)\n", pd_cpu_simd_name(), threads);
+        log_line(PD_LOG_INFO, "compute: cpu (%s, %d threads)", pd_cpu_simd_name(), threads);
         return;
     }
     /* A device backend: pd_backend_create picks d->index for cuda and auto. */
     pd_cuda_device_info info;
     pd_error err = {0};
     if (pd_cuda_device_info_get(d->index, &info, &err) == PD_OK)
-        fprintf(stderr, "prefixd: compute: cuda:%d (%s, compute capability %d.%d, %.1f GiB, %d SMs)\n", d->index,
+        log_line(PD_LOG_INFO, "compute: cuda:%d (%s, compute capability %d.%d, %.1f GiB, %d SMs)", d->index,
                 info.name, info.cc_major, info.cc_minor, (double)info.total_mem / (1024.0 * 1024 * 1024),
                 info.sm_count);
     else
-        fprintf(stderr, "prefixd: compute: cuda:%d (%s backend; no device details: %s)\n", d->index, pd_backend_name(be),
+        log_line(PD_LOG_INFO, "compute: cuda:%d (%s backend; no device details: %s)", d->index, pd_backend_name(be),
                 err.msg);
 }
 
@@ -196,7 +239,7 @@ static int warm_up(pd_model *m, pd_error *err) {
     pd_seq_free(s);
     free(logits);
     if (rc) return pd_error_prefix(err, "warming up the model");
-    fprintf(stderr, "prefixd: model warmed up in %.0f ms\n", (pd_now_seconds() - t0) * 1e3);
+    log_line(PD_LOG_INFO, "model warmed up in %.0f ms", (pd_now_seconds() - t0) * 1e3);
     return PD_OK;
 }
 
@@ -244,10 +287,10 @@ static int run(const pd_config *cfg) {
     so.admin_listen = cfg->admin.listen;
     so.admin_port = cfg->admin.port;
     if (!rc) rc = pd_server_start(&so, metrics, &server, &err);
-    if (!rc) fprintf(stderr, "prefixd: listening on %s:%d, loading %s\n", so.listen, pd_server_port(server),
+    if (!rc) log_line(PD_LOG_INFO, "listening on %s:%d, loading %s", so.listen, pd_server_port(server),
                      cfg->model.path);
     if (!rc && cfg->admin.token[0])
-        fprintf(stderr, "prefixd: admin API on %s:%d\n", cfg->admin.port ? so.admin_listen : so.listen,
+        log_line(PD_LOG_INFO, "admin API on %s:%d", cfg->admin.port ? so.admin_listen : so.listen,
                 cfg->admin.port ? pd_server_admin_port(server) : pd_server_port(server));
     if (!rc && !cfg->model.path[0])
         rc = pd_errorf(&err, PD_EINVAL, "model.path is not set: give a GGUF file (--set model.path=FILE)");
@@ -304,7 +347,7 @@ static int run(const pd_config *cfg) {
             snprintf(b.model_id, sizeof b.model_id, "%.*s", (int)strcspn(b.model_names, ","), b.model_names);
         }
         pd_server_set_ready(server, &b);
-        fprintf(stderr, "prefixd: serving %s (%s, chat template: %s, %s KV cache), prefix store %s\n", b.model_id,
+        log_line(PD_LOG_INFO, "serving %s (%s, chat template: %s, %s KV cache), prefix store %s", b.model_id,
                 pd_model_hparams(model)->arch_name, pd_chat_family_name(b.family), pd_kv_cache_type_name(cfg->model.kv_type),
                 cfg->cache.path);
         sd_notify(0, "READY=1\nSTATUS=serving");
@@ -314,13 +357,13 @@ static int run(const pd_config *cfg) {
         pd_server_drain(server);
         drain(sched, cfg->server.shutdown_grace_s);
     }
-    if (rc) fprintf(stderr, "prefixd: %s\n", err.msg);
+    if (rc) log_line(PD_LOG_ERROR, "%s", err.msg);
     /* Cancel what is left (waiting clients get an error), then close the
      * connections, then the store. */
     pd_scheduler_free(sched);
     if (server) {
         const int64_t left = pd_server_wait_idle(server, 5.0);
-        if (left) fprintf(stderr, "prefixd: %" PRId64 " requests still unanswered after 5 s; closing them\n", left);
+        if (left) log_line(PD_LOG_WARN, "%" PRId64 " requests still unanswered after 5 s; closing them", left);
     }
     pd_server_stop(server);
     /* After the server: no connection can reach the jobs any more. */
@@ -352,6 +395,8 @@ int main(int argc, char **argv) {
         status = EXIT_USAGE;
         goto done;
     }
+    log_level = cfg.log.level;
+    log_format = cfg.log.format;
     warn_exposed_secrets(&opt, &cfg);
     if (opt.check_config) {
         if (pd_config_print(&cfg, stdout, &err) != PD_OK) {
