@@ -17,6 +17,7 @@
 #ifndef PD_API_H
 #define PD_API_H
 
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -274,6 +275,9 @@ typedef struct pd_server_opts {
     int idle_timeout_s;        /* a connection that sends nothing this long is closed (default 15) */
     bool metrics;              /* serve GET /metrics (default true) */
     bool metrics_auth;         /* GET /metrics needs api_key like the API (default false) */
+    /* Where libmicrohttpd's own messages go (NULL: stderr as they are). */
+    void (*log)(void *log_ctx, const char *fmt, va_list ap);
+    void *log_ctx;
     pd_api_limits limits;
     /* Admin API (/admin/v1/...): admin_token NULL or "" = disabled (404).
      * admin_port != 0: a second listener on admin_listen:admin_port serves

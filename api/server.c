@@ -813,6 +813,13 @@ static unsigned event_threads(const pd_server_opts *o) {
     return n > 0 ? (unsigned)n : 1;
 }
 
+/* libmicrohttpd's own messages, through the daemon's logger when it has one. */
+static void log_library(void *cls, const char *fmt, va_list ap) {
+    const pd_server *s = cls;
+    if (s->opts.log) s->opts.log(s->opts.log_ctx, fmt, ap);
+    else vfprintf(stderr, fmt, ap);
+}
+
 /* epoll, a fixed pool of event-loop threads, suspend/resume for requests
  * that wait on the engine (see the top of this file). */
 static struct MHD_Daemon *start_mhd(const pd_server_opts *o, unsigned threads, struct sockaddr_storage *sa,
@@ -822,7 +829,8 @@ static struct MHD_Daemon *start_mhd(const pd_server_opts *o, unsigned threads, s
         MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG | ipv6,
         /* the port of sa, for libmicrohttpd's own messages ("Failed to bind to port N") */
         ntohs(sa->ss_family == AF_INET6 ? ((struct sockaddr_in6 *)sa)->sin6_port : ((struct sockaddr_in *)sa)->sin_port),
-        NULL, NULL, on_request, li, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
+        NULL, NULL, on_request, li, MHD_OPTION_EXTERNAL_LOGGER, log_library, li->srv, /* first, as MHD asks */
+        MHD_OPTION_SOCK_ADDR, (struct sockaddr *)sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
         li->srv, MHD_OPTION_THREAD_POOL_SIZE, threads, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections,
         MHD_OPTION_UNESCAPE_CALLBACK, unescape_keeping_nul, NULL, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
         o->max_connections_per_client, MHD_OPTION_CONNECTION_TIMEOUT,

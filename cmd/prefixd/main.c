@@ -136,6 +136,16 @@ __attribute__((format(printf, 2, 3))) static void log_line(pd_log_level level, c
     fprintf(stderr, "{\"ts\":\"%s\",\"level\":\"%s\",\"msg\":\"%s\"}\n", ts, pd_log_level_name(level), esc);
 }
 
+/* libmicrohttpd's own messages ("Failed to bind to port ..."), as warnings. */
+static void log_library(void *ctx, const char *fmt, va_list ap) {
+    (void)ctx;
+    char msg[1024];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    size_t n = strlen(msg);
+    while (n && msg[n - 1] == '\n') msg[--n] = '\0';
+    log_line(PD_LOG_WARN, "libmicrohttpd: %s", msg);
+}
+
 static void warn_exposed_secrets(const options *opt, const pd_config *cfg) {
     struct stat st;
     if (!opt->config_path || (!cfg->server.api_key[0] && !cfg->admin.token[0]) || stat(opt->config_path, &st) != 0 ||
@@ -276,6 +286,7 @@ static int run(const pd_config *cfg) {
     so.api_key = cfg->server.api_key;
     so.api_keys_file = cfg->server.api_keys_file;
     so.threads = cfg->server.threads;
+    so.log = log_library;
     so.request_timeout_s = cfg->server.request_timeout_s;
     so.idle_timeout_s = cfg->server.idle_timeout_s;
     so.max_connections = (unsigned)cfg->server.max_connections;
