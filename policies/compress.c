@@ -158,11 +158,16 @@ static int score_local(pd_compressor *c, const pd_layer_kv *kv, pd_error *err) {
 }
 
 /* Fair eviction. The base selection (no quotas) says how many free
- * (unprotected) entries the policy itself keeps in each span; the quotas
- * blend those counts with the span-proportional ones, and the final
- * selection fills each span's quota with its best entries. With debias=0 and
- * local=0 the quotas are the base counts, so the result is the base policy's
- * (for single-criterion policies without chunks). */
+ * entries the policy itself keeps in each span; the quotas blend those
+ * counts with the span-proportional ones, and the final selection fills
+ * each span's quota with its best entries. Free means unprotected, and
+ * with debias > 0 only the sinks (and whitelists) are protected, as in the
+ * fair-eviction paper (b_X / n_X equal for every span X but the sinks): a
+ * recent window competes inside its span's quota instead of being kept on
+ * top of it, where it would take most of the last span's share. With
+ * debias=0 and local=0 the quotas are the base counts and the protection
+ * the base policy's, so the result is the base policy's (for
+ * single-criterion policies without chunks). */
 static int select_fair(pd_compressor *c, const pd_layer_kv *kv, pd_select_args *a, uint8_t *keep, pd_error *err) {
     const int64_t n = c->n;
     const int H = c->n_head_kv, S = c->layout.n_spans;
@@ -170,6 +175,7 @@ static int select_fair(pd_compressor *c, const pd_layer_kv *kv, pd_select_args *
     const int groups = global ? 1 : H;
     int rc;
     if ((rc = pd_policy_select(a, keep, err))) return rc;
+    if (c->spec.debias > 0) a->recent = 0;
     pd_policy_protected(a, c->prot);
 
     memset(c->free_len, 0, sizeof *c->free_len * (size_t)groups * (size_t)S);
@@ -192,8 +198,8 @@ static int select_fair(pd_compressor *c, const pd_layer_kv *kv, pd_select_args *
             }
     }
     for (int g = 0; g < groups; g++) {
-        /* What the base selection spent beyond protection: the free budget,
-         * or every free entry when there are fewer. */
+        /* What the base selection spent beyond the (fair) protection: the
+         * free budget, or every free entry when there are fewer. */
         int64_t kept_free = 0;
         for (int s = 0; s < S; s++) kept_free += c->base[g * S + s];
         pd_fair_quotas(kept_free, c->free_len + g * S, c->base + g * S, S, c->spec.debias, c->quotas + g * S);

@@ -405,35 +405,47 @@ Test(compress, fair_debias_1_gives_equal_fractions) {
     check_fair_shares("knorm:retention=0.5,fair=1,debias=1");
 }
 
+/* The fair-eviction paper's fairness on the default policy: compactor
+ * (global budget, 16 sinks, 64 recent tokens) with fair=1 keeps the same
+ * fraction of every span but the sinks; the recent window competes inside
+ * the last span's quota. (It used to be protected on top: with 4 equal
+ * spans the last one kept most of its tokens and the others a few.) */
 Test(compress, fair_debias_1_global_gives_equal_fractions_over_pairs) {
     pd_model *m = load(model_path);
     const pd_hparams *hp = pd_model_hparams(m);
-    const int64_t n = 200;
+    const int64_t n = 256;
     const int H = hp->n_head_kv;
     pd_token *t = random_tokens(n, hp->n_vocab, 9);
-    pd_layout lay = {.spans = four_spans, .n_spans = 4};
+    static const pd_span equal[] = {
+        {.name = "a", .start = 0, .end = 64},
+        {.name = "b", .start = 64, .end = 128},
+        {.name = "c", .start = 128, .end = 192},
+        {.name = "d", .start = 192, .end = 256},
+    };
+    pd_layout lay = {.spans = equal, .n_spans = 4};
     pd_policy_spec s;
-    parse("compactor:retention=0.25,sink=4,recent=8,fair=1,debias=1", &s);
+    parse("compactor:retention=0.5,fair=1", &s);
     cr_assert_eq(s.budget, PD_BUDGET_GLOBAL);
+    cr_assert(s.sink == 16 && s.recent == 64, "the defaults this test is about");
     pd_kv_prefix *p = compress(m, t, n, &s, &lay, NULL);
     const int64_t B = uniform_budget(s.retention, n) * H;
-    const int64_t free_budget = B - (s.sink + s.recent) * H;
+    const int64_t free_budget = B - s.sink * H;
     for (int l = 0; l < hp->n_layer; l++) {
         int64_t got[4] = {0}, free_len[4] = {0}, free_total = 0;
         for (int h = 0; h < H; h++) {
             const int32_t *pos;
             const int64_t len = pd_kv_prefix_stream(p, l, h, &pos, NULL, NULL);
+            cr_assert_eq(count_in(pos, len, 0, s.sink), s.sink, "sinks stay protected");
             for (int k = 0; k < 4; k++) {
-                const int64_t lo = four_spans[k].start > s.sink ? four_spans[k].start : s.sink;
-                const int64_t hi = four_spans[k].end < n - s.recent ? four_spans[k].end : n - s.recent;
-                if (hi > lo) got[k] += count_in(pos, len, lo, hi), free_len[k] += hi - lo;
+                const int64_t lo = equal[k].start > s.sink ? equal[k].start : s.sink, hi = equal[k].end;
+                got[k] += count_in(pos, len, lo, hi), free_len[k] += hi - lo;
             }
         }
         for (int k = 0; k < 4; k++) free_total += free_len[k];
         for (int k = 0; k < 4; k++) {
             const double want = (double)free_budget * (double)free_len[k] / (double)free_total;
             cr_assert(fabs((double)got[k] - want) < 1.0, "layer %d span %s keeps %lld free pairs, fair share %.2f", l,
-                      four_spans[k].name, (long long)got[k], want);
+                      equal[k].name, (long long)got[k], want);
         }
     }
     pd_kv_prefix_free(p);
