@@ -236,8 +236,9 @@ double pd_rank_correlation(const float *a, const float *b, int64_t n);
 /* Tokens kept per kv head at each layer, for a prefix of n tokens:
  * floor(retention * n), at least 1; pyramid spreads n_layer times that so
  * that layer 0 gets the most, the last layer mean/beta, linearly in
- * between, each clipped to [1, n], with the total never above n_layer *
- * floor(retention * n). out: [n_layer]. In global mode the layer keeps
+ * between, when that line fits between the scorer's observation window
+ * (SnapKV's `window`, else 1) and n; otherwise every layer gets the mean,
+ * as PyramidKV's code does. out: [n_layer]. In global mode the layer keeps
  * out[l] * n_head_kv (token, head) pairs in total. */
 void pd_policy_budgets(const pd_policy_spec *spec, int n_layer, int64_t n, int64_t *out);
 

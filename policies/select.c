@@ -15,10 +15,9 @@
 
 static double clampd(double x, double lo, double hi) { return x < lo ? lo : x > hi ? hi : x; }
 
-/* Layer l's pyramid target, shifted by delta and clipped to [1, n]. */
-static double pyramid_target(double top, double bottom, int n_layer, int l, double delta, double n) {
-    double t = top - (top - bottom) * (double)l / (double)(n_layer - 1);
-    return clampd(t + delta, 1.0, n);
+/* Layer l's point on the PyramidKV line from top (layer 0) to bottom. */
+static double pyramid_line(double top, double bottom, int n_layer, int l) {
+    return top - (top - bottom) * (double)l / (double)(n_layer - 1);
 }
 
 void pd_policy_budgets(const pd_policy_spec *spec, int n_layer, int64_t n, int64_t *out) {
@@ -35,31 +34,24 @@ void pd_policy_budgets(const pd_policy_spec *spec, int n_layer, int64_t n, int64
         return;
     }
 
-    /* PyramidKV: a line from 2M - M/beta down to M/beta, mean M. Clipping
-     * to [1, n] would change the total, so the whole line is shifted by
-     * delta until the clipped sum is n_layer * M again: it stays linear
-     * where unclipped and monotone everywhere. */
+    /* PyramidKV: a line from 2M - M/beta down to M/beta, mean M. As in the
+     * paper's code (and kvpress), when that line does not fit between the
+     * observation window (the smallest budget must hold it) and the prefix
+     * length, every layer gets the mean: SnapKV's budgets. */
     double beta = spec->beta >= 1 ? spec->beta : 1;
-    double bottom = (double)mean / beta, top = 2.0 * (double)mean - bottom, dn = (double)n;
-    double want = (double)n_layer * (double)mean;
-    double delta = 0;
-    if (top > dn || bottom < 1) {
-        double lo = -top, hi = dn; /* sums n_layer (<= want) and n_layer * n (>= want) */
-        for (int it = 0; it < 200 && hi - lo > 1e-12 * (1 + fabs(lo) + fabs(hi)); it++) {
-            double mid = 0.5 * (lo + hi), sum = 0;
-            for (int l = 0; l < n_layer; l++) sum += pyramid_target(top, bottom, n_layer, l, mid, dn);
-            if (sum < want) lo = mid;
-            else hi = mid;
-        }
-        delta = 0.5 * (lo + hi);
+    double bottom = (double)mean / beta, top = 2.0 * (double)mean - bottom;
+    const double floor_min = spec->scorer == PD_POLICY_SNAPKV && spec->window > 0 ? spec->window : 1;
+    if (bottom < floor_min || top > (double)n) {
+        for (int l = 0; l < n_layer; l++) out[l] = mean;
+        return;
     }
 
-    /* Integer parts, then largest remainder (ties to the lower layer). The
+    /* Integer parts, then largest remainder (ties to the lower layer): the
      * greedy "most under-served layer next" is largest remainder on its
-     * first pass and also absorbs rounding slack of the shift. */
+     * first pass. */
     int64_t total = n_layer * mean, sum = 0;
     for (int l = 0; l < n_layer; l++) {
-        double c = pyramid_target(top, bottom, n_layer, l, delta, dn);
+        double c = pyramid_line(top, bottom, n_layer, l);
         int64_t q = (int64_t)floor(c);
         out[l] = q < 1 ? 1 : q > n ? n : q;
         sum += out[l];
@@ -69,7 +61,7 @@ void pd_policy_budgets(const pd_policy_spec *spec, int n_layer, int64_t n, int64
         double best_gap = 0;
         for (int l = 0; l < n_layer; l++) {
             if (out[l] >= n) continue;
-            double gap = pyramid_target(top, bottom, n_layer, l, delta, dn) - (double)out[l];
+            double gap = pyramid_line(top, bottom, n_layer, l) - (double)out[l];
             if (best < 0 || gap > best_gap) best = l, best_gap = gap;
         }
         out[best]++; /* one exists: total <= n_layer * n */
@@ -80,7 +72,7 @@ void pd_policy_budgets(const pd_policy_spec *spec, int n_layer, int64_t n, int64
         double best_gap = 0;
         for (int l = n_layer - 1; l >= 0; l--) {
             if (out[l] <= 1) continue;
-            double gap = pyramid_target(top, bottom, n_layer, l, delta, dn) - (double)out[l];
+            double gap = pyramid_line(top, bottom, n_layer, l) - (double)out[l];
             if (best < 0 || gap < best_gap) best = l, best_gap = gap;
         }
         out[best]--; /* one exists: total >= n_layer */

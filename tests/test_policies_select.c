@@ -130,8 +130,8 @@ Test(budgets, pyramid_against_direct_computation) {
                 cr_assert_eq(out[l], want[l], "%s: layer %d got %" PRId64 " want %" PRId64, what, l, out[l], want[l]);
             compared++;
         } else {
-            /* Clipped: the shape checks above (total, bounds, order) are the contract. */
-            cr_assert_geq(out[0], out[L - 1], "%s", what);
+            /* The line does not fit in [1, n]: every layer gets the mean. */
+            for (int l = 0; l < L; l++) cr_assert_eq(out[l], mean, "%s: layer %d", what, l);
         }
     }
     cr_assert_gt(compared, 500, "too few unclipped cases compared (%d)", compared);
@@ -169,12 +169,23 @@ Test(budgets, pyramid_beta_and_edges) {
                 pd_policy_budgets(&s, L, n, a);
                 check_pyramid_shape(a, L, n, mean_budget(k, n), text);
             }
-    /* Near-full retention clips the top at n and moves the excess down. */
+    /* Near-full retention: the line's top (2 x 90 - 4.5) is above n, so
+     * every layer gets the mean, as in PyramidKV's code. */
     s = spec_of("knorm:budget=pyramid,retention=0.9,beta=20");
     pd_policy_budgets(&s, 8, 100, a);
-    check_pyramid_shape(a, 8, 100, 90, "retention 0.9");
-    cr_assert_eq(a[0], 100);
-    cr_assert_lt(a[7], 90);
+    for (int l = 0; l < 8; l++) cr_assert_eq(a[l], 90, "layer %d", l);
+    /* pyramidkv (SnapKV scores, a 64-token window): the smallest budget must
+     * hold the window. At mean 100 the last layer would get 5: SnapKV's
+     * uniform budgets instead (the paper's code and kvpress fall back so). */
+    s = spec_of("pyramidkv:retention=0.25");
+    cr_assert(s.window == 64 && s.beta == 20, "the defaults this test is about");
+    pd_policy_budgets(&s, 8, 400, a);
+    for (int l = 0; l < 8; l++) cr_assert_eq(a[l], 100, "layer %d: the SnapKV fallback", l);
+    /* With room (mean 2000, last layer 100 >= 64) it is the pyramid. */
+    pd_policy_budgets(&s, 8, 8000, a);
+    check_pyramid_shape(a, 8, 8000, 2000, "pyramidkv n=8000");
+    cr_assert_eq(a[7], 100);
+    cr_assert_eq(a[0], 3900);
     /* Empty prefixes keep nothing. */
     pd_policy_budgets(&s, 3, 0, a);
     cr_assert(a[0] == 0 && a[1] == 0 && a[2] == 0);
