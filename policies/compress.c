@@ -147,9 +147,11 @@ const pd_compress_stats *pd_compressor_stats(const pd_compressor *c) { return &c
  * span's place in the [n_criteria][n_head_kv][n] array. */
 static int score_local(pd_compressor *c, const pd_layer_kv *kv, pd_error *err) {
     const int64_t n = c->n, H = c->n_head_kv;
+    pd_policy_spec span_spec;
+    pd_policy_spec_for_span(&c->spec, c->layout.n_spans, &span_spec);
     for (int s = 0; s < c->layout.n_spans; s++) {
         const int64_t lo = c->spans[s].start, len = c->spans[s].end - lo;
-        int rc = pd_policy_score(&c->spec, kv, lo, lo + len, c->span_scores, err);
+        int rc = pd_policy_score(&span_spec, kv, lo, lo + len, c->span_scores, err);
         if (rc) return pd_error_prefix(err, "span '%s' [%" PRId64 ", %" PRId64 ")", c->spans[s].name, lo, lo + len);
         for (int64_t q = 0; q < (int64_t)c->n_criteria * H; q++)
             memcpy(c->local_scores + q * n + lo, c->span_scores + q * len, sizeof(float) * (size_t)len);

@@ -142,6 +142,12 @@ size_t pd_policy_spec_print(const pd_policy_spec *spec, char *buf, size_t cap);
  * tokens and recent last ones (its `sink` and `recent` keys, or LASER-KV's
  * B/divisor of each). */
 void pd_policy_spec_protected(const pd_policy_spec *spec, int64_t budget, int64_t *sink, int64_t *recent);
+/* The spec a span of a fair selection (local=1) is scored with, one of
+ * n_spans: SnapKV's observation window split evenly across the spans
+ * (window / n_spans, at least 1), as the fair-eviction paper does, so
+ * that the spans together look at one window's worth of queries; every
+ * other key as in spec. */
+void pd_policy_spec_for_span(const pd_policy_spec *spec, int n_spans, pd_policy_spec *out);
 /* Set the retention (used by calibration); keeps everything else. */
 void pd_policy_spec_set_retention(pd_policy_spec *spec, double retention);
 const char *pd_policy_kind_name(pd_policy_kind kind);

@@ -724,6 +724,12 @@ static int parse_into(char *buf, pd_policy_spec *out, pd_error *err) {
     return PD_OK;
 }
 
+void pd_policy_spec_for_span(const pd_policy_spec *spec, int n_spans, pd_policy_spec *out) {
+    *out = *spec;
+    if (spec->scorer == PD_POLICY_SNAPKV && n_spans > 1 && spec->window > 0)
+        out->window = spec->window / n_spans > 1 ? spec->window / n_spans : 1;
+}
+
 void pd_policy_spec_protected(const pd_policy_spec *spec, int64_t budget, int64_t *sink, int64_t *recent) {
     if (spec->kind == PD_POLICY_LASERKV) { /* anchors and recent tokens scale with the budget */
         *sink = *recent = spec->divisor > 0 ? budget / spec->divisor : 0;

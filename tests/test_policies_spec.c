@@ -329,6 +329,29 @@ Test(spec, set_retention) {
     cr_assert_str_eq(a, b);
 }
 
+/* Fair eviction scores each span with SnapKV's window split across the
+ * spans (the fair-eviction paper), other scorers and keys unchanged. */
+Test(spec, a_span_of_a_fair_selection_gets_its_share_of_the_window) {
+    pd_policy_spec s, span;
+    pd_error err = {0};
+    cr_assert_eq(pd_policy_spec_parse("snapkv:fair=1", &s, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(s.window, 64);
+    pd_policy_spec_for_span(&s, 4, &span);
+    cr_assert_eq(span.window, 16, "64 / 4 spans");
+    cr_assert_eq(span.pool, s.pool);
+    cr_assert_eq(span.retention, s.retention);
+    pd_policy_spec_for_span(&s, 1, &span);
+    cr_assert_eq(span.window, 64, "one span: the whole window");
+    pd_policy_spec_for_span(&s, 100, &span);
+    cr_assert_eq(span.window, 1, "never below 1");
+    cr_assert_eq(pd_policy_spec_parse("pyramidkv:fair=1", &s, &err), PD_OK, "%s", err.msg);
+    pd_policy_spec_for_span(&s, 4, &span);
+    cr_assert_eq(span.window, s.window / 4, "pyramidkv scores with snapkv");
+    cr_assert_eq(pd_policy_spec_parse("tova:fair=1", &s, &err), PD_OK, "%s", err.msg);
+    pd_policy_spec_for_span(&s, 4, &span);
+    cr_assert_eq(memcmp(&span, &s, sizeof s), 0, "other scorers keep their spec");
+}
+
 Test(spec, print_truncates_like_snprintf) {
     pd_policy_spec s;
     pd_policy_spec_default(PD_POLICY_COMPACTOR, &s);
