@@ -224,6 +224,34 @@ void cpu_q3k_scales(const uint8_t *s, int8_t out[16]);
  * iq4_xs share it; defined in quant_q32.c). */
 extern const int8_t cpu_iq4nl_values[16];
 
+/* Blocks of the 32-element 4- and 5-bit types, ggml's layouts: fp16 d;
+ * q4_1 and q5_1 then fp16 m; q5_0 and q5_1 then 32 fifth bits qh (little
+ * endian); then 16 bytes of nibbles qs (elements 0..15 low, 16..31 high). */
+#define CPU_Q4_1_BYTES 20
+#define CPU_Q5_0_BYTES 22
+#define CPU_Q5_1_BYTES 24
+#define CPU_IQ4_NL_BYTES 18
+
+static inline size_t cpu_q32_block_bytes(pd_type t) {
+    return t == PD_TYPE_Q4_1 ? CPU_Q4_1_BYTES
+           : t == PD_TYPE_Q5_0 ? CPU_Q5_0_BYTES
+           : t == PD_TYPE_Q5_1 ? CPU_Q5_1_BYTES
+                               : CPU_IQ4_NL_BYTES;
+}
+
+/* Where a block's nibbles start. */
+static inline size_t cpu_q32_qs_offset(pd_type t) {
+    return t == PD_TYPE_Q4_1 ? 4 : t == PD_TYPE_Q5_0 ? 6 : t == PD_TYPE_Q5_1 ? 8 : 2;
+}
+
+/* Where a q5_0 or q5_1 block's fifth bits are. */
+static inline size_t cpu_q32_qh_offset(pd_type t) { return t == PD_TYPE_Q5_0 ? 2 : 4; }
+
+/* A little-endian 32-bit value at any alignment. */
+static inline uint32_t cpu_load_u32le(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
 /* Activation quantizers shared by the scalar table; SIMD tables use their
  * own but must produce identical bytes (same float ops, round to nearest
  * even), so the integer dot products agree exactly across levels. */

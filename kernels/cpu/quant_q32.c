@@ -24,16 +24,8 @@
 #include "kernels/cpu/cpu_internal.h"
 
 #define QK 32
-#define Q4_1_BYTES 20
-#define Q5_0_BYTES 22
-#define Q5_1_BYTES 24
-#define IQ4_NL_BYTES 18
 
 const int8_t cpu_iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-static inline uint32_t load_u32(const uint8_t *p) {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-}
 
 static inline void store_u32(uint8_t *p, uint32_t v) {
     for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
@@ -74,7 +66,7 @@ static void quantize_min_block(const float *x, uint8_t *y, int nmax) {
 }
 
 static void dequantize_q4_1(const uint8_t *x, float *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += Q4_1_BYTES, y += QK) {
+    for (uint64_t i = 0; i < nb; i++, x += CPU_Q4_1_BYTES, y += QK) {
         const float d = cpu_load_half(x);
         const float m = cpu_load_half(x + 2);
         const uint8_t *qs = x + 4;
@@ -90,10 +82,10 @@ static void dequantize_q4_1(const uint8_t *x, float *y, uint64_t nb) {
 }
 
 static void dequantize_q5_1(const uint8_t *x, float *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += Q5_1_BYTES, y += QK) {
+    for (uint64_t i = 0; i < nb; i++, x += CPU_Q5_1_BYTES, y += QK) {
         const float d = cpu_load_half(x);
         const float m = cpu_load_half(x + 2);
-        const uint32_t qh = load_u32(x + 4);
+        const uint32_t qh = cpu_load_u32le(x + 4);
         const uint8_t *qs = x + 8;
         for (int j = 0; j < QK / 2; j++) {
             const int x0 = (int)((qs[j] & 0x0fu) | (((qh >> j) << 4) & 0x10u));
@@ -111,7 +103,7 @@ static void dequantize_q5_1(const uint8_t *x, float *y, uint64_t nb) {
  * ------------------------------------------------------------------------ */
 
 static void quantize_q5_0(const float *x, uint8_t *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += QK, y += Q5_0_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += QK, y += CPU_Q5_0_BYTES) {
         /* the element of largest magnitude maps to -16, using the range
          * [-16, 15] to its fullest (as ggml does) */
         float amax = 0.0f, max = 0.0f;
@@ -129,9 +121,9 @@ static void quantize_q5_0(const float *x, uint8_t *y, uint64_t nb) {
 }
 
 static void dequantize_q5_0(const uint8_t *x, float *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += Q5_0_BYTES, y += QK) {
+    for (uint64_t i = 0; i < nb; i++, x += CPU_Q5_0_BYTES, y += QK) {
         const float d = cpu_load_half(x);
-        const uint32_t qh = load_u32(x + 2);
+        const uint32_t qh = cpu_load_u32le(x + 2);
         const uint8_t *qs = x + 6;
         for (int j = 0; j < QK / 2; j++) {
             const int x0 = (int)((qs[j] & 0x0fu) | (((qh >> j) << 4) & 0x10u)) - 16;
@@ -172,7 +164,7 @@ static void iq4nl_fit(const float *x, float id, float *sxv, float *svv) {
 }
 
 static void quantize_iq4_nl(const float *x, uint8_t *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += QK, y += IQ4_NL_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += QK, y += CPU_IQ4_NL_BYTES) {
         float amax = 0.0f, max = 0.0f;
         for (int j = 0; j < QK; j++) {
             if (fabsf(x[j]) > amax) {
@@ -204,7 +196,7 @@ static void quantize_iq4_nl(const float *x, uint8_t *y, uint64_t nb) {
 }
 
 static void dequantize_iq4_nl(const uint8_t *x, float *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += IQ4_NL_BYTES, y += QK) {
+    for (uint64_t i = 0; i < nb; i++, x += CPU_IQ4_NL_BYTES, y += QK) {
         const float d = cpu_load_half(x);
         const uint8_t *qs = x + 2;
         for (int j = 0; j < QK / 2; j++) {
@@ -221,10 +213,10 @@ static void dequantize_iq4_nl(const uint8_t *x, float *y, uint64_t nb) {
 bool cpu_quantize_q32(pd_type t, const float *x, uint8_t *y, uint64_t nb) {
     switch (t) {
     case PD_TYPE_Q4_1:
-        for (uint64_t i = 0; i < nb; i++) quantize_min_block(x + QK * i, y + Q4_1_BYTES * i, 15);
+        for (uint64_t i = 0; i < nb; i++) quantize_min_block(x + QK * i, y + CPU_Q4_1_BYTES * i, 15);
         return true;
     case PD_TYPE_Q5_1:
-        for (uint64_t i = 0; i < nb; i++) quantize_min_block(x + QK * i, y + Q5_1_BYTES * i, 31);
+        for (uint64_t i = 0; i < nb; i++) quantize_min_block(x + QK * i, y + CPU_Q5_1_BYTES * i, 31);
         return true;
     case PD_TYPE_Q5_0: quantize_q5_0(x, y, nb); return true;
     case PD_TYPE_IQ4_NL: quantize_iq4_nl(x, y, nb); return true;

@@ -21,15 +21,6 @@
 
 #include "kernels/cpu/simd_x86.h"
 
-static inline size_t q32_block_bytes(pd_type t) {
-    switch (t) {
-    case PD_TYPE_Q4_1: return 20;
-    case PD_TYPE_Q5_0: return 22;
-    case PD_TYPE_Q5_1: return 24;
-    default: return 18; /* iq4_nl */
-    }
-}
-
 /* Elements 0..15 from the low nibbles of qs[0..15], 16..31 from the high. */
 PD_TARGET_AVX2 static inline __m256i nibbles32(const uint8_t *qs) {
     const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)qs);
@@ -54,12 +45,12 @@ PD_TARGET_AVX2 static inline __m256i fifth_bits(const uint8_t *qh) {
  * (q5_0 stored + 16), the signed codebook values for iq4_nl. */
 PD_TARGET_AVX2 static inline __attribute__((always_inline)) __m256i q32_codes(const uint8_t *blk, const pd_type t) {
     switch (t) {
-    case PD_TYPE_Q4_1: return nibbles32(blk + 4);
-    case PD_TYPE_Q5_0: return _mm256_or_si256(nibbles32(blk + 6), fifth_bits(blk + 2));
-    case PD_TYPE_Q5_1: return _mm256_or_si256(nibbles32(blk + 8), fifth_bits(blk + 4));
+    case PD_TYPE_Q4_1: return nibbles32(blk + cpu_q32_qs_offset(t));
+    case PD_TYPE_Q5_0:
+    case PD_TYPE_Q5_1: return _mm256_or_si256(nibbles32(blk + cpu_q32_qs_offset(t)), fifth_bits(blk + cpu_q32_qh_offset(t)));
     default: {
         const __m256i book = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)cpu_iq4nl_values));
-        return _mm256_shuffle_epi8(book, nibbles32(blk + 2));
+        return _mm256_shuffle_epi8(book, nibbles32(blk + cpu_q32_qs_offset(t)));
     }
     }
 }
@@ -68,7 +59,7 @@ PD_TARGET_AVX2 static inline __attribute__((always_inline)) void
 q32_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt, const pd_type t) {
     const cpu_qact *q = m->q;
     const int64_t nb = q->nblocks;
-    const size_t bytes = q32_block_bytes(t);
+    const size_t bytes = cpu_q32_block_bytes(t);
     const bool offset = t == PD_TYPE_Q4_1 || t == PD_TYPE_Q5_1;
     const uint8_t *w = m->w + (size_t)r * m->rb;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -119,7 +110,7 @@ PD_TARGET_AVX2 static void mm_iq4_nl(const cpu_mm *m, int64_t r0, int64_t r1) { 
 
 PD_TARGET_AVX2 static inline __attribute__((always_inline)) void
 q32_dequant(const uint8_t *w, int64_t cols, float *out, const pd_type t) {
-    const size_t bytes = q32_block_bytes(t);
+    const size_t bytes = cpu_q32_block_bytes(t);
     const bool offset = t == PD_TYPE_Q4_1 || t == PD_TYPE_Q5_1;
     for (int64_t b = 0; b < cols / 32; b++, w += bytes, out += 32) {
         __m256i v = q32_codes(w, t); /* int8 lanes: all codes fit */

@@ -25,42 +25,20 @@
 
 #include "kernels/cpu/simd_x86.h"
 
-static inline size_t q32_block_bytes(pd_type t) {
-    switch (t) {
-    case PD_TYPE_Q4_1: return 20;
-    case PD_TYPE_Q5_0: return 22;
-    case PD_TYPE_Q5_1: return 24;
-    default: return 18; /* iq4_nl */
-    }
-}
-
-static inline uint32_t ld32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline size_t q32_qs_offset(pd_type t) {
-    return t == PD_TYPE_Q4_1 ? 4 : t == PD_TYPE_Q5_0 ? 6 : t == PD_TYPE_Q5_1 ? 8 : 2;
-}
-
-/* Where q5's 32 fifth bits are (after d, or d and m). */
-static inline size_t q32_qh_offset(pd_type t) { return t == PD_TYPE_Q5_0 ? 2 : 4; }
-
 /* The correction c/16 becomes: log2 of its multiplier (see the header). */
 static inline int q32_corr_shift(pd_type t) { return t == PD_TYPE_Q5_0 ? 1 : 4; }
 
 /* The 32 codes of one block as unsigned bytes in element order (a tail
  * block, its activations in natural order). */
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) __m256i q32_codes(const uint8_t *blk, const pd_type t) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(blk + q32_qs_offset(t)));
+    const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(blk + cpu_q32_qs_offset(t)));
     const __m128i mask = _mm_set1_epi8(0x0f);
     const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
     switch (t) {
     case PD_TYPE_Q4_1: return nib;
     case PD_TYPE_Q5_0:
     case PD_TYPE_Q5_1:
-        return _mm256_mask_add_epi8(nib, (__mmask32)ld32(blk + q32_qh_offset(t)), nib, _mm256_set1_epi8(0x10));
+        return _mm256_mask_add_epi8(nib, (__mmask32)cpu_load_u32le(blk + cpu_q32_qh_offset(t)), nib, _mm256_set1_epi8(0x10));
     default: {
         const __m128i book = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(const void *)cpu_iq4nl_values),
                                            _mm_set1_epi8((char)0x80)); /* + 128 */
@@ -82,7 +60,7 @@ PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
 q32_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt, const pd_type t) {
     const cpu_qact *q = m->q;
     const int64_t nb = q->nblocks, ng = nb / Q32_GROUP;
-    const size_t bytes = q32_block_bytes(t), qs = q32_qs_offset(t);
+    const size_t bytes = cpu_q32_block_bytes(t), qs = cpu_q32_qs_offset(t);
     const bool offset = t == PD_TYPE_Q4_1 || t == PD_TYPE_Q5_1;
     const bool fifth = t == PD_TYPE_Q5_0 || t == PD_TYPE_Q5_1;
     const int shift = q32_corr_shift(t);
@@ -110,7 +88,7 @@ PD_UNROLL
         if (fifth) {
             uint64_t mlo = 0, mhi = 0;
             for (int b = 0; b < Q32_GROUP; b++) {
-                const uint32_t h = ld32(blk + (size_t)b * bytes + q32_qh_offset(t));
+                const uint32_t h = cpu_load_u32le(blk + (size_t)b * bytes + cpu_q32_qh_offset(t));
                 mlo |= (uint64_t)(h & 0xffff) << (16 * b);
                 mhi |= (uint64_t)(h >> 16) << (16 * b);
             }

@@ -6,14 +6,6 @@
 #include "kernels/cpu/cpu_internal.h"
 
 #define QK 32
-#define Q4_1_BYTES 20
-#define Q5_0_BYTES 22
-#define Q5_1_BYTES 24
-#define IQ4_NL_BYTES 18
-
-static inline uint32_t load_u32(const uint8_t *p) {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-}
 
 /* Element j's 5-bit code from nibbles qs and fifth bits qh. */
 static inline int code5(const uint8_t *qs, uint32_t qh, int j) {
@@ -27,7 +19,7 @@ static inline int code4(const uint8_t *qs, int j) {
 
 static float dot_q4_1(const uint8_t *w, const int8_t *qs, const float *d, const int32_t *c, int64_t nb) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += Q4_1_BYTES, qs += QK) {
+    for (int64_t b = 0; b < nb; b++, w += CPU_Q4_1_BYTES, qs += QK) {
         int32_t s = 0;
         for (int j = 0; j < QK; j++) s += code4(w + 4, j) * qs[j];
         const float dw = pd_fp16_to_fp32(cpu_load_u16(w)), mw = pd_fp16_to_fp32(cpu_load_u16(w + 2));
@@ -38,8 +30,8 @@ static float dot_q4_1(const uint8_t *w, const int8_t *qs, const float *d, const 
 
 static float dot_q5_1(const uint8_t *w, const int8_t *qs, const float *d, const int32_t *c, int64_t nb) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += Q5_1_BYTES, qs += QK) {
-        const uint32_t qh = load_u32(w + 4);
+    for (int64_t b = 0; b < nb; b++, w += CPU_Q5_1_BYTES, qs += QK) {
+        const uint32_t qh = cpu_load_u32le(w + 4);
         int32_t s = 0;
         for (int j = 0; j < QK; j++) s += code5(w + 8, qh, j) * qs[j];
         const float dw = pd_fp16_to_fp32(cpu_load_u16(w)), mw = pd_fp16_to_fp32(cpu_load_u16(w + 2));
@@ -51,8 +43,8 @@ static float dot_q5_1(const uint8_t *w, const int8_t *qs, const float *d, const 
 static float dot_q5_0(const uint8_t *w, const int8_t *qs, const float *d, const int32_t *c, int64_t nb) {
     (void)c;
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += Q5_0_BYTES, qs += QK) {
-        const uint32_t qh = load_u32(w + 2);
+    for (int64_t b = 0; b < nb; b++, w += CPU_Q5_0_BYTES, qs += QK) {
+        const uint32_t qh = cpu_load_u32le(w + 2);
         int32_t s = 0;
         for (int j = 0; j < QK; j++) s += (code5(w + 6, qh, j) - 16) * qs[j];
         acc += pd_fp16_to_fp32(cpu_load_u16(w)) * d[b] * (float)s;
@@ -63,7 +55,7 @@ static float dot_q5_0(const uint8_t *w, const int8_t *qs, const float *d, const 
 static float dot_iq4_nl(const uint8_t *w, const int8_t *qs, const float *d, const int32_t *c, int64_t nb) {
     (void)c;
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += IQ4_NL_BYTES, qs += QK) {
+    for (int64_t b = 0; b < nb; b++, w += CPU_IQ4_NL_BYTES, qs += QK) {
         int32_t s = 0;
         for (int j = 0; j < QK; j++) s += cpu_iq4nl_values[code4(w + 2, j)] * qs[j];
         acc += pd_fp16_to_fp32(cpu_load_u16(w)) * d[b] * (float)s;
