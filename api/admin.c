@@ -280,13 +280,12 @@ static int wait_job(const pd_admin_ctx *ctx, uint64_t id, pd_job_status *st, pd_
 
 static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len, pd_admin_reply *out,
                            pd_api_error *e) {
-    if (ctx->max_body_bytes && len > ctx->max_body_bytes)
+    const pd_api_limits *lim = &ctx->limits;
+    if (lim->max_body_bytes && len > lim->max_body_bytes)
         return pd_api_errorf(e, 413, PD_API_ERR_TOO_LARGE, NULL, NULL, "the request body is larger than %zu bytes "
-                             "(server.max_body_bytes)", ctx->max_body_bytes);
-    pd_api_limits lim;
-    pd_api_limits_default(&lim); /* the completions' nesting limit */
-    if (!pd_api_json_depth_ok(body ? body : "", len, lim.max_depth))
-        return BAD(e, NULL, "the request body nests JSON deeper than %d levels", lim.max_depth);
+                             "(server.max_body_bytes)", lim->max_body_bytes);
+    if (!pd_api_json_depth_ok(body ? body : "", len, lim->max_depth))
+        return BAD(e, NULL, "the request body nests JSON deeper than %d levels", lim->max_depth);
     json_error_t je;
     json_t *root = json_loadb(body ? body : "", len, JSON_REJECT_DUPLICATES, &je);
     if (!root) return BAD(e, NULL, "the body is not valid JSON: %s (line %d, column %d)", je.text, je.line, je.column);

@@ -350,7 +350,7 @@ void pd_server_stop(pd_server *s);
 /* What the admin routes work on (not owned). */
 typedef struct pd_admin_ctx {
     pd_server_backend b;        /* the served model, jobs, store, hot tier (may be NULL), defaults */
-    size_t max_body_bytes;
+    pd_api_limits limits;       /* the server's: body size (413) and JSON nesting (400) */
     /* "wait": true polls this once a second and stops waiting (202) when it
      * says the server is stopping. May be NULL. */
     bool (*stopping)(void *stopping_ctx);

@@ -622,7 +622,7 @@ static enum MHD_Result handle_admin(pd_server *s, struct MHD_Connection *c, http
                            "missing or wrong admin token (send Authorization: Bearer ADMIN_TOKEN, admin.token)");
     pd_server_backend b;
     if (!get_backend(s, &b)) return send_not_ready(s, c, server_stopping(s));
-    r->admin_ctx = (pd_admin_ctx){.b = b, .max_body_bytes = s->opts.limits.max_body_bytes,
+    r->admin_ctx = (pd_admin_ctx){.b = b, .limits = s->opts.limits,
                                   .stopping = server_stopping, .stopping_ctx = s};
     const char *ns = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "namespace");
     r->admin_method = strdup(method);
