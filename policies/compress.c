@@ -25,8 +25,9 @@ struct pd_compressor {
     /* fair eviction only */
     float *local_scores;  /* [n_criteria][n_head_kv][n], when spec.local */
     float *span_scores;   /* [n_criteria][n_head_kv][longest span] */
-    uint8_t *prot;        /* [n]: protected tokens (the same in every head) */
+    uint8_t *prot;        /* [n]: protected tokens (the same in every head); with spans */
     int64_t *free_len, *base, *quotas; /* [n_head_kv][n_spans] */
+    double *fair_carry;   /* [n_spans]: rounding shortfall carried across groups */
 };
 
 /* calloc that remembers a failure, so a run of allocations is checked once. */
@@ -46,7 +47,7 @@ void pd_compressor_free(pd_compressor *c) {
     free(c->spans);
     free(c->whitelist);
     free(c->budgets);
-    free(c->stats.kept);
+    pd_compress_stats_free(&c->stats);
     free(c->prev_keep);
     free(c->scores);
     free(c->local_scores);
@@ -55,6 +56,7 @@ void pd_compressor_free(pd_compressor *c) {
     free(c->free_len);
     free(c->base);
     free(c->quotas);
+    free(c->fair_carry);
     free(c);
 }
 
@@ -111,12 +113,18 @@ int pd_compressor_create(const pd_policy_spec *spec, const pd_layout *layout, co
     c->stats.kept = alloc_array(L * H, sizeof *c->stats.kept, &ok);
     c->prev_keep = alloc_array(H * N, 1, &ok);
     c->scores = alloc_array(C * H * N, sizeof *c->scores, &ok);
+    const size_t S = (size_t)c->layout.n_spans;
+    if (S > 0) {
+        c->prot = alloc_array(N, 1, &ok);
+        c->stats.span_tokens = alloc_array(S, sizeof *c->stats.span_tokens, &ok);
+        c->stats.span_kept = alloc_array(L * S, sizeof *c->stats.span_kept, &ok);
+        c->stats.span_protected = alloc_array(L * S, sizeof *c->stats.span_protected, &ok);
+    }
     if (spec->fair) {
-        const size_t S = (size_t)c->layout.n_spans;
         int64_t longest = 0;
         for (int s = 0; s < c->layout.n_spans; s++)
             if (c->spans[s].end - c->spans[s].start > longest) longest = c->spans[s].end - c->spans[s].start;
-        c->prot = alloc_array(N, 1, &ok);
+        c->fair_carry = alloc_array(S, sizeof *c->fair_carry, &ok);
         c->free_len = alloc_array(H * S, sizeof *c->free_len, &ok);
         c->base = alloc_array(H * S, sizeof *c->base, &ok);
         c->quotas = alloc_array(H * S, sizeof *c->quotas, &ok);
@@ -133,6 +141,8 @@ int pd_compressor_create(const pd_policy_spec *spec, const pd_layout *layout, co
     pd_policy_budgets(spec, c->n_layer, n_tokens, c->budgets);
     c->stats.n_layer = c->n_layer;
     c->stats.n_head_kv = c->n_head_kv;
+    c->stats.n_spans = c->layout.n_spans;
+    for (int s = 0; s < c->layout.n_spans; s++) c->stats.span_tokens[s] = c->spans[s].end - c->spans[s].start;
     c->stats.n_tokens = n_tokens;
     *out = c;
     return PD_OK;
@@ -204,7 +214,8 @@ static int select_fair(pd_compressor *c, const pd_layer_kv *kv, pd_select_args *
          * free budget, or every free entry when there are fewer. */
         int64_t kept_free = 0;
         for (int s = 0; s < S; s++) kept_free += c->base[g * S + s];
-        pd_fair_quotas(kept_free, c->free_len + g * S, c->base + g * S, S, c->spec.debias, c->quotas + g * S);
+        pd_fair_quotas(kept_free, c->free_len + g * S, c->base + g * S, S, c->spec.debias, c->fair_carry,
+                       c->quotas + g * S);
     }
     a->quotas = c->quotas;
     if (c->spec.local) {
@@ -212,6 +223,35 @@ static int select_fair(pd_compressor *c, const pd_layer_kv *kv, pd_select_args *
         a->local_scores = c->local_scores;
     }
     return pd_policy_select(a, keep, err);
+}
+
+/* Per-span counts of layer l: what was kept, and which of it fairness
+ * leaves out (sinks and whitelists as the selection protects them). */
+static void count_spans(pd_compressor *c, int l, int64_t B, const uint8_t *keep) {
+    const int64_t n = c->n;
+    const int H = c->n_head_kv, S = c->layout.n_spans;
+    pd_select_args a = {
+        .n = n,
+        .n_head_kv = H,
+        .mode = c->spec.budget,
+        .budget = c->spec.budget == PD_BUDGET_GLOBAL ? B * H : B,
+        .layout = &c->layout,
+    };
+    int64_t recent;
+    pd_policy_spec_protected(&c->spec, B, &a.sink, &recent);
+    if (pd_policy_protected(&a, c->prot) < 0) memset(c->prot, 0, (size_t)n); /* selection refused it already */
+    for (int s = 0; s < S; s++) {
+        int64_t kept = 0, prot = 0;
+        for (int h = 0; h < H; h++) {
+            const uint8_t *kh = keep + (int64_t)h * n;
+            for (int64_t i = c->spans[s].start; i < c->spans[s].end; i++) {
+                kept += kh[i] != 0;
+                prot += kh[i] && c->prot[i];
+            }
+        }
+        c->stats.span_kept[(int64_t)l * S + s] = kept;
+        c->stats.span_protected[(int64_t)l * S + s] = prot;
+    }
 }
 
 int pd_compressor_hook(void *compressor, const pd_layer_kv *kv, uint8_t *keep, pd_error *err) {
@@ -260,6 +300,7 @@ int pd_compressor_hook(void *compressor, const pd_layer_kv *kv, uint8_t *keep, p
         if (rc) return pd_error_prefix(err, "layer %d", l);
     }
 
+    if (c->layout.n_spans > 0) count_spans(c, l, B, keep);
     memcpy(c->prev_keep, keep, (size_t)H * (size_t)n);
     c->last_layer = l;
     int64_t total = 0;
@@ -273,6 +314,45 @@ int pd_compressor_hook(void *compressor, const pd_layer_kv *kv, uint8_t *keep, p
     c->stats.kept_total = total;
     c->stats.score_seconds += pd_now_seconds() - t0;
     return PD_OK;
+}
+
+static int64_t *dup_counts(const int64_t *src, size_t cnt, bool *ok) {
+    int64_t *p = cnt ? alloc_array(cnt, sizeof *p, ok) : NULL;
+    if (p) memcpy(p, src, sizeof *p * cnt);
+    return p;
+}
+
+static int copy_stats(const pd_compress_stats *src, pd_compress_stats *dst, pd_error *err) {
+    const size_t L = (size_t)src->n_layer, S = (size_t)src->n_spans;
+    bool ok = true;
+    *dst = *src;
+    dst->kept = dup_counts(src->kept, L * (size_t)src->n_head_kv, &ok);
+    dst->span_tokens = dup_counts(src->span_tokens, S, &ok);
+    dst->span_kept = dup_counts(src->span_kept, L * S, &ok);
+    dst->span_protected = dup_counts(src->span_protected, L * S, &ok);
+    if (ok) return PD_OK;
+    pd_compress_stats_free(dst);
+    return pd_errorf(err, PD_ENOMEM, "out of memory for the compression statistics");
+}
+
+void pd_compress_stats_free(pd_compress_stats *st) {
+    if (!st) return;
+    free(st->kept);
+    free(st->span_tokens);
+    free(st->span_kept);
+    free(st->span_protected);
+    st->kept = st->span_tokens = st->span_kept = st->span_protected = NULL;
+}
+
+void pd_compress_span_fraction(const pd_compress_stats *st, int s, double *all, double *unprotected) {
+    int64_t kept = 0, prot = 0;
+    for (int l = 0; l < st->n_layer; l++) {
+        kept += st->span_kept[(int64_t)l * st->n_spans + s];
+        prot += st->span_protected[(int64_t)l * st->n_spans + s];
+    }
+    const int64_t entries = st->span_tokens[s] * st->n_layer * st->n_head_kv;
+    if (all) *all = entries > 0 ? (double)kept / (double)entries : 1;
+    if (unprotected) *unprotected = entries > prot ? (double)(kept - prot) / (double)(entries - prot) : 1;
 }
 
 /* The prefill hook of pd_compress_prefix_observed: select, then report. */
@@ -314,16 +394,9 @@ int pd_compress_prefix_observed(pd_model *m, const pd_token *tokens, int64_t n, 
     if (!rc) rc = pd_prefill(m, s, tokens, n, &o, NULL, err);
     if (!rc) rc = pd_seq_to_prefix(s, out, err);
     pd_seq_free(s);
-    if (!rc && stats) {
-        *stats = c->stats;
-        const size_t cnt = (size_t)c->n_layer * (size_t)c->n_head_kv;
-        if (!(stats->kept = malloc(sizeof *stats->kept * cnt))) {
-            rc = pd_errorf(err, PD_ENOMEM, "out of memory for the kept counts");
-            pd_kv_prefix_free(*out);
-            *out = NULL;
-        } else {
-            memcpy(stats->kept, c->stats.kept, sizeof *stats->kept * cnt);
-        }
+    if (!rc && stats && (rc = copy_stats(&c->stats, stats, err))) {
+        pd_kv_prefix_free(*out);
+        *out = NULL;
     }
     pd_compressor_free(c);
     return rc;

@@ -293,9 +293,13 @@ int64_t pd_policy_protected(const pd_select_args *a, uint8_t *prot);
  * quota[s] = largest-remainder apportionment of `free` over
  * (1 - debias) * base[s] + debias * free * free_len[s] / sum(free_len),
  * capped at free_len[s] with the excess moved to spans with room.
- * Sum(quota) == min(free, sum(free_len)). */
+ * Sum(quota) == min(free, sum(free_len)), and |quota[s] - share[s]| < 1.
+ * carry (optional, [n_spans], zeroed before the first group) carries each
+ * span's rounding shortfall from group to group: the remainder units go to
+ * the spans shorted most so far, so over many groups every span's total is
+ * within one entry of its summed share. */
 void pd_fair_quotas(int64_t free, const int64_t *free_len, const int64_t *base, int n_spans, double debias,
-                    int64_t *quota);
+                    double *carry, int64_t *quota);
 
 /* ------------------------------------------------------------------------
  * The compressor: drives scoring and selection from the prefill hook
@@ -309,7 +313,22 @@ typedef struct pd_compress_stats {
     int64_t *kept;          /* [n_layer][n_head_kv], owned by the compressor */
     int64_t kept_total;     /* sum of kept */
     double score_seconds;   /* scoring + selection, all layers */
+    /* Per span of the layout (n_spans 0 without spans), in (token, kv head)
+     * entries: kept in each layer, and of those the protected ones that
+     * fairness leaves out (sinks and whitelisted tokens). */
+    int n_spans;
+    int64_t *span_tokens;    /* [n_spans]: tokens of each span */
+    int64_t *span_kept;      /* [n_layer][n_spans] */
+    int64_t *span_protected; /* [n_layer][n_spans] */
 } pd_compress_stats;
+
+/* Kept fraction of span s over every layer and kv head: of all its
+ * entries (*all) and of its unprotected ones (*unprotected: sinks and
+ * whitelisted tokens left out, the fair-eviction paper's b_X / n_X; 1 when
+ * the span has none). Either pointer may be NULL. */
+void pd_compress_span_fraction(const pd_compress_stats *st, int s, double *all, double *unprotected);
+/* Frees the arrays of stats that pd_compress_prefix filled (not the struct). */
+void pd_compress_stats_free(pd_compress_stats *st);
 
 /* n_tokens: the prefix length the prefill will pass in ONE pd_prefill call.
  * layout may be NULL; it is copied. */
@@ -322,7 +341,7 @@ const pd_compress_stats *pd_compressor_stats(const pd_compressor *c);
 
 /* Prefill `tokens` once with the policy and return the compressed prefix
  * (kept positions, post-RoPE K and V rows). stats (optional) is filled;
- * its `kept` array is malloc'd (free it). */
+ * its arrays are malloc'd (pd_compress_stats_free). */
 int pd_compress_prefix(pd_model *m, const pd_token *tokens, int64_t n, const pd_policy_spec *spec,
                        const pd_layout *layout, pd_kv_prefix **out, pd_compress_stats *stats, pd_error *err);
 /* The same, calling on_layer(ctx, layer, n_layer, err) after each layer's

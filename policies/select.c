@@ -100,7 +100,7 @@ static double quota_weight(int64_t free, const int64_t *free_len, const int64_t 
 }
 
 void pd_fair_quotas(int64_t free, const int64_t *free_len, const int64_t *base, int n_spans, double debias,
-                    int64_t *quota) {
+                    double *carry, int64_t *quota) {
     if (n_spans <= 0) return;
     double d = isfinite(debias) ? clampd(debias, 0, 1) : 1;
     int64_t len_sum = 0;
@@ -150,15 +150,23 @@ void pd_fair_quotas(int64_t free, const int64_t *free_len, const int64_t *base, 
     }
     /* Largest remainder, ties to the lower span; then whatever is left
      * (weightless spans when the weighted ones are full) to the lower span
-     * with room. At most n_spans steps of O(n_spans). */
+     * with room. With a carry, the remainder units go to the spans with a
+     * fractional share that earlier groups shorted most, so that summed
+     * over the groups (heads, layers) every span gets its share within one
+     * entry instead of losing the same fraction in every group. At most
+     * n_spans steps of O(n_spans). */
     while (sum < total) {
         int best = -1;
-        double best_gap = 0;
+        bool best_frac = false;
+        double best_key = 0;
         for (int s = 0; s < n_spans; s++) {
             if (quota[s] >= free_len[s]) continue;
             double w = quota_weight(free, free_len, base, s, d, (double)len_sum);
             double gap = fmin(lambda * w, (double)free_len[s]) - (double)quota[s];
-            if (best < 0 || gap > best_gap) best = s, best_gap = gap;
+            bool frac = gap > 0;
+            double key = gap + (carry && frac ? carry[s] : 0);
+            if (best < 0 || (frac && !best_frac) || (frac == best_frac && key > best_key))
+                best = s, best_frac = frac, best_key = key;
         }
         quota[best]++; /* one has room: total <= sum(free_len) */
         sum++;
@@ -175,6 +183,11 @@ void pd_fair_quotas(int64_t free, const int64_t *free_len, const int64_t *base, 
         quota[best]--;
         sum--;
     }
+    if (carry)
+        for (int s = 0; s < n_spans; s++)
+            if (free_len[s] > 0)
+                carry[s] += fmin(lambda * quota_weight(free, free_len, base, s, d, (double)len_sum), (double)free_len[s]) -
+                            (double)quota[s];
 }
 
 /* ------------------------------------------------------------------------

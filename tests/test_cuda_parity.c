@@ -1527,8 +1527,8 @@ Test(cuda_parity, compactor_prefix_kept_sets_and_continuations) {
     free(lcc);
     free(lgc);
     free(lgg);
-    free(stc.kept);
-    free(stg.kept);
+    pd_compress_stats_free(&stc);
+    pd_compress_stats_free(&stg);
     pd_kv_prefix_free(pc);
     pd_kv_prefix_free(pg);
     free(text);

@@ -170,7 +170,7 @@ Test(jobs, retention_job_stores_the_compressed_prefix) {
     pd_prefix_ref_release(ref);
 
     pd_kv_prefix_free(p);
-    free(cs.kept);
+    pd_compress_stats_free(&cs);
     pd_model_free(m);
     pd_jobs_free(j);
     free(t);
@@ -298,7 +298,7 @@ Test(jobs, layout_job_keys_spec_and_layout) {
     cr_assert_eq(pd_compress_prefix(m, t, n, &ps, &lay, &p, &cs, &err), PD_OK, "%s", err.msg);
     cr_assert_eq(a.info.kept_rows, cs.kept_total);
     pd_kv_prefix_free(p);
-    free(cs.kept);
+    pd_compress_stats_free(&cs);
     pd_model_free(m);
     pd_jobs_free(j);
     free(t);

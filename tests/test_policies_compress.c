@@ -190,7 +190,7 @@ static void every_policy_keeps_its_budget(pd_model *m, int64_t n, uint64_t seed)
             check_streams(p, hp, n, &st, what);
             check_budget(p, hp, n, &s, what);
             cr_assert(st.score_seconds >= 0, "%s", what);
-            free(st.kept);
+            pd_compress_stats_free(&st);
             pd_kv_prefix_free(p);
         }
     free(t);
@@ -280,7 +280,7 @@ Test(compress, retention_one_is_the_full_prefix) {
         cr_assert_eq(st.kept_total, (int64_t)hp->n_layer * hp->n_head_kv * n, "%s", specs[i]);
         const double nll = nll_after(m, p, t + n, n_text);
         cr_assert_eq(nll, nll_full, "%s: NLL %.17g, full prefix %.17g", specs[i], nll, nll_full);
-        free(st.kept);
+        pd_compress_stats_free(&st);
         pd_kv_prefix_free(p);
     }
     pd_kv_prefix_free(full);
@@ -453,6 +453,60 @@ Test(compress, fair_debias_1_global_gives_equal_fractions_over_pairs) {
     pd_model_free(m);
 }
 
+/* The issue-17 bar: with fair=1 every base policy keeps the same fraction
+ * of each span's unprotected tokens (max / min <= 1.05) on a 4-span prefix
+ * at retentions 0.5, 0.25 and 0.1, counted over all layers and kv heads;
+ * and the per-span statistics agree with the kept positions. */
+Test(compress, fair_keeps_equal_span_fractions_for_every_policy) {
+    pd_model *m = load(model_path);
+    const pd_hparams *hp = pd_model_hparams(m);
+    const int64_t n = 400;
+    pd_token *t = random_tokens(n, hp->n_vocab, 21);
+    pd_span equal[4];
+    for (int k = 0; k < 4; k++) {
+        memset(&equal[k], 0, sizeof equal[k]);
+        snprintf(equal[k].name, sizeof equal[k].name, "s%d", k);
+        equal[k].start = n * k / 4;
+        equal[k].end = n * (k + 1) / 4;
+    }
+    pd_layout lay = {.spans = equal, .n_spans = 4};
+    static const double retentions[] = {0.5, 0.25, 0.1};
+    for (int kind = 0; kind < PD_POLICY_COUNT; kind++)
+        for (int r = 0; r < 3; r++) {
+            char text[128];
+            snprintf(text, sizeof text, "%s:retention=%g,fair=1", pd_policy_kind_name((pd_policy_kind)kind),
+                     retentions[r]);
+            pd_policy_spec s;
+            parse(text, &s);
+            pd_compress_stats st = {0};
+            pd_kv_prefix *p = compress(m, t, n, &s, &lay, &st);
+            cr_assert_eq(st.n_spans, 4, "%s", text);
+            for (int l = 0; l < hp->n_layer; l++)
+                for (int k = 0; k < 4; k++) {
+                    int64_t kept = 0;
+                    for (int h = 0; h < hp->n_head_kv; h++) {
+                        const int32_t *pos;
+                        const int64_t len = pd_kv_prefix_stream(p, l, h, &pos, NULL, NULL);
+                        kept += count_in(pos, len, equal[k].start, equal[k].end);
+                    }
+                    cr_assert_eq(st.span_kept[l * 4 + k], kept, "%s: layer %d span %d", text, l, k);
+                    cr_assert(st.span_protected[l * 4 + k] <= kept, "%s", text);
+                }
+            double lo = 2, hi = -1;
+            for (int k = 0; k < 4; k++) {
+                double f;
+                pd_compress_span_fraction(&st, k, NULL, &f);
+                lo = fmin(lo, f), hi = fmax(hi, f);
+            }
+            cr_assert(lo > 0 && hi / lo <= 1.05, "%s: unprotected kept fractions of the spans range over [%.4f, %.4f]",
+                      text, lo, hi);
+            pd_compress_stats_free(&st);
+            pd_kv_prefix_free(p);
+        }
+    free(t);
+    pd_model_free(m);
+}
+
 Test(compress, fair_debias_0_is_the_base_policy) {
     pd_model *m = load(model_path);
     const pd_hparams *hp = pd_model_hparams(m);
@@ -518,7 +572,7 @@ Test(compress, whitelist_is_kept_in_every_layer_and_head) {
                                          (long long)keep[r].start, (long long)keep[r].end, l, h);
                     }
                 }
-            free(st.kept);
+            pd_compress_stats_free(&st);
             pd_kv_prefix_free(p);
         }
     free(t);

@@ -770,7 +770,7 @@ Test(fair, debias_one_is_proportional) {
             lsum += len[s];
         }
         int64_t free = rng_int(&rng, 0, lsum + 5);
-        pd_fair_quotas(free, len, base, S, 1.0, q);
+        pd_fair_quotas(free, len, base, S, 1.0, NULL, q);
         int64_t sum = 0, want = free < lsum ? free : lsum;
         for (int s = 0; s < S; s++) {
             cr_assert(q[s] >= 0 && q[s] <= len[s]);
@@ -785,10 +785,10 @@ Test(fair, debias_one_is_proportional) {
         cr_assert_eq(sum, want, "iter %d", iter);
     }
     int64_t len2[2] = {10, 10}, q2[2];
-    pd_fair_quotas(5, len2, NULL, 2, 1.0, q2);
+    pd_fair_quotas(5, len2, NULL, 2, 1.0, NULL, q2);
     cr_assert(q2[0] == 3 && q2[1] == 2, "a tie goes to the lower span: %" PRId64 " %" PRId64, q2[0], q2[1]);
     int64_t len3[3] = {4, 4, 4}, q3[3];
-    pd_fair_quotas(1, len3, NULL, 3, 1.0, q3);
+    pd_fair_quotas(1, len3, NULL, 3, 1.0, NULL, q3);
     cr_assert(q3[0] == 1 && q3[1] == 0 && q3[2] == 0);
 }
 
@@ -802,7 +802,7 @@ Test(fair, debias_zero_reproduces_base) {
             base[s] = rng_int(&rng, 0, len[s]);
             free += base[s];
         }
-        pd_fair_quotas(free, len, base, S, 0.0, q);
+        pd_fair_quotas(free, len, base, S, 0.0, NULL, q);
         for (int s = 0; s < S; s++)
             cr_assert_eq(q[s], base[s], "iter %d span %d: %" PRId64 " vs base %" PRId64, iter, s, q[s], base[s]);
     }
@@ -827,7 +827,7 @@ Test(fair, mixed_and_capped) {
             bsum++;
         }
         double debias = (double)rng_int(&rng, 0, 8) / 8;
-        pd_fair_quotas(free, len, base, S, debias, q);
+        pd_fair_quotas(free, len, base, S, debias, NULL, q);
         double t[10];
         naive_targets(free, len, base, S, debias, t);
         int64_t sum = 0;
@@ -841,12 +841,42 @@ Test(fair, mixed_and_capped) {
     }
     /* Caps move the excess to spans with room. */
     int64_t len[2] = {2, 100}, base[2] = {10, 0}, q[2];
-    pd_fair_quotas(10, len, base, 2, 0.0, q);
+    pd_fair_quotas(10, len, base, 2, 0.0, NULL, q);
     cr_assert(q[0] == 2 && q[1] == 8, "%" PRId64 " %" PRId64, q[0], q[1]);
     /* More budget than free tokens: every span full. */
     int64_t len3[3] = {3, 0, 5}, q3[3];
-    pd_fair_quotas(100, len3, NULL, 3, 0.5, q3);
+    pd_fair_quotas(100, len3, NULL, 3, 0.5, NULL, q3);
     cr_assert(q3[0] == 3 && q3[1] == 0 && q3[2] == 5);
-    pd_fair_quotas(0, len3, NULL, 3, 0.5, q3);
+    pd_fair_quotas(0, len3, NULL, 3, 0.5, NULL, q3);
     cr_assert(q3[0] == 0 && q3[1] == 0 && q3[2] == 0);
+}
+
+/* With a carry, rounding does not short the same span in every group: over
+ * many groups each span's total stays within one entry of its summed share,
+ * where plain largest remainder (ties to the lower span) drifts linearly. */
+Test(fair, carry_spreads_rounding_over_groups) {
+    const int S = 4, groups = 200;
+    const int64_t len[4] = {84, 100, 100, 100}, free = 24;
+    double carry[4] = {0};
+    int64_t total[4] = {0}, plain[4] = {0}, q[4];
+    for (int g = 0; g < groups; g++) {
+        pd_fair_quotas(free, len, NULL, S, 1.0, carry, q);
+        int64_t sum = 0;
+        for (int s = 0; s < S; s++) {
+            const double share = (double)free * (double)len[s] / 384.0;
+            cr_assert(fabs((double)q[s] - share) < 1.0, "group %d span %d: quota %" PRId64 ", share %.3f", g, s, q[s], share);
+            total[s] += q[s], sum += q[s];
+        }
+        cr_assert_eq(sum, free);
+        pd_fair_quotas(free, len, NULL, S, 1.0, NULL, q);
+        for (int s = 0; s < S; s++) plain[s] += q[s];
+    }
+    double plain_err = 0;
+    for (int s = 0; s < S; s++) {
+        const double want = (double)groups * (double)free * (double)len[s] / 384.0;
+        cr_assert(fabs((double)total[s] - want) <= 1.0, "span %d: %" PRId64 " over %d groups, share %.2f", s, total[s],
+                  groups, want);
+        plain_err = fmax(plain_err, fabs((double)plain[s] - want));
+    }
+    cr_assert_gt(plain_err, 10.0, "without the carry the same span loses every time (the case this is about)");
 }

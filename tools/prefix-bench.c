@@ -429,7 +429,7 @@ static int prefix_once(pd_model *m, int64_t n, int n_gen, prefix_result *r, pd_e
     for (int b = 0; b < DECODE_BATCH; b++) pd_seq_free(seqs[b]);
     /* Sequences first: the prefix must outlive them. */
     pd_kv_prefix_free(p);
-    free(st.kept);
+    pd_compress_stats_free(&st);
     free(toks);
     free(logits);
     return rc;

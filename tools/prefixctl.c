@@ -788,7 +788,7 @@ static int cmd_compress(int argc, char **argv) {
     }
     if (!rc) printf("time: scoring and selection %.3f s, total %.3f s (%s)\n", st.score_seconds, pd_now_seconds() - t0,
                     hp->arch_name);
-    free(st.kept);
+    pd_compress_stats_free(&st);
     pd_kv_prefix_free(prefix);
     pd_kv_prefix_free(full);
     if (have_layout) pd_layout_free(&layout);
