@@ -98,6 +98,18 @@ int pd_token_to_piece(const pd_tokenizer *t, pd_token id, bool special, char *bu
 int pd_detokenize(const pd_tokenizer *t, const pd_token *ids, size_t n, bool special,
                   bool remove_leading_space, char **out, size_t *len_out, pd_error *err);
 
+/* The bytes of ids rendered piece by piece (pd_token_to_piece with
+ * `special`; nothing stripped, no clean-up of spaces) and where each piece
+ * starts: (*offsets_out)[i] is token i's first byte, (*offsets_out)[n] the
+ * total length. Unlike pd_detokenize's output every byte belongs to exactly
+ * one token, so a byte range of the text maps back to the tokens that
+ * overlap it (phrase whitelists, sentence boundaries). For SPM and
+ * byte-level BPE the text is the tokenized text (SPM: after the space it
+ * puts in front); WordPiece renders its normalised form. *out is
+ * NUL-terminated; both arrays are malloc'd. Invalid ids give PD_EINVAL. */
+int pd_detokenize_offsets(const pd_tokenizer *t, const pd_token *ids, size_t n, bool special, char **out,
+                          size_t *len_out, size_t **offsets_out, pd_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -278,6 +278,63 @@ Test(round_trip, mpt) { check_round_trip("mpt", true); }
 Test(round_trip, refact) { check_round_trip("refact", true); }
 Test(round_trip, starcoder) { check_round_trip("starcoder", true); }
 
+/* pd_detokenize_offsets: each token's bytes are its own piece, where the
+ * offsets say; without clean-up the text is the input itself (SPM: after
+ * the space it puts in front), so every byte maps to exactly one token. */
+static void check_offsets(const char *name, bool spm_space) {
+    pd_tokenizer *t = load_vocab(name);
+    vectors v;
+    load_vectors(name, &v);
+    for (size_t i = 0; i < v.n; i++) {
+        pd_token *ids;
+        size_t n, len = 0, *off = NULL;
+        ids_of(t, v.text[i], v.text_len[i], true, false, &ids, &n);
+        char *s = NULL, piece[512];
+        pd_error err = {0};
+        cr_assert_eq(pd_detokenize_offsets(t, ids, n, true, &s, &len, &off, &err), PD_OK, "%s", err.msg);
+        cr_assert_eq(off[0], 0u);
+        cr_assert_eq(off[n], len);
+        cr_assert_eq(s[len], '\0');
+        for (size_t k = 0; k < n; k++) {
+            int pn = pd_token_to_piece(t, ids[k], true, piece, sizeof piece);
+            cr_assert(pn >= 0 && (size_t)pn < sizeof piece);
+            cr_assert_eq(off[k + 1] - off[k], (size_t)pn, "%s input %zu token %zu", name, i + 1, k);
+            cr_assert_eq(memcmp(s + off[k], piece, (size_t)pn), 0, "%s input %zu token %zu", name, i + 1, k);
+        }
+        /* After the leading control tokens (BOS) comes the input, with the
+         * space SPM puts in front of non-empty text. */
+        size_t body = 0;
+        while (body < n && pd_tokenizer_token_type(t, ids[body]) == PD_TOKEN_TYPE_CONTROL) body++;
+        const size_t lead = spm_space && v.text_len[i] > 0 ? 1 : 0;
+        cr_assert_eq(len - off[body], lead + v.text_len[i], "%s input %zu", name, i + 1);
+        cr_assert(!lead || s[off[body]] == ' ');
+        cr_assert_eq(memcmp(s + off[body] + lead, v.text[i], v.text_len[i]), 0, "%s input %zu is not the rendered text",
+                     name, i + 1);
+        free(s);
+        free(off);
+        free(ids);
+    }
+    free_vectors(&v);
+    pd_tokenizer_free(t);
+}
+
+Test(round_trip, offsets_llama_spm) { check_offsets("llama-spm", true); }
+Test(round_trip, offsets_gpt_2) { check_offsets("gpt-2", false); }
+Test(round_trip, offsets_deepseek_coder) { check_offsets("deepseek-coder", false); }
+
+Test(round_trip, offsets_reject_bad_ids) {
+    pd_tokenizer *t = load_vocab("gpt-2");
+    pd_token ids[2] = {10, pd_tokenizer_n_vocab(t)};
+    char *s = NULL;
+    size_t *off = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_detokenize_offsets(t, ids, 2, false, &s, NULL, &off, &err), PD_EINVAL);
+    cr_assert(strstr(err.msg, "position 1"), "%s", err.msg);
+    cr_assert_null(s);
+    cr_assert_null(off);
+    pd_tokenizer_free(t);
+}
+
 Test(round_trip, clean_spaces_like_llama_cpp) {
     pd_tokenizer *t = load_vocab("gpt-2");
     const char *in = "Hello , world ! I 'm here . It ' s";

@@ -193,3 +193,40 @@ int pd_detokenize(const pd_tokenizer *t, const pd_token *ids, size_t n, bool spe
     if (len_out) *len_out = len;
     return PD_OK;
 }
+
+int pd_detokenize_offsets(const pd_tokenizer *t, const pd_token *ids, size_t n, bool special, char **out,
+                          size_t *len_out, size_t **offsets_out, pd_error *err) {
+    if (!t || !out || !offsets_out) return pd_errorf(err, PD_EINVAL, "pd_detokenize_offsets: NULL argument");
+    *out = NULL;
+    *offsets_out = NULL;
+    if (len_out) *len_out = 0;
+    if (!ids && n) return pd_errorf(err, PD_EINVAL, "pd_detokenize_offsets: ids is NULL but n is %zu", n);
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= t->n_tokens)
+            return pd_errorf(err, PD_EINVAL, "token id %d at position %zu is out of range (vocab has %d tokens)",
+                             ids[i], i, t->n_tokens);
+        total += t->tokens[ids[i]].piece_len;
+    }
+    char *s = malloc(total + 1);
+    size_t *off = n < SIZE_MAX / sizeof *off ? malloc((n + 1) * sizeof *off) : NULL;
+    if (!s || !off) {
+        free(s);
+        free(off);
+        return pd_errorf(err, PD_ENOMEM, "out of memory for %zu decoded bytes and %zu offsets", total, n + 1);
+    }
+    size_t len = 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t pn;
+        const char *p = piece(t, ids[i], special, &pn);
+        off[i] = len;
+        if (pn) memcpy(s + len, p, pn);
+        len += pn;
+    }
+    off[n] = len;
+    s[len] = '\0';
+    *out = s;
+    *offsets_out = off;
+    if (len_out) *len_out = len;
+    return PD_OK;
+}
