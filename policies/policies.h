@@ -24,6 +24,7 @@
 #include <stdio.h>
 
 #include "engine/model.h" /* pd_model, pd_kv_prefix, pd_layer_kv */
+#include "engine/tokenizer.h" /* pd_tokenizer: layouts from text */
 #include "util/util.h"
 
 #ifdef __cplusplus
@@ -195,6 +196,67 @@ size_t pd_policy_key_print(const pd_policy_spec *spec, const pd_layout *layout, 
  * pd_layout_free). */
 int pd_layout_parse(const char *text, pd_layout *out, pd_error *err);
 void pd_layout_free(pd_layout *layout);
+
+/* ------------------------------------------------------------------------
+ * Layouts from the prefix's text: automatic spans and phrase whitelists
+ *
+ * Both read the text the tokens render to (pd_detokenize_offsets, control
+ * tokens as their text), so every byte belongs to one token.
+ * ------------------------------------------------------------------------ */
+
+/* How strongly the text is divided before a token, weakest first. */
+typedef enum pd_boundary_kind {
+    PD_BOUNDARY_NONE = 0,
+    PD_BOUNDARY_SENTENCE,  /* after '.', '!' or '?' (and closing quotes or brackets) and whitespace,
+                              after a line break, or after a CJK full stop, '！' or '？' */
+    PD_BOUNDARY_PARAGRAPH, /* after a blank line (whitespace holding two line breaks) */
+    PD_BOUNDARY_TURN,      /* after a control token that ends a turn (pd_tokenizer_is_eog:
+                              <|im_end|>, <|eot_id|>, <|end|>, <end_of_turn>, </s>, ...) */
+} pd_boundary_kind;
+
+/* kinds[i] (n entries) = the strongest boundary just before token i, 0 for
+ * i = 0. A boundary in the text starts at the token holding its first
+ * non-whitespace byte, so whitespace and punctuation stay with the text
+ * before. Abbreviations ("e.g. this") count as sentence ends: the splitter
+ * is lexical, and a split too many only costs a merge. */
+int pd_text_boundaries(const pd_tokenizer *tok, const pd_token *ids, int64_t n, uint8_t *kinds, pd_error *err);
+
+typedef struct pd_auto_spans_opts {
+    int64_t min_tokens; /* a piece shorter than this joins a neighbour (default 16) */
+    int max_spans;      /* at most this many spans (default 16) */
+} pd_auto_spans_opts;
+
+/* min_tokens 16: a one-sentence instruction (the fair-eviction paper's unit)
+ * is usually longer, so instructions keep spans of their own, while list
+ * markers, headings and fragments, whose quota at retention 0.1 would be a
+ * token or two of rounding, join a neighbour. max_spans 16: the layout is
+ * part of the cache key (PD_PREFIX_SPEC_MAX), and SnapKV's window split
+ * across the spans (local=1) still gives each span 4 of its 64 queries. */
+void pd_auto_spans_opts_default(pd_auto_spans_opts *o);
+
+/* Spans for fair eviction (fair=1) from the prefix's own text, for callers
+ * without a span file: cut at every boundary (pd_text_boundaries), then,
+ * while a piece is shorter than min_tokens, merge the shortest one into the
+ * neighbour across the weaker boundary (the shorter neighbour on a tie);
+ * then, while there are more than max_spans pieces, drop the weakest
+ * boundary (on a tie the one joining the fewest tokens). So a turn or
+ * paragraph boundary is dropped only when no weaker one is left, and text
+ * without paragraphs is split by sentences. Spans are named s0, s1, ... and
+ * cover [0, n); no whitelist. The first earliest wins every tie, so the
+ * result is deterministic. *out's arrays are malloc'd (pd_layout_free).
+ * opts NULL = defaults. */
+int pd_layout_auto(const pd_tokenizer *tok, const pd_token *ids, int64_t n, const pd_auto_spans_opts *opts,
+                   pd_layout *out, pd_error *err);
+
+/* Whitelist every occurrence of each phrase in the prefix text: the tokens
+ * overlapping an occurrence's bytes become a kept range (overlapping
+ * occurrences included). layout must own its arrays (zeroed, or from
+ * pd_layout_parse or pd_layout_auto); its whitelist gains the ranges and
+ * comes out sorted with overlapping or touching ranges merged. A phrase that
+ * is empty or never occurs is PD_EINVAL / PD_ENOTFOUND naming it, and
+ * *missing (optional) gets its index; the layout is then unchanged. */
+int pd_layout_keep_phrases(const pd_tokenizer *tok, const pd_token *ids, int64_t n, const char *const *phrases,
+                           int n_phrases, pd_layout *layout, int *missing, pd_error *err);
 
 /* ------------------------------------------------------------------------
  * Scoring (one layer)
