@@ -12,6 +12,7 @@
 #include "cache/cache.h"
 #include "engine/engine.h"
 #include "helpers.h"
+#include "helpers_json.h"
 #include "policies/policies.h"
 #include "tools/tools.h"
 
@@ -1147,6 +1148,227 @@ Test(compress, prefixctl_compress_with_retention_spans_and_eval) {
     free(eids);
     free(out);
     pd_model_free(m);
+}
+
+static double json_num(json_t *obj, const char *key) {
+    json_t *v = json_object_get(obj, key);
+    cr_assert(json_is_number(v), "'%s' is not a number", key);
+    return json_number_value(v);
+}
+
+static bool close_to(double got, double want) { return fabs(got - want) <= 1e-12 * fmax(1.0, fabs(want)); }
+
+/* Every number of a --json report against pd_compress_prefix of the same
+ * tokens, spec and layout. */
+static void check_json_report(json_t *j, pd_model *m, const pd_token *ids, int64_t n, const pd_policy_spec *s,
+                              const pd_layout *lay) {
+    pd_compress_stats st = {0};
+    pd_kv_prefix *p = compress(m, ids, n, s, lay, &st);
+    char buf[PD_POLICY_SPEC_MAX], layout[PD_PREFIX_SPEC_MAX];
+    pd_policy_spec_print(s, buf, sizeof buf);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "spec")), buf);
+    if (lay) {
+        pd_layout_print(lay, layout, sizeof layout);
+        cr_assert_str_eq(json_string_value(json_object_get(j, "layout")), layout);
+    } else {
+        cr_assert_null(json_object_get(j, "layout"));
+    }
+    cr_assert_eq(th_json_int(j, "prefix_tokens", NULL), n);
+    cr_assert_eq(th_json_int(j, "kept_entries", NULL), st.kept_total);
+    const double all = (double)n * st.n_layer * st.n_head_kv;
+    cr_assert(close_to(json_num(j, "kept_fraction"), (double)st.kept_total / all));
+    json_t *layers = json_object_get(j, "layers"), *heads = json_object_get(j, "heads");
+    cr_assert_eq(json_array_size(layers), (size_t)st.n_layer);
+    cr_assert_eq(json_array_size(heads), (size_t)st.n_layer);
+    for (int l = 0; l < st.n_layer; l++) {
+        int64_t kept = 0;
+        json_t *row = json_array_get(heads, (size_t)l);
+        cr_assert_eq(json_array_size(row), (size_t)st.n_head_kv);
+        for (int h = 0; h < st.n_head_kv; h++) {
+            const int64_t k = st.kept[l * st.n_head_kv + h];
+            kept += k;
+            cr_assert(close_to(json_number_value(json_array_get(row, (size_t)h)), (double)k / (double)n));
+        }
+        cr_assert(close_to(json_number_value(json_array_get(layers, (size_t)l)),
+                           (double)kept / ((double)n * st.n_head_kv)), "layer %d", l);
+    }
+    json_t *spans = json_object_get(j, "spans");
+    if (!lay || lay->n_spans == 0) {
+        cr_assert_null(spans);
+    } else {
+        cr_assert_eq(json_array_size(spans), (size_t)lay->n_spans);
+        for (int i = 0; i < lay->n_spans; i++) {
+            json_t *sp = json_array_get(spans, (size_t)i);
+            double frac, unprot;
+            pd_compress_span_fraction(&st, i, &frac, &unprot);
+            cr_assert_str_eq(json_string_value(json_object_get(sp, "name")), lay->spans[i].name);
+            cr_assert_eq(th_json_int(sp, "start", NULL), lay->spans[i].start);
+            cr_assert_eq(th_json_int(sp, "end", NULL), lay->spans[i].end);
+            cr_assert_eq(th_json_int(sp, "tokens", NULL), lay->spans[i].end - lay->spans[i].start);
+            cr_assert(close_to(json_num(sp, "kept_fraction"), frac), "span %d", i);
+            cr_assert(close_to(json_num(sp, "unprotected_kept_fraction"), unprot), "span %d", i);
+        }
+    }
+    json_t *ranges = json_object_get(j, "kept_ranges");
+    cr_assert_eq(json_array_size(ranges), lay ? (size_t)lay->n_whitelist : 0u);
+    for (int i = 0; lay && i < lay->n_whitelist; i++) {
+        json_t *r = json_array_get(ranges, (size_t)i);
+        cr_assert_eq(json_integer_value(json_array_get(r, 0)), lay->whitelist[i].start);
+        cr_assert_eq(json_integer_value(json_array_get(r, 1)), lay->whitelist[i].end);
+    }
+    pd_compress_stats_free(&st);
+    pd_kv_prefix_free(p);
+}
+
+static pd_token *tokens_of(pd_model *m, const char *text, bool bos, int64_t *n) {
+    pd_token *ids = NULL;
+    size_t len = 0;
+    pd_error err = {0};
+    pd_tokenize_opts o = {.add_special = bos};
+    cr_assert_eq(pd_tokenize(pd_model_tokenizer(m), text, strlen(text), o, &ids, &len, &err), PD_OK, "%s", err.msg);
+    *n = (int64_t)len;
+    return ids;
+}
+
+Test(compress, prefixctl_compress_json_matches_the_library) {
+    char text[1024], evalf[1024], spans[1024];
+    snprintf(text, sizeof text, "%s/story.txt", tmpdir);
+    snprintf(evalf, sizeof evalf, "%s/eval.txt", tmpdir);
+    snprintf(spans, sizeof spans, "%s/spans.txt", tmpdir);
+    write_file(text, story_text);
+    write_file(evalf, eval_text);
+    pd_model *m = load(model_path);
+    int64_t n, n_e;
+    pd_token *ids = tokens_of(m, story_text, true, &n), *eids = tokens_of(m, eval_text, false, &n_e);
+    pd_error err = {0};
+
+    /* A span file with a kept range, fair eviction and an eval text. */
+    char spans_text[256];
+    snprintf(spans_text, sizeof spans_text, "opening 0 40\nmiddle 40 100\nrest 100 %lld\nkeep 10 14\n", (long long)n);
+    write_file(spans, spans_text);
+    char *out = NULL;
+    cr_assert_eq(run(&out, "%s compress --model %s --policy snapkv:fair=1 --retention 0.5 --text %s --spans %s "
+                           "--eval %s --threads 2 --json",
+                     prefixctl(), model_path, text, spans, evalf),
+                 0, "%s", out);
+    json_t *j = th_json_parse(out);
+    free(out);
+    pd_layout lay;
+    cr_assert_eq(pd_layout_parse(spans_text, &lay, &err), PD_OK, "%s", err.msg);
+    pd_policy_spec s;
+    parse("snapkv:fair=1,retention=0.5", &s);
+    check_json_report(j, m, ids, n, &s, &lay);
+    cr_assert_eq(json_num(j, "retention"), 0.5);
+    pd_kv_prefix *full = full_prefix(m, ids, n), *p = compress(m, ids, n, &s, &lay, NULL);
+    const double want_full = nll_after(m, full, eids, n_e), want_comp = nll_after(m, p, eids, n_e);
+    cr_assert(close_to(json_num(j, "nll_full"), want_full), "%.17g vs %.17g", json_num(j, "nll_full"), want_full);
+    cr_assert(close_to(json_num(j, "nll_compressed"), want_comp));
+    cr_assert(close_to(json_num(j, "nll_ratio"), want_comp / want_full));
+    cr_assert_eq(th_json_int(j, "eval_tokens", NULL), n_e);
+    pd_kv_prefix_free(p);
+    pd_kv_prefix_free(full);
+    pd_layout_free(&lay);
+    json_decref(j);
+
+    /* No layout: no spans, no layout key. */
+    cr_assert_eq(run(&out, "%s compress --model %s --policy knorm --retention 0.3 --text %s --threads 2 --json",
+                     prefixctl(), model_path, text),
+                 0, "%s", out);
+    j = th_json_parse(out);
+    free(out);
+    parse("knorm:retention=0.3", &s);
+    check_json_report(j, m, ids, n, &s, NULL);
+    cr_assert_null(json_object_get(j, "nll_ratio"));
+    json_decref(j);
+
+    /* Automatic spans and phrase whitelists: the layout the library builds. */
+    cr_assert_eq(run(&out, "%s compress --model %s --policy compactor:fair=1 --retention 0.25 --text %s --spans auto "
+                           "--keep-text 'red ball' --keep-text 'the dog' --threads 2 --json",
+                     prefixctl(), model_path, text),
+                 0, "%s", out);
+    j = th_json_parse(out);
+    free(out);
+    pd_layout auto_lay;
+    const char *phrases[] = {"red ball", "the dog"};
+    cr_assert_eq(pd_layout_auto(pd_model_tokenizer(m), ids, n, NULL, &auto_lay, &err), PD_OK, "%s", err.msg);
+    cr_assert_gt(auto_lay.n_spans, 3, "the story has many sentences");
+    cr_assert_eq(pd_layout_keep_phrases(pd_model_tokenizer(m), ids, n, phrases, 2, &auto_lay, NULL, &err), PD_OK,
+                 "%s", err.msg);
+    cr_assert_geq(auto_lay.n_whitelist, 3, "one red ball, at least two 'the dog'");
+    parse("compactor:fair=1,retention=0.25", &s);
+    check_json_report(j, m, ids, n, &s, &auto_lay);
+    /* Whitelisted tokens are always kept, so spans holding them keep more
+     * of all their tokens than of the unprotected ones. */
+    json_t *sp = json_object_get(j, "spans");
+    int raised = 0;
+    for (size_t i = 0; i < json_array_size(sp); i++) {
+        const double all = json_num(json_array_get(sp, i), "kept_fraction"),
+                     unprotected = json_num(json_array_get(sp, i), "unprotected_kept_fraction");
+        cr_assert_geq(all, unprotected - 1e-12, "span %zu", i);
+        raised += all > unprotected + 1e-9;
+    }
+    cr_assert_geq(raised, 2, "the spans with the phrases");
+    pd_layout_free(&auto_lay);
+    json_decref(j);
+
+    /* Errors stay on stderr with their exit status, nothing on stdout. */
+    cr_assert_eq(run(&out, "%s compress --model %s --policy knorm --text %s --keep-text 'purple cow' --json 2>/dev/null",
+                     prefixctl(), model_path, text),
+                 1);
+    cr_assert_str_eq(out, "");
+    free(out);
+    cr_assert_eq(run(&out, "%s compress --model %s --policy knorm --text %s --keep-text 'purple cow' 2>&1",
+                     prefixctl(), model_path, text),
+                 1);
+    cr_assert(strstr(out, "--keep-text: keep phrase 'purple cow' does not occur"), "%s", out);
+    free(out);
+    cr_assert_eq(run(&out, "%s compress --model %s --policy knorm --text %s --keep-text '' 2>&1", prefixctl(),
+                     model_path, text),
+                 2);
+    free(out);
+    cr_assert_eq(run(&out, "%s compress --model %s --policy knorm:fair=1 --text %s --json 2>/dev/null", prefixctl(),
+                     model_path, text),
+                 1, "fair=1 without spans is still an error");
+    cr_assert_str_eq(out, "");
+    free(out);
+    free(ids);
+    free(eids);
+    pd_model_free(m);
+}
+
+/* --quality --json: the calibration points and the chosen retention, which
+ * the prefix is compressed with. */
+Test(compress, prefixctl_compress_json_with_quality) {
+    TH_REQUIRE_SHARED();
+    char model[1024], text[1024];
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    snprintf(text, sizeof text, "%s/story.txt", tmpdir);
+    write_file(text, story_text);
+    char *out = NULL;
+    cr_assert_eq(run(&out, "%s compress --model %s --policy knorm --quality 1.1 --text %s --threads 2 --json",
+                     prefixctl(), model, text),
+                 0, "%s", out);
+    json_t *j = th_json_parse(out);
+    free(out);
+    json_t *c = json_object_get(j, "calibration");
+    cr_assert(json_is_object(c));
+    cr_assert_eq(json_num(c, "tau"), 1.1);
+    json_t *pts = json_object_get(c, "points");
+    cr_assert_geq(json_array_size(pts), 4u);
+    cr_assert_eq(json_num(json_array_get(pts, 0), "retention"), 0.5);
+    const double chosen = json_num(c, "chosen");
+    cr_assert_eq(json_num(j, "retention"), chosen);
+    cr_assert_leq(json_num(c, "measured"), 1.1);
+    pd_model *m = load(model);
+    int64_t n;
+    pd_token *ids = tokens_of(m, story_text, true, &n);
+    pd_policy_spec s;
+    parse("knorm", &s);
+    pd_policy_spec_set_retention(&s, chosen);
+    check_json_report(j, m, ids, n, &s, NULL);
+    free(ids);
+    pd_model_free(m);
+    json_decref(j);
 }
 
 /* --store writes the compressed prefix where the store's own lookup finds

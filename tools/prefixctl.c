@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,13 +63,17 @@ static void usage(FILE *f) {
           "      [--retention R]           fraction of tokens kept, in (0, 1] (overrides the spec's)\n"
           "      [--quality TAU]           or choose the retention: NLL ratio at most TAU (> 1)\n"
           "      [--holdout F]             --quality: fraction of the text held out as probe (default 0.2)\n"
-          "      [--spans FILE]            named spans and kept ranges (\"name start end [keep]\" lines)\n"
+          "      [--spans FILE|auto]       named spans and kept ranges (\"name start end [keep]\" lines),\n"
+          "                                or auto: split at turns, paragraphs, else sentences\n"
+          "      [--keep-text PHRASE]...   always keep the tokens of every occurrence of PHRASE\n"
           "      [--eval FILE]             mean NLL of this continuation, full vs compressed prefix\n"
           "      [--threads N]             CPU threads (default: all)\n"
           "      [--device D]              cpu (default), cuda, cuda:N or auto\n"
           "      [--kv-type f16|f32]       KV cache element type (default f16)\n"
           "      [--store DIR]             also write the compressed prefix into the store at DIR\n"
           "      [--namespace NS] [--dtype f32|f16|bf16] [--pin]   how it is stored (default f16)\n"
+          "      [--json]                  print one JSON object (spec, kept fractions per layer, head\n"
+          "                                and span, calibration, eval) instead of the report\n"
           "  compress --list | policies    list the policies with their keys and defaults\n"
           "  store --dir DIR ACTION        inspect and maintain a prefix store (--help for actions)\n"
           "  prefix ACTION                 register and manage prefixes through a running prefixd's\n"
@@ -578,11 +583,78 @@ static void print_calibration(const pd_calib_result *r, const pd_calib_opts *o, 
            r->measured);
 }
 
+#define MAX_KEEP_TEXTS 64
+
+static json_t *calibration_json(const pd_calib_result *r, const pd_calib_opts *o, size_t n) {
+    json_t *points = json_array();
+    for (int i = 0; points && i < r->n_points; i++)
+        json_array_append_new(points, json_pack("{s:f,s:f}", "retention", r->retention[i], "ratio", r->ratio[i]));
+    return json_pack("{s:f,s:f,s:I,s:f,s:o,s:{s:f,s:f},s:f,s:f,s:f}", "tau", o->tau, "holdout", o->holdout,
+                     "probe_tokens", (json_int_t)llround(o->holdout * (double)n), "probe_nll_full", r->nll_full,
+                     "points", points ? points : json_null(), "curve", "a", r->curve.a, "b", r->curve.b, "chosen",
+                     r->chosen, "predicted", r->predicted, "measured", r->measured);
+}
+
+/* --json: what the report prints, as numbers: the canonical spec and
+ * layout, kept fractions overall, per layer, per (layer, kv head) and per
+ * span, and the kept ranges. */
+static int report_compression(json_t *report, const pd_policy_spec *spec, const char *layout_text,
+                              const pd_layout *lay, size_t n, const pd_compress_stats *st, pd_error *err) {
+    char buf[PD_POLICY_SPEC_MAX];
+    pd_policy_spec_print(spec, buf, sizeof buf);
+    const double per_layer = (double)n * st->n_head_kv;
+    json_t *layers = json_array(), *heads = json_array(), *spans = json_array(), *ranges = json_array();
+    int rc = layers && heads && spans && ranges ? PD_OK : PD_ENOMEM;
+    for (int l = 0; !rc && l < st->n_layer; l++) {
+        int64_t kept = 0;
+        json_t *row = json_array();
+        for (int h = 0; row && h < st->n_head_kv; h++) {
+            kept += st->kept[l * st->n_head_kv + h];
+            json_array_append_new(row, json_real((double)st->kept[l * st->n_head_kv + h] / (double)n));
+        }
+        if (!row || json_array_append_new(heads, row) ||
+            json_array_append_new(layers, json_real((double)kept / per_layer)))
+            rc = PD_ENOMEM;
+    }
+    for (int s = 0; !rc && lay && s < lay->n_spans && s < st->n_spans; s++) {
+        const pd_span *sp = &lay->spans[s];
+        double all = 0, unprotected = 0;
+        pd_compress_span_fraction(st, s, &all, &unprotected);
+        if (json_array_append_new(spans, json_pack("{s:s,s:I,s:I,s:I,s:b,s:f,s:f}", "name", sp->name, "start",
+                                                   (json_int_t)sp->start, "end", (json_int_t)sp->end, "tokens",
+                                                   (json_int_t)st->span_tokens[s], "whitelist", (int)sp->whitelist,
+                                                   "kept_fraction", all, "unprotected_kept_fraction", unprotected)))
+            rc = PD_ENOMEM;
+    }
+    for (int i = 0; !rc && lay && i < lay->n_whitelist; i++)
+        if (json_array_append_new(ranges, json_pack("[I,I]", (json_int_t)lay->whitelist[i].start,
+                                                    (json_int_t)lay->whitelist[i].end)))
+            rc = PD_ENOMEM;
+    const double entries = per_layer * st->n_layer;
+    if (!rc && (json_object_set_new(report, "spec", json_string(buf)) ||
+                (layout_text && json_object_set_new(report, "layout", json_string(layout_text))) ||
+                json_object_set_new(report, "retention", json_real(spec->retention)) ||
+                json_object_set_new(report, "prefix_tokens", json_integer((json_int_t)n)) ||
+                json_object_set_new(report, "n_layer", json_integer(st->n_layer)) ||
+                json_object_set_new(report, "n_head_kv", json_integer(st->n_head_kv)) ||
+                json_object_set_new(report, "kept_entries", json_integer((json_int_t)st->kept_total)) ||
+                json_object_set_new(report, "kept_fraction", json_real((double)st->kept_total / entries)) ||
+                json_object_set(report, "layers", layers) || json_object_set(report, "heads", heads) ||
+                (lay && lay->n_spans > 0 && json_object_set(report, "spans", spans)) ||
+                (lay && lay->n_whitelist > 0 && json_object_set(report, "kept_ranges", ranges))))
+        rc = PD_ENOMEM;
+    json_decref(layers);
+    json_decref(heads);
+    json_decref(spans);
+    json_decref(ranges);
+    return rc ? pd_errorf(err, PD_ENOMEM, "out of memory for the JSON report") : PD_OK;
+}
+
 /* Write a compressed prefix into the store at dir, keyed by its canonical
  * spec (and layout: "SPEC|LAYOUT"), and print its id. */
 static int store_prefix(const pd_model *m, const char *dir, const pd_policy_spec *spec, const pd_layout *layout,
                         const char *ns, pd_kv_dtype dtype, bool pin, const pd_prefix_quality *quality,
-                        const pd_token *ids, size_t n, const pd_kv_prefix *prefix, pd_error *err) {
+                        const pd_token *ids, size_t n, const pd_kv_prefix *prefix, json_t *report, pd_error *err) {
     pd_prefix_info info = {.dtype = dtype, .quality = *quality, .pinned = pin};
     pd_model_fingerprint(m, info.fingerprint);
     const size_t len = pd_policy_key_print(spec, layout, info.spec, sizeof info.spec);
@@ -600,9 +672,16 @@ static int store_prefix(const pd_model *m, const char *dir, const pd_policy_spec
     if (!rc) {
         char hex[PD_PREFIX_ID_HEX];
         pd_prefix_id_hex(&info.id, hex);
-        printf("stored: %s in %s (%s, %s, %.1f KiB%s%s%s)\n", hex, dir, existed ? "already there" : "new",
-               pd_kv_dtype_name(info.dtype), (double)info.bytes / 1024.0, info.pinned ? ", pinned" : "",
-               *info.ns ? ", namespace " : "", info.ns);
+        if (report)
+            json_object_set_new(report, "stored", json_pack("{s:s,s:s,s:b,s:s,s:I,s:b,s:s}", "id", hex, "dir", dir,
+                                                            "existed", (int)existed, "dtype",
+                                                            pd_kv_dtype_name(info.dtype), "bytes",
+                                                            (json_int_t)info.bytes, "pinned", (int)info.pinned,
+                                                            "namespace", info.ns));
+        else
+            printf("stored: %s in %s (%s, %s, %.1f KiB%s%s%s)\n", hex, dir, existed ? "already there" : "new",
+                   pd_kv_dtype_name(info.dtype), (double)info.bytes / 1024.0, info.pinned ? ", pinned" : "",
+                   *info.ns ? ", namespace " : "", info.ns);
     }
     pd_store_close(s);
     return rc;
@@ -618,9 +697,12 @@ static int cmd_compress(int argc, char **argv) {
         {"store", required_argument, 0, 'S'},   {"namespace", required_argument, 0, 'N'},
         {"dtype", required_argument, 0, 'D'},   {"pin", no_argument, 0, 'P'},
         {"device", required_argument, 0, 'd'},  {"kv-type", required_argument, 0, 'K'},
+        {"json", no_argument, 0, 'J'},          {"keep-text", required_argument, 0, 'k'},
         {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     pd_device device = {.kind = PD_DEVICE_CPU};
-    bool kv_f32 = false;
+    bool kv_f32 = false, json = false;
+    const char *keep_texts[MAX_KEEP_TEXTS];
+    int n_keep = 0;
     const char *model = NULL, *policy = NULL, *text_path = NULL, *spans_path = NULL, *eval_path = NULL;
     const char *store_dir = NULL, *ns = "";
     pd_kv_dtype dtype = PD_KV_F16;
@@ -654,6 +736,15 @@ static int cmd_compress(int argc, char **argv) {
         case 'P': pin = true; break;
         case 'd': if ((rc = parse_device_opt("compress", optarg, &device))) return rc; break;
         case 'K': if ((rc = parse_kv_type_opt("compress", optarg, &kv_f32))) return rc; break;
+        case 'J': json = true; break;
+        case 'k':
+            if (n_keep == MAX_KEEP_TEXTS || !*optarg) {
+                fprintf(stderr, "prefixctl compress: --keep-text takes a non-empty phrase, at most %d times\n",
+                        MAX_KEEP_TEXTS);
+                return 2;
+            }
+            keep_texts[n_keep++] = optarg;
+            break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -721,21 +812,33 @@ static int cmd_compress(int argc, char **argv) {
     pd_kv_prefix *prefix = NULL, *full = NULL;
     pd_compress_stats st = {0};
     pd_prefix_quality quality = {.retention = NAN, .tau = have_quality ? tau : NAN, .nll_full = NAN, .nll_ratio = NAN};
-    rc = read_tokens(pd_model_tokenizer(m), text_path, true, &ids, &n, &err);
+    json_t *report = json ? json_object() : NULL;
+    if (json && !report) rc = pd_errorf(&err, PD_ENOMEM, "out of memory");
+    if (!rc) rc = read_tokens(pd_model_tokenizer(m), text_path, true, &ids, &n, &err);
     if (!rc && n == 0) rc = pd_errorf(&err, PD_EINVAL, "%s: the text is empty", text_path);
     if (!rc && eval_path) rc = read_tokens(pd_model_tokenizer(m), eval_path, false, &eval_ids, &n_eval, &err);
     if (!rc && eval_path && n_eval < 2)
         rc = pd_errorf(&err, PD_EINVAL, "%s: the eval text has %zu tokens; at least 2 are needed (the first is only fed)",
                        eval_path, n_eval);
-    if (!rc && spans_path) {
+    if (!rc && spans_path && strcmp(spans_path, "auto") == 0) {
+        if ((rc = pd_layout_auto(pd_model_tokenizer(m), ids, (int64_t)n, NULL, &layout, &err)) == 0) have_layout = true;
+        else pd_error_prefix(&err, "--spans auto");
+    } else if (!rc && spans_path) {
         rc = pd_read_file(spans_path, &spans_text, NULL, &err);
         if (!rc && (rc = pd_layout_parse(spans_text, &layout, &err)) == 0) have_layout = true;
-        if (!rc && (rc = pd_layout_validate(&layout, (int64_t)n, &err)) == 0) {
-            size_t need = pd_layout_print(&layout, NULL, 0) + 1;
-            if (!(layout_text = malloc(need))) rc = pd_errorf(&err, PD_ENOMEM, "out of memory");
-            else pd_layout_print(&layout, layout_text, need);
-        }
+        if (!rc) rc = pd_layout_validate(&layout, (int64_t)n, &err);
         if (rc) pd_error_prefix(&err, "%s", spans_path);
+    }
+    if (!rc && n_keep > 0) {
+        if ((rc = pd_layout_keep_phrases(pd_model_tokenizer(m), ids, (int64_t)n, keep_texts, n_keep, &layout, NULL,
+                                         &err)) == 0)
+            have_layout = true;
+        else pd_error_prefix(&err, "--keep-text");
+    }
+    if (!rc && have_layout) {
+        size_t need = pd_layout_print(&layout, NULL, 0) + 1;
+        if (!(layout_text = malloc(need))) rc = pd_errorf(&err, PD_ENOMEM, "out of memory");
+        else pd_layout_print(&layout, layout_text, need);
     }
     const pd_layout *lay = have_layout ? &layout : NULL;
     if (!rc && have_quality) {
@@ -744,14 +847,17 @@ static int cmd_compress(int argc, char **argv) {
         copts.tau = tau;
         rc = pd_calibrate(m, ids, (int64_t)n, &spec, lay, &copts, &cr, &chosen, &err);
         if (!rc) {
-            print_calibration(&cr, &copts, n);
+            if (report) json_object_set_new(report, "calibration", calibration_json(&cr, &copts, n));
+            else print_calibration(&cr, &copts, n);
             spec = chosen;
             quality.nll_full = cr.nll_full;
             quality.nll_ratio = cr.measured;
         }
     }
     if (!rc) rc = pd_compress_prefix(m, ids, (int64_t)n, &spec, lay, &prefix, &st, &err);
-    if (!rc) {
+    if (!rc && report) {
+        rc = report_compression(report, &spec, layout_text, lay, n, &st, &err);
+    } else if (!rc) {
         char buf[PD_POLICY_SPEC_MAX];
         pd_policy_spec_print(&spec, buf, sizeof buf);
         printf("policy: %s\n", buf);
@@ -775,19 +881,37 @@ static int cmd_compress(int argc, char **argv) {
         rc = full_prefix(m, ids, (int64_t)n, &full, &err);
         if (!rc) rc = pd_nll(m, full, NULL, 0, eval_ids, (int64_t)n_eval, &nll_full, &err);
         if (!rc) rc = pd_nll(m, prefix, NULL, 0, eval_ids, (int64_t)n_eval, &nll_comp, &err);
-        if (!rc) {
+        if (!rc && report) {
+            json_object_set_new(report, "eval_tokens", json_integer((json_int_t)n_eval));
+            json_object_set_new(report, "nll_full", json_real(nll_full));
+            json_object_set_new(report, "nll_compressed", json_real(nll_comp));
+            json_object_set_new(report, "nll_ratio", json_real(nll_comp / nll_full));
+        } else if (!rc) {
             printf("eval: %zu tokens; mean NLL full prefix %.6f, compressed %.6f, ratio %.6f\n", n_eval, nll_full,
                    nll_comp, nll_comp / nll_full);
+        }
+        if (!rc) {
             quality.nll_full = nll_full;
             quality.nll_ratio = nll_comp / nll_full;
         }
     }
     if (!rc && store_dir) {
         quality.retention = spec.retention;
-        rc = store_prefix(m, store_dir, &spec, lay, ns, dtype, pin, &quality, ids, n, prefix, &err);
+        rc = store_prefix(m, store_dir, &spec, lay, ns, dtype, pin, &quality, ids, n, prefix, report, &err);
     }
-    if (!rc) printf("time: scoring and selection %.3f s, total %.3f s (%s)\n", st.score_seconds, pd_now_seconds() - t0,
-                    hp->arch_name);
+    if (!rc && report) {
+        json_object_set_new(report, "arch", json_string(hp->arch_name));
+        json_object_set_new(report, "score_seconds", json_real(st.score_seconds));
+        json_object_set_new(report, "total_seconds", json_real(pd_now_seconds() - t0));
+        char *text = json_dumps(report, JSON_INDENT(2) | JSON_REAL_PRECISION(17));
+        if (text) printf("%s\n", text);
+        else rc = pd_errorf(&err, PD_ENOMEM, "out of memory for the JSON report");
+        free(text);
+    } else if (!rc) {
+        printf("time: scoring and selection %.3f s, total %.3f s (%s)\n", st.score_seconds, pd_now_seconds() - t0,
+               hp->arch_name);
+    }
+    json_decref(report);
     pd_compress_stats_free(&st);
     pd_kv_prefix_free(prefix);
     pd_kv_prefix_free(full);
