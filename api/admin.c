@@ -11,6 +11,7 @@
 #include "api/api.h"
 
 #define ADMIN_MAX_SEGMENTS 256
+#define ADMIN_MAX_KEEP_TEXT 64
 #define JOBS_URL "/admin/v1/jobs/"
 #define PREFIXES_URL "/admin/v1/prefixes"
 
@@ -74,11 +75,13 @@ typedef struct reg {
     size_t n;
     pd_span *spans;
     int n_spans;
+    pd_layout layout; /* what the job gets: the spans (segments or auto) and kept ranges */
 } reg;
 
 static void reg_free(reg *r) {
     free(r->tokens);
     free(r->spans);
+    pd_layout_free(&r->layout);
 }
 
 static int tokenize(const pd_admin_ctx *ctx, const char *text, size_t len, bool parse_special, pd_token **out,
@@ -267,6 +270,34 @@ static bool opt_type(json_t *root, const char *key, json_t **out, json_type type
     return true;
 }
 
+/* `spans` ("auto": spans from the prefix's turns, paragraphs or sentences;
+ * segments bring their own) and `keep_text` (phrases whose every
+ * occurrence is kept) turn into the layout the job compresses with. */
+static int reg_layout(const pd_admin_ctx *ctx, json_t *spans, json_t *keep_text, reg *r, pd_api_error *e) {
+    const pd_tokenizer *tok = pd_model_tokenizer(ctx->b.model);
+    pd_error err = {0};
+    if (r->n_spans > 0) { /* segments: the layout takes the spans over */
+        r->layout.spans = r->spans;
+        r->layout.n_spans = r->n_spans;
+        r->spans = NULL;
+        r->n_spans = 0;
+    } else if (spans && pd_layout_auto(tok, r->tokens, (int64_t)r->n, NULL, &r->layout, &err)) {
+        return pd_api_error_from(e, &err, "spans");
+    }
+    size_t np = keep_text ? json_array_size(keep_text) : 0;
+    if (np == 0) return PD_OK;
+    const char *phrases[ADMIN_MAX_KEEP_TEXT];
+    for (size_t i = 0; i < np; i++) phrases[i] = json_string_value(json_array_get(keep_text, i));
+    int missing = -1;
+    if (pd_layout_keep_phrases(tok, r->tokens, (int64_t)r->n, phrases, (int)np, &r->layout, &missing, &err)) {
+        if (err.code != PD_ENOTFOUND && err.code != PD_EINVAL) return pd_api_error_from(e, &err, "keep_text");
+        char param[32];
+        snprintf(param, sizeof param, "keep_text[%d]", missing);
+        return BAD(e, param, "%s: %s", param, err.msg);
+    }
+    return PD_OK;
+}
+
 static int wait_job(const pd_admin_ctx *ctx, uint64_t id, pd_job_status *st, pd_api_error *e) {
     pd_error err = {0};
     /* In slices, so a server shutting down does not wait for the job. */
@@ -292,7 +323,7 @@ static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len
     int rc = PD_OK;
     reg r = {0};
     pd_job_spec spec = {.dtype = PD_KV_F16}; /* half the bytes; read zero-copy by an f16 KV cache */
-    json_t *text = NULL, *msgs = NULL, *segs = NULL, *v = NULL;
+    json_t *text = NULL, *msgs = NULL, *segs = NULL, *v = NULL, *spans = NULL, *keep_text = NULL;
     bool wait = false;
     if (!json_is_object(root)) {
         rc = BAD(e, NULL, "the body must be a JSON object");
@@ -340,9 +371,31 @@ static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len
         !pd_kv_dtype_from_name(json_string_value(v), &spec.dtype))
         rc = BAD(e, "dtype", "'dtype' must be \"f32\", \"f16\" or \"bf16\"");
     if (!rc && opt_type(root, "wait", &v, JSON_TRUE, "true or false", e, &rc)) wait = json_is_true(v);
+    if (!rc && opt_type(root, "spans", &spans, JSON_STRING, "\"auto\"", e, &rc)) {
+        if (strcmp(json_string_value(spans), "auto") != 0)
+            rc = BAD(e, "spans", "'spans' must be \"auto\" (spans from the prefix's turns, paragraphs or sentences); "
+                     "send 'segments' to name spans yourself");
+        else if (segs)
+            rc = BAD(e, "spans", "'spans' and 'segments' do not go together: segments already are the spans");
+    }
+    if (!rc && opt_type(root, "keep_text", &keep_text, JSON_ARRAY, "an array of phrases", e, &rc)) {
+        size_t np = json_array_size(keep_text);
+        if (np == 0 || np > ADMIN_MAX_KEEP_TEXT)
+            rc = BAD(e, "keep_text", "'keep_text' must hold 1 to %d phrases", ADMIN_MAX_KEEP_TEXT);
+        for (size_t i = 0; !rc && i < np; i++) {
+            json_t *ph = json_array_get(keep_text, i);
+            if (!json_is_string(ph) || json_string_length(ph) == 0 ||
+                strlen(json_string_value(ph)) != json_string_length(ph)) {
+                char param[32];
+                snprintf(param, sizeof param, "keep_text[%zu]", i);
+                rc = BAD(e, param, "%s must be a non-empty string without NUL characters", param);
+            }
+        }
+    }
     if (rc) goto done;
 
     rc = text ? reg_text(ctx, text, &r, e) : msgs ? reg_messages(ctx, msgs, &r, e) : reg_segments(ctx, segs, &r, e);
+    if (!rc) rc = reg_layout(ctx, spans, keep_text, &r, e);
     if (rc) goto done;
     if (ctx->b.n_ctx > 0 && r.n >= (size_t)ctx->b.n_ctx) {
         rc = pd_api_errorf(e, 400, PD_API_ERR_INVALID, text ? "text" : msgs ? "messages" : "segments",
@@ -350,10 +403,9 @@ static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len
                            "context (%d tokens) to leave room for requests", r.n, (int)ctx->b.n_ctx);
         goto done;
     }
-    pd_layout layout = {.spans = r.spans, .n_spans = r.n_spans};
     spec.tokens = r.tokens;
     spec.n = (int64_t)r.n;
-    spec.layout = r.n_spans ? &layout : NULL;
+    spec.layout = r.layout.n_spans || r.layout.n_whitelist ? &r.layout : NULL;
     uint64_t id = 0;
     pd_error err = {0};
     if (pd_jobs_submit(ctx->b.jobs, &spec, &id, &err)) {

@@ -17,6 +17,7 @@
 
 #include "helpers.h"
 #include "helpers_json.h"
+#include "policies/policies.h"
 #include "tools/tools.h"
 
 #define TOKEN "adm1n-t0ken"
@@ -369,6 +370,91 @@ Test(admin, segments_with_a_kept_span) {
     free(out);
 }
 
+/* The error of a 400 answer: its param and message. */
+static void expect_400(const char *body, const char *param, const char *says) {
+    char *out = NULL;
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 400, "%s: %s", body, out);
+    json_t *j = th_json_parse(out);
+    json_t *e = json_object_get(j, "error");
+    cr_assert_str_eq(json_string_value(json_object_get(e, "param")), param, "%s", out);
+    cr_assert(strstr(json_string_value(json_object_get(e, "message")), says), "%s", out);
+    json_decref(j);
+    free(out);
+}
+
+/* "spans": "auto" and "keep_text" build the layout pd_layout_auto and
+ * pd_layout_keep_phrases build from the same tokens (the key shows it). */
+Test(admin, automatic_spans_and_kept_phrases) {
+    start_daemon("--set admin.token=" TOKEN);
+    pd_gguf *g = NULL;
+    pd_tokenizer *tok = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_gguf_open(model, &g, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_tokenizer_load(g, &tok, &err), PD_OK, "%s", err.msg);
+    pd_gguf_close(g);
+    pd_token *ids = NULL;
+    size_t n = 0;
+    pd_tokenize_opts o = {.add_special = true};
+    cr_assert_eq(pd_tokenize(tok, story, strlen(story), o, &ids, &n, &err), PD_OK, "%s", err.msg);
+    pd_layout lay;
+    const char *phrases[] = {"red ball", "Lily"};
+    cr_assert_eq(pd_layout_auto(tok, ids, (int64_t)n, NULL, &lay, &err), PD_OK, "%s", err.msg);
+    cr_assert_gt(lay.n_spans, 1);
+    cr_assert_eq(pd_layout_keep_phrases(tok, ids, (int64_t)n, phrases, 2, &lay, NULL, &err), PD_OK, "%s", err.msg);
+    char want[1024] = "|";
+    pd_layout_print(&lay, want + 1, sizeof want - 1);
+
+    char body[2048], *out = NULL;
+    snprintf(body, sizeof body, "{\"text\":\"%s\",\"policy\":\"knorm:fair=1\",\"retention\":0.5,\"spans\":\"auto\","
+             "\"keep_text\":[\"red ball\",\"Lily\"],\"wait\":true}", story);
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 201, "%s", out);
+    json_t *j = th_json_parse(out);
+    free(out);
+    json_t *p = json_object_get(j, "prefix");
+    const char *policy = json_string_value(json_object_get(p, "policy"));
+    const char *bar = strchr(policy, '|');
+    cr_assert(bar && strcmp(bar, want) == 0, "%s\nwant the layout %s", policy, want);
+    cr_assert(strstr(policy, "fair=1"), "%s", policy);
+    json_decref(j);
+    cr_assert_eq(story_cached(), (json_int_t)n, "completions use the prefix");
+
+    /* Phrases in segments' text; spans come from the segments. */
+    const char *cut = strstr(story, " One day");
+    snprintf(body, sizeof body, "{\"segments\":[{\"name\":\"a\",\"text\":\"%.*s\"},{\"name\":\"b\",\"text\":\"%s\"}],"
+             "\"keep_text\":[\"red ball\"],\"policy\":\"knorm\",\"retention\":0.5,\"wait\":true}",
+             (int)(cut - story), story, cut);
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 201, "%s", out);
+    j = th_json_parse(out);
+    free(out);
+    policy = json_string_value(json_object_get(json_object_get(j, "prefix"), "policy"));
+    char keep[64];
+    for (int i = 0; i < lay.n_whitelist; i++) /* the one "red ball" range of the library's layout */
+        if (lay.whitelist[i].end - lay.whitelist[i].start >= 2)
+            snprintf(keep, sizeof keep, ";keep=%lld-%lld", (long long)lay.whitelist[i].start,
+                     (long long)lay.whitelist[i].end);
+    cr_assert(strstr(policy, "|spans=a:0-") && strstr(policy, keep), "%s lacks %s", policy, keep);
+    json_decref(j);
+
+    /* Errors name the field. */
+    snprintf(body, sizeof body, "{\"text\":\"%s\",\"keep_text\":[\"Lily\",\"purple cow\"]}", story);
+    expect_400(body, "keep_text[1]", "'purple cow' does not occur");
+    snprintf(body, sizeof body, "{\"text\":\"%s\",\"keep_text\":[\"Lily\",\"\"]}", story);
+    expect_400(body, "keep_text[1]", "non-empty");
+    snprintf(body, sizeof body, "{\"text\":\"%s\",\"keep_text\":[]}", story);
+    expect_400(body, "keep_text", "1 to 64");
+    snprintf(body, sizeof body, "{\"text\":\"%s\",\"spans\":\"sentences\"}", story);
+    expect_400(body, "spans", "\"auto\"");
+    expect_400("{\"segments\":[{\"name\":\"a\",\"text\":\"Once upon a time\"}],\"spans\":\"auto\"}", "spans",
+               "segments already are the spans");
+    /* fair=1 without spans fails the job: the registration says so. */
+    snprintf(body, sizeof body, "{\"text\":\"%s\",\"policy\":\"knorm:fair=1\",\"wait\":true}", story);
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 400, "%s", out);
+    free(out);
+    pd_layout_free(&lay);
+    free(ids);
+    pd_tokenizer_free(tok);
+}
+
 /* A generated model carrying the phi-3 vocabulary and chat template. */
 Test(admin, chat_messages_register_the_system_prompt) {
     TH_REQUIRE_SHARED();
@@ -392,9 +478,10 @@ Test(admin, chat_messages_register_the_system_prompt) {
     json_decref(j);
     free(out);
     cr_assert_gt(n, 10);
-    snprintf(body, sizeof body, "{\"model\":\"test\",\"messages\":[{\"role\":\"system\",\"content\":\"%s\"},"
+    char body_chat[2048];
+    snprintf(body_chat, sizeof body_chat, "{\"model\":\"test\",\"messages\":[{\"role\":\"system\",\"content\":\"%s\"},"
              "{\"role\":\"user\",\"content\":\"A story about a cat.\"}],\"max_tokens\":4,\"temperature\":0}", sys);
-    cr_assert_eq(completion_cached("/v1/chat/completions", body), n, "the chat request used the system prefix");
+    cr_assert_eq(completion_cached("/v1/chat/completions", body_chat), n, "the chat request used the system prefix");
     /* Another system prompt does not match. */
     snprintf(body, sizeof body, "{\"model\":\"test\",\"messages\":[{\"role\":\"system\",\"content\":\"Be terse.\"},"
              "{\"role\":\"user\",\"content\":\"A story about a cat.\"}],\"max_tokens\":4,\"temperature\":0}");
@@ -404,6 +491,19 @@ Test(admin, chat_messages_register_the_system_prompt) {
                      &out),
                  400, "%s", out);
     free(out);
+    /* Automatic spans and a kept phrase over the rendered system turn. */
+    snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"system\",\"content\":\"%s\"}],\"policy\":\"knorm:fair=1\","
+             "\"retention\":0.5,\"spans\":\"auto\",\"keep_text\":[\"happy stories\"],\"wait\":true}", sys);
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 201, "%s", out);
+    j = th_json_parse(out);
+    free(out);
+    const char *policy = json_string_value(json_object_get(json_object_get(j, "prefix"), "policy"));
+    char end[48];
+    snprintf(end, sizeof end, "-%lld;keep=", (long long)n);
+    cr_assert(strstr(policy, "|spans=s0:0-") && strstr(policy, end), "%s: spans cover the %lld tokens", policy,
+              (long long)n);
+    json_decref(j);
+    cr_assert_eq(completion_cached("/v1/chat/completions", body_chat), n);
 }
 
 Test(admin, prefixctl_prefix_end_to_end) {
