@@ -553,6 +553,20 @@ Test(admin, prefixctl_prefix_end_to_end) {
     cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s show %s 2>&1", ctl, url, TOKEN, id), 1, "%s", out);
     free(out);
     cr_assert_eq(story_cached(), 0);
+    /* Automatic spans and kept phrases; a missing phrase is the daemon's 400. */
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s add --text %s --policy knorm:fair=1 --retention 0.5 "
+                         "--spans-auto --keep-text 'red ball' --keep-text Lily 2>/dev/null", ctl, url, TOKEN, text),
+                 0, "%s", out);
+    j = th_json_parse(out);
+    free(out);
+    const char *policy = json_string_value(json_object_get(j, "policy"));
+    cr_assert(strstr(policy, "|spans=s0:0-") && strstr(policy, ";keep="), "%s", policy);
+    json_decref(j);
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s add --text %s --keep-text 'purple cow' 2>&1", ctl, url,
+                         TOKEN, text),
+                 1, "%s", out);
+    cr_assert(strstr(out, "'purple cow' does not occur"), "%s", out);
+    free(out);
 }
 
 /* A registration waiting for its job (wait: true) when the daemon is told to

@@ -36,6 +36,9 @@ static void usage(FILE *f) {
             "  add (--text FILE | --messages FILE.json | --segments FILE.json)\n"
             "      [--policy SPEC] [--retention R | --quality TAU] [--namespace NS]\n"
             "      [--pin] [--dtype f32|f16|bf16] [--no-wait]\n"
+            "      [--spans-auto] [--keep-text PHRASE]...\n"
+            "                 spans for fair=1 from the text's turns, paragraphs or sentences;\n"
+            "                 phrases whose every occurrence is never evicted\n"
             "                 register a prefix (stored as f16 unless --dtype says otherwise);\n"
             "                 waits for the job (progress on stderr)\n"
             "                 and prints the stored prefix as JSON\n"
@@ -407,10 +410,14 @@ static int print_answer(char *body) {
 
 /* ---- add --------------------------------------------------------------------- */
 
+#define MAX_KEEP_TEXT 64 /* the admin API's limit */
+
 typedef struct add_opts {
     const char *text, *messages, *segments, *policy, *ns, *dtype;
     double retention, quality;
-    bool pin, no_wait;
+    bool pin, no_wait, spans_auto;
+    const char *keep_text[MAX_KEEP_TEXT];
+    int n_keep_text;
 } add_opts;
 
 static void progress(bool tty, const char *phase, double frac, char *last_phase, size_t cap) {
@@ -466,6 +473,12 @@ static int cmd_add(const client *c, const add_opts *o) {
     if (o->dtype) {
         buf_str(&body, ",\"dtype\":");
         buf_json_str(&body, o->dtype, strlen(o->dtype));
+    }
+    if (o->spans_auto) buf_str(&body, ",\"spans\":\"auto\"");
+    for (int i = 0; i < o->n_keep_text; i++) {
+        buf_str(&body, i ? "," : ",\"keep_text\":[");
+        buf_json_str(&body, o->keep_text[i], strlen(o->keep_text[i]));
+        if (i == o->n_keep_text - 1) buf_str(&body, "]");
     }
     buf_str(&body, ",\"wait\":false}");
     if (body.oom) {
@@ -531,7 +544,7 @@ static bool is_prefix_id(const char *s) {
 
 int pd_prefix_cli(int argc, char **argv) {
     enum { O_URL = 256, O_TOKEN, O_TEXT, O_MESSAGES, O_SEGMENTS, O_POLICY, O_RETENTION, O_QUALITY, O_NS, O_PIN,
-           O_DTYPE, O_NO_WAIT };
+           O_DTYPE, O_NO_WAIT, O_SPANS_AUTO, O_KEEP_TEXT };
     static const struct option longopts[] = {
         {"url", required_argument, NULL, O_URL},
         {"token", required_argument, NULL, O_TOKEN},
@@ -545,6 +558,8 @@ int pd_prefix_cli(int argc, char **argv) {
         {"pin", no_argument, NULL, O_PIN},
         {"dtype", required_argument, NULL, O_DTYPE},
         {"no-wait", no_argument, NULL, O_NO_WAIT},
+        {"spans-auto", no_argument, NULL, O_SPANS_AUTO},
+        {"keep-text", required_argument, NULL, O_KEEP_TEXT},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -565,6 +580,14 @@ int pd_prefix_cli(int argc, char **argv) {
         case O_PIN: ao.pin = true; break;
         case O_DTYPE: ao.dtype = optarg; break;
         case O_NO_WAIT: ao.no_wait = true; break;
+        case O_SPANS_AUTO: ao.spans_auto = true; break;
+        case O_KEEP_TEXT:
+            if (ao.n_keep_text == MAX_KEEP_TEXT) {
+                fprintf(stderr, PROG ": at most %d --keep-text phrases\n", MAX_KEEP_TEXT);
+                return 2;
+            }
+            ao.keep_text[ao.n_keep_text++] = optarg;
+            break;
         case O_RETENTION:
             ao.retention = strtod(optarg, &end);
             if (end == optarg || *end || !(ao.retention > 0 && ao.retention <= 1)) {
