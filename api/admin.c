@@ -309,6 +309,35 @@ static int wait_job(const pd_admin_ctx *ctx, uint64_t id, pd_job_status *st, pd_
     return PD_OK;
 }
 
+/* 'curve': a retention->quality curve fitted offline (prefixctl calibrate;
+ * the curve file's JSON is accepted as it is): {a, b, policy} and
+ * optionally model.fingerprint, which must be the served model's. The
+ * policy is checked against the job's by pd_jobs_submit. */
+static int reg_curve(const pd_admin_ctx *ctx, json_t *v, pd_curve *curve, const char **policy, pd_api_error *e) {
+    json_t *a = json_object_get(v, "a"), *b = json_object_get(v, "b"), *pol = json_object_get(v, "policy"),
+           *fp = json_object_get(json_object_get(v, "model"), "fingerprint");
+    if (!json_is_number(a) || !json_is_number(b) || !(json_number_value(a) > 0) || !(json_number_value(b) > 0))
+        return BAD(e, "curve", "'curve' must be {\"a\", \"b\": positive numbers, \"policy\": the spec it was "
+                   "fitted for}, e.g. the file prefixctl calibrate writes");
+    if (!json_is_string(pol)) return BAD(e, "curve.policy", "'curve.policy' must be the spec string the curve was fitted for");
+    if (fp && !json_is_string(fp))
+        return BAD(e, "curve.model.fingerprint", "'curve.model.fingerprint' must be the model's 64-hex fingerprint");
+    if (fp) {
+        uint8_t mine[PD_SHA256_LEN];
+        char hex[2 * PD_SHA256_LEN + 1];
+        pd_model_fingerprint(ctx->b.model, mine);
+        pd_hex(mine, PD_SHA256_LEN, hex);
+        if (strcmp(hex, json_string_value(fp)) != 0)
+            return BAD(e, "curve.model.fingerprint", "the curve was fitted on another model (fingerprint %.12s..., "
+                       "this server's model is %.12s...): fit one for this model with prefixctl calibrate",
+                       json_string_value(fp), hex);
+    }
+    curve->a = json_number_value(a);
+    curve->b = json_number_value(b);
+    *policy = json_string_value(pol);
+    return PD_OK;
+}
+
 static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len, pd_admin_reply *out,
                            pd_api_error *e) {
     const pd_api_limits *lim = &ctx->limits;
@@ -358,6 +387,14 @@ static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len
     }
     if (!rc && has_retention && has_quality)
         rc = BAD(e, "quality", "send 'retention' or 'quality', not both: quality chooses the retention");
+    pd_curve curve;
+    if (!rc && opt_type(root, "curve", &v, JSON_OBJECT, "an object {a, b, policy} (prefixctl calibrate)", e, &rc) &&
+        (rc = reg_curve(ctx, v, &curve, &spec.curve_policy, e)) == PD_OK) {
+        spec.curve = &curve;
+        if (has_retention) rc = BAD(e, "curve", "send 'retention' or 'curve', not both: the curve chooses the retention");
+        else if (!has_quality && !(ctx->b.quality_budget > 0))
+            rc = BAD(e, "curve", "'curve' chooses the retention for a quality target: send 'quality' too (e.g. 1.05)");
+    }
     /* The configured quality budget applies when the request fixes nothing. */
     if (!rc && !has_retention && !has_quality && ctx->b.quality_budget > 0) spec.quality = ctx->b.quality_budget;
     if (!rc && !spec.policy) spec.policy = ctx->b.default_policy;

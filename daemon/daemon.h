@@ -232,6 +232,12 @@ typedef struct pd_job_spec {
     const char *policy;          /* spec string; NULL = default_policy */
     double retention;            /* > 0: overrides the spec's retention */
     double quality;              /* > 1: choose the retention by calibration (tau) */
+    /* With quality: choose the retention zero-shot from this curve, fitted
+     * offline (prefixctl calibrate), instead of measuring a probe. NULL =
+     * probe calibration. curve_policy: the spec it was fitted for; it must
+     * name the job's policy, retention aside (pd_curve_policy_print). */
+    const pd_curve *curve;
+    const char *curve_policy;
     const char *ns;              /* namespace ("" or NULL = none) */
     bool pin;
     pd_kv_dtype dtype;           /* how the rows are stored (the admin API defaults to f16) */

@@ -28,6 +28,8 @@ typedef struct job {
     bool has_layout;
     pd_policy_spec spec;         /* parsed, retention override applied */
     double quality;              /* > 1: calibrate with this tau */
+    bool has_curve;              /* with quality: choose from this curve, no probe */
+    pd_curve curve;
     char ns[PD_PREFIX_NS_MAX];
     bool pin;
     pd_kv_dtype dtype;
@@ -189,7 +191,13 @@ static int run_job(pd_jobs *j, job *jb, pd_prefix_info *info, bool *existed, dou
     pd_policy_spec spec = jb->spec;
     pd_prefix_quality q = {.retention = NAN, .tau = NAN, .nll_full = NAN, .nll_ratio = NAN};
     double base = 0;
-    if (jb->quality > 1) {
+    if (jb->quality > 1 && jb->has_curve) {
+        /* Zero-shot: the curve was fitted offline on a calibration set. */
+        pd_calib_opts co;
+        pd_calib_opts_default(&co);
+        pd_policy_spec_set_retention(&spec, pd_curve_choose(jb->curve, jb->quality, co.min_retention));
+        q.tau = jb->quality;
+    } else if (jb->quality > 1) {
         if (!enter_phase(j, jb, "calibrating", 0)) return abandoned(err);
         pd_calib_opts co;
         pd_calib_opts_default(&co);
@@ -407,6 +415,14 @@ static int job_build(pd_jobs *j, const pd_job_spec *spec, job **out, pd_error *e
     if (spec->quality > 1 && spec->retention > 0)
         return pd_errorf(err, PD_EINVAL, "give a retention or a quality target, not both (calibration chooses the "
                                          "retention)");
+    if (spec->curve && !(spec->quality > 1))
+        return pd_errorf(err, PD_EINVAL, "a curve chooses the retention for a quality target: give the quality (tau)");
+    if (spec->curve && (!(spec->curve->a > 0) || !(spec->curve->b > 0) || !isfinite(spec->curve->a) ||
+                        !isfinite(spec->curve->b)))
+        return pd_errorf(err, PD_EINVAL, "the curve's a (%g) and b (%g) must be positive numbers", spec->curve->a,
+                         spec->curve->b);
+    if (spec->curve && !spec->curve_policy)
+        return pd_errorf(err, PD_EINVAL, "a curve needs the policy it was fitted for (curve_policy)");
     if (spec->dtype != PD_KV_F32 && spec->dtype != PD_KV_F16 && spec->dtype != PD_KV_BF16)
         return pd_errorf(err, PD_EINVAL, "unknown KV dtype %d: use f32, f16 or bf16", (int)spec->dtype);
     const char *ns = spec->ns ? spec->ns : "";
@@ -422,6 +438,24 @@ static int job_build(pd_jobs *j, const pd_job_spec *spec, job **out, pd_error *e
         goto fail;
     }
     if (spec->retention > 0) pd_policy_spec_set_retention(&jb->spec, spec->retention);
+    if (spec->curve) {
+        /* A curve is only valid for the policy (and model) it was fitted on. */
+        pd_policy_spec fitted;
+        char want[PD_POLICY_SPEC_MAX], have[PD_POLICY_SPEC_MAX];
+        if ((rc = pd_policy_spec_parse(spec->curve_policy, &fitted, err))) {
+            pd_error_prefix(err, "the curve's policy '%s'", spec->curve_policy);
+            goto fail;
+        }
+        pd_curve_policy_print(&jb->spec, want, sizeof want);
+        pd_curve_policy_print(&fitted, have, sizeof have);
+        if (strcmp(want, have) != 0) {
+            rc = pd_errorf(err, PD_EINVAL, "the curve was fitted for policy %s, not %s (retention aside): fit one "
+                           "for this policy with prefixctl calibrate", have, want);
+            goto fail;
+        }
+        jb->has_curve = true;
+        jb->curve = *spec->curve;
+    }
 
     const pd_layout *l = spec->layout;
     if (l && (l->n_spans > 0 || l->n_whitelist > 0)) {

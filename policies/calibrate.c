@@ -303,6 +303,37 @@ static double tidy(double retention) {
     return t > 1 ? 1 : t;
 }
 
+double pd_curve_choose(pd_curve c, double tau, double min_retention) {
+    return tidy(pd_curve_inverse(c, tau, min_retention));
+}
+
+size_t pd_curve_policy_print(const pd_policy_spec *spec, char *buf, size_t cap) {
+    char full[PD_POLICY_SPEC_MAX];
+    pd_policy_spec_print(spec, full, sizeof full);
+    /* Keys are "key=value" items after the ':' separated by ','; drop the
+     * retention item and the separator in front of it. */
+    char out[PD_POLICY_SPEC_MAX];
+    size_t o = 0;
+    const char *colon = strchr(full, ':');
+    const size_t head = colon ? (size_t)(colon - full) : strlen(full);
+    memcpy(out, full, head);
+    o = head;
+    bool first = true;
+    for (const char *k = colon ? colon + 1 : NULL; k && *k;) {
+        const char *end = strchr(k, ',');
+        const size_t len = end ? (size_t)(end - k) : strlen(k);
+        if (!(len > 10 && strncmp(k, "retention=", 10) == 0)) {
+            out[o++] = first ? ':' : ',';
+            memcpy(out + o, k, len);
+            o += len;
+            first = false;
+        }
+        k = end ? end + 1 : NULL;
+    }
+    out[o] = '\0';
+    return (size_t)snprintf(buf, cap, "%s", out);
+}
+
 static int choose(const calib_run *r, const pd_policy_spec *spec, const pd_calib_opts *o, pd_calib_result *res,
                   pd_error *err) {
     double chosen = tidy(pd_curve_inverse(res->curve, o->tau, o->min_retention));
@@ -410,4 +441,60 @@ int pd_calibrate(pd_model *m, const pd_token *tokens, int64_t n, const pd_policy
         pd_policy_spec_set_retention(chosen_spec, res.chosen);
     }
     return PD_OK;
+}
+
+/* ---- offline calibration over a set of texts ---------------------------- */
+
+int pd_calib_measure_text(pd_model *m, const pd_token *tokens, int64_t n, const pd_policy_spec *spec,
+                          const pd_calib_opts *opts, double *ratio, double *nll_full, pd_error *err) {
+    pd_calib_opts defaults;
+    if (!opts) {
+        pd_calib_opts_default(&defaults);
+        opts = &defaults;
+    }
+    int rc = pd_policy_spec_validate(spec, err);
+    if (rc) return rc;
+    if (opts->n_points < 1 || opts->n_points > PD_CALIB_MAX_POINTS)
+        return pd_errorf(err, PD_EINVAL, "calibration: n_points %d must be in [1, %d]", opts->n_points,
+                         PD_CALIB_MAX_POINTS);
+    for (int i = 0; i < opts->n_points; i++)
+        if (!(opts->points[i] > 0 && opts->points[i] < 1))
+            return pd_errorf(err, PD_EINVAL, "calibration: points[%d] = %g must be a retention in (0, 1)", i,
+                             opts->points[i]);
+    if (!(opts->holdout > 0 && opts->holdout < 1))
+        return pd_errorf(err, PD_EINVAL, "calibration: holdout %g must be a fraction in (0, 1)", opts->holdout);
+    if (!tokens || n <= 0) return pd_errorf(err, PD_EINVAL, "calibration: the text is empty");
+    const int64_t n_cont = (int64_t)llround(opts->holdout * (double)n);
+    if (n_cont < MIN_PROBE || n - n_cont < MIN_PREFIX)
+        return pd_errorf(err, PD_EINVAL,
+                         "calibration: %" PRId64 " tokens with holdout %g leave a continuation of %" PRId64
+                         " and a prefix of %" PRId64 " tokens; at least %d and %d are needed (use a longer text "
+                         "or change the holdout)",
+                         n, opts->holdout, n_cont, n - n_cont, MIN_PROBE, MIN_PREFIX);
+    calib_run r = {.m = m, .prefix = tokens, .n_prefix = n - n_cont, .probe = tokens + (n - n_cont),
+                   .n_probe = n_cont};
+    if ((rc = full_nll(&r, err))) return rc;
+    for (int i = 0; i < opts->n_points; i++)
+        if ((rc = measure(&r, spec, opts->points[i], &ratio[i], err))) return rc;
+    if (nll_full) *nll_full = r.nll_full;
+    return PD_OK;
+}
+
+int pd_curve_fit_set(const double *points, int n_points, const double *ratios, int n_texts, double under_weight,
+                     pd_curve *out, pd_error *err) {
+    if (n_points < 1 || n_texts < 1)
+        return pd_errorf(err, PD_EINVAL, "curve fit: %d text(s) with %d point(s) each; give at least one of each",
+                         n_texts, n_points);
+    if ((size_t)n_texts * (size_t)n_points > (size_t)INT32_MAX)
+        return pd_errorf(err, PD_ERANGE, "curve fit: %d texts x %d points is too many", n_texts, n_points);
+    const int m = n_texts * n_points;
+    double *rho = malloc(sizeof(double) * (size_t)m);
+    if (!rho) return pd_errorf(err, PD_ENOMEM, "curve fit: out of memory for %d points", m);
+    for (int t = 0; t < n_texts; t++)
+        for (int i = 0; i < n_points; i++) rho[t * n_points + i] = points[i];
+    /* The loss is a sum over points, so pooling in any text order gives the
+     * same minimiser; the fit itself is deterministic. */
+    int rc = pd_curve_fit(rho, ratios, m, under_weight, out, err);
+    free(rho);
+    return rc;
 }

@@ -477,6 +477,40 @@ int pd_calibrate(pd_model *m, const pd_token *tokens, int64_t n, const pd_policy
                  const pd_layout *layout, const pd_calib_opts *opts, pd_calib_result *out,
                  pd_policy_spec *chosen_spec, pd_error *err);
 
+/* The retention a curve licenses for tau, as calibration stores it:
+ * pd_curve_inverse clamped at min_retention and rounded up to a multiple of
+ * 1e-4 (the canonical spec, the cache key, stays readable). Used to choose
+ * zero-shot from a curve fitted offline. */
+double pd_curve_choose(pd_curve c, double tau, double min_retention);
+
+/* What a curve is valid for: the canonical spec without its retention key
+ * (the retention is what the curve chooses). Two specs share curves iff
+ * these texts are equal. snprintf-style: returns the full length. */
+size_t pd_curve_policy_print(const pd_policy_spec *spec, char *buf, size_t cap);
+
+/* ------------------------------------------------------------------------
+ * Offline calibration (the Compactor paper's setting): one curve fitted on
+ * a calibration set of texts, then applied zero-shot to other prefixes.
+ * ------------------------------------------------------------------------ */
+
+/* One text of the set: its last `holdout` fraction (opts->holdout, at
+ * least 16 tokens, the rest at least 32) is the held-out continuation, the
+ * rest the prefix. ratio[i] = NLL(continuation | prefix compressed at
+ * opts->points[i]) / NLL(continuation | full prefix), i < opts->n_points;
+ * *nll_full (optional) the denominator. opts->tau, min_retention and probe
+ * are not used. The spec's retention is ignored. */
+int pd_calib_measure_text(pd_model *m, const pd_token *tokens, int64_t n, const pd_policy_spec *spec,
+                          const pd_calib_opts *opts, double *ratio, double *nll_full, pd_error *err);
+
+/* One curve over n_texts texts measured at the same n_points retentions:
+ * ratios is [n_texts][n_points]. The points are pooled: every (points[i],
+ * ratios[t][i]) is one point of the asymmetric fit, all weighted equally,
+ * so every text counts the same and the curve sits near the upper envelope
+ * of the texts' ratios (under-prediction weighs under_weight times more).
+ * The order of the texts does not change the result (up to rounding). */
+int pd_curve_fit_set(const double *points, int n_points, const double *ratios, int n_texts, double under_weight,
+                     pd_curve *out, pd_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -9,7 +9,9 @@
  * NLL(continuation | compressed prefix) / NLL(continuation | full prefix)
  * across stories. The calibration experiment runs pd_calibrate on each
  * prefix alone (its last 20% as probe), compresses the prefix at the chosen
- * retention and measures the ratio on the real continuation. Markdown on
+ * retention and measures the ratio on the real continuation; the zero-shot
+ * arm instead chooses from one curve fitted offline on K other stories
+ * (seeds S + 1000 + i). Markdown on
  * stdout, progress on stderr. */
 #include <errno.h>
 #include <getopt.h>
@@ -26,6 +28,9 @@
 #define DEFAULT_MODEL "../shared/models/tinystories/stories260K.gguf"
 #define MAX_STORIES 64
 #define N_SPANS 4
+/* The zero-shot calibration set uses seeds S + this + i: disjoint from the
+ * evaluated stories (S .. S + 63). */
+#define ZERO_SHOT_SEED_OFFSET 1000
 
 typedef struct story {
     pd_token *ids; /* prefix then continuation */
@@ -171,44 +176,104 @@ static int policy_table(eval_ctx *e, pd_error *err) {
     return PD_OK;
 }
 
-static int calibration_table(eval_ctx *e, pd_error *err) {
+/* The zero-shot arm's calibration set: stories sampled with seeds
+ * cal_seed, cal_seed + 1, ... (disjoint from the evaluated ones), as long
+ * as the evaluated stories (prefix + continuation). */
+static int sample_calibration_set(eval_ctx *e, uint64_t cal_seed, pd_token **set, pd_error *err) {
+    const int64_t n = e->stories[0].n_prefix + e->stories[0].n_cont;
+    for (int s = 0; s < e->n_stories; s++) {
+        if (!(set[s] = malloc(sizeof **set * (size_t)n)))
+            return pd_errorf(err, PD_ENOMEM, "out of memory for calibration story %d", s);
+        int rc = sample_story(e->m, cal_seed + (uint64_t)s, n, set[s], err);
+        if (rc) return pd_error_prefix(err, "calibration story %d", s);
+    }
+    return PD_OK;
+}
+
+/* Offline calibration (the Compactor paper's setting): one curve fitted on
+ * the calibration set, each story's continuation held out after its
+ * prefix, exactly the evaluated stories' split. */
+static int fit_zero_shot(eval_ctx *e, pd_token *const *set, const pd_policy_spec *spec, const pd_calib_opts *o,
+                         pd_curve *curve, pd_error *err) {
+    const int64_t n = e->stories[0].n_prefix + e->stories[0].n_cont;
+    pd_calib_opts mo = *o;
+    mo.holdout = (double)e->stories[0].n_cont / (double)n;
+    double ratios[MAX_STORIES * PD_CALIB_MAX_POINTS];
+    for (int s = 0; s < e->n_stories; s++) {
+        int rc = pd_calib_measure_text(e->m, set[s], n, spec, &mo, ratios + s * mo.n_points, NULL, err);
+        if (rc) return pd_error_prefix(err, "calibration story %d", s);
+    }
+    return pd_curve_fit_set(mo.points, mo.n_points, ratios, e->n_stories, mo.under_weight, curve, err);
+}
+
+typedef struct arm_stats {
+    int hits;
+    double chosen_sum, measured_sum, measured_max, probe_sum;
+} arm_stats;
+
+static void print_arm(const char *spec, double tau, const char *arm, const arm_stats *a, int k, bool probe) {
+    printf("| `%s` | %.2f | %s | %d/%d | %.3f | %.4f | %.4f |", spec, tau, arm, a->hits, k, a->chosen_sum / k,
+           a->measured_sum / k, a->measured_max);
+    if (probe) printf(" %.4f |\n", a->probe_sum / k);
+    else printf(" — |\n");
+}
+
+static int calibration_table(eval_ctx *e, uint64_t cal_seed, pd_error *err) {
     static const double taus[] = {1.02, 1.05, 1.10};
     static const char *const specs[] = {"compactor", "snapkv", "knorm"};
-    printf("| policy | tau | hit rate (measured <= tau) | mean chosen retention | mean measured ratio | max measured "
-           "ratio | mean probe ratio at the choice |\n|---|---|---|---|---|---|---|\n");
-    for (size_t p = 0; p < sizeof specs / sizeof specs[0]; p++) {
+    pd_token *set[MAX_STORIES] = {0};
+    int rc = sample_calibration_set(e, cal_seed, set, err);
+    printf("| policy | tau | calibration | hit rate (measured <= tau) | mean chosen retention | mean measured ratio | "
+           "max measured ratio | mean probe ratio at the choice |\n|---|---|---|---|---|---|---|---|\n");
+    for (size_t p = 0; !rc && p < sizeof specs / sizeof specs[0]; p++) {
         pd_policy_spec spec;
-        int rc = pd_policy_spec_parse(specs[p], &spec, err);
-        if (rc) return rc;
-        for (size_t t = 0; t < sizeof taus / sizeof taus[0]; t++) {
-            pd_calib_opts o;
-            pd_calib_opts_default(&o);
+        pd_curve curve;
+        pd_calib_opts o;
+        pd_calib_opts_default(&o);
+        o.holdout = 0.2;
+        if ((rc = pd_policy_spec_parse(specs[p], &spec, err))) break;
+        if ((rc = fit_zero_shot(e, set, &spec, &o, &curve, err))) {
+            pd_error_prefix(err, "zero-shot curve of %s", specs[p]);
+            break;
+        }
+        fprintf(stderr, "policy-eval: zero-shot curve of %s: a %.6g, b %.6g\n", specs[p], curve.a, curve.b);
+        for (size_t t = 0; !rc && t < sizeof taus / sizeof taus[0]; t++) {
             o.tau = taus[t];
-            o.holdout = 0.2;
-            int hits = 0;
-            double chosen_sum = 0, measured_sum = 0, measured_max = 0, probe_sum = 0;
+            arm_stats probe = {0}, zero = {0};
+            const double zero_chosen = pd_curve_choose(curve, taus[t], o.min_retention);
+            pd_policy_spec zero_spec = spec;
+            pd_policy_spec_set_retention(&zero_spec, zero_chosen);
             for (int s = 0; s < e->n_stories; s++) {
                 const story *st = &e->stories[s];
                 pd_calib_result cr;
                 pd_policy_spec chosen;
-                double ratio = 0;
+                double ratio = 0, zero_ratio = 0;
                 rc = pd_calibrate(e->m, st->ids, st->n_prefix, &spec, NULL, &o, &cr, &chosen, err);
                 if (!rc) rc = story_ratio(e, st, &chosen, &ratio, err);
-                if (rc) return pd_error_prefix(err, "calibration of %s, tau %g, story %d", specs[p], taus[t], s);
-                hits += ratio <= taus[t];
-                chosen_sum += cr.chosen;
-                measured_sum += ratio;
-                measured_max = fmax(measured_max, ratio);
-                probe_sum += cr.measured;
+                if (!rc) rc = story_ratio(e, st, &zero_spec, &zero_ratio, err);
+                if (rc) {
+                    pd_error_prefix(err, "calibration of %s, tau %g, story %d", specs[p], taus[t], s);
+                    break;
+                }
+                probe.hits += ratio <= taus[t];
+                probe.chosen_sum += cr.chosen;
+                probe.measured_sum += ratio;
+                probe.measured_max = fmax(probe.measured_max, ratio);
+                probe.probe_sum += cr.measured;
+                zero.hits += zero_ratio <= taus[t];
+                zero.chosen_sum += zero_chosen;
+                zero.measured_sum += zero_ratio;
+                zero.measured_max = fmax(zero.measured_max, zero_ratio);
             }
-            const double k = e->n_stories;
-            printf("| `%s` | %.2f | %d/%d | %.3f | %.4f | %.4f | %.4f |\n", specs[p], taus[t], hits, e->n_stories,
-                   chosen_sum / k, measured_sum / k, measured_max, probe_sum / k);
+            if (rc) break;
+            print_arm(specs[p], taus[t], "probe", &probe, e->n_stories, true);
+            print_arm(specs[p], taus[t], "zero-shot", &zero, e->n_stories, false);
             fflush(stdout);
         }
-        fprintf(stderr, "policy-eval: calibration of %s done\n", specs[p]);
+        if (!rc) fprintf(stderr, "policy-eval: calibration of %s done\n", specs[p]);
     }
-    return PD_OK;
+    for (int s = 0; s < e->n_stories; s++) free(set[s]);
+    return rc;
 }
 
 int main(int argc, char **argv) {
@@ -277,10 +342,13 @@ int main(int argc, char **argv) {
         rc = policy_table(&e, &err);
     }
     if (!rc) {
-        printf("\nCalibration: pd_calibrate on the prefix alone (its last 20%% as probe, points 0.5, 0.25, 0.125, "
-               "0.0625, min retention 0.05, under-prediction weight 4), then the prefix compressed at the chosen "
-               "retention and the ratio measured on the real continuation.\n\n");
-        rc = calibration_table(&e, &err);
+        printf("\nCalibration: `probe` runs pd_calibrate on the prefix alone (its last 20%% as probe, points 0.5, "
+               "0.25, 0.125, 0.0625, min retention 0.05, under-prediction weight 4); `zero-shot` chooses from one "
+               "curve per policy fitted offline (pd_curve_fit_set, same points and weight) on %ld other stories "
+               "(seeds %ld..%ld), each split into the same prefix and continuation. Either way the prefix is then "
+               "compressed at the chosen retention and the ratio measured on the real continuation.\n\n",
+               k, seed + ZERO_SHOT_SEED_OFFSET, seed + ZERO_SHOT_SEED_OFFSET + k - 1);
+        rc = calibration_table(&e, (uint64_t)(seed + ZERO_SHOT_SEED_OFFSET), &err);
     }
     if (!rc) fprintf(stderr, "policy-eval: %.1f s\n", pd_now_seconds() - t0);
     for (int s = 0; s < e.n_stories; s++) free(e.stories[s].ids);

@@ -7,6 +7,7 @@
  *   prefixctl nll --model FILE --context TEXT --text TEXT [--device D]
  *   prefixctl perplexity --model FILE --file TEXT --ctx N [--chunks K] [--device D]
  *   prefixctl compress --model FILE --policy SPEC [--retention R | --quality TAU] --text FILE [--device D] ...
+ *   prefixctl calibrate --model FILE --policy SPEC --set DIR --out CURVE.json [--points LIST] [--threads N]
  *   prefixctl policies
  *   prefixctl store --dir DIR list|show ID|verify [--repair]|delete ID|pin ID|unpin ID|stats
  *   prefixctl prefix [--url URL] [--token T] add|list|show ID|delete ID|job ID
@@ -63,6 +64,8 @@ static void usage(FILE *f) {
           "      [--retention R]           fraction of tokens kept, in (0, 1] (overrides the spec's)\n"
           "      [--quality TAU]           or choose the retention: NLL ratio at most TAU (> 1)\n"
           "      [--holdout F]             --quality: fraction of the text held out as probe (default 0.2)\n"
+          "      [--curve CURVE.json]      --quality: choose the retention zero-shot from a curve fitted\n"
+          "                                by prefixctl calibrate (no probe measurement)\n"
           "      [--spans FILE|auto]       named spans and kept ranges (\"name start end [keep]\" lines),\n"
           "                                or auto: split at turns, paragraphs, else sentences\n"
           "      [--keep-text PHRASE]...   always keep the tokens of every occurrence of PHRASE\n"
@@ -75,6 +78,8 @@ static void usage(FILE *f) {
           "      [--json]                  print one JSON object (spec, kept fractions per layer, head\n"
           "                                and span, calibration, eval) instead of the report\n"
           "  compress --list | policies    list the policies with their keys and defaults\n"
+          "  calibrate --model FILE --policy SPEC --set DIR --out CURVE.json\n"
+          "                                fit one retention->quality curve on a set of texts (--help)\n"
           "  store --dir DIR ACTION        inspect and maintain a prefix store (--help for actions)\n"
           "  prefix ACTION                 register and manage prefixes through a running prefixd's\n"
           "                                admin API (--help for actions)\n"
@@ -687,6 +692,34 @@ static int store_prefix(const pd_model *m, const char *dir, const pd_policy_spec
     return rc;
 }
 
+/* --curve: the retention a curve fitted offline licenses for tau, refused
+ * when it was fitted for another policy or model. */
+static int apply_curve(const char *path, const pd_model *m, double tau, pd_policy_spec *spec, json_t *report,
+                       pd_error *err) {
+    pd_curve_file cf;
+    uint8_t fp[PD_SHA256_LEN];
+    pd_model_fingerprint(m, fp);
+    int rc = pd_curve_file_read(path, &cf, err);
+    if (!rc && (rc = pd_curve_file_check(&cf, spec, fp, err))) pd_error_prefix(err, "--curve %s", path);
+    if (!rc) {
+        pd_calib_opts defaults;
+        pd_calib_opts_default(&defaults);
+        const double chosen = pd_curve_choose(cf.curve, tau, defaults.min_retention);
+        pd_policy_spec_set_retention(spec, chosen);
+        if (report)
+            json_object_set_new(report, "zero_shot",
+                                json_pack("{s:f,s:s,s:{s:f,s:f},s:i,s:f,s:f}", "tau", tau, "curve_file", path, "curve",
+                                          "a", cf.curve.a, "b", cf.curve.b, "texts", (json_int_t)cf.n_texts, "chosen",
+                                          chosen, "predicted", pd_curve_eval(cf.curve, chosen)));
+        else
+            printf("zero-shot: tau %g, curve f(r) = 1 + %.6g * (r^-%.6g - 1) from %s (%d texts), chosen retention "
+                   "%.6g, predicted ratio %.6f\n", tau, cf.curve.a, cf.curve.b, path, cf.n_texts, chosen,
+                   pd_curve_eval(cf.curve, chosen));
+    }
+    pd_curve_file_free(&cf);
+    return rc;
+}
+
 static int cmd_compress(int argc, char **argv) {
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},   {"policy", required_argument, 0, 'p'},
@@ -698,7 +731,9 @@ static int cmd_compress(int argc, char **argv) {
         {"dtype", required_argument, 0, 'D'},   {"pin", no_argument, 0, 'P'},
         {"device", required_argument, 0, 'd'},  {"kv-type", required_argument, 0, 'K'},
         {"json", no_argument, 0, 'J'},          {"keep-text", required_argument, 0, 'k'},
+        {"curve", required_argument, 0, 'C'},
         {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+    const char *curve_path = NULL;
     pd_device device = {.kind = PD_DEVICE_CPU};
     bool kv_f32 = false, json = false;
     const char *keep_texts[MAX_KEEP_TEXTS];
@@ -745,6 +780,7 @@ static int cmd_compress(int argc, char **argv) {
             }
             keep_texts[n_keep++] = optarg;
             break;
+        case 'C': curve_path = optarg; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -777,6 +813,11 @@ static int cmd_compress(int argc, char **argv) {
     }
     if (have_holdout && !have_quality) {
         fputs("prefixctl compress: --holdout only applies with --quality TAU\n", stderr);
+        return 2;
+    }
+    if (curve_path && (!have_quality || have_holdout)) {
+        fputs("prefixctl compress: --curve chooses the retention for --quality TAU without a probe: give --quality, "
+              "and no --holdout\n", stderr);
         return 2;
     }
     if (!store_dir && (pin || *ns)) {
@@ -841,7 +882,9 @@ static int cmd_compress(int argc, char **argv) {
         else pd_layout_print(&layout, layout_text, need);
     }
     const pd_layout *lay = have_layout ? &layout : NULL;
-    if (!rc && have_quality) {
+    if (!rc && have_quality && curve_path) {
+        rc = apply_curve(curve_path, m, tau, &spec, report, &err);
+    } else if (!rc && have_quality) {
         pd_calib_result cr;
         pd_policy_spec chosen;
         copts.tau = tau;
@@ -983,6 +1026,7 @@ int main(int argc, char **argv) {
         pd_policy_describe(stdout);
         return 0;
     }
+    if (strcmp(cmd, "calibrate") == 0) return pd_calibrate_cli(argc, argv);
     if (strcmp(cmd, "store") == 0) return pd_store_cli(argc, argv);
     if (strcmp(cmd, "prefix") == 0) return pd_prefix_cli(argc, argv);
     if (strcmp(cmd, "gen-model") == 0) return pd_testmodel_cli(argc, argv);

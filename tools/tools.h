@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "kernels/kernels.h"
+#include "policies/policies.h"
 #include "util/util.h"
 
 #ifdef __cplusplus
@@ -129,6 +130,56 @@ int pd_store_cli(int argc, char **argv);
  * (tools/prefix_cli.c): the daemon's admin API over HTTP. argv[0] is the
  * subcommand name. Exit codes as above. */
 int pd_prefix_cli(int argc, char **argv);
+
+/* ------------------------------------------------------------------------
+ * Offline calibration curves (tools/calibrate_cli.c)
+ *
+ * A curve file (CURVE.json) holds one retention->quality curve fitted by
+ * `prefixctl calibrate` on a set of texts, for one policy and one model, to
+ * be applied zero-shot (`prefixctl compress --curve`, the admin API's
+ * `curve`). JSON:
+ *   {"object": "prefixd.curve", "version": 1,
+ *    "policy": canonical spec without retention (pd_curve_policy_print),
+ *    "model": {"file": GGUF basename, "fingerprint": 64 hex (pd_model_fingerprint)},
+ *    "a": A, "b": B, "points": [...], "holdout": H, "under_weight": W,
+ *    "n_texts": K, "texts": [{"file", "tokens", "nll_full", "ratios": [...]}]}
+ * ------------------------------------------------------------------------ */
+
+typedef struct pd_curve_text {
+    char file[256];             /* name inside the calibration set */
+    int64_t tokens;             /* BOS included */
+    double nll_full;            /* continuation NLL after the full prefix */
+    double ratio[PD_CALIB_MAX_POINTS]; /* at each point */
+} pd_curve_text;
+
+typedef struct pd_curve_file {
+    char policy[PD_POLICY_SPEC_MAX];  /* pd_curve_policy_print of the spec */
+    char model_file[256];             /* basename of the GGUF (informational) */
+    char fingerprint[2 * PD_SHA256_LEN + 1]; /* lower-case hex: what is checked */
+    pd_curve curve;
+    int n_points;
+    double points[PD_CALIB_MAX_POINTS];
+    double holdout, under_weight;
+    int n_texts;
+    pd_curve_text *texts;             /* [n_texts], malloc'd */
+} pd_curve_file;
+
+/* Written atomically (temporary file, then rename). */
+int pd_curve_file_write(const pd_curve_file *cf, const char *path, pd_error *err);
+/* Reads and validates (version, a and b positive, a policy that parses,
+ * a 64-hex fingerprint, one ratio per point in every text). Free with
+ * pd_curve_file_free. */
+int pd_curve_file_read(const char *path, pd_curve_file *out, pd_error *err);
+void pd_curve_file_free(pd_curve_file *cf);
+/* PD_EINVAL unless the curve was fitted for this policy (retention aside)
+ * and this model (fingerprint), with a message naming both sides. */
+int pd_curve_file_check(const pd_curve_file *cf, const pd_policy_spec *spec, const uint8_t fingerprint[PD_SHA256_LEN],
+                        pd_error *err);
+
+/* `prefixctl calibrate --model F --policy SPEC --set DIR --out CURVE.json
+ * [--points LIST] [--holdout F] [--under-weight W] [--threads N] [--device D]`:
+ * argv[0] is the subcommand name. Exit codes as above. */
+int pd_calibrate_cli(int argc, char **argv);
 
 #ifdef __cplusplus
 }
