@@ -196,14 +196,13 @@ static const double curve_retentions[] = {0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75
 typedef struct sep_opts {
     const char *data_dir; /* NULL: no data files */
     int n_sets;           /* instruction-survival prefixes */
-    int span_len;         /* tokens per independent span, BOS included */
+    int span_len;         /* tokens per independent span (the first one's BOS included) */
     int cue_len;          /* opening tokens of a span repeated after the prefix */
     uint64_t seed;        /* first story seed; survival spans use seed + 1000 + ... */
 } sep_opts;
 
 /* One spec at one retention. */
 typedef struct sep_cell {
-    bool done;
     double ratio[MAX_STORIES];    /* all continuation tokens, per story */
     double far_nll, far_nll_full; /* summed over the far-copy tokens of every story */
     double span_kept[N_SPANS];    /* unprotected kept fraction per span, mean over stories */
@@ -479,7 +478,6 @@ static int sep_measure(sep_ctx *c, const pd_policy_spec *spec, sep_cell *cell, p
         pd_kv_prefix_free(p);
         p = NULL;
     }
-    cell->done = true;
 fail:
     pd_compress_stats_free(&cs);
     pd_kv_prefix_free(p);
