@@ -117,9 +117,14 @@ bench-store: build
 
 # NLL ratio of every KV-cache policy at retention 0.5/0.25/0.1, and the hit
 # rate of context-calibrated compression, on stories sampled from the real
-# stories260K model (the tables in docs/policies.md).
+# stories260K model (the tables in docs/policies.md); then the separation
+# tables (protection scaled, per-span keep rates, far-context copies,
+# instruction survival) and the figures docs/figures/eval-*.png, drawn by
+# gnuplot (tools/eval-figures.sh installs gnuplot-nox when missing).
 eval: build
-	$(BUILD)/tools/policy-eval $(SHARED)/tinystories/stories260K.gguf
+	@mkdir -p $(BUILD)/eval-data
+	$(BUILD)/tools/policy-eval $(SHARED)/tinystories/stories260K.gguf --data-dir $(BUILD)/eval-data
+	tools/eval-figures.sh $(BUILD)/eval-data docs/figures
 
 # libFuzzer on the GGUF reader and tokenizer loader (clang, ASan+UBSan).
 fuzz: deps
