@@ -277,8 +277,8 @@ void pd_policy_budgets(const pd_policy_spec *spec, int n_layer, int64_t n, int64
  * the best scores: per head (uniform/pyramid) or over all (token, head)
  * pairs (global); with chunk > 0 in whole chunks (chunk boundaries at
  * multiples of `chunk` from the range start, chunk score = sum of its free
- * tokens' scores, at most one chunk per head taken partially to fill the
- * budget exactly). With two criteria (laserkv) the free budget is split
+ * tokens' scores, summed over the kv heads with shared_chunks, at most one
+ * chunk per head taken partially to fill the budget exactly). With two criteria (laserkv) the free budget is split
  * share : (1 - share), the second criterion choosing among tokens the first
  * did not. Ties break toward the earlier token, then the lower head. */
 typedef struct pd_select_args {
