@@ -22,6 +22,7 @@ struct pd_compressor {
     int last_layer;       /* the layer the hook saw last, -1 before the first */
     uint8_t *prev_keep;   /* [n_head_kv][n]: the last layer's mask, for reuse */
     float *scores;        /* [n_criteria][n_head_kv][n] */
+    double *layer_sum;    /* [n_head_kv][n]: laserkv accumulate, criterion 1 summed over the layers so far */
     /* fair eviction only */
     float *local_scores;  /* [n_criteria][n_head_kv][n], when spec.local */
     float *span_scores;   /* [n_criteria][n_head_kv][longest span] */
@@ -50,6 +51,7 @@ void pd_compressor_free(pd_compressor *c) {
     pd_compress_stats_free(&c->stats);
     free(c->prev_keep);
     free(c->scores);
+    free(c->layer_sum);
     free(c->local_scores);
     free(c->span_scores);
     free(c->prot);
@@ -113,6 +115,8 @@ int pd_compressor_create(const pd_policy_spec *spec, const pd_layout *layout, co
     c->stats.kept = alloc_array(L * H, sizeof *c->stats.kept, &ok);
     c->prev_keep = alloc_array(H * N, 1, &ok);
     c->scores = alloc_array(C * H * N, sizeof *c->scores, &ok);
+    if (spec->kind == PD_POLICY_LASERKV && spec->accumulate)
+        c->layer_sum = alloc_array(H * N, sizeof *c->layer_sum, &ok);
     const size_t S = (size_t)c->layout.n_spans;
     if (S > 0) {
         c->prot = alloc_array(N, 1, &ok);
@@ -283,6 +287,15 @@ int pd_compressor_hook(void *compressor, const pd_layer_kv *kv, uint8_t *keep, p
         memset(keep, 1, (size_t)H * (size_t)n);
     } else {
         if ((rc = pd_policy_score(sp, kv, 0, n, c->scores, err))) return pd_error_prefix(err, "layer %d", l);
+        if (c->layer_sum) {
+            /* LASER-KV sums exact attention over layers; a per-layer hook
+             * has seen only layers up to this one, so it ranks by their
+             * running sum. */
+            for (int64_t i = 0; i < (int64_t)H * n; i++) {
+                c->layer_sum[i] += c->scores[i];
+                c->scores[i] = (float)c->layer_sum[i];
+            }
+        }
         pd_select_args a = {
             .n = n,
             .n_head_kv = H,
@@ -292,6 +305,7 @@ int pd_compressor_hook(void *compressor, const pd_layer_kv *kv, uint8_t *keep, p
             .scores2 = c->n_criteria > 1 ? c->scores + (int64_t)H * n : NULL,
             .share = sp->alpha,
             .chunk = sp->chunk,
+            .shared_chunks = sp->shared,
             .layout = c->has_layout ? &c->layout : NULL,
         };
         pd_policy_spec_protected(sp, B, &a.sink, &a.recent);

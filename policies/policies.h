@@ -70,6 +70,13 @@ typedef enum pd_leverage_mode {
     PD_LEVERAGE_EXACT,      /* thin QR of the centred keys, no sketch, no ridge */
 } pd_leverage_mode;
 
+/* What the per-head budget is a fraction of (Compactor's `base`). */
+typedef enum pd_budget_base {
+    PD_BASE_PROMPT = 0,  /* "prompt": floor(retention * n), protected tokens inside */
+    PD_BASE_UNPROTECTED, /* "unprotected": round(retention * (n - sink - recent)), protected tokens inside
+                          * (compactor-vllm's retain count) */
+} pd_budget_base;
+
 typedef enum pd_obcache_target {
     PD_OBCACHE_VALUE = 0,
     PD_OBCACHE_KEY,
@@ -94,6 +101,7 @@ typedef struct pd_policy_spec {
     int32_t recent;         /* last tokens always kept */
     int32_t chunk;          /* > 0: select whole chunks of this many tokens (ChunkKV) */
     int32_t reuse;          /* > 1: layer l reuses the indices of layer l - l % reuse */
+    bool shared;            /* chunk > 0: the same chunks in every kv head (kvpress ChunkKVPress) */
 
     /* fair eviction (any policy) */
     bool fair;              /* per-span quotas; needs a layout with spans */
@@ -110,10 +118,12 @@ typedef struct pd_policy_spec {
     double scale;           /* softmax scale; 0 = 1/sqrt(head_dim) */
     bool vnorm;             /* multiply attention scores by ||v|| (kvpress) */
     pd_leverage_mode leverage;
+    pd_budget_base base;    /* compactor: what retention is a fraction of */
 
     /* attention scorers */
-    int32_t window;         /* snapkv/pyramidkv/chunkkv/obcache/laserkv: observation queries */
-    int32_t pool;           /* average-pool width over tokens (1 = none) */
+    int32_t window;         /* snapkv/pyramidkv/chunkkv/obcache/laserkv: observation queries;
+                             * 0 = auto (pd_policy_window) */
+    int32_t pool;           /* pool width over tokens (1 = none): average, max for obcache */
     pd_obcache_target target;
 
     /* LASER-KV (defaults: the official code's hybrid setting) */
@@ -121,6 +131,7 @@ typedef struct pd_policy_spec {
     double alpha;           /* share of the rest chosen by exact attention (the rest: LSH) */
     int32_t rounds;         /* LSH hash rounds R */
     int32_t bits;           /* hyperplanes per round */
+    bool accumulate;        /* exact attention summed over the layers scored so far */
 } pd_policy_spec;
 
 #define PD_POLICY_SPEC_MAX 512 /* canonical strings are shorter than this */
@@ -143,6 +154,10 @@ size_t pd_policy_spec_print(const pd_policy_spec *spec, char *buf, size_t cap);
  * tokens and recent last ones (its `sink` and `recent` keys, or LASER-KV's
  * B/divisor of each). */
 void pd_policy_spec_protected(const pd_policy_spec *spec, int64_t budget, int64_t *sink, int64_t *recent);
+/* The observation window a scorer uses on a range of len >= 1 tokens:
+ * `window` clipped to len, or with window=0 OBCache's rule, max(16, 5% of
+ * the per-head budget floor(retention * len)), clipped to len. */
+int64_t pd_policy_window(const pd_policy_spec *spec, int64_t len);
 /* The spec a span of a fair selection (local=1) is scored with, one of
  * n_spans: SnapKV's observation window split evenly across the spans
  * (window / n_spans, at least 1), as the fair-eviction paper does, so
@@ -294,6 +309,9 @@ void pd_zscore(float *x, int64_t n);
 /* Average pool of width w (odd), zero padding counted in the average
  * (torch avg_pool1d, count_include_pad). */
 void pd_avg_pool(const float *in, int64_t n, int w, float *out);
+/* Max pool of width w (odd), padding ignored (torch max_pool1d with
+ * padding w/2, which pads with -inf). */
+void pd_max_pool(const float *in, int64_t n, int w, float *out);
 /* Spearman rank correlation of two score vectors (ties get average ranks). */
 double pd_rank_correlation(const float *a, const float *b, int64_t n);
 
@@ -302,7 +320,9 @@ double pd_rank_correlation(const float *a, const float *b, int64_t n);
  * ------------------------------------------------------------------------ */
 
 /* Tokens kept per kv head at each layer, for a prefix of n tokens:
- * floor(retention * n), at least 1; pyramid spreads n_layer times that so
+ * floor(retention * n), or with base=unprotected (compactor)
+ * round(retention * (n - sink - recent)), at least 1; n when retention is 1;
+ * pyramid spreads n_layer times that so
  * that layer 0 gets the most, the last layer mean/beta, linearly in
  * between, when that line fits between the scorer's observation window
  * (SnapKV's `window`, else 1) and n; otherwise every layer gets the mean,
@@ -319,8 +339,8 @@ void pd_policy_budgets(const pd_policy_spec *spec, int n_layer, int64_t n, int64
  * the best scores: per head (uniform/pyramid) or over all (token, head)
  * pairs (global); with chunk > 0 in whole chunks (chunk boundaries at
  * multiples of `chunk` from the range start, chunk score = sum of its free
- * tokens' scores, at most one chunk per head taken partially to fill the
- * budget exactly). With two criteria (laserkv) the free budget is split
+ * tokens' scores, summed over the kv heads with shared_chunks, at most one
+ * chunk per head taken partially to fill the budget exactly). With two criteria (laserkv) the free budget is split
  * share : (1 - share), the second criterion choosing among tokens the first
  * did not. Ties break toward the earlier token, then the lower head. */
 typedef struct pd_select_args {
@@ -333,6 +353,8 @@ typedef struct pd_select_args {
     double share;           /* fraction of the free budget for criterion 1 when scores2 */
     int64_t sink, recent;
     int32_t chunk;
+    bool shared_chunks;     /* chunk > 0: rank chunks by scores summed over the kv heads, so that
+                             * every head keeps the same chunks (per-head budgets) */
     const pd_layout *layout;   /* whitelist (may be NULL) */
     /* fair eviction: per-span quotas over the free budget. NULL = none.
      * quotas: [n_head_kv][n_spans] (per head) or [n_spans] (global), the

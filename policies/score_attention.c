@@ -88,9 +88,11 @@ static void attn_rows(const attn_ctx *c, int a, int64_t q0, int64_t nq, float *o
 }
 
 static int check_window(const char *name, const pd_policy_spec *spec, pd_error *err) {
-    if (spec->window < 1)
-        return pd_errorf(err, PD_EINVAL, "%s: window must be at least 1 observation query (got %d)", name,
+    if (spec->window < 0)
+        return pd_errorf(err, PD_EINVAL, "%s: window must be 0 (auto) or at least 1 observation query (got %d)", name,
                          spec->window);
+    if (spec->pool < 1 || spec->pool % 2 == 0)
+        return pd_errorf(err, PD_EINVAL, "%s: pool must be an odd width >= 1 (got %d)", name, spec->pool);
     return PD_OK;
 }
 
@@ -123,9 +125,7 @@ int pd_score_snapkv(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t l
     int rc = attn_ctx_init("snapkv", kv, false, lo, hi, &c, err);
     if (rc) return rc;
     if ((rc = check_window("snapkv", spec, err))) return rc;
-    if (spec->pool < 1 || spec->pool % 2 == 0)
-        return pd_errorf(err, PD_EINVAL, "snapkv: pool must be an odd width >= 1 (got %d)", spec->pool);
-    int64_t len = c.len, w = spec->window < len ? spec->window : len, pre = len - w;
+    int64_t len = c.len, w = pd_policy_window(spec, len), pre = len - w;
     float *rows = pd_scorer_alloc(w * len, sizeof(float), "snapkv", err);
     float *pooled = pd_scorer_alloc(len, sizeof(float), "snapkv", err);
     double *acc = pd_scorer_alloc(len, sizeof(double), "snapkv", err);
@@ -247,8 +247,13 @@ out:
  * scores are summed over the kv head's group (App. B.5, Eq. 33-35, per the
  * same reading). The paper's prefill setting (App. C.2.1, same reading) plugs
  * the scores into SnapKV with the window protected; so does this scorer
- * (protect_window). The
- * official code's pooling is not applied (obcache has no `pool` key). */
+ * (protect_window).
+ * Window and pooling follow the OBCache code (its SnapKV variants, as
+ * mirrored in MalachiAjayi/kv-cache-pruner, a renamed copy): the
+ * observation window is the recent window, 5% of the budget on LongBench
+ * and 16 tokens on the needle test (window=0: the larger of the two,
+ * pd_policy_window), and the pre-window scores are max-pooled with a
+ * kernel of 7 (`pool`, pd_max_pool) before the top-k. */
 typedef struct obc_scratch {
     float *rows, *logits, *out, *vo;
     double *vv, *acc;
@@ -295,7 +300,8 @@ int pd_score_obcache(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t 
     if ((rc = check_window("obcache", spec, err))) return rc;
     if (spec->target != PD_OBCACHE_VALUE && spec->target != PD_OBCACHE_KEY && spec->target != PD_OBCACHE_JOINT)
         return pd_errorf(err, PD_EINVAL, "obcache: target must be value, key or joint (got %d)", (int)spec->target);
-    int64_t len = c.len, w = spec->window < len ? spec->window : len;
+    int64_t len = c.len, w = pd_policy_window(spec, len), pre = len - w;
+    float *pooled = pd_scorer_alloc(len, sizeof(float), "obcache", err);
     obc_scratch s = {
         .rows = pd_scorer_alloc(w * len, sizeof(float), "obcache", err),
         .logits = pd_scorer_alloc(w * len, sizeof(float), "obcache", err),
@@ -304,7 +310,7 @@ int pd_score_obcache(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t 
         .vv = pd_scorer_alloc(len, sizeof(double), "obcache", err),
         .acc = pd_scorer_alloc(len, sizeof(double), "obcache", err),
     };
-    if (!s.rows || !s.logits || !s.out || !s.vo || !s.vv || !s.acc) {
+    if (!pooled || !s.rows || !s.logits || !s.out || !s.vo || !s.vv || !s.acc) {
         rc = PD_ENOMEM;
         goto out;
     }
@@ -318,10 +324,16 @@ int pd_score_obcache(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t 
         memset(s.acc, 0, (size_t)len * sizeof *s.acc);
         for (int a = h * c.g; a < (h + 1) * c.g; a++) obcache_head(&c, spec->target, a, hi, w, &s);
         /* Clamped so that huge logits cannot overflow float (scores stay finite). */
-        for (int64_t j = 0; j < len; j++) scores[h * len + j] = (float)fmin(s.acc[j], 1e30);
+        float *sh = scores + h * len;
+        for (int64_t j = 0; j < len; j++) sh[j] = (float)fmin(s.acc[j], 1e30);
+        if (pre > 0 && spec->pool > 1) {
+            pd_max_pool(sh, pre, spec->pool, pooled);
+            memcpy(sh, pooled, (size_t)pre * sizeof *sh);
+        }
     }
     protect_window(scores, kv->n_head_kv, len, w);
 out:
+    free(pooled);
     free(s.rows);
     free(s.logits);
     free(s.out);

@@ -175,13 +175,14 @@ int pd_score_laserkv(const pd_policy_spec *spec, const pd_layer_kv *kv, int64_t 
         return pd_errorf(err, PD_EINVAL,
                          "laserkv: token range [%" PRId64 ", %" PRId64 ") is empty or not inside [0, %" PRId64 ")", lo,
                          hi, kv->n_tokens);
-    if (spec->window < 1)
-        return pd_errorf(err, PD_EINVAL, "laserkv: window must be at least 1 observation query (got %d)", spec->window);
+    if (spec->window < 0)
+        return pd_errorf(err, PD_EINVAL, "laserkv: window must be 0 (auto) or at least 1 observation query (got %d)",
+                         spec->window);
     if (spec->rounds < 1 || spec->rounds > 64)
         return pd_errorf(err, PD_EINVAL, "laserkv: rounds must be in 1..64 (got %d)", spec->rounds);
     if (spec->bits < 1 || spec->bits > 32)
         return pd_errorf(err, PD_EINVAL, "laserkv: bits must be in 1..32 (got %d)", spec->bits);
-    int64_t len = hi - lo, w = spec->window < len ? spec->window : len;
+    int64_t len = hi - lo, w = pd_policy_window(spec, len);
     int g = kv->n_head / kv->n_head_kv;
     if (len > INT_MAX || (int64_t)kv->n_head * kv->head_dim > INT_MAX || w * g > INT_MAX)
         return pd_errorf(err, PD_EINVAL, "laserkv: ranges over %d tokens or rows over %d floats are not supported",

@@ -33,3 +33,17 @@ void pd_avg_pool(const float *in, int64_t n, int w, float *out) {
         if (i - left >= 0) sum -= in[i - left];
     }
 }
+
+/* The same window, outside values ignored (torch pads max_pool1d with
+ * -inf). O(n * w): pools are a few tokens wide. */
+void pd_max_pool(const float *in, int64_t n, int w, float *out) {
+    if (n <= 0) return;
+    int64_t left = w > 1 ? w / 2 : 0, right = w > 1 ? (int64_t)w - 1 - left : 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t a = i - left < 0 ? 0 : i - left, b = i + right >= n ? n - 1 : i + right;
+        float m = in[a];
+        for (int64_t j = a + 1; j <= b; j++)
+            if (in[j] > m) m = in[j];
+        out[i] = m;
+    }
+}

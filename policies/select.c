@@ -26,8 +26,18 @@ void pd_policy_budgets(const pd_policy_spec *spec, int n_layer, int64_t n, int64
         for (int l = 0; l < n_layer; l++) out[l] = 0;
         return;
     }
-    /* The epsilon makes floor(0.1 * 400) 40, not 39. */
-    double m = floor(spec->retention * (double)n + 1e-9);
+    double m;
+    if (spec->retention >= 1) {
+        m = (double)n; /* no compression, whatever the base */
+    } else if (spec->scorer == PD_POLICY_COMPACTOR && spec->base == PD_BASE_UNPROTECTED) {
+        /* compactor-vllm: round(ratio * (L - sinks - recent)), the
+         * protected tokens ranked first inside it. */
+        double free_n = (double)n - (double)spec->sink - (double)spec->recent;
+        m = free_n > 0 ? round(spec->retention * free_n) : 0;
+    } else {
+        /* The epsilon makes floor(0.1 * 400) 40, not 39. */
+        m = floor(spec->retention * (double)n + 1e-9);
+    }
     int64_t mean = m < 1 ? 1 : m > (double)n ? n : (int64_t)m;
     if (spec->budget != PD_BUDGET_PYRAMID || n_layer == 1) {
         for (int l = 0; l < n_layer; l++) out[l] = mean;
@@ -40,7 +50,7 @@ void pd_policy_budgets(const pd_policy_spec *spec, int n_layer, int64_t n, int64
      * length, every layer gets the mean: SnapKV's budgets. */
     double beta = spec->beta >= 1 ? spec->beta : 1;
     double bottom = (double)mean / beta, top = 2.0 * (double)mean - bottom;
-    const double floor_min = spec->scorer == PD_POLICY_SNAPKV && spec->window > 0 ? spec->window : 1;
+    const double floor_min = spec->scorer == PD_POLICY_SNAPKV ? (double)pd_policy_window(spec, n) : 1;
     if (bottom < floor_min || top > (double)n) {
         for (int l = 0; l < n_layer; l++) out[l] = mean;
         return;
@@ -436,6 +446,31 @@ int pd_policy_select(const pd_select_args *a, uint8_t *keep, pd_error *err) {
         }
     }
 
+    /* Shared chunks (kvpress ChunkKVPress): every head ranks by the scores
+     * summed over the kv heads; protection is the same in every head, so
+     * every head then keeps the same chunks. */
+    float *shared = NULL;
+    const float *rank_scores = a->scores, *rank_local = a->local_scores;
+    if (a->chunk > 0 && a->shared_chunks && H > 1) {
+        const bool local = a->local_scores != NULL;
+        shared = malloc(sizeof *shared * total * (local ? 2 : 1));
+        if (!shared) {
+            free(prot);
+            return pd_errorf(err, PD_ENOMEM, "out of memory for shared chunk scores over %zu entries", total);
+        }
+        for (int v = 0; v < (local ? 2 : 1); v++) {
+            const float *src = v ? a->local_scores : a->scores;
+            float *dst = shared + (size_t)v * total;
+            for (int64_t t = 0; t < n; t++) {
+                double sum = 0;
+                for (int h = 0; h < H; h++) sum += src[(size_t)h * (size_t)n + (size_t)t];
+                for (int h = 0; h < H; h++) dst[(size_t)h * (size_t)n + (size_t)t] = (float)sum;
+            }
+        }
+        rank_scores = shared;
+        if (local) rank_local = shared + total;
+    }
+
     size_t group = global ? total : (size_t)n;
     selector s = {n, H, a->chunk, keep, NULL, NULL};
     s.ent = malloc(group * sizeof *s.ent);
@@ -444,6 +479,7 @@ int pd_policy_select(const pd_select_args *a, uint8_t *keep, pd_error *err) {
         free(s.ent);
         free(s.units);
         free(prot);
+        free(shared);
         return pd_errorf(err, PD_ENOMEM, "out of memory for selection over %zu entries", group);
     }
 
@@ -454,7 +490,7 @@ int pd_policy_select(const pd_select_args *a, uint8_t *keep, pd_error *err) {
         int64_t left = free_budget;
         if (a->quotas) {
             const int64_t *q = a->quotas + (size_t)g * (size_t)lay->n_spans;
-            const float *rank = a->local_scores ? a->local_scores : a->scores;
+            const float *rank = rank_local ? rank_local : rank_scores;
             const float *rank2 = !a->scores2 ? NULL : a->local_scores ? a->local_scores + total : a->scores2;
             for (int sp = 0; sp < lay->n_spans; sp++) {
                 pick2(&s, a, h0, h1, lay->spans[sp].start, lay->spans[sp].end, q[sp], rank, rank2);
@@ -462,10 +498,11 @@ int pd_policy_select(const pd_select_args *a, uint8_t *keep, pd_error *err) {
             }
         }
         /* Without quotas all of it; with quotas that sum short, the rest. */
-        pick2(&s, a, h0, h1, 0, n, left, a->scores, a->scores2);
+        pick2(&s, a, h0, h1, 0, n, left, rank_scores, a->scores2);
     }
     free(s.ent);
     free(s.units);
     free(prot);
+    free(shared);
     return PD_OK;
 }

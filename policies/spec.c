@@ -21,6 +21,7 @@ static_assert(sizeof(pd_budget_mode) == sizeof(int), "pd_budget_mode must be int
 static_assert(sizeof(pd_compactor_profile) == sizeof(int), "pd_compactor_profile must be int-sized");
 static_assert(sizeof(pd_leverage_mode) == sizeof(int), "pd_leverage_mode must be int-sized");
 static_assert(sizeof(pd_obcache_target) == sizeof(int), "pd_obcache_target must be int-sized");
+static_assert(sizeof(pd_budget_base) == sizeof(int), "pd_budget_base must be int-sized");
 static_assert(PD_POLICY_COUNT <= 32, "policy sets are 32-bit masks");
 
 /* How much of a user-supplied name or value to repeat back in a message. */
@@ -34,6 +35,7 @@ static const char *const budget_names[] = {"uniform", "pyramid", "global", NULL}
 static const char *const profile_names[] = {"official", "kvpress", NULL};
 static const char *const mode_names[] = {"approx", "exact", NULL};
 static const char *const target_names[] = {"value", "key", "joint", NULL};
+static const char *const base_names[] = {"prompt", "unprotected", NULL};
 
 #define BIT(k) (1u << (unsigned)(k))
 #define ALL_KINDS (BIT(PD_POLICY_COUNT) - 1u)
@@ -57,6 +59,7 @@ typedef enum key_cond {
     C_PYRAMID, /* budget=pyramid */
     C_FAIR,    /* fair=1 */
     C_APPROX,  /* leverage scorer with mode=approx (always true for other scorers) */
+    C_CHUNK,   /* chunk > 0 */
 } key_cond;
 
 /* Integer shapes beyond a plain [min, max]. */
@@ -84,7 +87,8 @@ typedef struct key_desc {
 #define ENUM_FIELD(member)                                                                       \
     (offsetof(pd_policy_spec, member) +                                                          \
      0 * sizeof(_Generic(((pd_policy_spec *)0)->member, pd_policy_kind : 1, pd_budget_mode : 1, \
-                         pd_compactor_profile : 1, pd_leverage_mode : 1, pd_obcache_target : 1)))
+                         pd_compactor_profile : 1, pd_leverage_mode : 1, pd_obcache_target : 1,  \
+                         pd_budget_base : 1)))
 
 #define INT_KEY(nm, member, mn, mx, shp, kd, sc, cnd, acc)                                          \
     { .name = nm, .type = T_INT, .offset = FIELD(member, int32_t), .imin = (mn), .imax = (mx),     \
@@ -108,9 +112,11 @@ typedef struct key_desc {
 
 /* Sorted by name (strcmp): the canonical string prints keys in table order. */
 static const key_desc keys[] = {
+    BOOL_KEY("accumulate", accumulate, 0, B_LASERKV, C_NONE),
     DBL_KEY("alpha", alpha, 0, 1, false, 0, B_LASERKV, C_NONE, "a number in [0, 1]"),
     INT_KEY("attn_chunk", attn_chunk, 1, INT32_MAX, S_PLAIN, 0, B_COMPACTOR | B_NONCAUSAL, C_NONE,
             "an integer >= 1"),
+    ENUM_KEY("base", base, base_names, 0, 0, B_COMPACTOR, "prompt or unprotected"),
     DBL_KEY("beta", beta, 1, HUGE_VAL, false, ALL_KINDS, 0, C_PYRAMID, "a number >= 1"),
     INT_KEY("bits", bits, 1, 32, S_PLAIN, 0, B_LASERKV, C_NONE, "an integer in 1..32"),
     ENUM_KEY("budget", budget, budget_names, 0, ALL_KINDS, 0, "uniform, pyramid or global"),
@@ -124,7 +130,7 @@ static const key_desc keys[] = {
             "0 (whole sequence) or an integer >= 2"),
     BOOL_KEY("local", local, ALL_KINDS, 0, C_FAIR),
     ENUM_KEY("mode", leverage, mode_names, 0, 0, B_LEVERAGE, "approx or exact"),
-    INT_KEY("pool", pool, 1, INT32_MAX, S_ODD, 0, B_COMPACTOR | B_NONCAUSAL | B_SNAPKV, C_NONE,
+    INT_KEY("pool", pool, 1, INT32_MAX, S_ODD, 0, B_COMPACTOR | B_NONCAUSAL | B_SNAPKV | B_OBCACHE, C_NONE,
             "an odd integer >= 1"),
     ENUM_KEY("profile", profile, profile_names, 0, 0, B_COMPACTOR, "official or kvpress"),
     INT_KEY("recent", recent, 0, INT32_MAX, S_PLAIN, ALL_KINDS & ~B_LASERKV, 0, C_NONE, "an integer >= 0"),
@@ -139,12 +145,13 @@ static const key_desc keys[] = {
     { .name = "seed", .type = T_U64, .offset = FIELD(seed, uint64_t),
       .scorers = B_COMPACTOR | B_LEVERAGE | BIT(PD_POLICY_RANDOM) | B_LASERKV, .cond = C_APPROX,
       .accepts = "an integer in 0..18446744073709551615" },
+    BOOL_KEY("shared", shared, ALL_KINDS & ~B_LASERKV, 0, C_CHUNK),
     INT_KEY("sink", sink, 0, INT32_MAX, S_PLAIN, ALL_KINDS & ~B_LASERKV, 0, C_NONE, "an integer >= 0"),
     INT_KEY("sketch", sketch, 1, 1024, S_PLAIN, 0, B_COMPACTOR | B_LEVERAGE, C_APPROX, "an integer in 1..1024"),
     ENUM_KEY("target", target, target_names, 0, 0, B_OBCACHE, "value, key or joint"),
     BOOL_KEY("vnorm", vnorm, 0, B_COMPACTOR | B_NONCAUSAL, C_NONE),
-    INT_KEY("window", window, 1, INT32_MAX, S_PLAIN, 0, B_SNAPKV | B_OBCACHE | B_LASERKV, C_NONE,
-            "an integer >= 1"),
+    INT_KEY("window", window, 0, INT32_MAX, S_PLAIN, 0, B_SNAPKV | B_OBCACHE | B_LASERKV, C_NONE,
+            "an integer >= 0 (0 = auto: max(16, 5% of the budget))"),
 };
 #define N_KEYS ((int)(sizeof keys / sizeof keys[0]))
 
@@ -168,6 +175,7 @@ static bool cond_holds(const pd_policy_spec *s, key_cond c) {
     case C_PYRAMID: return s->budget == PD_BUDGET_PYRAMID;
     case C_FAIR: return s->fair;
     case C_APPROX: return s->scorer != PD_POLICY_LEVERAGE || s->leverage == PD_LEVERAGE_APPROX;
+    case C_CHUNK: return s->chunk > 0;
     }
     return false;
 }
@@ -178,6 +186,7 @@ static const char *cond_text(key_cond c) {
     case C_PYRAMID: return "budget=pyramid";
     case C_FAIR: return "fair=1";
     case C_APPROX: return "mode=approx";
+    case C_CHUNK: return "chunk > 0";
     }
     return "";
 }
@@ -212,6 +221,7 @@ static void fill_defaults(pd_policy_kind kind, pd_policy_kind scorer, pd_compact
     s->recent = 0;
     s->chunk = 0;
     s->reuse = 1;
+    s->shared = true;
     s->fair = false;
     s->debias = 1;
     s->local = true;
@@ -224,13 +234,17 @@ static void fill_defaults(pd_policy_kind kind, pd_policy_kind scorer, pd_compact
     s->scale = 1;
     s->vnorm = false;
     s->leverage = PD_LEVERAGE_APPROX;
+    s->base = PD_BASE_PROMPT;
     s->window = 64;
     s->pool = 1;
     s->target = PD_OBCACHE_JOINT;
     s->divisor = 4;
     s->alpha = 0.75;
-    s->rounds = 8;
-    s->bits = 8;
+    /* LASER-KV's official code: 20 hash tables of 12 bits, exact attention
+     * summed over layers. */
+    s->rounds = 20;
+    s->bits = 12;
+    s->accumulate = true;
 
     switch (scorer) {
     case PD_POLICY_COMPACTOR:
@@ -249,6 +263,7 @@ static void fill_defaults(pd_policy_kind kind, pd_policy_kind scorer, pd_compact
             s->budget = PD_BUDGET_GLOBAL;
             s->sink = 16;
             s->recent = 64;
+            s->base = PD_BASE_UNPROTECTED;
         }
         break;
     case PD_POLICY_STREAMING:
@@ -257,6 +272,12 @@ static void fill_defaults(pd_policy_kind kind, pd_policy_kind scorer, pd_compact
         s->sink = 4;
         break;
     case PD_POLICY_SNAPKV: s->pool = 5; break;
+    case PD_POLICY_OBCACHE:
+        /* OBCache's code: the observation window is the recent window, 5%
+         * of the budget (LongBench) or 16 tokens (needle); max pool of 7. */
+        s->window = 0;
+        s->pool = 7;
+        break;
     default: break;
     }
     if (kind == PD_POLICY_PYRAMIDKV) s->budget = PD_BUDGET_PYRAMID;
@@ -414,12 +435,14 @@ void pd_policy_describe(FILE *f) {
         }
         if (kind == PD_POLICY_COMPACTOR)
             fprintf(f, " (profile=kvpress: lambda=auto lev_chunk=0 ridge=0.01 attn_chunk=256 vnorm=1 pool=3"
-                       " budget=uniform sink=8 recent=4; explicit keys override the profile)");
+                       " budget=uniform sink=8 recent=4 base=prompt; explicit keys override the profile)");
         if (kind == PD_POLICY_LEVERAGE) fprintf(f, " (mode=exact drops sketch, ridge and seed)");
         if (kind == PD_POLICY_PYRAMIDKV || kind == PD_POLICY_CHUNKKV)
             fprintf(f, " (another scorer brings its own keys and defaults)");
         if (kind == PD_POLICY_LASERKV)
             fprintf(f, " (anchors and recent tokens: budget/divisor each; chunk must stay 0)");
+        if (kind == PD_POLICY_OBCACHE)
+            fprintf(f, " (window=0: max(16, 5%% of the budget); pool is a max pool)");
         fputc('\n', f);
     }
 }
@@ -713,7 +736,10 @@ static int parse_into(char *buf, pd_policy_spec *out, pd_error *err) {
         const key_desc *k = &keys[items[i].key];
         if (cond_holds(&s, k->cond)) continue;
         char now[64];
-        const key_desc *ck = &keys[key_index(k->cond == C_PYRAMID ? "budget" : k->cond == C_FAIR ? "fair" : "mode")];
+        const char *cond_key = k->cond == C_PYRAMID ? "budget" : k->cond == C_FAIR ? "fair"
+                             : k->cond == C_CHUNK                       ? "chunk"
+                                                                        : "mode";
+        const key_desc *ck = &keys[key_index(cond_key)];
         format_value(&s, ck, now, sizeof now);
         return pd_errorf(err, PD_EINVAL, "policy '%s': key '%s' needs %s (%s is %s)", name, k->name,
                          cond_text(k->cond), ck->name, now);
@@ -722,6 +748,20 @@ static int parse_into(char *buf, pd_policy_spec *out, pd_error *err) {
     if (rc) return rc;
     *out = s;
     return PD_OK;
+}
+
+int64_t pd_policy_window(const pd_policy_spec *spec, int64_t len) {
+    if (len < 1) return 0;
+    int64_t w = spec->window;
+    if (w <= 0) {
+        /* OBCache's evaluation: 5% of the budget (LongBench), 16 tokens
+         * (needle); the larger of the two covers both. The epsilon as in
+         * pd_policy_budgets. */
+        double budget = floor(spec->retention * (double)len + 1e-9);
+        w = (int64_t)floor(0.05 * (budget < 1 ? 1 : budget) + 1e-9);
+        if (w < 16) w = 16;
+    }
+    return w < len ? w : len;
 }
 
 void pd_policy_spec_for_span(const pd_policy_spec *spec, int n_spans, pd_policy_spec *out) {

@@ -179,8 +179,10 @@ static void ref_tova(const pd_layer_kv *kv, int64_t lo, int64_t hi, double *out)
 }
 
 /* OBCache by its definition: the output change when v_p, k_p or both are
- * zeroed, linearised, squared; computed with explicit vectors. */
-static void ref_obcache(const pd_layer_kv *kv, int64_t lo, int64_t hi, int window, pd_obcache_target target,
+ * zeroed, linearised, squared; computed with explicit vectors; then the
+ * pre-window scores max-pooled over `pool` neighbours (those inside the
+ * range), as OBCache's code does before its top-k. */
+static void ref_obcache(const pd_layer_kv *kv, int64_t lo, int64_t hi, int window, int pool, pd_obcache_target target,
                         double *out) {
     int64_t len = hi - lo, w = min64(window, len);
     int g = kv->n_head / kv->n_head_kv, d = kv->head_dim;
@@ -206,6 +208,14 @@ static void ref_obcache(const pd_layer_kv *kv, int64_t lo, int64_t hi, int windo
             }
         }
     }
+    double *raw = malloc(len * sizeof *raw);
+    for (int h = 0; h < kv->n_head_kv; h++) {
+        memcpy(raw, out + h * len, len * sizeof *raw);
+        for (int64_t j = 0; j < len - w; j++)
+            for (int64_t x = j - pool / 2; x <= j + pool / 2; x++)
+                if (x >= 0 && x < len - w && raw[x] > out[h * len + j]) out[h * len + j] = raw[x];
+    }
+    free(raw);
     ref_protect(out, kv->n_head_kv, len, w);
     free(wt);
     free(z);
@@ -376,20 +386,64 @@ Test(attention, tova_matches_reference) {
 Test(attention, obcache_matches_reference) {
     static const pd_obcache_target targets[] = {PD_OBCACHE_VALUE, PD_OBCACHE_KEY, PD_OBCACHE_JOINT};
     FOR_EACH_CASE({
-        for (int ti = 0; ti < 3; ti++) {
+        for (int ti = 0; ti < 6; ti++) {
             pd_policy_spec spec = spec_for(PD_POLICY_OBCACHE);
             spec.window = window;
-            spec.target = targets[ti];
+            spec.target = targets[ti % 3];
+            spec.pool = ti < 3 ? 1 : 7; /* raw saliency, then OBCache's max pool of 7 */
             double *ref = malloc(sh->n_kv * len * sizeof *ref);
-            ref_obcache(&l->kv, lo, hi, window, targets[ti], ref);
+            ref_obcache(&l->kv, lo, hi, window, spec.pool, targets[ti % 3], ref);
             float *got = score_or_die(pd_score_obcache, &spec, &l->kv, lo, hi, 1);
             char what2[160];
-            snprintf(what2, sizeof what2, "%s target=%d", what, ti);
+            snprintf(what2, sizeof what2, "%s target=%d pool=%d", what, ti % 3, spec.pool);
             expect_close(got, ref, sh->n_kv * len, what2);
             free(ref);
             free(got);
         }
     })
+}
+
+/* window=0 is OBCache's rule: the larger of 16 tokens (its needle setting)
+ * and 5% of the per-head budget (its LongBench setting), never more than
+ * the range; the scorer then equals the one with that window spelled out. */
+Test(attention, obcache_auto_window_is_the_papers_rule) {
+    pd_policy_spec spec = spec_for(PD_POLICY_OBCACHE);
+    spec.window = 0;
+    static const struct {
+        double retention;
+        int64_t len, want;
+    } cases[] = {
+        {0.1, 400, 16},    /* budget 40: 5% is 2, 16 wins */
+        {0.5, 400, 16},    /* budget 200: 10 */
+        {0.1, 8000, 40},   /* budget 800: 40 */
+        {0.2, 10000, 100}, /* budget 2000 */
+        {0.5, 10, 10},     /* clipped to the range */
+        {0.05, 1, 1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        spec.retention = cases[i].retention;
+        cr_assert_eq(pd_policy_window(&spec, cases[i].len), cases[i].want, "retention %g, %lld tokens",
+                     cases[i].retention, (long long)cases[i].len);
+    }
+    spec.window = 64;
+    cr_assert_eq(pd_policy_window(&spec, 400), 64, "an explicit window is used as given");
+    cr_assert_eq(pd_policy_window(&spec, 30), 30);
+
+    layer *l = layer_new(700, 4, 2, 8, 77, 1.5);
+    for (int ri = 0; ri < 2; ri++) {
+        spec.retention = ri ? 1.0 : 0.1;
+        spec.window = 0;
+        int64_t w = pd_policy_window(&spec, 700);
+        cr_assert_eq(w, ri ? 35 : 16);
+        float *got = score_or_die(pd_score_obcache, &spec, &l->kv, 0, 700, 1);
+        spec.window = (int32_t)w;
+        float *want = score_or_die(pd_score_obcache, &spec, &l->kv, 0, 700, 1);
+        cr_assert_eq(memcmp(got, want, 2 * 700 * sizeof *got), 0, "retention %g: window=0 is window=%lld",
+                     spec.retention, (long long)w);
+        free(got);
+        free(want);
+    }
+    layer_free(l);
 }
 
 Test(attention, laserkv_matches_reference) {
@@ -542,6 +596,7 @@ Test(attention, obcache_value_prefers_larger_values_at_equal_attention) {
         for (int e = 0; e < 16; e++) vrow(l, big, h)[e] *= 3.0f;
     pd_policy_spec spec = spec_for(PD_POLICY_OBCACHE);
     spec.window = (int32_t)w;
+    spec.pool = 1; /* the raw saliency */
     spec.target = PD_OBCACHE_VALUE;
     float *s = score_or_die(pd_score_obcache, &spec, &l->kv, 0, n, 1);
     for (int h = 0; h < 2; h++) {
@@ -655,9 +710,13 @@ Test(attention, bad_arguments_are_rejected_with_a_message) {
     cr_assert_eq(pd_score_snapkv(&spec, &l->kv, 0, 40, out, &err), PD_EINVAL);
     cr_assert(strstr(err.msg, "pool"), "%s", err.msg);
     spec = spec_for(PD_POLICY_OBCACHE);
-    spec.window = 0;
+    spec.window = -1;
     cr_assert_eq(pd_score_obcache(&spec, &l->kv, 0, 40, out, &err), PD_EINVAL);
     cr_assert(strstr(err.msg, "window"), "%s", err.msg);
+    spec = spec_for(PD_POLICY_OBCACHE);
+    spec.pool = 6;
+    cr_assert_eq(pd_score_obcache(&spec, &l->kv, 0, 40, out, &err), PD_EINVAL);
+    cr_assert(strstr(err.msg, "pool"), "%s", err.msg);
     spec = spec_for(PD_POLICY_OBCACHE);
     spec.target = (pd_obcache_target)7;
     cr_assert_eq(pd_score_obcache(&spec, &l->kv, 0, 40, out, &err), PD_EINVAL);
@@ -684,4 +743,47 @@ Test(attention, bad_arguments_are_rejected_with_a_message) {
     spec = spec_for(PD_POLICY_TOVA);
     cr_assert_eq(pd_score_tova(&spec, &l->kv, 0, 40, out, &err), PD_EINVAL);
     layer_free(l);
+}
+
+/* LASER-KV ranks by exact attention summed over layers (accumulate=1): a
+ * per-layer hook has seen layers 0..l, so layer l's selection must be the
+ * one made from the running sum of their first-criterion scores (the LSH
+ * criterion stays the layer's own). accumulate=0 ranks by the layer alone. */
+Test(attention, laserkv_accumulates_exact_attention_over_layers) {
+    enum { N = 120, L = 3, H = 2 };
+    layer *ls[L];
+    for (int l = 0; l < L; l++) {
+        ls[l] = layer_new(N, 4, H, 8, 500 + (uint64_t)l, 1.5);
+        ls[l]->kv.layer = l;
+    }
+    pd_hparams hp = {.n_layer = L, .n_head_kv = H};
+    for (int acc = 0; acc <= 1; acc++) {
+        pd_policy_spec spec;
+        pd_error err = {0};
+        cr_assert_eq(pd_policy_spec_parse(acc ? "laserkv:retention=0.3" : "laserkv:retention=0.3,accumulate=0",
+                                          &spec, &err), PD_OK, "%s", err.msg);
+        cr_assert_eq(spec.accumulate, acc == 1);
+        pd_compressor *c = NULL;
+        cr_assert_eq(pd_compressor_create(&spec, NULL, &hp, N, &c, &err), PD_OK, "%s", err.msg);
+        double sum[H * N] = {0};
+        float sc[2 * H * N];
+        uint8_t keep[H * N], want[H * N];
+        int64_t B[L];
+        pd_policy_budgets(&spec, L, N, B);
+        for (int l = 0; l < L; l++) {
+            cr_assert_eq(pd_compressor_hook(c, &ls[l]->kv, keep, &err), PD_OK, "%s", err.msg);
+            cr_assert_eq(pd_policy_score(&spec, &ls[l]->kv, 0, N, sc, &err), PD_OK, "%s", err.msg);
+            for (int i = 0; i < H * N; i++) {
+                sum[i] += sc[i];
+                if (acc) sc[i] = (float)sum[i];
+            }
+            pd_select_args a = {.n = N, .n_head_kv = H, .mode = PD_BUDGET_UNIFORM, .budget = B[l], .scores = sc,
+                                .scores2 = sc + H * N, .share = spec.alpha};
+            pd_policy_spec_protected(&spec, B[l], &a.sink, &a.recent);
+            cr_assert_eq(pd_policy_select(&a, want, &err), PD_OK, "%s", err.msg);
+            cr_assert_eq(memcmp(keep, want, sizeof keep), 0, "accumulate=%d layer %d", acc, l);
+        }
+        pd_compressor_free(c);
+    }
+    for (int l = 0; l < L; l++) layer_free(ls[l]);
 }

@@ -106,8 +106,16 @@ static double nll_after(pd_model *m, const pd_kv_prefix *p, const pd_token *text
 }
 
 /* floor(retention * n), at least 1, at most n: the header's per-head budget. */
-static int64_t uniform_budget(double retention, int64_t n) {
-    int64_t b = (int64_t)floor(retention * (double)n);
+/* The header's rule: floor(retention * n), or for Compactor's
+ * base=unprotected (profile official) round(retention * (n - sink -
+ * recent)) as compactor-vllm budgets; everything at retention 1; >= 1. */
+static int64_t uniform_budget(const pd_policy_spec *s, int64_t n) {
+    if (s->retention >= 1) return n;
+    int64_t b = (int64_t)floor(s->retention * (double)n + 1e-9);
+    if (s->scorer == PD_POLICY_COMPACTOR && s->base == PD_BASE_UNPROTECTED) {
+        int64_t free_n = n - s->sink - s->recent;
+        b = free_n > 0 ? (int64_t)llround(s->retention * (double)free_n) : 0;
+    }
     if (b < 1) b = 1;
     return b > n ? n : b;
 }
@@ -148,7 +156,7 @@ static void check_budget(const pd_kv_prefix *p, const pd_hparams *hp, int64_t n,
     int64_t *b = malloc(sizeof *b * (size_t)L);
     cr_assert(b);
     pd_policy_budgets(s, L, n, b);
-    const int64_t u = uniform_budget(s->retention, n);
+    const int64_t u = uniform_budget(s, n);
     int64_t sum = 0;
     for (int l = 0; l < L; l++) {
         if (s->budget != PD_BUDGET_PYRAMID) cr_assert_eq(b[l], u, "%s: layer %d budget %lld, expected %lld", what, l,
@@ -368,7 +376,7 @@ static void check_fair_shares(const char *spec_text) {
     parse(spec_text, &s);
     cr_assert(s.budget != PD_BUDGET_GLOBAL);
     pd_kv_prefix *p = compress(m, t, n, &s, &lay, NULL);
-    const int64_t B = uniform_budget(s.retention, n);
+    const int64_t B = uniform_budget(&s, n);
     cr_assert_gt(B, s.sink + s.recent, "the test assumes no clipping of protected tokens");
     const int64_t free_budget = B - s.sink - s.recent;
     int64_t free_len[4], free_total = 0;
@@ -429,7 +437,7 @@ Test(compress, fair_debias_1_global_gives_equal_fractions_over_pairs) {
     cr_assert_eq(s.budget, PD_BUDGET_GLOBAL);
     cr_assert(s.sink == 16 && s.recent == 64, "the defaults this test is about");
     pd_kv_prefix *p = compress(m, t, n, &s, &lay, NULL);
-    const int64_t B = uniform_budget(s.retention, n) * H;
+    const int64_t B = uniform_budget(&s, n) * H;
     const int64_t free_budget = B - s.sink * H;
     for (int l = 0; l < hp->n_layer; l++) {
         int64_t got[4] = {0}, free_len[4] = {0}, free_total = 0;
@@ -1091,7 +1099,7 @@ Test(compress, prefixctl_compress_with_retention_spans_and_eval) {
                  0, "%s", out);
     cr_assert(strstr(out, "policy: snapkv:") && strstr(out, "retention=0.25"), "%s", out);
     cr_assert_eq(number_after(out, "prefix: "), n, "%s", out);
-    const int64_t per_head = uniform_budget(0.25, n), all = (int64_t)hp->n_layer * hp->n_head_kv * n;
+    const int64_t per_head = (int64_t)floor(0.25 * (double)n + 1e-9), all = (int64_t)hp->n_layer * hp->n_head_kv * n;
     cr_assert_eq(number_after(out, "kept: "), per_head * hp->n_layer * hp->n_head_kv, "%s", out);
     char layer_line[128];
     snprintf(layer_line, sizeof layer_line, "layer  0: kept %6lld of %lld", (long long)(per_head * hp->n_head_kv),
@@ -1419,7 +1427,7 @@ Test(compress, prefixctl_compress_into_a_store) {
     pd_prefix_ref *r = NULL;
     cr_assert_eq(pd_store_get(st, &id, &r, &err), PD_OK, "%s", err.msg);
     const pd_prefix_info *info = pd_prefix_ref_info(r);
-    cr_assert_eq(info->kept_rows, (int64_t)hp->n_layer * hp->n_head_kv * uniform_budget(0.5, (int64_t)n));
+    cr_assert_eq(info->kept_rows, (int64_t)hp->n_layer * hp->n_head_kv * (int64_t)floor(0.5 * (double)n + 1e-9));
     cr_assert(strstr(info->spec, "knorm:") && strstr(info->spec, "retention=0.5"), "%s", info->spec);
     pd_prefix_ref_release(r);
     pd_store_close(st);

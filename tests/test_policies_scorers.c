@@ -806,6 +806,35 @@ Test(util, avg_pool_matches_torch_count_include_pad) {
     cr_assert_float_eq(p[2], 2.0 / 3, 1e-7);
 }
 
+/* OBCache's pooling: torch max_pool1d(kernel 7, padding 3, stride 1), whose
+ * -inf padding never wins. Hand-made, then random against the definition. */
+Test(util, max_pool_width_7) {
+    static const float in[12] = {3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+    static const float want[12] = {3, 3, 3, 3, 0, 0, 0, 0, 1, 1, 1, 1};
+    float out[12];
+    pd_max_pool(in, 12, 7, out);
+    for (int i = 0; i < 12; i++) cr_assert_eq(out[i], want[i], "entry %d: %g, want %g", i, out[i], want[i]);
+    static const float neg[5] = {-5, -1, -7, -2, -9};
+    static const float want_neg[5] = {-1, -1, -1, -1, -1}; /* padding is not 0 */
+    pd_max_pool(neg, 5, 7, out);
+    for (int i = 0; i < 5; i++) cr_assert_eq(out[i], want_neg[i], "negative entry %d: %g", i, out[i]);
+    pd_max_pool(in, 12, 1, out);
+    cr_assert_eq(memcmp(out, in, sizeof in), 0, "width 1 is the identity");
+    trng rng = {7};
+    for (int iter = 0; iter < 100; iter++) {
+        float x[40], y[40];
+        int n = 1 + (int)(trng_next(&rng) % 40), w = 1 + 2 * (int)(trng_next(&rng) % 6);
+        for (int i = 0; i < n; i++) x[i] = (float)(trng_next(&rng) % 1000) / 10.0f - 50.0f;
+        pd_max_pool(x, n, w, y);
+        for (int i = 0; i < n; i++) {
+            float m = -INFINITY;
+            for (int j = i - w / 2; j <= i + w / 2; j++)
+                if (j >= 0 && j < n && x[j] > m) m = x[j];
+            cr_assert_eq(y[i], m, "n %d w %d entry %d", n, w, i);
+        }
+    }
+}
+
 Test(util, rank_correlation_with_ties) {
     trng r = {7};
     float a[300], b[300];

@@ -657,6 +657,128 @@ Test(select, chunks_whole_then_one_partial) {
     expect_kept(keep, N, "000011110000110000000011");
 }
 
+/* Shared chunks (kvpress ChunkKVPress): chunk scores summed over the kv
+ * heads, the same chunks in every head. Reference: rank chunks by the
+ * head-summed score of their free tokens, take whole chunks while they fit,
+ * then the best free tokens (by head-summed score) of the first that does
+ * not, ties to the earlier chunk / token. */
+static void ref_shared_chunks(const float *sc, int H, int64_t n, int chunk, int64_t budget, int64_t recent,
+                              uint8_t *keep) {
+    double tok[64];
+    uint8_t k1[64] = {0};
+    for (int64_t t = 0; t < n; t++) {
+        tok[t] = 0;
+        for (int h = 0; h < H; h++) tok[t] += sc[h * n + t];
+    }
+    int64_t left = budget;
+    for (int64_t t = n - recent; t < n; t++) k1[t] = 1, left--;
+    int nc = (int)((n + chunk - 1) / chunk);
+    uint8_t used[64] = {0};
+    while (left > 0) {
+        int best = -1;
+        double best_s = 0;
+        for (int c = 0; c < nc; c++) {
+            if (used[c]) continue;
+            double s = 0;
+            int cost = 0;
+            for (int64_t t = (int64_t)c * chunk; t < (c + 1) * (int64_t)chunk && t < n; t++)
+                if (!k1[t]) s += tok[t], cost++;
+            if (!cost) continue;
+            if (best < 0 || s > best_s) best = c, best_s = s;
+        }
+        if (best < 0) break;
+        used[best] = 1;
+        int64_t c0 = (int64_t)best * chunk, c1 = c0 + chunk < n ? c0 + chunk : n, cost = 0;
+        for (int64_t t = c0; t < c1; t++) cost += !k1[t];
+        if (cost <= left) {
+            for (int64_t t = c0; t < c1; t++) k1[t] = 1;
+            left -= cost;
+        } else {
+            while (left > 0) {
+                int64_t bt = -1;
+                for (int64_t t = c0; t < c1; t++)
+                    if (!k1[t] && (bt < 0 || tok[t] > tok[bt])) bt = t;
+                k1[bt] = 1;
+                left--;
+            }
+        }
+    }
+    for (int h = 0; h < H; h++) memcpy(keep + h * n, k1, (size_t)n);
+}
+
+Test(select, shared_chunks_are_the_same_in_every_head) {
+    enum { N = 50, H = 3 };
+    uint64_t rng = 42;
+    for (int iter = 0; iter < 200; iter++) {
+        float sc[H * N];
+        /* Scores on a coarse grid: ties between chunks happen. */
+        for (int i = 0; i < H * N; i++) sc[i] = (float)rng_int(&rng, 0, 20) / 4.0f;
+        int chunk = (int)rng_int(&rng, 1, 12);
+        int64_t budget = rng_int(&rng, 1, N - 1), recent = rng_int(&rng, 0, budget < 5 ? budget : 5);
+        uint8_t keep[H * N], want[H * N];
+        pd_select_args a = {.n = N, .n_head_kv = H, .mode = PD_BUDGET_UNIFORM, .budget = budget, .scores = sc,
+                            .chunk = chunk, .shared_chunks = true, .recent = recent};
+        select_ok(&a, keep);
+        ref_shared_chunks(sc, H, N, chunk, budget, recent, want);
+        for (int h = 0; h < H; h++) {
+            cr_assert_eq(memcmp(keep + h * N, keep, N), 0, "iter %d: head %d keeps other chunks than head 0", iter, h);
+            int64_t kept = 0;
+            for (int t = 0; t < N; t++) kept += keep[h * N + t];
+            cr_assert_eq(kept, budget, "iter %d head %d", iter, h);
+        }
+        cr_assert_eq(memcmp(keep, want, sizeof keep), 0, "iter %d (chunk %d, budget %lld, recent %lld)", iter, chunk,
+                     (long long)budget, (long long)recent);
+    }
+    /* Per-head chunks (shared=0) may differ: head 1 prefers the end. */
+    float sc[2 * 8] = {9, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1};
+    uint8_t keep[2 * 8];
+    pd_select_args a = {.n = 8, .n_head_kv = 2, .mode = PD_BUDGET_UNIFORM, .budget = 2, .scores = sc, .chunk = 2};
+    select_ok(&a, keep);
+    expect_kept(keep, 8, "11000000");
+    expect_kept(keep + 8, 8, "00000011");
+    a.shared_chunks = true; /* summed: 18 against 2 */
+    select_ok(&a, keep);
+    expect_kept(keep, 8, "11000000");
+    expect_kept(keep + 8, 8, "11000000");
+}
+
+/* Compactor's budget with base=unprotected (profile official):
+ * compactor-vllm keeps round(ratio * (L - sinks - recent)) per kv head, the
+ * protected tokens ranked first inside it; retention 1 keeps everything and
+ * a prefix shorter than the protection keeps 1. */
+Test(budgets, compactor_counts_the_unprotected_tokens) {
+    static const double rets[] = {0.05, 0.1, 0.25, 0.3, 0.5, 0.77, 0.999, 1};
+    static const int64_t ns[] = {1, 10, 79, 80, 81, 100, 400, 1001, 4096};
+    for (size_t ri = 0; ri < sizeof rets / sizeof rets[0]; ri++)
+        for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+            char text[96];
+            snprintf(text, sizeof text, "compactor:retention=%.17g", rets[ri]);
+            pd_policy_spec s = spec_of(text);
+            cr_assert_eq(s.base, PD_BASE_UNPROTECTED);
+            cr_assert(s.sink == 16 && s.recent == 64);
+            int64_t out[3], n = ns[ni];
+            pd_policy_budgets(&s, 3, n, out);
+            double exact = rets[ri] * (double)(n - 80);
+            int64_t want = rets[ri] >= 1 ? n : n > 80 ? (int64_t)floor(exact + 0.5) : 0;
+            if (want < 1) want = 1;
+            for (int l = 0; l < 3; l++)
+                cr_assert_eq(out[l], want, "%s n=%lld layer %d: %lld, want %lld", text, (long long)n, l,
+                             (long long)out[l], (long long)want);
+            /* base=prompt is floor(retention * n), as every other policy. */
+            snprintf(text, sizeof text, "compactor:base=prompt,retention=%.17g", rets[ri]);
+            s = spec_of(text);
+            pd_policy_budgets(&s, 3, n, out);
+            want = (int64_t)floor(rets[ri] * (double)n + 1e-9);
+            cr_assert_eq(out[0], want < 1 ? 1 : want, "%s n=%lld", text, (long long)n);
+        }
+    /* The kvpress profile counts the whole prompt. */
+    pd_policy_spec s = spec_of("compactor:profile=kvpress,retention=0.25");
+    cr_assert_eq(s.base, PD_BASE_PROMPT);
+    int64_t one;
+    pd_policy_budgets(&s, 1, 400, &one);
+    cr_assert_eq(one, 100);
+}
+
 Test(select, quotas_per_span) {
     enum { N = 30, H = 2 };
     float sc[H * N], loc[H * N];

@@ -37,14 +37,14 @@ static void canonical_of(const char *text, char *out) {
  * A model of the keys, written from the contract (not from spec.c)
  * ------------------------------------------------------------------------ */
 
-enum { K_ALPHA, K_ATTN_CHUNK, K_BETA, K_BITS, K_BUDGET, K_CHUNK, K_DEBIAS, K_DIVISOR, K_FAIR, K_LAMBDA,
+enum { K_ACCUMULATE, K_ALPHA, K_ATTN_CHUNK, K_BASE, K_BETA, K_BITS, K_BUDGET, K_CHUNK, K_DEBIAS, K_DIVISOR, K_FAIR, K_LAMBDA,
        K_LEV_CHUNK, K_LOCAL, K_MODE, K_POOL, K_PROFILE, K_RECENT, K_RETENTION, K_REUSE, K_RIDGE, K_ROUNDS,
-       K_SCALE, K_SCORER, K_SEED, K_SINK, K_SKETCH, K_TARGET, K_VNORM, K_WINDOW, NK };
+       K_SCALE, K_SCORER, K_SEED, K_SHARED, K_SINK, K_SKETCH, K_TARGET, K_VNORM, K_WINDOW, NK };
 
 static const char *const key_names[NK] = {
-    "alpha", "attn_chunk", "beta", "bits", "budget", "chunk", "debias", "divisor", "fair", "lambda",
+    "accumulate", "alpha", "attn_chunk", "base", "beta", "bits", "budget", "chunk", "debias", "divisor", "fair", "lambda",
     "lev_chunk", "local", "mode", "pool", "profile", "recent", "retention", "reuse", "ridge", "rounds",
-    "scale", "scorer", "seed", "sink", "sketch", "target", "vnorm", "window",
+    "scale", "scorer", "seed", "shared", "sink", "sketch", "target", "vnorm", "window",
 };
 
 static const char *const policy_names[PD_POLICY_COUNT] = {
@@ -59,6 +59,7 @@ typedef struct shape {
     const char *budget;
     bool fair;
     bool exact;       /* leverage mode */
+    bool chunked;     /* chunk > 0 */
 } shape;
 
 static bool is_wrapper(int kind) { return kind == PD_POLICY_PYRAMIDKV || kind == PD_POLICY_CHUNKKV; }
@@ -73,16 +74,17 @@ static bool uses(const shape *c, int key) {
     case K_BETA: return strcmp(c->budget, "pyramid") == 0;
     case K_DEBIAS: case K_LOCAL: return c->fair;
     case K_SCORER: return is_wrapper(c->kind);
-    case K_PROFILE: case K_LAMBDA: return compactor;
+    case K_PROFILE: case K_LAMBDA: case K_BASE: return compactor;
+    case K_SHARED: return c->chunked;
     case K_ATTN_CHUNK: case K_SCALE: case K_VNORM: return compactor || noncausal;
-    case K_POOL: return compactor || noncausal || s == PD_POLICY_SNAPKV;
+    case K_POOL: return compactor || noncausal || s == PD_POLICY_SNAPKV || s == PD_POLICY_OBCACHE;
     case K_LEV_CHUNK: return compactor || leverage;
     case K_SKETCH: case K_RIDGE: return compactor || (leverage && !c->exact);
     case K_SEED: return compactor || (leverage && !c->exact) || s == PD_POLICY_RANDOM || laser;
     case K_MODE: return leverage;
     case K_WINDOW: return s == PD_POLICY_SNAPKV || s == PD_POLICY_OBCACHE || laser;
     case K_TARGET: return s == PD_POLICY_OBCACHE;
-    case K_DIVISOR: case K_ALPHA: case K_ROUNDS: case K_BITS: return laser;
+    case K_DIVISOR: case K_ALPHA: case K_ROUNDS: case K_BITS: case K_ACCUMULATE: return laser;
     }
     return false;
 }
@@ -116,13 +118,16 @@ static const char *default_text(const shape *c, int key) {
     case K_SCALE: return "1";
     case K_VNORM: return kv ? "1" : "0";
     case K_MODE: return "approx";
-    case K_WINDOW: return "64";
-    case K_POOL: return kv ? "3" : c->scorer == PD_POLICY_SNAPKV ? "5" : "1";
+    case K_WINDOW: return c->scorer == PD_POLICY_OBCACHE ? "0" : "64";
+    case K_POOL: return kv ? "3" : c->scorer == PD_POLICY_SNAPKV ? "5" : c->scorer == PD_POLICY_OBCACHE ? "7" : "1";
     case K_TARGET: return "joint";
     case K_DIVISOR: return "4";
     case K_ALPHA: return "0.75";
-    case K_ROUNDS: return "8";
-    case K_BITS: return "8";
+    case K_ROUNDS: return "20";
+    case K_BITS: return "12";
+    case K_ACCUMULATE: return "1";
+    case K_SHARED: return "1";
+    case K_BASE: return kv ? "prompt" : "unprotected";
     case K_SCORER: return "snapkv";
     }
     return "?";
@@ -189,17 +194,18 @@ static void rand_value(uint64_t *s, const shape *c, int k, char *buf, size_t cap
         return;
     case K_SEED: snprintf(buf, cap, "%" PRIu64, rng_int(s, 0, 2) == 0 ? UINT64_MAX : rng_next(s) >> rng_int(s, 0, 63)); return;
     case K_SINK: case K_RECENT: snprintf(buf, cap, "%d", (int)rng_int(s, 0, 200)); return;
-    case K_CHUNK: snprintf(buf, cap, "%d", c->kind == PD_POLICY_LASERKV ? 0 : (int)rng_int(s, 0, 64)); return;
+    case K_CHUNK: snprintf(buf, cap, "%d", c->chunked ? (int)rng_int(s, 1, 64) : 0); return;
     case K_REUSE: snprintf(buf, cap, "%d", strcmp(c->budget, "pyramid") == 0 ? 1 : (int)rng_int(s, 1, 4)); return;
     case K_SKETCH: snprintf(buf, cap, "%d", (int)rng_int(s, 1, 1024)); return;
     case K_LEV_CHUNK: snprintf(buf, cap, "%d", rng_int(s, 0, 3) == 0 ? 0 : (int)rng_int(s, 2, 4096)); return;
     case K_ATTN_CHUNK: snprintf(buf, cap, "%d", (int)rng_int(s, 1, 512)); return;
     case K_POOL: snprintf(buf, cap, "%d", (int)rng_int(s, 0, 6) * 2 + 1); return;
-    case K_WINDOW: snprintf(buf, cap, "%d", (int)rng_int(s, 1, 256)); return;
+    case K_WINDOW: snprintf(buf, cap, "%d", (int)rng_int(s, 0, 256)); return;
+    case K_BASE: snprintf(buf, cap, "%s", rng_int(s, 0, 1) ? "prompt" : "unprotected"); return;
     case K_DIVISOR: snprintf(buf, cap, "%d", (int)rng_int(s, 2, 32)); return;
     case K_ROUNDS: snprintf(buf, cap, "%d", (int)rng_int(s, 1, 64)); return;
     case K_BITS: snprintf(buf, cap, "%d", (int)rng_int(s, 1, 32)); return;
-    case K_VNORM: case K_LOCAL: snprintf(buf, cap, "%d", (int)rng_int(s, 0, 1)); return;
+    case K_VNORM: case K_LOCAL: case K_ACCUMULATE: case K_SHARED: snprintf(buf, cap, "%d", (int)rng_int(s, 0, 1)); return;
     case K_TARGET: {
         static const char *const t[] = {"value", "key", "joint"};
         snprintf(buf, cap, "%s", t[rng_int(s, 0, 2)]);
@@ -231,7 +237,7 @@ Test(spec, compactor_default_literal) {
     pd_policy_spec s;
     pd_policy_spec_default(PD_POLICY_COMPACTOR, &s);
     print_spec(&s, buf);
-    cr_assert_str_eq(buf, "compactor:attn_chunk=128,budget=global,chunk=0,fair=0,lambda=0.5,lev_chunk=512,pool=1,"
+    cr_assert_str_eq(buf, "compactor:attn_chunk=128,base=unprotected,budget=global,chunk=0,fair=0,lambda=0.5,lev_chunk=512,pool=1,"
                           "profile=official,recent=64,retention=0.5,reuse=1,ridge=0.005,scale=1,seed=1,sink=16,"
                           "sketch=48,vnorm=0");
     cr_assert_eq(s.kind, PD_POLICY_COMPACTOR);
@@ -245,12 +251,22 @@ Test(spec, other_literals) {
     canonical_of("snapkv", buf);
     cr_assert_str_eq(buf, "snapkv:budget=uniform,chunk=0,fair=0,pool=5,recent=0,retention=0.5,reuse=1,sink=0,window=64");
     canonical_of("compactor:profile=kvpress", buf);
-    cr_assert_str_eq(buf, "compactor:attn_chunk=256,budget=uniform,chunk=0,fair=0,lambda=auto,lev_chunk=0,pool=3,"
+    cr_assert_str_eq(buf, "compactor:attn_chunk=256,base=prompt,budget=uniform,chunk=0,fair=0,lambda=auto,lev_chunk=0,pool=3,"
                           "profile=kvpress,recent=4,retention=0.5,reuse=1,ridge=0.01,scale=1,seed=1,sink=8,"
                           "sketch=48,vnorm=1");
     canonical_of("laserkv", buf);
-    cr_assert_str_eq(buf, "laserkv:alpha=0.75,bits=8,budget=uniform,chunk=0,divisor=4,fair=0,retention=0.5,reuse=1,"
-                          "rounds=8,seed=1,window=64");
+    cr_assert_str_eq(buf, "laserkv:accumulate=1,alpha=0.75,bits=12,budget=uniform,chunk=0,divisor=4,fair=0,"
+                          "retention=0.5,reuse=1,rounds=20,seed=1,window=64");
+    canonical_of("obcache", buf);
+    cr_assert_str_eq(buf, "obcache:budget=uniform,chunk=0,fair=0,pool=7,recent=0,retention=0.5,reuse=1,sink=0,"
+                          "target=joint,window=0");
+    canonical_of("chunkkv", buf);
+    cr_assert_str_eq(buf, "chunkkv:budget=uniform,chunk=20,fair=0,pool=5,recent=0,retention=0.5,reuse=1,"
+                          "scorer=snapkv,shared=1,sink=0,window=64");
+    canonical_of("chunkkv:shared=0", buf);
+    cr_assert(contains(buf, ",shared=0,"), "%s", buf);
+    canonical_of("knorm:chunk=0", buf);
+    cr_assert(!contains(buf, "shared"), "shared exists only with chunks: %s", buf);
     canonical_of("pyramidkv", buf);
     cr_assert_str_eq(buf, "pyramidkv:beta=20,budget=pyramid,chunk=0,fair=0,pool=5,recent=0,retention=0.5,reuse=1,"
                           "scorer=snapkv,sink=0,window=64");
@@ -264,7 +280,7 @@ Test(spec, defaults_of_every_policy) {
         pd_policy_spec_default((pd_policy_kind)k, &s);
         cr_assert_eq(pd_policy_spec_validate(&s, NULL), PD_OK, "%s defaults invalid", policy_names[k]);
         shape c = {k, is_wrapper(k) ? PD_POLICY_SNAPKV : k, false, default_budget(k, is_wrapper(k) ? PD_POLICY_SNAPKV : k, false),
-                   false, false};
+                   false, false, k == PD_POLICY_CHUNKKV};
         char want[PD_POLICY_SPEC_MAX], got[PD_POLICY_SPEC_MAX], parsed[PD_POLICY_SPEC_MAX];
         expected_canonical(&c, NULL, want, sizeof want);
         print_spec(&s, got);
@@ -389,7 +405,7 @@ Test(spec, profile_and_scorer_first) {
               contains(a, "attn_chunk=256") && contains(a, "recent=4,"), "%s", a);
     /* scorer decides which keys exist: window and target come from obcache. */
     canonical_of("pyramidkv:target=key,window=32,scorer=obcache", a);
-    cr_assert_str_eq(a, "pyramidkv:beta=20,budget=pyramid,chunk=0,fair=0,recent=0,retention=0.5,reuse=1,"
+    cr_assert_str_eq(a, "pyramidkv:beta=20,budget=pyramid,chunk=0,fair=0,pool=7,recent=0,retention=0.5,reuse=1,"
                         "scorer=obcache,sink=0,target=key,window=32");
     /* A wrapped compactor keeps its wrapper's budget but the profile's keys. */
     canonical_of("pyramidkv:profile=kvpress,scorer=compactor", a);
@@ -412,6 +428,7 @@ static void random_shape(uint64_t *rng, shape *c) {
     c->budget = budgets[rng_int(rng, 0, 2)];
     c->fair = rng_int(rng, 0, 1);
     c->exact = c->scorer == PD_POLICY_LEVERAGE && rng_int(rng, 0, 1);
+    c->chunked = c->kind != PD_POLICY_LASERKV && (c->kind == PD_POLICY_CHUNKKV ? rng_int(rng, 0, 3) != 0 : rng_int(rng, 0, 1));
 }
 
 Test(spec, random_specs_round_trip) {
@@ -432,11 +449,12 @@ Test(spec, random_specs_round_trip) {
             case K_BUDGET: snprintf(vals[k], 32, "%s", c.budget); break;
             case K_FAIR: snprintf(vals[k], 32, "%d", c.fair); break;
             case K_MODE: snprintf(vals[k], 32, "%s", c.exact ? "exact" : "approx"); break;
+            case K_CHUNK: rand_value(&rng, &c, k, vals[k], 32); break;
             default: rand_value(&rng, &c, k, vals[k], 32); break;
             }
             canonical_value(k, vals[k], want_vals[k], 32);
             bool is_default = strcmp(want_vals[k], default_text(&c, k)) == 0;
-            bool decides = k == K_SCORER || k == K_PROFILE || k == K_BUDGET || k == K_FAIR || k == K_MODE;
+            bool decides = k == K_SCORER || k == K_PROFILE || k == K_BUDGET || k == K_FAIR || k == K_MODE || k == K_CHUNK;
             if ((decides && !is_default) || rng_int(&rng, 0, 2) != 0) order[n_given++] = k;
             else snprintf(want_vals[k], 32, "%s", default_text(&c, k));
         }
