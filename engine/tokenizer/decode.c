@@ -157,19 +157,27 @@ static size_t clean_spaces(char *text, size_t total) {
     return total;
 }
 
+/* Every id checked against the vocabulary; *total = the bytes of their pieces. */
+static int pieces_length(const pd_tokenizer *t, const pd_token *ids, size_t n, size_t *total, pd_error *err) {
+    *total = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= t->n_tokens)
+            return pd_errorf(err, PD_EINVAL, "token id %d at position %zu is out of range (vocab has %d tokens)",
+                             ids[i], i, t->n_tokens);
+        *total += t->tokens[ids[i]].piece_len;
+    }
+    return PD_OK;
+}
+
 int pd_detokenize(const pd_tokenizer *t, const pd_token *ids, size_t n, bool special,
                   bool remove_leading_space, char **out, size_t *len_out, pd_error *err) {
     if (!t || !out) return pd_errorf(err, PD_EINVAL, "pd_detokenize: NULL argument");
     *out = NULL;
     if (len_out) *len_out = 0;
     if (!ids && n) return pd_errorf(err, PD_EINVAL, "pd_detokenize: ids is NULL but n is %zu", n);
-    size_t total = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= t->n_tokens)
-            return pd_errorf(err, PD_EINVAL, "token id %d at position %zu is out of range (vocab has %d tokens)",
-                             ids[i], i, t->n_tokens);
-        total += t->tokens[ids[i]].piece_len;
-    }
+    size_t total;
+    int rc = pieces_length(t, ids, n, &total, err);
+    if (rc) return rc;
     char *s = malloc(total + 1);
     if (!s) return pd_errorf(err, PD_ENOMEM, "out of memory for %zu decoded bytes", total);
 
@@ -201,13 +209,9 @@ int pd_detokenize_offsets(const pd_tokenizer *t, const pd_token *ids, size_t n, 
     *offsets_out = NULL;
     if (len_out) *len_out = 0;
     if (!ids && n) return pd_errorf(err, PD_EINVAL, "pd_detokenize_offsets: ids is NULL but n is %zu", n);
-    size_t total = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= t->n_tokens)
-            return pd_errorf(err, PD_EINVAL, "token id %d at position %zu is out of range (vocab has %d tokens)",
-                             ids[i], i, t->n_tokens);
-        total += t->tokens[ids[i]].piece_len;
-    }
+    size_t total;
+    int rc = pieces_length(t, ids, n, &total, err);
+    if (rc) return rc;
     char *s = malloc(total + 1);
     size_t *off = n < SIZE_MAX / sizeof *off ? malloc((n + 1) * sizeof *off) : NULL;
     if (!s || !off) {
