@@ -326,7 +326,8 @@ double pd_rank_correlation(const float *a, const float *b, int64_t n);
  * that layer 0 gets the most, the last layer mean/beta, linearly in
  * between, when that line fits between the scorer's observation window
  * (SnapKV's `window`, else 1) and n; otherwise every layer gets the mean,
- * as PyramidKV's code does. out: [n_layer]. In global mode the layer keeps
+ * as PyramidKV's code does, but at least the window (at most n): the
+ * window is kept on top of the budget there. out: [n_layer]. In global mode the layer keeps
  * out[l] * n_head_kv (token, head) pairs in total. */
 void pd_policy_budgets(const pd_policy_spec *spec, int n_layer, int64_t n, int64_t *out);
 

@@ -47,12 +47,14 @@ void pd_policy_budgets(const pd_policy_spec *spec, int n_layer, int64_t n, int64
     /* PyramidKV: a line from 2M - M/beta down to M/beta, mean M. As in the
      * paper's code (and kvpress), when that line does not fit between the
      * observation window (the smallest budget must hold it) and the prefix
-     * length, every layer gets the mean: SnapKV's budgets. */
+     * length, every layer gets the mean: SnapKV's budgets, but never less
+     * than the window, which PyramidKV's code keeps on top of its budget. */
     double beta = spec->beta >= 1 ? spec->beta : 1;
     double bottom = (double)mean / beta, top = 2.0 * (double)mean - bottom;
-    const double floor_min = spec->scorer == PD_POLICY_SNAPKV ? (double)pd_policy_window(spec, n) : 1;
-    if (bottom < floor_min || top > (double)n) {
-        for (int l = 0; l < n_layer; l++) out[l] = mean;
+    const int64_t window = spec->scorer == PD_POLICY_SNAPKV ? pd_policy_window(spec, n) : 1;
+    if (bottom < (double)window || top > (double)n) {
+        const int64_t keep = mean > window ? mean : window < n ? window : n;
+        for (int l = 0; l < n_layer; l++) out[l] = keep;
         return;
     }
 

@@ -165,7 +165,13 @@ static void check_budget(const pd_kv_prefix *p, const pd_hparams *hp, int64_t n,
         if (l) cr_assert_leq(b[l], b[l - 1], "%s: pyramid budgets must not grow with depth", what);
         sum += b[l];
     }
-    cr_assert_leq(sum, (int64_t)L * u, "%s", what);
+    /* PyramidKV never keeps fewer than its observation window (at most n),
+     * even where that is more than the retention asks. */
+    const int64_t window = s->budget == PD_BUDGET_PYRAMID && s->scorer == PD_POLICY_SNAPKV
+                               ? (pd_policy_window(s, n) < n ? pd_policy_window(s, n) : n)
+                               : 1;
+    for (int l = 0; l < L; l++) cr_assert_geq(b[l], window, "%s: layer %d keeps fewer than the window", what, l);
+    cr_assert_leq(sum, (int64_t)L * (u > window ? u : window), "%s", what);
     for (int l = 0; l < L; l++) {
         const int lead = s->reuse > 1 ? l - l % s->reuse : l;
         int64_t layer_total = 0;

@@ -181,6 +181,14 @@ Test(budgets, pyramid_beta_and_edges) {
     cr_assert(s.window == 64 && s.beta == 20, "the defaults this test is about");
     pd_policy_budgets(&s, 8, 400, a);
     for (int l = 0; l < 8; l++) cr_assert_eq(a[l], 100, "layer %d: the SnapKV fallback", l);
+    /* Below the window (mean 40 of 400 at 0.1) every layer keeps the
+     * 64-token window; a prefix shorter than the window keeps everything. */
+    s = spec_of("pyramidkv:retention=0.1");
+    pd_policy_budgets(&s, 8, 400, a);
+    for (int l = 0; l < 8; l++) cr_assert_eq(a[l], 64, "layer %d: the window floor", l);
+    pd_policy_budgets(&s, 8, 50, a);
+    for (int l = 0; l < 8; l++) cr_assert_eq(a[l], 50, "layer %d: all of a 50-token prefix", l);
+    s = spec_of("pyramidkv:retention=0.25");
     /* With room (mean 2000, last layer 100 >= 64) it is the pyramid. */
     pd_policy_budgets(&s, 8, 8000, a);
     check_pyramid_shape(a, 8, 8000, 2000, "pyramidkv n=8000");
