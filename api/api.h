@@ -240,13 +240,55 @@ bool pd_api_json_depth_ok(const char *s, size_t len, int max_depth);
 bool pd_api_model_served(const char *names, const char *model_id, const char *requested);
 /* {"object":"list","data":[{"id","object":"model","created","owned_by":"prefixd"}]} */
 int pd_api_models_json(const char *model_id, int64_t created, char **out, size_t *len, pd_error *err);
+/* One model object (GET /v1/models/{id}): {"id","object":"model","created","owned_by":"prefixd"}. */
+int pd_api_model_json(const char *id, int64_t created, char **out, size_t *len, pd_error *err);
+
+/* ------------------------------------------------------------------------
+ * Tokenizer endpoints, in llama-server's shapes (docs/api.md)
+ *
+ *   POST /tokenize   {"content", "add_special"=false, "parse_special"=true,
+ *                     "with_pieces"=false} -> {"tokens":[id...]}
+ *                    or {"tokens":[{"id","piece"}...]}
+ *   POST /detokenize {"tokens":[id...]} -> {"content"}
+ * ------------------------------------------------------------------------ */
+
+typedef struct pd_api_tokenize_request {
+    bool detokenize;
+    char *content;        /* /tokenize: NUL-terminated, owned */
+    size_t content_len;
+    bool add_special, parse_special, with_pieces;
+    pd_token *tokens;     /* /detokenize: owned */
+    size_t n_tokens;
+} pd_api_tokenize_request;
+
+/* Parse and validate a body (the same body, depth and JSON rules as
+ * completions; more than lim->max_prompt_tokens ids: 400
+ * context_length_exceeded). On failure *out is left empty. lim may be NULL. */
+int pd_api_parse_tokenize(bool detokenize, const char *body, size_t len, const pd_api_limits *lim,
+                          pd_api_tokenize_request *out, pd_api_error *e);
+void pd_api_tokenize_request_free(pd_api_tokenize_request *r);
+/* The answer body: the text tokenized (at most lim->max_prompt_tokens ids,
+ * else 400 context_length_exceeded), or the ids checked against the
+ * vocabulary (400 naming tokens[i]) and rendered as their pieces joined,
+ * control tokens as their text, like llama-server. malloc'd. */
+int pd_api_tokenize_answer(const pd_api_tokenize_request *r, const pd_tokenizer *tok, const pd_api_limits *lim,
+                           char **out, size_t *len, pd_api_error *e);
+/* {"tokens":[...]}: ids, or with_pieces {"id","piece"} objects whose piece
+ * (control tokens as their text) is a string, or its bytes as numbers when
+ * it is not valid UTF-8 on its own. */
+int pd_api_tokens_json(const pd_tokenizer *tok, const pd_token *ids, size_t n, bool with_pieces, char **out,
+                       size_t *len, pd_error *err);
+/* {"content": text}, invalid UTF-8 as U+FFFD. */
+int pd_api_content_json(const char *text, size_t n, char **out, size_t *len, pd_error *err);
 
 /* ------------------------------------------------------------------------
  * HTTP server (libmicrohttpd's epoll event loop on server.threads threads)
  *
  * Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
- * GET /v1/models, GET /health (503 until ready), GET /metrics. The server
- * starts listening before the model is loaded so /health can say so.
+ * GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize,
+ * GET /health (503 until ready), GET /metrics; OPTIONS (CORS preflight)
+ * when cors_origins is set. The server starts listening before the model
+ * is loaded so /health can say so.
  * ------------------------------------------------------------------------ */
 
 typedef struct pd_server pd_server;
@@ -275,6 +317,9 @@ typedef struct pd_server_opts {
     int idle_timeout_s;        /* a connection that sends nothing this long is closed (default 15) */
     bool metrics;              /* serve GET /metrics (default true) */
     bool metrics_auth;         /* GET /metrics needs api_key like the API (default false) */
+    /* Origins browsers may call the public listener from: ORIGIN[,ORIGIN...]
+     * or "*"; NULL or "" = no CORS headers and OPTIONS is 405 (default). */
+    const char *cors_origins;
     /* Where libmicrohttpd's own messages go (NULL: stderr as they are). */
     void (*log)(void *log_ctx, const char *fmt, va_list ap);
     void *log_ctx;

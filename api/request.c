@@ -248,10 +248,14 @@ static int parse_prompt(json_t *root, pd_api_request *r, pd_api_error *e) {
     return PD_OK;
 }
 
+/* The role as the chat templates know it. "developer" is OpenAI's newer
+ * name for "system" (sent by its clients for reasoning models): it becomes
+ * "system" here, so every template renders it as its system turn. */
 static const char *known_role(const char *s) {
     static const char *const roles[] = {"system", "user", "assistant"};
     for (size_t i = 0; i < sizeof roles / sizeof roles[0]; i++)
         if (strcmp(s, roles[i]) == 0) return roles[i];
+    if (strcmp(s, "developer") == 0) return roles[0];
     return NULL;
 }
 
@@ -319,8 +323,8 @@ static int parse_messages(json_t *root, pd_api_request *r, pd_api_error *e) {
         if (!json_is_string(role)) return BAD(e, param, "'%s' must be a string", param);
         const char *known = known_role(json_string_value(role));
         if (!known)
-            return BAD(e, param, "'%s' = '%.40s' is not supported: use \"system\", \"user\" or \"assistant\"", param,
-                       json_string_value(role));
+            return BAD(e, param, "'%s' = '%.40s' is not supported: use \"system\", \"user\" or \"assistant\" "
+                       "(\"developer\" counts as \"system\")", param, json_string_value(role));
         char *content = NULL;
         int rc = parse_content(field(msg, "content"), i, &content, e);
         if (rc) return rc;
@@ -698,4 +702,112 @@ int pd_api_sched_params(const pd_api_request *r, const pd_token *prompt, int64_t
     out->ns = r->ns[0] ? r->ns : NULL;
     out->spec = NULL;
     return PD_OK;
+}
+
+/* ---------------------------------------------------------------- tokenize */
+
+static int parse_tokenize_root(json_t *root, pd_api_tokenize_request *r, const pd_api_limits *lim,
+                               pd_api_error *e) {
+    int rc;
+    if (r->detokenize) {
+        json_t *t = field(root, "tokens");
+        if (!t) return BAD(e, "tokens", "'tokens' is required: an array of token ids");
+        if (!json_is_array(t)) return BAD(e, "tokens", "'tokens' must be an array of token ids, not %s", json_type_name(t));
+        if ((int64_t)json_array_size(t) > lim->max_prompt_tokens)
+            return pd_api_errorf(e, 400, PD_API_ERR_INVALID, "tokens", "context_length_exceeded",
+                                 "'tokens' has %zu ids; this server accepts at most %" PRId64, json_array_size(t),
+                                 lim->max_prompt_tokens);
+        if (json_array_size(t) == 0) return PD_OK; /* nothing to render: "" */
+        return parse_token_array(t, "tokens", &r->tokens, &r->n_tokens, e);
+    }
+    json_t *c = field(root, "content");
+    if (!c) return BAD(e, "content", "'content' is required: the text to tokenize");
+    if (!json_is_string(c)) return BAD(e, "content", "'content' must be a string, not %s", json_type_name(c));
+    if (!(r->content = dup_json_string(c))) return OOM(e);
+    r->content_len = json_string_length(c);
+    r->parse_special = true; /* llama-server's default: "<|im_end|>" in the text is that token */
+    if ((rc = get_bool(root, "add_special", &r->add_special, e))) return rc;
+    if ((rc = get_bool(root, "parse_special", &r->parse_special, e))) return rc;
+    return get_bool(root, "with_pieces", &r->with_pieces, e);
+}
+
+int pd_api_parse_tokenize(bool detokenize, const char *body, size_t len, const pd_api_limits *lim,
+                          pd_api_tokenize_request *out, pd_api_error *e) {
+    pd_api_limits defaults;
+    if (!lim) {
+        pd_api_limits_default(&defaults);
+        lim = &defaults;
+    }
+    memset(out, 0, sizeof *out);
+    out->detokenize = detokenize;
+    if (len > lim->max_body_bytes)
+        return pd_api_errorf(e, 413, PD_API_ERR_TOO_LARGE, NULL, "request_too_large",
+                             "the request body has %zu bytes; the limit is %zu", len, lim->max_body_bytes);
+    if (!body || len == 0) return BAD(e, NULL, "the request body is empty: send a JSON object");
+    if (!pd_api_json_depth_ok(body, len, lim->max_depth))
+        return BAD(e, NULL, "the request body nests JSON deeper than %d levels", lim->max_depth);
+    json_error_t jerr;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root)
+        return BAD(e, NULL, "the request body is not valid JSON: %s (line %d, column %d)", jerr.text, jerr.line,
+                   jerr.column);
+    int rc = json_is_object(root) ? parse_tokenize_root(root, out, lim, e)
+                                  : BAD(e, NULL, "the request body must be a JSON object, not %s", json_type_name(root));
+    json_decref(root);
+    if (rc) {
+        pd_api_tokenize_request_free(out);
+        out->detokenize = detokenize;
+    }
+    return rc;
+}
+
+void pd_api_tokenize_request_free(pd_api_tokenize_request *r) {
+    if (!r) return;
+    free(r->content);
+    free(r->tokens);
+    memset(r, 0, sizeof *r);
+}
+
+int pd_api_tokenize_answer(const pd_api_tokenize_request *r, const pd_tokenizer *tok, const pd_api_limits *lim,
+                           char **out, size_t *len, pd_api_error *e) {
+    pd_api_limits defaults;
+    if (!lim) {
+        pd_api_limits_default(&defaults);
+        lim = &defaults;
+    }
+    *out = NULL;
+    *len = 0;
+    pd_error err = {0};
+    if (r->detokenize) {
+        const int32_t n_vocab = pd_tokenizer_n_vocab(tok);
+        for (size_t i = 0; i < r->n_tokens; i++)
+            if (r->tokens[i] >= n_vocab) {
+                char param[48];
+                snprintf(param, sizeof param, "tokens[%zu]", i);
+                return BAD(e, param, "'%s' = %d is outside the vocabulary [0, %d)", param, (int)r->tokens[i],
+                           (int)n_vocab);
+            }
+        char *text = NULL;
+        size_t n = 0, *offsets = NULL;
+        /* piece by piece, nothing stripped: what llama-server's /detokenize answers */
+        if (r->n_tokens && pd_detokenize_offsets(tok, r->tokens, r->n_tokens, true, &text, &n, &offsets, &err))
+            return pd_api_error_from(e, &err, "tokens");
+        free(offsets);
+        const int rc = pd_api_content_json(text ? text : "", n, out, len, &err);
+        free(text);
+        return rc ? pd_api_error_from(e, &err, NULL) : PD_OK;
+    }
+    pd_token *ids = NULL;
+    size_t n = 0;
+    pd_tokenize_opts o = {.add_special = r->add_special, .parse_special = r->parse_special};
+    if (pd_tokenize(tok, r->content, r->content_len, o, &ids, &n, &err)) return pd_api_error_from(e, &err, "content");
+    if ((int64_t)n > lim->max_prompt_tokens) {
+        free(ids);
+        return pd_api_errorf(e, 400, PD_API_ERR_INVALID, "content", "context_length_exceeded",
+                             "'content' has %zu tokens; this server accepts at most %" PRId64, n,
+                             lim->max_prompt_tokens);
+    }
+    const int rc = pd_api_tokens_json(tok, ids, n, r->with_pieces, out, len, &err);
+    free(ids);
+    return rc ? pd_api_error_from(e, &err, NULL) : PD_OK;
 }

@@ -593,6 +593,20 @@ bool pd_api_model_served(const char *names, const char *model_id, const char *re
     }
 }
 
+/* The OpenAI Model object. */
+static json_t *model_object(const char *id, int64_t created) {
+    json_t *m = json_object();
+    if (!m) return NULL;
+    SET(m, "id", json_utf8(id ? id : "", id ? strlen(id) : 0));
+    SET(m, "object", json_string("model"));
+    SET(m, "created", json_integer(created));
+    SET(m, "owned_by", json_string("prefixd"));
+    return m;
+oom:
+    json_decref(m);
+    return NULL;
+}
+
 int pd_api_models_json(const char *model_id, int64_t created, char **out, size_t *len, pd_error *err) {
     *out = NULL;
     if (len) *len = 0;
@@ -601,14 +615,69 @@ int pd_api_models_json(const char *model_id, int64_t created, char **out, size_t
     SET(root, "object", json_string("list"));
     json_t *data = json_array();
     SET(root, "data", data);
-    json_t *m = json_object();
-    APPEND(data, m);
-    SET(m, "id", json_utf8(model_id ? model_id : "", model_id ? strlen(model_id) : 0));
-    SET(m, "object", json_string("model"));
-    SET(m, "created", json_integer(created));
-    SET(m, "owned_by", json_string("prefixd"));
+    APPEND(data, model_object(model_id, created));
     return dump(root, false, out, len, err);
 oom:
     json_decref(root);
     return pd_errorf(err, PD_ENOMEM, "models: out of memory");
+}
+
+int pd_api_model_json(const char *id, int64_t created, char **out, size_t *len, pd_error *err) {
+    *out = NULL;
+    if (len) *len = 0;
+    json_t *m = model_object(id, created);
+    if (!m) return pd_errorf(err, PD_ENOMEM, "models: out of memory");
+    return dump(m, false, out, len, err);
+}
+
+/* ---------------------------------------------------------------- tokenize */
+
+/* One {"id","piece"}: the piece as a string when it is valid UTF-8 by
+ * itself, else its bytes (a character split across tokens), as
+ * llama-server answers. */
+static json_t *piece_object(const pd_tokenizer *tok, pd_token id) {
+    char small[256], *piece = small;
+    json_t *o = json_object();
+    if (!o) return NULL;
+    int n = pd_token_to_piece(tok, id, true, small, sizeof small);
+    if (n < 0) n = 0;
+    if ((size_t)n >= sizeof small) {
+        if (!(piece = malloc((size_t)n + 1))) goto oom;
+        pd_token_to_piece(tok, id, true, piece, (size_t)n + 1);
+    }
+    SET(o, "id", json_integer(id));
+    SET(o, "piece", utf8_valid(piece, (size_t)n) ? json_stringn(piece, (size_t)n) : bytes_array(piece, (size_t)n));
+    if (piece != small) free(piece);
+    return o;
+oom:
+    if (piece != small) free(piece);
+    json_decref(o);
+    return NULL;
+}
+
+int pd_api_tokens_json(const pd_tokenizer *tok, const pd_token *ids, size_t n, bool with_pieces, char **out,
+                       size_t *len, pd_error *err) {
+    *out = NULL;
+    if (len) *len = 0;
+    json_t *root = json_object();
+    if (!root) return pd_errorf(err, PD_ENOMEM, "tokenize: out of memory");
+    json_t *arr = json_array();
+    SET(root, "tokens", arr);
+    for (size_t i = 0; i < n; i++) APPEND(arr, with_pieces ? piece_object(tok, ids[i]) : json_integer(ids[i]));
+    return dump(root, false, out, len, err);
+oom:
+    json_decref(root);
+    return pd_errorf(err, PD_ENOMEM, "tokenize: out of memory");
+}
+
+int pd_api_content_json(const char *text, size_t n, char **out, size_t *len, pd_error *err) {
+    *out = NULL;
+    if (len) *len = 0;
+    json_t *root = json_object();
+    if (!root) return pd_errorf(err, PD_ENOMEM, "detokenize: out of memory");
+    SET(root, "content", json_utf8(text, n));
+    return dump(root, false, out, len, err);
+oom:
+    json_decref(root);
+    return pd_errorf(err, PD_ENOMEM, "detokenize: out of memory");
 }

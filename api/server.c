@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 #include <unistd.h>
 #include <arpa/inet.h>
@@ -99,6 +100,66 @@ typedef struct http_req {
     pd_admin_reply admin_rep;
 } http_req;
 
+/* ---- CORS (server.cors_origins) -------------------------------------------- */
+
+#define CORS_ALLOW_METHODS "GET, POST, DELETE, OPTIONS"
+#define CORS_ALLOW_HEADERS "Authorization, Content-Type, X-Request-Id"
+#define CORS_EXPOSE_HEADERS "X-Request-Id, Retry-After"
+#define CORS_MAX_AGE_S "7200" /* the most Chromium keeps a preflight */
+
+/* The listener a connection came in on (its socket context, set by
+ * note_listener), so that every response can be given its CORS headers
+ * without passing the server around. */
+static const listener *listener_of(struct MHD_Connection *c) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    return ci ? ci->socket_context : NULL;
+}
+
+static void note_listener(void *cls, struct MHD_Connection *c, void **socket_context,
+                          enum MHD_ConnectionNotificationCode toe) {
+    (void)c;
+    if (toe == MHD_CONNECTION_NOTIFY_STARTED) *socket_context = cls;
+}
+
+/* The configured origins of the listener c came in on; NULL when CORS is
+ * off there (not configured, or the admin listener, which browsers have
+ * no business calling). */
+static const char *cors_origins(struct MHD_Connection *c) {
+    const listener *li = listener_of(c);
+    if (!li || li->admin) return NULL;
+    const char *o = li->srv->opts.cors_origins;
+    return o && *o ? o : NULL;
+}
+
+/* Whether the comma-separated list holds `item` (ASCII case-insensitive:
+ * browsers send scheme and host in lower case, people may not write them
+ * so). */
+static bool list_has(const char *list, const char *item) {
+    const size_t n = strlen(item);
+    for (const char *p = list;;) {
+        const char *end = strchr(p, ',');
+        const size_t k = end ? (size_t)(end - p) : strlen(p);
+        if (k == n && strncasecmp(p, item, n) == 0) return true;
+        if (!end) return false;
+        p = end + 1;
+    }
+}
+
+/* The Access-Control-* headers every response of the public listener
+ * carries for an allowed Origin (and Vary: Origin whenever the answer
+ * depends on it). Returns whether the request's Origin is allowed. */
+static bool add_cors(struct MHD_Connection *c, struct MHD_Response *r) {
+    const char *origins = cors_origins(c);
+    if (!origins) return false;
+    const bool any = list_has(origins, "*");
+    if (!any) MHD_add_response_header(r, MHD_HTTP_HEADER_VARY, MHD_HTTP_HEADER_ORIGIN);
+    const char *origin = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_ORIGIN);
+    if (!origin || (!any && !list_has(origins, origin))) return false;
+    MHD_add_response_header(r, MHD_HTTP_HEADER_ACCESS_CONTROL_ALLOW_ORIGIN, any ? "*" : origin);
+    MHD_add_response_header(r, MHD_HTTP_HEADER_ACCESS_CONTROL_EXPOSE_HEADERS, CORS_EXPOSE_HEADERS);
+    return true;
+}
+
 /* ---- small helpers -------------------------------------------------------- */
 
 static enum MHD_Result send_body(struct MHD_Connection *c, unsigned status, const char *type, char *body, size_t len) {
@@ -108,6 +169,7 @@ static enum MHD_Result send_body(struct MHD_Connection *c, unsigned status, cons
         return MHD_NO;
     }
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+    add_cors(c, r);
     enum MHD_Result ret = MHD_queue_response(c, status, r);
     MHD_destroy_response(r);
     return ret;
@@ -130,6 +192,7 @@ static enum MHD_Result send_error(pd_server *s, struct MHD_Connection *c, const 
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
     /* Busy or stopping: a well-behaved client backs off this long. */
     if (e->http_status == 503 || e->http_status == 429) MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, "2");
+    add_cors(c, r);
     enum MHD_Result ret = MHD_queue_response(c, (unsigned)e->http_status, r);
     MHD_destroy_response(r);
     return ret;
@@ -499,11 +562,86 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
         if (!resp) return MHD_NO;
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+        add_cors(c, resp);
         enum MHD_Result ret = MHD_queue_response(c, MHD_HTTP_OK, resp);
         MHD_destroy_response(resp);
         return ret;
     }
     return answer_generation(s, c, r);
+}
+
+static bool server_stopping(void *ctx) {
+    pd_server *s = ctx;
+    pthread_rwlock_rdlock(&s->lock);
+    bool d = s->draining;
+    pthread_rwlock_unlock(&s->lock);
+    return d;
+}
+
+/* GET /v1/models/{id}: the id is the rest of the path, URL-decoded, so a
+ * name with '/' ("org/model") is reached either as it is or with %2F (what
+ * the openai clients send). Every name in server.model_names is a model of
+ * its own here: retrieving one answers with that name as the id. */
+#define MODEL_ROUTE "/v1/models/"
+static enum MHD_Result answer_model(pd_server *s, struct MHD_Connection *c, const char *id) {
+    if (!authorized(s, c))
+        return send_errorf(s, c, 401, PD_API_ERR_AUTH, "invalid_api_key", "missing or wrong API key "
+                           "(send Authorization: Bearer KEY)");
+    pd_server_backend b;
+    if (!get_backend(s, &b)) return send_not_ready(s, c, server_stopping(s));
+    pd_api_error e;
+    if (!pd_api_model_served(b.model_names, b.model_id, id)) {
+        pd_api_errorf(&e, 404, PD_API_ERR_NOT_FOUND, "model", "model_not_found",
+                      "the model '%.64s' is not served here; this server serves '%s' (GET /v1/models; more names: "
+                      "server.model_names)", id, b.model_id);
+        return send_error(s, c, &e);
+    }
+    char *body = NULL;
+    size_t len = 0;
+    pd_error err = {0};
+    if (pd_api_model_json(id, b.created, &body, &len, &err)) return MHD_NO;
+    return send_json(c, MHD_HTTP_OK, body, len);
+}
+
+/* POST /tokenize and /detokenize with the model's tokenizer. Like a
+ * completion's prompt, the text is tokenized here on the event-loop
+ * thread; server.max_body_bytes and the prompt-token limit bound it. */
+static enum MHD_Result handle_tokenize(pd_server *s, struct MHD_Connection *c, http_req *r, bool detokenize) {
+    pd_api_tokenize_request tr;
+    pd_api_error e;
+    if (pd_api_parse_tokenize(detokenize, r->body, r->len, &s->opts.limits, &tr, &e)) return send_error(s, c, &e);
+    /* the read lock keeps the model loaded while its tokenizer is in use */
+    pthread_rwlock_rdlock(&s->lock);
+    if (!s->ready) {
+        const bool draining = s->draining;
+        pthread_rwlock_unlock(&s->lock);
+        pd_api_tokenize_request_free(&tr);
+        return send_not_ready(s, c, draining);
+    }
+    char *body = NULL;
+    size_t len = 0;
+    const int rc = pd_api_tokenize_answer(&tr, pd_model_tokenizer(s->backend.model), &s->opts.limits, &body, &len, &e);
+    pthread_rwlock_unlock(&s->lock);
+    pd_api_tokenize_request_free(&tr);
+    if (rc) return send_error(s, c, &e);
+    return send_json(c, MHD_HTTP_OK, body, len);
+}
+
+/* A CORS preflight (OPTIONS while server.cors_origins is set): 204, with
+ * the Access-Control-Allow-* headers when the Origin is allowed. It needs
+ * no API key: browsers never send one with a preflight. */
+static enum MHD_Result answer_preflight(struct MHD_Connection *c) {
+    struct MHD_Response *resp = MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT);
+    if (!resp) return MHD_NO;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, CORS_ALLOW_METHODS);
+    if (add_cors(c, resp)) {
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_ACCESS_CONTROL_ALLOW_METHODS, CORS_ALLOW_METHODS);
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_ACCESS_CONTROL_ALLOW_HEADERS, CORS_ALLOW_HEADERS);
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_ACCESS_CONTROL_MAX_AGE, CORS_MAX_AGE_S);
+    }
+    enum MHD_Result ret = MHD_queue_response(c, MHD_HTTP_NO_CONTENT, resp);
+    MHD_destroy_response(resp);
+    return ret;
 }
 
 static enum MHD_Result handle_get(pd_server *s, struct MHD_Connection *c, const char *url) {
@@ -553,15 +691,8 @@ static enum MHD_Result handle_get(pd_server *s, struct MHD_Connection *c, const 
         if (pd_api_models_json(b.model_id, b.created, &body, &len, &err)) return MHD_NO;
         return send_json(c, MHD_HTTP_OK, body, len);
     }
+    if (strncmp(url, MODEL_ROUTE, strlen(MODEL_ROUTE)) == 0) return answer_model(s, c, url + strlen(MODEL_ROUTE));
     return send_errorf(s, c, 404, PD_API_ERR_NOT_FOUND, NULL, "no such route");
-}
-
-static bool server_stopping(void *ctx) {
-    pd_server *s = ctx;
-    pthread_rwlock_rdlock(&s->lock);
-    bool d = s->draining;
-    pthread_rwlock_unlock(&s->lock);
-    return d;
 }
 
 /* An admin call on its own thread: a registration may wait for its job
@@ -603,6 +734,7 @@ static enum MHD_Result answer_admin(pd_server *s, struct MHD_Connection *c, http
     if (!rep->body) {
         struct MHD_Response *resp = MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT);
         if (!resp) return MHD_NO;
+        add_cors(c, resp);
         enum MHD_Result ret = MHD_queue_response(c, (unsigned)rep->status, resp);
         MHD_destroy_response(resp);
         return ret;
@@ -705,17 +837,21 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     bool admin_url = strncmp(url, PD_ADMIN_PREFIX, strlen(PD_ADMIN_PREFIX)) == 0 ||
                      strcmp(url, "/admin") == 0;
     bool admin_here = s->admin_token[0] && (li->admin || !s->admin_mhd);
+    if (!li->admin && strcmp(method, MHD_HTTP_METHOD_OPTIONS) == 0 && cors_origins(c)) return answer_preflight(c);
     if (admin_url && admin_here) return handle_admin(s, c, r, url, method);
     if (li->admin || admin_url) return send_errorf(s, c, 404, PD_API_ERR_NOT_FOUND, NULL, "no such route");
     if (strcmp(method, "GET") == 0) return handle_get(s, c, url);
     if (strcmp(method, "POST") != 0)
         return send_errorf(s, c, 405, PD_API_ERR_INVALID, NULL, "use GET or POST");
     bool chat = strcmp(url, "/v1/chat/completions") == 0, completion = strcmp(url, "/v1/completions") == 0;
-    if (!chat && !completion) return send_errorf(s, c, 404, PD_API_ERR_NOT_FOUND, NULL, "no such route");
+    bool tokenize = strcmp(url, "/tokenize") == 0, detokenize = strcmp(url, "/detokenize") == 0;
+    if (!chat && !completion && !tokenize && !detokenize)
+        return send_errorf(s, c, 404, PD_API_ERR_NOT_FOUND, NULL, "no such route");
     const char *ns = client_namespace(s, c);
     if (!ns)
         return send_errorf(s, c, 401, PD_API_ERR_AUTH, "invalid_api_key",
                            "missing or wrong API key (send Authorization: Bearer KEY)");
+    if (tokenize || detokenize) return handle_tokenize(s, c, r, detokenize);
     return handle_generate(s, c, r, chat ? PD_API_CHAT : PD_API_COMPLETION, ns);
 }
 
@@ -831,7 +967,7 @@ static struct MHD_Daemon *start_mhd(const pd_server_opts *o, unsigned threads, s
         ntohs(sa->ss_family == AF_INET6 ? ((struct sockaddr_in6 *)sa)->sin6_port : ((struct sockaddr_in *)sa)->sin_port),
         NULL, NULL, on_request, li, MHD_OPTION_EXTERNAL_LOGGER, log_library, li->srv, /* first, as MHD asks */
         MHD_OPTION_SOCK_ADDR, (struct sockaddr *)sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
-        li->srv, MHD_OPTION_THREAD_POOL_SIZE, threads, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections,
+        li->srv, MHD_OPTION_NOTIFY_CONNECTION, note_listener, li, MHD_OPTION_THREAD_POOL_SIZE, threads, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections,
         MHD_OPTION_UNESCAPE_CALLBACK, unescape_keeping_nul, NULL, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
         o->max_connections_per_client, MHD_OPTION_CONNECTION_TIMEOUT,
         (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 0), MHD_OPTION_THREAD_STACK_SIZE,

@@ -108,6 +108,7 @@ static const char *check_address(const char *s);
 static const char *check_secret(const char *s);
 static const char *check_not_empty(const char *s);
 static const char *check_model_names(const char *s);
+static const char *check_cors_origins(const char *s);
 static const char *check_policy_spec(const char *s);
 static const char *check_quality_budget(double v);
 
@@ -126,6 +127,7 @@ static const key_desc keys[] = {
     STRING_KEY(server, api_key, check_secret, true, ""),
     STRING_KEY(server, api_keys_file, NULL, false, ""),
     STRING_KEY(server, model_names, check_model_names, false, ""),
+    STRING_KEY(server, cors_origins, check_cors_origins, false, ""),
     BOOL_KEY(server, metrics, "true"),
     BOOL_KEY(server, metrics_auth, "false"),
 
@@ -545,6 +547,32 @@ static const char *check_model_names(const char *s) {
         for (size_t i = 0; i < n; i++)
             if ((unsigned char)p[i] <= 0x20 || (unsigned char)p[i] >= 0x7f)
                 return "must be printable ASCII names without spaces, separated by commas";
+        if (!end) break;
+        p = end + 1;
+    }
+    return NULL;
+}
+
+/* "*" or comma-separated origins as browsers send them in Origin:
+ * scheme://host[:port], no path and no trailing slash (the Origin header
+ * never has one, so such an entry would silently match nothing). */
+static const char *check_cors_origins(const char *s) {
+    if (!*s) return NULL;
+    for (const char *p = s;;) {
+        const char *end = strchr(p, ',');
+        const size_t n = end ? (size_t)(end - p) : strlen(p);
+        if (n == 0) return "has an empty origin (write * or https://app.example,http://localhost:3000 without spaces)";
+        for (size_t i = 0; i < n; i++)
+            if ((unsigned char)p[i] <= 0x20 || (unsigned char)p[i] >= 0x7f)
+                return "must be * or origins in printable ASCII without spaces, separated by commas";
+        if (!(n == 1 && p[0] == '*')) {
+            size_t scheme = 0;
+            while (scheme < n && (isalnum((unsigned char)p[scheme]) || strchr("+.-", p[scheme]))) scheme++;
+            if (scheme == 0 || !isalpha((unsigned char)p[0]) || n < scheme + 4 || memcmp(p + scheme, "://", 3) != 0)
+                return "has an entry that is not an origin: write scheme://host[:port], e.g. https://app.example";
+            if (memchr(p + scheme + 3, '/', n - scheme - 3) || memchr(p, '?', n) || memchr(p, '#', n))
+                return "has an origin with a path: write scheme://host[:port] without a trailing slash";
+        }
         if (!end) break;
         p = end + 1;
     }

@@ -76,6 +76,7 @@ typedef struct pd_config {
         char api_key[PD_CONFIG_STR_CAP]; /* "" = no authentication */
         char api_keys_file[PD_CONFIG_STR_CAP]; /* KEY NAMESPACE lines; "" = none */
         char model_names[PD_CONFIG_STR_CAP]; /* NAME[,NAME...] the API answers to; "" = the model id */
+        char cors_origins[PD_CONFIG_STR_CAP]; /* ORIGIN[,ORIGIN...] or "*" browsers may call from; "" = no CORS */
         bool metrics;                   /* serve GET /metrics */
         bool metrics_auth;              /* /metrics needs the API key too */
     } server;

@@ -1069,3 +1069,168 @@ Test(api, models) {
         }
     }
 }
+
+Test(api, one_model_object) {
+    char *s = NULL;
+    size_t len = 0;
+    pd_error err = {0};
+    cr_assert_eq(pd_api_model_json("org/model", 1700000002, &s, &len, &err), PD_OK);
+    json_t *j = load(s, len);
+    cr_expect_eq(json_object_size(j), 4);
+    cr_expect_str_eq(jstr(j, "id"), "org/model");
+    cr_expect_str_eq(jstr(j, "object"), "model");
+    cr_expect_str_eq(jstr(j, "owned_by"), "prefixd");
+    cr_expect_eq(json_integer_value(json_object_get(j, "created")), 1700000002);
+    json_decref(j);
+    free(s);
+}
+
+/* "developer" parses as "system", so every template renders the two
+ * identically, wherever the message stands; validation treats it the same
+ * too (a family without a system turn refuses both after the first turn). */
+Test(api, developer_renders_as_system_in_every_template) {
+    static const char *const bodies[] = {
+        "{\"model\":\"c\",\"messages\":[{\"role\":\"%s\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Hi\"}]}",
+        "{\"model\":\"c\",\"messages\":[{\"role\":\"%s\",\"content\":\"A\"},{\"role\":\"%s\",\"content\":\"B\"},"
+        "{\"role\":\"user\",\"content\":\"Hi\"},{\"role\":\"assistant\",\"content\":\"Yo\"},{\"role\":\"user\","
+        "\"content\":\"Go\"}]}",
+        "{\"model\":\"c\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"},{\"role\":\"%s\",\"content\":\"Late.\"}]}",
+    };
+    for (size_t b = 0; b < sizeof bodies / sizeof bodies[0]; b++) {
+        char sys_body[512], dev_body[512];
+        snprintf(sys_body, sizeof sys_body, bodies[b], "system", "system");
+        snprintf(dev_body, sizeof dev_body, bodies[b], "developer", "developer");
+        pd_api_request rs = parse_ok(PD_API_CHAT, sys_body), rd = parse_ok(PD_API_CHAT, dev_body);
+        cr_assert_eq(rd.n_messages, rs.n_messages);
+        for (size_t i = 0; i < rd.n_messages; i++) cr_expect_str_eq(rd.messages[i].role, rs.messages[i].role);
+        for (int f = PD_CHAT_NONE + 1; f < PD_CHAT_FAMILY_COUNT; f++) {
+            char *ts = NULL, *td = NULL;
+            size_t ls = 0, ld = 0, ss = 0, sd = 0;
+            pd_error es = {0}, ed = {0};
+            const int rcs = pd_chat_render((pd_chat_family)f, rs.messages, rs.n_messages, true, &ts, &ls, &ss, &es);
+            const int rcd = pd_chat_render((pd_chat_family)f, rd.messages, rd.n_messages, true, &td, &ld, &sd, &ed);
+            cr_expect_eq(rcd, rcs, "family %d, body %zu: %s / %s", f, b, es.msg, ed.msg);
+            if (rcs == PD_OK && rcd == PD_OK) {
+                cr_expect(ls == ld && memcmp(ts, td, ls) == 0, "family %d, body %zu:\n%.*s\n---\n%.*s", f, b, (int)ls,
+                          ts, (int)ld, td);
+                cr_expect_eq(sd, ss);
+                /* the instruction is in the prompt (folded or as its own turn) */
+                cr_expect(memmem(td, ld, b == 1 ? "B" : b == 2 ? "Late." : "Be brief.", b == 1 ? 1 : b == 2 ? 5 : 9),
+                          "family %d drops the developer message:\n%.*s", f, (int)ld, td);
+            }
+            free(ts);
+            free(td);
+        }
+        pd_api_request_free(&rs);
+        pd_api_request_free(&rd);
+    }
+}
+
+/* ------------------------------------------------------------------ tokenize */
+
+Test(api, tokenize_parse) {
+    pd_api_tokenize_request r;
+    pd_api_error e = {0};
+    const char *b = "{\"content\":\"caf\\u00e9\",\"with_pieces\":true,\"model\":\"ignored\"}";
+    cr_assert_eq(pd_api_parse_tokenize(false, b, strlen(b), NULL, &r, &e), PD_OK, "%s", e.message);
+    cr_expect_str_eq(r.content, "caf\xc3\xa9");
+    cr_expect_eq(r.content_len, 5);
+    cr_expect(r.with_pieces && r.parse_special && !r.add_special, "llama-server's defaults");
+    pd_api_tokenize_request_free(&r);
+    b = "{\"content\":\"x\",\"add_special\":true,\"parse_special\":false,\"with_pieces\":null}";
+    cr_assert_eq(pd_api_parse_tokenize(false, b, strlen(b), NULL, &r, &e), PD_OK, "%s", e.message);
+    cr_expect(r.add_special && !r.parse_special && !r.with_pieces);
+    pd_api_tokenize_request_free(&r);
+    b = "{\"tokens\":[1,2,3]}";
+    cr_assert_eq(pd_api_parse_tokenize(true, b, strlen(b), NULL, &r, &e), PD_OK, "%s", e.message);
+    cr_assert_eq(r.n_tokens, 3);
+    cr_expect_eq(r.tokens[2], 3);
+    pd_api_tokenize_request_free(&r);
+    b = "{\"tokens\":[]}";
+    cr_assert_eq(pd_api_parse_tokenize(true, b, strlen(b), NULL, &r, &e), PD_OK, "%s", e.message);
+    cr_expect_eq(r.n_tokens, 0);
+    pd_api_tokenize_request_free(&r);
+
+    pd_api_limits lim;
+    pd_api_limits_default(&lim);
+    lim.max_prompt_tokens = 2;
+    b = "{\"tokens\":[1,2,3]}";
+    cr_assert_neq(pd_api_parse_tokenize(true, b, strlen(b), &lim, &r, &e), PD_OK);
+    cr_expect_str_eq(e.code, "context_length_exceeded");
+    cr_expect_str_eq(e.param, "tokens");
+    cr_expect_null(r.tokens);
+    lim.max_body_bytes = 10;
+    cr_assert_neq(pd_api_parse_tokenize(true, b, strlen(b), &lim, &r, &e), PD_OK);
+    cr_expect_eq(e.http_status, 413);
+}
+
+Test(api, tokenize_answers) {
+    TH_REQUIRE_SHARED();
+    pd_model *m = load_stories();
+    if (!m) cr_skip_test("stories260K.gguf is absent");
+    const pd_tokenizer *tok = pd_model_tokenizer(m);
+    pd_api_tokenize_request r;
+    pd_api_error e = {0};
+    char *out = NULL;
+    size_t len = 0;
+    /* ids as pd_tokenize gives them; with pieces, a lone byte of a split
+     * character is its byte value */
+    const char *b = "{\"content\":\"Once \\u5abd\",\"add_special\":true,\"with_pieces\":true}";
+    cr_assert_eq(pd_api_parse_tokenize(false, b, strlen(b), NULL, &r, &e), PD_OK, "%s", e.message);
+    cr_assert_eq(pd_api_tokenize_answer(&r, tok, NULL, &out, &len, &e), PD_OK, "%s", e.message);
+    pd_token *ref = NULL;
+    size_t nref = 0;
+    pd_error err = {0};
+    pd_tokenize_opts o = {.add_special = true, .parse_special = true};
+    cr_assert_eq(pd_tokenize(tok, r.content, r.content_len, o, &ref, &nref, &err), PD_OK);
+    json_t *j = load(out, len);
+    json_t *arr = json_object_get(j, "tokens");
+    cr_assert_eq(json_array_size(arr), nref, "%s", out);
+    cr_expect_str_eq(jstr(json_array_get(arr, 0), "piece"), "<s>");
+    bool bytes = false;
+    for (size_t i = 0; i < nref; i++) {
+        json_t *t = json_array_get(arr, i);
+        cr_expect_eq(json_integer_value(json_object_get(t, "id")), ref[i]);
+        json_t *p = json_object_get(t, "piece");
+        if (json_is_array(p)) {
+            bytes = true;
+            cr_expect_eq(json_array_size(p), 1);
+            cr_expect_geq(json_integer_value(json_array_get(p, 0)), 0x80);
+        }
+    }
+    cr_expect(bytes, "%s", out);
+    json_decref(j);
+    free(out);
+    pd_api_tokenize_request_free(&r);
+
+    /* detokenize: pieces joined, the BOS as its text; a lone byte is U+FFFD;
+     * ids past the vocabulary name their index */
+    char body[256];
+    snprintf(body, sizeof body, "{\"tokens\":[%d,%d,%d]}", ref[0], ref[1], ref[nref - 1]);
+    cr_assert_eq(pd_api_parse_tokenize(true, body, strlen(body), NULL, &r, &e), PD_OK, "%s", e.message);
+    cr_assert_eq(pd_api_tokenize_answer(&r, tok, NULL, &out, &len, &e), PD_OK, "%s", e.message);
+    j = load(out, len);
+    cr_expect_str_eq(jstr(j, "content"), "<s> Once\xef\xbf\xbd");
+    json_decref(j);
+    free(out);
+    pd_api_tokenize_request_free(&r);
+    snprintf(body, sizeof body, "{\"tokens\":[1,%d]}", pd_tokenizer_n_vocab(tok));
+    cr_assert_eq(pd_api_parse_tokenize(true, body, strlen(body), NULL, &r, &e), PD_OK, "%s", e.message);
+    cr_assert_neq(pd_api_tokenize_answer(&r, tok, NULL, &out, &len, &e), PD_OK);
+    cr_expect_eq(e.http_status, 400);
+    cr_expect_str_eq(e.param, "tokens[1]");
+    cr_expect_null(out);
+    pd_api_tokenize_request_free(&r);
+    /* the token limit applies after tokenization */
+    pd_api_limits lim;
+    pd_api_limits_default(&lim);
+    lim.max_prompt_tokens = 3;
+    b = "{\"content\":\"Once upon a time there was\"}";
+    cr_assert_eq(pd_api_parse_tokenize(false, b, strlen(b), &lim, &r, &e), PD_OK, "%s", e.message);
+    cr_assert_neq(pd_api_tokenize_answer(&r, tok, &lim, &out, &len, &e), PD_OK);
+    cr_expect_str_eq(e.code, "context_length_exceeded");
+    cr_expect_str_eq(e.param, "content");
+    pd_api_tokenize_request_free(&r);
+    free(ref);
+    pd_model_free(m);
+}

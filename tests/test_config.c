@@ -367,6 +367,27 @@ Test(config_errors, string_rules, .init = setup_dir, .fini = teardown_dir) {
                       "compression.policy", "not a policy spec", NULL);
     expect_file_error("[compression]\npolicy = compactor;x\n", "bad.conf:2:",
                       "compression.policy", NULL);
+    expect_file_error("[server]\ncors_origins = https://app.example/\n", "bad.conf:2:",
+                      "server.cors_origins", "without a trailing slash", NULL);
+    expect_file_error("[server]\ncors_origins = app.example\n", "bad.conf:2:", "server.cors_origins",
+                      "scheme://host[:port]", NULL);
+    expect_file_error("[server]\ncors_origins = https://a.example,,*\n", "bad.conf:2:",
+                      "server.cors_origins", "empty origin", NULL);
+    expect_file_error("[server]\ncors_origins = https://a.example, https://b.example\n", "bad.conf:2:",
+                      "server.cors_origins", "without spaces", NULL);
+}
+
+Test(config, cors_origins_accepts_a_star_or_origins) {
+    const char *ok[] = {"*", "https://app.example", "http://localhost:3000,https://app.example:8443",
+                        "chrome-extension://abcdef,*", ""};
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        pd_config cfg;
+        pd_config_defaults(&cfg);
+        char set[256];
+        snprintf(set, sizeof set, "server.cors_origins=%s", ok[i]);
+        set_ok(&cfg, set);
+        cr_expect_str_eq(cfg.server.cors_origins, ok[i]);
+    }
 }
 
 Test(config_errors, secrets_are_never_echoed, .init = setup_dir, .fini = teardown_dir) {
@@ -662,6 +683,7 @@ static const char *const every_key_changed[] = {
     "server.metrics=false",
     "server.metrics_auth=true",
     "server.api_keys_file=/etc/prefixd/keys",
+    "server.cors_origins=https://app.example,http://localhost:3000",
     "admin.token=adm:t0ken/with=punct#no-space",
     "admin.listen=admin.internal.example",
     "admin.port=9444",

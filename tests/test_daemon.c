@@ -882,7 +882,8 @@ Test(daemon, metrics_expose_the_scheduler_series_after_a_request) {
 /* ---- the official openai client ------------------------------------------------ */
 
 /* tests/openai/check.mjs with the `openai` npm package, unmodified: models,
- * completions and chat, streamed (for await) and not, and a typed error.
+ * completions and chat, streamed (for await) and not, models.retrieve (a
+ * name with '/' too), role developer, and typed errors.
  * Skipped when node/npm are missing or the package cannot be installed (no
  * network). */
 Test(daemon, the_official_openai_npm_client_works_against_the_server, .timeout = 280) {
@@ -905,8 +906,8 @@ Test(daemon, the_official_openai_npm_client_works_against_the_server, .timeout =
     free(out);
     char path[1200];
     phi3_model(path, sizeof path);
-    start_daemon_model(path, NULL);
-    int rc = th_runf(&out, "cd %s/openai && node check.mjs %d 2>&1", tmpdir, port);
+    start_daemon_model(path, "--set server.model_names=test,org/model");
+    int rc = th_runf(&out, "cd %s/openai && node check.mjs %d org/model 2>&1", tmpdir, port);
     cr_assert_eq(rc, 0, "check.mjs failed:\n%s", out ? out : "");
     cr_assert(out && strstr(out, "openai client checks passed"), "%s", out ? out : "");
     free(out);

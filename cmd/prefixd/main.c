@@ -293,6 +293,7 @@ static int run(const pd_config *cfg) {
     so.max_connections_per_client = (unsigned)cfg->server.max_connections_per_client;
     so.metrics = cfg->server.metrics;
     so.metrics_auth = cfg->server.metrics_auth;
+    so.cors_origins = cfg->server.cors_origins;
     so.limits.max_body_bytes = (size_t)cfg->server.max_body_bytes;
     so.admin_token = cfg->admin.token;
     so.admin_listen = cfg->admin.listen;

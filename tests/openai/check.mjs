@@ -1,5 +1,6 @@
 // The official `openai` client, unmodified, against a running prefixd:
-//   node check.mjs PORT
+//   node check.mjs PORT [ALIAS]
+// ALIAS: a second name in server.model_names that models.retrieve must find.
 // The model must have a chat template (test_daemon.c serves a generated
 // model carrying the Phi-3 vocabulary). Exits 0 when every check passes;
 // otherwise prints what differed and exits 1.
@@ -7,7 +8,7 @@ import OpenAI from 'openai';
 
 const port = process.argv[2];
 if (!port) {
-  console.error('usage: node check.mjs PORT');
+  console.error('usage: node check.mjs PORT [ALIAS]');
   process.exit(2);
 }
 const client = new OpenAI({ baseURL: `http://127.0.0.1:${port}/v1`, apiKey: 'x', maxRetries: 0, timeout: 120000 });
@@ -19,6 +20,25 @@ function check(cond, what) {
 const models = await client.models.list();
 check(models.data.length === 1 && models.data[0].object === 'model', `models.list: ${JSON.stringify(models.data)}`);
 const model = models.data[0].id;
+
+// models.retrieve: the listed id, a second served name that holds a '/'
+// (the client percent-encodes it into the path), and a typed 404.
+const alias = process.argv[3];
+const m = await client.models.retrieve(model);
+check(m.id === model && m.object === 'model' && m.owned_by === 'prefixd', `models.retrieve: ${JSON.stringify(m)}`);
+check(m.created === models.data[0].created, `models.retrieve created ${m.created}`);
+if (alias) {
+  const a = await client.models.retrieve(alias);
+  check(a.id === alias && a.object === 'model', `models.retrieve(${alias}): ${JSON.stringify(a)}`);
+}
+let notFound = null;
+try {
+  await client.models.retrieve('no-such-model');
+} catch (e) {
+  notFound = e;
+}
+check(notFound instanceof OpenAI.NotFoundError && notFound.status === 404, `models.retrieve 404: ${notFound}`);
+check(notFound.code === 'model_not_found', `models.retrieve 404 code: ${JSON.stringify(notFound.error)}`);
 
 // Completions: non-streamed, then streamed with the same seed.
 const creq = { model, prompt: 'Once upon a time', max_tokens: 12, temperature: 1, seed: 3 };
@@ -65,6 +85,16 @@ for await (const chunk of await client.chat.completions.create({
 check(role === 'assistant', `streamed chat role ${role}`);
 check(text === q.choices[0].message.content, `streamed chat ${JSON.stringify(text)} != ${JSON.stringify(q.choices[0].message.content)}`);
 check(usage && usage.completion_tokens === q.usage.completion_tokens, `streamed chat usage ${JSON.stringify(usage)}`);
+
+// Role developer (the newer name for system): the same prompt, so the same
+// answer with the same seed.
+const dev = await client.chat.completions.create({
+  ...qreq,
+  messages: [{ role: 'developer', content: messages[0].content }, messages[1]],
+});
+check(dev.usage.prompt_tokens === q.usage.prompt_tokens, `developer prompt_tokens ${dev.usage.prompt_tokens} != ${q.usage.prompt_tokens}`);
+check(dev.choices[0].message.content === q.choices[0].message.content,
+  `developer chat ${JSON.stringify(dev.choices[0].message.content)} != ${JSON.stringify(q.choices[0].message.content)}`);
 
 // An invalid request surfaces as the client's typed error with the status.
 let err = null;
