@@ -569,6 +569,106 @@ Test(admin, prefixctl_prefix_end_to_end) {
     free(out);
 }
 
+/* Non-ASCII text through prefixctl: a --messages file written with \u
+ * escapes (a surrogate pair included) registers the same prefix as the
+ * same file in raw UTF-8, which a chat request in raw UTF-8 then uses; a
+ * non-ASCII namespace is listed back byte for byte; the daemon's error
+ * bodies reach the user decoded; https against the plain-http listener
+ * fails with a TLS message. */
+Test(admin, prefixctl_unicode_round_trip_and_errors) {
+    /* Chat messages need a chat template: the phi-3 vocabulary carries one. */
+    TH_REQUIRE_SHARED();
+    char vpath[1024], mpath[1200];
+    cr_assert_not_null(th_shared_file("vocab/ggml-vocab-phi-3.gguf", vpath, sizeof vpath));
+    pd_testmodel_opts o;
+    pd_error err = {0};
+    cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
+    o.vocab_from = vpath;
+    o.wtype = PD_TYPE_Q8_0;
+    snprintf(mpath, sizeof mpath, "%s/phi3.gguf", tmpdir);
+    cr_assert_eq(pd_testmodel_write(&o, mpath, NULL, &err), PD_OK, "%s", err.msg);
+    start_daemon_on(mpath, "--set admin.token=" TOKEN);
+    const char *ctl = getenv("PD_PREFIXCTL");
+    char url[64], esc[1200], raw[1200], *out = NULL;
+    snprintf(url, sizeof url, "http://127.0.0.1:%d", port);
+    /* "Caf\u00e9 na\u00efve \u2014 \U0001F600" in both spellings, then the story. */
+    const char *sys_raw = "Caf\xc3\xa9 na\xc3\xafve \xe2\x80\x94 \xf0\x9f\x98\x80";
+    snprintf(esc, sizeof esc, "%s/esc.json", tmpdir);
+    snprintf(raw, sizeof raw, "%s/raw.json", tmpdir);
+    FILE *f = fopen(esc, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "[{\"role\":\"system\",\"content\":\"Caf\\u00e9 na\\u00efve \\u2014 \\ud83d\\ude00 %s\"}]", story);
+    fclose(f);
+    f = fopen(raw, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "[{\"role\":\"system\",\"content\":\"%s %s\"}]", sys_raw, story);
+    fclose(f);
+    char ids[2][80];
+    const char *files[2] = {esc, raw};
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s add --messages %s --policy knorm --retention 0.5 "
+                             "2>/dev/null", ctl, url, TOKEN, files[i]),
+                     0, "%s", out);
+        json_t *j = th_json_parse(out);
+        snprintf(ids[i], sizeof ids[i], "%s", json_string_value(json_object_get(j, "id")));
+        json_decref(j);
+        free(out);
+    }
+    cr_assert_str_eq(ids[0], ids[1], "\\u escapes and raw UTF-8 are the same text");
+    char body[2048];
+    snprintf(body, sizeof body, "{\"model\":\"test\",\"messages\":[{\"role\":\"system\",\"content\":\"%s %s\"},"
+             "{\"role\":\"user\",\"content\":\"Go on.\"}],\"max_tokens\":2,\"temperature\":0}", sys_raw, story);
+    cr_assert_gt(completion_cached("/v1/chat/completions", body), 10, "the raw UTF-8 request used the prefix");
+
+    /* A namespace beyond ASCII, listed back intact (and filtered by it). */
+    const char *ns = "\xc3\xa9quipe-\xe6\x97\xa5\xe6\x9c\xac";
+    char text[1200];
+    snprintf(text, sizeof text, "%s/prefix.txt", tmpdir);
+    f = fopen(text, "w");
+    cr_assert_not_null(f);
+    fputs(story, f);
+    fclose(f);
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s add --text %s --namespace '%s' --retention 0.5 "
+                         "2>/dev/null", ctl, url, TOKEN, text, ns),
+                 0, "%s", out);
+    json_t *j = th_json_parse(out);
+    free(out);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "namespace")), ns);
+    char id[80];
+    snprintf(id, sizeof id, "%s", json_string_value(json_object_get(j, "id")));
+    json_decref(j);
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s list --namespace '%s'", ctl, url, TOKEN, ns), 0);
+    j = th_json_parse(out);
+    free(out);
+    json_t *data = json_object_get(j, "data");
+    cr_assert_eq(json_array_size(data), 1, "only the prefix of that namespace");
+    cr_assert_str_eq(json_string_value(json_object_get(json_array_get(data, 0), "id")), id);
+    cr_assert_str_eq(json_string_value(json_object_get(json_array_get(data, 0), "namespace")), ns);
+    json_decref(j);
+
+    /* The daemon's error message, decoded, on stderr; exit 1. */
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s add --text %s --keep-text '%s' 2>&1", ctl, url, TOKEN,
+                         text, sys_raw),
+                 1, "%s", out);
+    char want[128];
+    snprintf(want, sizeof want, "HTTP 400: ");
+    cr_assert(strstr(out, want), "%s", out);
+    snprintf(want, sizeof want, "'%s' does not occur", sys_raw);
+    cr_assert(strstr(out, want), "the phrase comes back intact: %s", out);
+    free(out);
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token wrong list 2>&1", ctl, url), 1, "%s", out);
+    cr_assert(strstr(out, "HTTP 401: "), "%s", out);
+    free(out);
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s job 999 2>&1", ctl, url, TOKEN), 1, "%s", out);
+    cr_assert(strstr(out, "HTTP 404: ") && !strstr(out, "is the admin API enabled"),
+              "a missing job is not a missing route: %s", out);
+    free(out);
+    /* https to the plain-http listener: the TLS handshake fails, clearly. */
+    cr_assert_eq(th_runf(&out, "%s prefix --url https://127.0.0.1:%d --token %s list 2>&1", ctl, port, TOKEN), 1);
+    cr_assert(strstr(out, "TLS with https://127.0.0.1:") && strstr(out, "use http://"), "%s", out);
+    free(out);
+}
+
 /* A registration waiting for its job (wait: true) when the daemon is told to
  * stop is answered 202 with where to ask, as docs/api.md says, not with a
  * closed connection; the daemon still exits cleanly. */
