@@ -25,6 +25,7 @@
 static char *tmpdir;
 static char model[1024];
 static pid_t daemon_pid;
+static pid_t proxy_pid; /* HAProxy of the https test, stopped by teardown */
 static int port, admin_port;
 
 static const char *story = "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
@@ -39,6 +40,11 @@ static void setup(void) {
 static void stop_daemon(int sig) { th_daemon_stop(&daemon_pid, sig); }
 
 static void teardown(void) {
+    if (proxy_pid > 0) {
+        kill(proxy_pid, SIGKILL);
+        waitpid(proxy_pid, NULL, 0);
+        proxy_pid = 0;
+    }
     stop_daemon(SIGKILL);
     th_rmtree(tmpdir);
     free(tmpdir);
@@ -666,6 +672,80 @@ Test(admin, prefixctl_unicode_round_trip_and_errors) {
     /* https to the plain-http listener: the TLS handshake fails, clearly. */
     cr_assert_eq(th_runf(&out, "%s prefix --url https://127.0.0.1:%d --token %s list 2>&1", ctl, port, TOKEN), 1);
     cr_assert(strstr(out, "TLS with https://127.0.0.1:") && strstr(out, "use http://"), "%s", out);
+    free(out);
+}
+
+/* https for real: HAProxy terminates TLS (a throwaway certificate for
+ * 127.0.0.1) in front of the admin listener. With --cacert the commands
+ * work as over http; without it the certificate is refused, clearly. And
+ * libcurl takes proxies from the environment: an http_proxy that refuses
+ * connections is what fails, not the (unresolvable) host. */
+Test(admin, prefixctl_over_https_and_through_proxy_variables) {
+    if (system("haproxy -v >/dev/null 2>&1") != 0) cr_skip_test("haproxy is not installed");
+    if (system("openssl version >/dev/null 2>&1") != 0) cr_skip_test("openssl is not installed");
+    start_daemon("--set admin.token=" TOKEN);
+    const int hp = th_free_port();
+    char *out = NULL;
+    cr_assert_eq(th_runf(&out, "cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout key.pem -out cert.pem "
+                               "-days 2 -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1 2>&1 && "
+                               "cat cert.pem key.pem > both.pem", tmpdir),
+                 0, "%s", out);
+    free(out);
+    char cfg[1200];
+    snprintf(cfg, sizeof cfg, "%s/haproxy.cfg", tmpdir);
+    FILE *f = fopen(cfg, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "defaults\n    mode http\n    timeout connect 5s\n    timeout client 60s\n    timeout server 60s\n"
+               "frontend tls\n    bind 127.0.0.1:%d ssl crt %s/both.pem\n    default_backend prefixd\n"
+               "backend prefixd\n    server p 127.0.0.1:%d\n", hp, tmpdir, port);
+    fclose(f);
+    char *pid_text = NULL;
+    cr_assert_eq(th_runf(&pid_text, "haproxy -f %s -db >%s/haproxy.log 2>&1 & echo $!", cfg, tmpdir), 0);
+    proxy_pid = (pid_t)atoi(pid_text);
+    free(pid_text);
+    const char *ctl = getenv("PD_PREFIXCTL");
+    int rc = 1;
+    out = NULL;
+    for (int i = 0; i < 100 && rc != 0; i++) { /* until HAProxy listens */
+        free(out);
+        rc = th_runf(&out, "%s prefix --url https://127.0.0.1:%d --cacert %s/cert.pem --token %s list 2>&1", ctl, hp,
+                     tmpdir, TOKEN);
+        if (rc) usleep(50 * 1000);
+    }
+    cr_assert_eq(rc, 0, "list over https: %s", out);
+    json_t *j = th_json_parse(out);
+    cr_assert(json_is_array(json_object_get(j, "data")), "%s", out);
+    json_decref(j);
+    free(out);
+    char text[1200];
+    snprintf(text, sizeof text, "%s/prefix.txt", tmpdir);
+    f = fopen(text, "w");
+    cr_assert_not_null(f);
+    fputs(story, f);
+    fclose(f);
+    cr_assert_eq(th_runf(&out, "%s prefix --url https://127.0.0.1:%d --cacert %s/cert.pem --token %s add --text %s "
+                         "--retention 0.5 2>/dev/null", ctl, hp, tmpdir, TOKEN, text),
+                 0, "%s", out);
+    j = th_json_parse(out);
+    cr_assert_eq(strlen(json_string_value(json_object_get(j, "id"))), 64, "%s", out);
+    json_decref(j);
+    free(out);
+    /* The system's CAs do not know the throwaway certificate. */
+    cr_assert_eq(th_runf(&out, "%s prefix --url https://127.0.0.1:%d --token %s list 2>&1", ctl, hp, TOKEN), 1);
+    cr_assert(strstr(out, "TLS with https://127.0.0.1:") && strstr(out, "--cacert"), "%s", out);
+    free(out);
+    kill(proxy_pid, SIGTERM);
+    waitpid(proxy_pid, NULL, 0);
+    proxy_pid = 0;
+
+    const int closed = th_free_port();
+    cr_assert_eq(th_runf(&out, "env -u no_proxy -u NO_PROXY http_proxy=http://127.0.0.1:%d %s prefix "
+                               "--url http://prefixd.invalid:8080 --token t list 2>&1", closed, ctl),
+                 1);
+    char want[64];
+    snprintf(want, sizeof want, "port %d", closed);
+    cr_assert(strstr(out, "cannot connect to http://prefixd.invalid:8080") && strstr(out, want),
+              "the proxy was used: %s", out);
     free(out);
 }
 
