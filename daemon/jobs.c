@@ -111,7 +111,8 @@ static void queued_gauge_add(pd_jobs *j, double v) {
 
 /* ---- the worker ----------------------------------------------------------- */
 
-/* Progress and cancellation between layers of the compressing prefill. */
+/* Progress and cancellation between layers of the compressing prefill
+ * (and between calibration measurements, on_calib_step). */
 typedef struct layer_ctx {
     pd_jobs *j;
     job *jb;
@@ -124,6 +125,22 @@ static int on_layer(void *ctx, int layer, int n_layer, pd_error *err) {
     pthread_mutex_lock(&j->mu);
     const bool stop = j->stop;
     set_progress(h->jb, h->base + h->span * (double)(layer + 1) / (double)(n_layer > 0 ? n_layer : 1));
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+    if (stop) return pd_errorf(err, PD_EIO, "the jobs service is shutting down; the job was abandoned");
+    return PD_OK;
+}
+
+/* Calibration fills progress [0, CALIB_SHARE): one step per measurement
+ * (pd_calib_opts.progress); compression the rest up to "storing". */
+#define CALIB_SHARE 0.6
+
+static int on_calib_step(void *ctx, int done, int total, pd_error *err) {
+    layer_ctx *h = ctx;
+    pd_jobs *j = h->j;
+    pthread_mutex_lock(&j->mu);
+    const bool stop = j->stop;
+    set_progress(h->jb, h->base + h->span * (double)done / (double)(total > 0 ? total : 1));
     pthread_cond_broadcast(&j->cv);
     pthread_mutex_unlock(&j->mu);
     if (stop) return pd_errorf(err, PD_EIO, "the jobs service is shutting down; the job was abandoned");
@@ -202,6 +219,9 @@ static int run_job(pd_jobs *j, job *jb, pd_prefix_info *info, bool *existed, dou
         pd_calib_opts co;
         pd_calib_opts_default(&co);
         co.tau = jb->quality;
+        layer_ctx calib = {.j = j, .jb = jb, .base = 0, .span = CALIB_SHARE};
+        co.progress = on_calib_step;
+        co.progress_ctx = &calib;
         pd_calib_result cr;
         pd_policy_spec chosen_spec;
         if ((rc = pd_calibrate(j->model, jb->tokens, jb->n, &spec, lay, &co, &cr, &chosen_spec, err))) return rc;
@@ -209,7 +229,7 @@ static int run_job(pd_jobs *j, job *jb, pd_prefix_info *info, bool *existed, dou
         q.tau = jb->quality;
         q.nll_full = cr.nll_full;
         q.nll_ratio = cr.measured;
-        base = 0.6;
+        base = CALIB_SHARE;
     }
     q.retention = spec.retention;
     *chosen = spec.retention;

@@ -8,7 +8,7 @@ packages=(
   build-essential pkg-config meson ninja-build clang libclang-rt-14-dev
   libmicrohttpd-dev libjansson-dev liblmdb-dev lmdb-utils libxxhash-dev libcriterion-dev
   libopenblas-dev liblapacke-dev libssl-dev libinih-dev libsystemd-dev
-  libpcre2-dev libutf8proc-dev curl python3 systemd haproxy
+  libpcre2-dev libutf8proc-dev libcurl4-openssl-dev curl python3 systemd haproxy
 )
 
 missing=()

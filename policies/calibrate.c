@@ -249,7 +249,17 @@ typedef struct calib_run {
     int64_t n_probe;
     const pd_layout *layout;
     double nll_full;
+    const pd_calib_opts *opts;  /* for the progress callback */
+    int done, total;            /* measurements done and planned */
 } calib_run;
+
+/* One measurement done: tell the caller (pd_calib_opts.progress). */
+static int step(calib_run *r, pd_error *err) {
+    r->done++;
+    if (r->done > r->total) r->total = r->done;
+    if (!r->opts || !r->opts->progress) return PD_OK;
+    return r->opts->progress(r->opts->progress_ctx, r->done, r->total, err);
+}
 
 /* NLL ratio of the probe after the prefix compressed at `retention`. */
 static int measure(const calib_run *r, const pd_policy_spec *spec, double retention, double *ratio, pd_error *err) {
@@ -334,7 +344,7 @@ size_t pd_curve_policy_print(const pd_policy_spec *spec, char *buf, size_t cap) 
     return (size_t)snprintf(buf, cap, "%s", out);
 }
 
-static int choose(const calib_run *r, const pd_policy_spec *spec, const pd_calib_opts *o, pd_calib_result *res,
+static int choose(calib_run *r, const pd_policy_spec *spec, const pd_calib_opts *o, pd_calib_result *res,
                   pd_error *err) {
     double chosen = tidy(pd_curve_inverse(res->curve, o->tau, o->min_retention));
     for (;;) {
@@ -348,6 +358,10 @@ static int choose(const calib_run *r, const pd_policy_spec *spec, const pd_calib
         double measured;
         int rc = measure(r, spec, chosen, &measured, err);
         if (rc) return rc;
+        /* A miss with room left means one more check: plan it before
+         * reporting, so done == total only on the last measurement. */
+        if (!(measured <= o->tau) && res->n_points < PD_CALIB_MAX_POINTS) r->total++;
+        if ((rc = step(r, err))) return rc;
         if (measured <= o->tau || res->n_points == PD_CALIB_MAX_POINTS) {
             res->chosen = chosen;
             res->measured = measured;
@@ -394,7 +408,8 @@ int pd_calibrate(pd_model *m, const pd_token *tokens, int64_t n, const pd_policy
     if (!tokens || n <= 0) return pd_errorf(err, PD_EINVAL, "calibration: the prefix is empty");
     if (layout && (rc = pd_layout_validate(layout, n, err))) return rc;
 
-    calib_run r = {.m = m, .prefix = tokens, .n_prefix = n};
+    /* Planned: the full prefix, each point, and one check of the choice. */
+    calib_run r = {.m = m, .prefix = tokens, .n_prefix = n, .opts = opts, .total = opts->n_points + 2};
     pd_layout clipped = {0};
     bool own_layout = false;
     if (opts->probe) {
@@ -422,14 +437,22 @@ int pd_calibrate(pd_model *m, const pd_token *tokens, int64_t n, const pd_policy
     pd_calib_result res;
     memset(&res, 0, sizeof res);
     rc = full_nll(&r, err);
+    if (!rc) rc = step(&r, err);
     res.nll_full = r.nll_full;
     res.n_points = opts->n_points;
     for (int i = 0; !rc && i < opts->n_points; i++) {
         res.retention[i] = opts->points[i];
         rc = measure(&r, spec, opts->points[i], &res.ratio[i], err);
+        if (!rc) rc = step(&r, err);
     }
     if (!rc) rc = pd_curve_fit(res.retention, res.ratio, res.n_points, opts->under_weight, &res.curve, err);
     if (!rc) rc = choose(&r, spec, opts, &res, err);
+    /* A choice of 1 needs no check: the planned one is dropped, so the
+     * last call still says done == total. */
+    if (!rc && r.done < r.total && opts->progress) {
+        r.total = r.done;
+        rc = opts->progress(opts->progress_ctx, r.done, r.total, err);
+    }
     if (own_layout) {
         free((void *)clipped.spans);
         free((void *)clipped.whitelist);
@@ -472,10 +495,10 @@ int pd_calib_measure_text(pd_model *m, const pd_token *tokens, int64_t n, const 
                          "or change the holdout)",
                          n, opts->holdout, n_cont, n - n_cont, MIN_PROBE, MIN_PREFIX);
     calib_run r = {.m = m, .prefix = tokens, .n_prefix = n - n_cont, .probe = tokens + (n - n_cont),
-                   .n_probe = n_cont};
-    if ((rc = full_nll(&r, err))) return rc;
+                   .n_probe = n_cont, .opts = opts, .total = 1 + opts->n_points};
+    if ((rc = full_nll(&r, err)) || (rc = step(&r, err))) return rc;
     for (int i = 0; i < opts->n_points; i++)
-        if ((rc = measure(&r, spec, opts->points[i], &ratio[i], err))) return rc;
+        if ((rc = measure(&r, spec, opts->points[i], &ratio[i], err)) || (rc = step(&r, err))) return rc;
     if (nll_full) *nll_full = r.nll_full;
     return PD_OK;
 }

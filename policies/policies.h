@@ -473,6 +473,15 @@ typedef struct pd_calib_opts {
     const pd_token *probe;      /* caller-supplied probe text (optional) */
     int64_t n_probe;
     double under_weight;        /* default 4 */
+    /* Optional, called after each measurement (the full-prefix NLL, then
+     * each retention's compress + NLL) with the measurements done so far
+     * and the number planned: done rises by 1 each call, done <= total,
+     * total grows when a check misses tau and another measurement follows,
+     * and the last call has done == total. Lets callers show progress
+     * (done / total never falls); a non-zero return stops the calibration
+     * and is returned, with err filled by the callback. NULL: none. */
+    int (*progress)(void *ctx, int done, int total, pd_error *err);
+    void *progress_ctx;
 } pd_calib_opts;
 
 void pd_calib_opts_default(pd_calib_opts *o);
@@ -521,7 +530,8 @@ size_t pd_curve_policy_print(const pd_policy_spec *spec, char *buf, size_t cap);
  * rest the prefix. ratio[i] = NLL(continuation | prefix compressed at
  * opts->points[i]) / NLL(continuation | full prefix), i < opts->n_points;
  * *nll_full (optional) the denominator. opts->tau, min_retention and probe
- * are not used. The spec's retention is ignored. */
+ * are not used; opts->progress is called as in pd_calibrate, with
+ * total = 1 + n_points. The spec's retention is ignored. */
 int pd_calib_measure_text(pd_model *m, const pd_token *tokens, int64_t n, const pd_policy_spec *spec,
                           const pd_calib_opts *opts, double *ratio, double *nll_full, pd_error *err);
 

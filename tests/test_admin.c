@@ -25,6 +25,7 @@
 static char *tmpdir;
 static char model[1024];
 static pid_t daemon_pid;
+static pid_t proxy_pid; /* HAProxy of the https test, stopped by teardown */
 static int port, admin_port;
 
 static const char *story = "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
@@ -39,6 +40,11 @@ static void setup(void) {
 static void stop_daemon(int sig) { th_daemon_stop(&daemon_pid, sig); }
 
 static void teardown(void) {
+    if (proxy_pid > 0) {
+        kill(proxy_pid, SIGKILL);
+        waitpid(proxy_pid, NULL, 0);
+        proxy_pid = 0;
+    }
     stop_daemon(SIGKILL);
     th_rmtree(tmpdir);
     free(tmpdir);
@@ -566,6 +572,180 @@ Test(admin, prefixctl_prefix_end_to_end) {
                          TOKEN, text),
                  1, "%s", out);
     cr_assert(strstr(out, "'purple cow' does not occur"), "%s", out);
+    free(out);
+}
+
+/* Non-ASCII text through prefixctl: a --messages file written with \u
+ * escapes (a surrogate pair included) registers the same prefix as the
+ * same file in raw UTF-8, which a chat request in raw UTF-8 then uses; a
+ * non-ASCII namespace is listed back byte for byte; the daemon's error
+ * bodies reach the user decoded; https against the plain-http listener
+ * fails with a TLS message. */
+Test(admin, prefixctl_unicode_round_trip_and_errors) {
+    /* Chat messages need a chat template: the phi-3 vocabulary carries one. */
+    TH_REQUIRE_SHARED();
+    char vpath[1024], mpath[1200];
+    cr_assert_not_null(th_shared_file("vocab/ggml-vocab-phi-3.gguf", vpath, sizeof vpath));
+    pd_testmodel_opts o;
+    pd_error err = {0};
+    cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
+    o.vocab_from = vpath;
+    o.wtype = PD_TYPE_Q8_0;
+    snprintf(mpath, sizeof mpath, "%s/phi3.gguf", tmpdir);
+    cr_assert_eq(pd_testmodel_write(&o, mpath, NULL, &err), PD_OK, "%s", err.msg);
+    start_daemon_on(mpath, "--set admin.token=" TOKEN);
+    const char *ctl = getenv("PD_PREFIXCTL");
+    char url[64], esc[1200], raw[1200], *out = NULL;
+    snprintf(url, sizeof url, "http://127.0.0.1:%d", port);
+    /* "Caf\u00e9 na\u00efve \u2014 \U0001F600" in both spellings, then the story. */
+    const char *sys_raw = "Caf\xc3\xa9 na\xc3\xafve \xe2\x80\x94 \xf0\x9f\x98\x80";
+    snprintf(esc, sizeof esc, "%s/esc.json", tmpdir);
+    snprintf(raw, sizeof raw, "%s/raw.json", tmpdir);
+    FILE *f = fopen(esc, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "[{\"role\":\"system\",\"content\":\"Caf\\u00e9 na\\u00efve \\u2014 \\ud83d\\ude00 %s\"}]", story);
+    fclose(f);
+    f = fopen(raw, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "[{\"role\":\"system\",\"content\":\"%s %s\"}]", sys_raw, story);
+    fclose(f);
+    char ids[2][80];
+    const char *files[2] = {esc, raw};
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s add --messages %s --policy knorm --retention 0.5 "
+                             "2>/dev/null", ctl, url, TOKEN, files[i]),
+                     0, "%s", out);
+        json_t *j = th_json_parse(out);
+        snprintf(ids[i], sizeof ids[i], "%s", json_string_value(json_object_get(j, "id")));
+        json_decref(j);
+        free(out);
+    }
+    cr_assert_str_eq(ids[0], ids[1], "\\u escapes and raw UTF-8 are the same text");
+    char body[2048];
+    snprintf(body, sizeof body, "{\"model\":\"test\",\"messages\":[{\"role\":\"system\",\"content\":\"%s %s\"},"
+             "{\"role\":\"user\",\"content\":\"Go on.\"}],\"max_tokens\":2,\"temperature\":0}", sys_raw, story);
+    cr_assert_gt(completion_cached("/v1/chat/completions", body), 10, "the raw UTF-8 request used the prefix");
+
+    /* A namespace beyond ASCII, listed back intact (and filtered by it). */
+    const char *ns = "\xc3\xa9quipe-\xe6\x97\xa5\xe6\x9c\xac";
+    char text[1200];
+    snprintf(text, sizeof text, "%s/prefix.txt", tmpdir);
+    f = fopen(text, "w");
+    cr_assert_not_null(f);
+    fputs(story, f);
+    fclose(f);
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s add --text %s --namespace '%s' --retention 0.5 "
+                         "2>/dev/null", ctl, url, TOKEN, text, ns),
+                 0, "%s", out);
+    json_t *j = th_json_parse(out);
+    free(out);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "namespace")), ns);
+    char id[80];
+    snprintf(id, sizeof id, "%s", json_string_value(json_object_get(j, "id")));
+    json_decref(j);
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s list --namespace '%s'", ctl, url, TOKEN, ns), 0);
+    j = th_json_parse(out);
+    free(out);
+    json_t *data = json_object_get(j, "data");
+    cr_assert_eq(json_array_size(data), 1, "only the prefix of that namespace");
+    cr_assert_str_eq(json_string_value(json_object_get(json_array_get(data, 0), "id")), id);
+    cr_assert_str_eq(json_string_value(json_object_get(json_array_get(data, 0), "namespace")), ns);
+    json_decref(j);
+
+    /* The daemon's error message, decoded, on stderr; exit 1. */
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s add --text %s --keep-text '%s' 2>&1", ctl, url, TOKEN,
+                         text, sys_raw),
+                 1, "%s", out);
+    char want[128];
+    snprintf(want, sizeof want, "HTTP 400: ");
+    cr_assert(strstr(out, want), "%s", out);
+    snprintf(want, sizeof want, "'%s' does not occur", sys_raw);
+    cr_assert(strstr(out, want), "the phrase comes back intact: %s", out);
+    free(out);
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token wrong list 2>&1", ctl, url), 1, "%s", out);
+    cr_assert(strstr(out, "HTTP 401: "), "%s", out);
+    free(out);
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s job 999 2>&1", ctl, url, TOKEN), 1, "%s", out);
+    cr_assert(strstr(out, "HTTP 404: ") && !strstr(out, "is the admin API enabled"),
+              "a missing job is not a missing route: %s", out);
+    free(out);
+    /* https to the plain-http listener: the TLS handshake fails, clearly. */
+    cr_assert_eq(th_runf(&out, "%s prefix --url https://127.0.0.1:%d --token %s list 2>&1", ctl, port, TOKEN), 1);
+    cr_assert(strstr(out, "TLS with https://127.0.0.1:") && strstr(out, "use http://"), "%s", out);
+    free(out);
+}
+
+/* https for real: HAProxy terminates TLS (a throwaway certificate for
+ * 127.0.0.1) in front of the admin listener. With --cacert the commands
+ * work as over http; without it the certificate is refused, clearly. And
+ * libcurl takes proxies from the environment: an http_proxy that refuses
+ * connections is what fails, not the (unresolvable) host. */
+Test(admin, prefixctl_over_https_and_through_proxy_variables) {
+    if (system("haproxy -v >/dev/null 2>&1") != 0) cr_skip_test("haproxy is not installed");
+    if (system("openssl version >/dev/null 2>&1") != 0) cr_skip_test("openssl is not installed");
+    start_daemon("--set admin.token=" TOKEN);
+    const int hp = th_free_port();
+    char *out = NULL;
+    cr_assert_eq(th_runf(&out, "cd %s && openssl req -x509 -newkey rsa:2048 -nodes -keyout key.pem -out cert.pem "
+                               "-days 2 -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1 2>&1 && "
+                               "cat cert.pem key.pem > both.pem", tmpdir),
+                 0, "%s", out);
+    free(out);
+    char cfg[1200];
+    snprintf(cfg, sizeof cfg, "%s/haproxy.cfg", tmpdir);
+    FILE *f = fopen(cfg, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "defaults\n    mode http\n    timeout connect 5s\n    timeout client 60s\n    timeout server 60s\n"
+               "frontend tls\n    bind 127.0.0.1:%d ssl crt %s/both.pem\n    default_backend prefixd\n"
+               "backend prefixd\n    server p 127.0.0.1:%d\n", hp, tmpdir, port);
+    fclose(f);
+    char *pid_text = NULL;
+    cr_assert_eq(th_runf(&pid_text, "haproxy -f %s -db >%s/haproxy.log 2>&1 & echo $!", cfg, tmpdir), 0);
+    proxy_pid = (pid_t)atoi(pid_text);
+    free(pid_text);
+    const char *ctl = getenv("PD_PREFIXCTL");
+    int rc = 1;
+    out = NULL;
+    for (int i = 0; i < 100 && rc != 0; i++) { /* until HAProxy listens */
+        free(out);
+        rc = th_runf(&out, "%s prefix --url https://127.0.0.1:%d --cacert %s/cert.pem --token %s list 2>&1", ctl, hp,
+                     tmpdir, TOKEN);
+        if (rc) usleep(50 * 1000);
+    }
+    cr_assert_eq(rc, 0, "list over https: %s", out);
+    json_t *j = th_json_parse(out);
+    cr_assert(json_is_array(json_object_get(j, "data")), "%s", out);
+    json_decref(j);
+    free(out);
+    char text[1200];
+    snprintf(text, sizeof text, "%s/prefix.txt", tmpdir);
+    f = fopen(text, "w");
+    cr_assert_not_null(f);
+    fputs(story, f);
+    fclose(f);
+    cr_assert_eq(th_runf(&out, "%s prefix --url https://127.0.0.1:%d --cacert %s/cert.pem --token %s add --text %s "
+                         "--retention 0.5 2>/dev/null", ctl, hp, tmpdir, TOKEN, text),
+                 0, "%s", out);
+    j = th_json_parse(out);
+    cr_assert_eq(strlen(json_string_value(json_object_get(j, "id"))), 64, "%s", out);
+    json_decref(j);
+    free(out);
+    /* The system's CAs do not know the throwaway certificate. */
+    cr_assert_eq(th_runf(&out, "%s prefix --url https://127.0.0.1:%d --token %s list 2>&1", ctl, hp, TOKEN), 1);
+    cr_assert(strstr(out, "TLS with https://127.0.0.1:") && strstr(out, "--cacert"), "%s", out);
+    free(out);
+    kill(proxy_pid, SIGTERM);
+    waitpid(proxy_pid, NULL, 0);
+    proxy_pid = 0;
+
+    const int closed = th_free_port();
+    cr_assert_eq(th_runf(&out, "env -u no_proxy -u NO_PROXY http_proxy=http://127.0.0.1:%d %s prefix "
+                               "--url http://prefixd.invalid:8080 --token t list 2>&1", closed, ctl),
+                 1);
+    char want[64];
+    snprintf(want, sizeof want, "port %d", closed);
+    cr_assert(strstr(out, "cannot connect to http://prefixd.invalid:8080") && strstr(out, want),
+              "the proxy was used: %s", out);
     free(out);
 }
 

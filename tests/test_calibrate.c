@@ -375,6 +375,101 @@ static void write_set(char *dir, size_t cap) {
     cr_assert_eq(mkdir(path, 0755), 0);
 }
 
+/* ---- progress (pd_calib_opts.progress) --------------------------------------------- */
+
+#define MAX_CALLS 32
+
+typedef struct calls {
+    int n, done[MAX_CALLS], total[MAX_CALLS];
+    int stop_at; /* > 0: fail the call with this done */
+} calls;
+
+static int record(void *ctx, int done, int total, pd_error *err) {
+    calls *c = ctx;
+    cr_assert_lt(c->n, MAX_CALLS);
+    c->done[c->n] = done, c->total[c->n] = total;
+    c->n++;
+    if (done == c->stop_at) return pd_errorf(err, PD_EIO, "stopped by the test at %d", done);
+    return PD_OK;
+}
+
+/* What the callback contract promises, call by call: done counts 1, 2, ...,
+ * total never falls and is reached only by the last call, so done / total
+ * (what a job shows) is strictly between 0 and 1 until the end and never
+ * goes back. */
+static void check_sequence(const calls *c, int min_total) {
+    cr_assert_gt(c->n, 0, "no progress was reported");
+    double last_frac = 0;
+    for (int i = 0; i < c->n; i++) {
+        cr_assert_eq(c->done[i], i + 1, "call %d says done %d", i, c->done[i]);
+        cr_assert_leq(c->done[i], c->total[i]);
+        if (i) cr_assert_geq(c->total[i], c->total[i - 1], "the plan shrank at call %d", i);
+        const double frac = (double)c->done[i] / c->total[i];
+        cr_assert_geq(frac, last_frac, "progress went back at call %d", i);
+        if (i < c->n - 1) cr_assert(frac > 0 && frac < 1, "call %d: %d of %d before the end", i, c->done[i], c->total[i]);
+        last_frac = frac;
+    }
+    cr_assert_eq(c->done[c->n - 1], c->total[c->n - 1], "the last call ends the plan");
+    cr_assert_geq(c->total[c->n - 1], min_total);
+}
+
+Test(calibrate, progress_reports_every_measurement) {
+    char path[1024];
+    pd_model *m = load_stories(path, sizeof path);
+    pd_policy_spec spec;
+    pd_error err = {0};
+    cr_assert_eq(pd_policy_spec_parse("snapkv", &spec, &err), PD_OK, "%s", err.msg);
+    char text[4096];
+    snprintf(text, sizeof text, "%s %s %s", stories[0], stories[1], stories[2]);
+    pd_token *ids = NULL;
+    size_t n = 0;
+    tokens_of(m, text, &ids, &n);
+    /* A loose budget (one check) and a tighter one (on this text and model
+     * its first check misses: one more measurement, so the plan grows). */
+    const double taus[] = {1.5, 1.01};
+    for (size_t k = 0; k < sizeof taus / sizeof taus[0]; k++) {
+        pd_calib_opts o;
+        pd_calib_opts_default(&o);
+        o.tau = taus[k];
+        calls c = {0};
+        o.progress = record;
+        o.progress_ctx = &c;
+        pd_calib_result r;
+        cr_assert_eq(pd_calibrate(m, ids, (int64_t)n, &spec, NULL, &o, &r, NULL, &err), PD_OK, "%s", err.msg);
+        check_sequence(&c, 1 + o.n_points);
+        /* One call per measurement: the full prefix, the points, and the
+         * checks (every point added to the fit was a check, plus the
+         * final one unless the choice was 1, which needs none). */
+        const int checks = r.n_points - o.n_points + (r.chosen < 1 ? 1 : 0);
+        cr_assert_eq(c.n, 1 + o.n_points + checks, "tau %g: %d calls, %d checks", taus[k], c.n, checks);
+        /* The same calibration without a callback chooses the same. */
+        pd_calib_opts plain = o;
+        plain.progress = NULL;
+        pd_calib_result r2;
+        cr_assert_eq(pd_calibrate(m, ids, (int64_t)n, &spec, NULL, &plain, &r2, NULL, &err), PD_OK, "%s", err.msg);
+        cr_assert_eq(r2.chosen, r.chosen);
+    }
+    /* A failing callback stops the calibration with its error. */
+    pd_calib_opts o;
+    pd_calib_opts_default(&o);
+    calls c = {.stop_at = 2};
+    o.progress = record;
+    o.progress_ctx = &c;
+    cr_assert_eq(pd_calibrate(m, ids, (int64_t)n, &spec, NULL, &o, NULL, NULL, &err), PD_EIO);
+    cr_assert(strstr(err.msg, "stopped by the test at 2"), "%s", err.msg);
+    cr_assert_eq(c.n, 2, "no measurement after the stop");
+    /* Offline measurement of one text: 1 + n_points calls. */
+    calls t = {0};
+    o.progress_ctx = &t;
+    o.holdout = 0.25;
+    double ratio[PD_CALIB_MAX_POINTS];
+    cr_assert_eq(pd_calib_measure_text(m, ids, (int64_t)n, &spec, &o, ratio, NULL, &err), PD_OK, "%s", err.msg);
+    check_sequence(&t, 1 + o.n_points);
+    cr_assert_eq(t.n, 1 + o.n_points);
+    free(ids);
+    pd_model_free(m);
+}
+
 Test(calibrate, prefixctl_calibrate_then_compress_with_the_curve) {
     char model[1024], set[1024], curve[1200], text[1200];
     pd_model *m = load_stories(model, sizeof model);
@@ -382,8 +477,15 @@ Test(calibrate, prefixctl_calibrate_then_compress_with_the_curve) {
     snprintf(curve, sizeof curve, "%s/curve.json", tmpdir);
     char *out = NULL;
     cr_assert_eq(th_runf(&out, "%s calibrate --model %s --policy snapkv:retention=0.3 --set %s --out %s "
-                         "--points 0.5,0.25,0.1 --threads 2 2>&1", prefixctl(), model, set, curve),
+                         "--points 0.5,0.25,0.1 --threads 2 2>%s/cal.err; st=$?; [ $st = 0 ] || cat %s/cal.err; exit $st",
+                         prefixctl(), model, set,
+                         curve, tmpdir, tmpdir),
                  0, "%s", out);
+    free(out);
+    /* stderr is a file, not a terminal: one line per phase. */
+    cr_assert_eq(th_runf(&out, "cat %s/cal.err", tmpdir), 0);
+    cr_assert_str_eq(out, "loading model\nmeasuring text 1 of 3\nmeasuring text 2 of 3\nmeasuring text 3 of 3\n"
+                          "fitting the curve\n");
     free(out);
     pd_curve_file cf;
     pd_error err = {0};

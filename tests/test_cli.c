@@ -1,5 +1,6 @@
 /* prefixctl end to end: the real binary, real files, real pipes. */
 #include <criterion/criterion.h>
+#include <jansson.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -176,4 +177,91 @@ Test(cli, nll_of_likely_text_is_lower) {
     cr_assert(l > 0 && u > 0, "%s / %s", likely, unlikely);
     cr_assert_lt(l, u, "story text should be likelier than physics: %g vs %g", l, u);
     free(likely), free(unlikely);
+}
+
+/* ---- the admin client without a daemon, and progress lines ---------------------- */
+
+/* Nothing listens on a port th_free_port just returned: connecting is
+ * refused, over http and https alike, with a message that names the URL
+ * and what to check, and exit status 1. */
+Test(cli, prefix_connection_refused_is_explained) {
+    const int port = th_free_port();
+    const char *const schemes[] = {"http", "https"};
+    for (int i = 0; i < 2; i++) {
+        char *out = NULL;
+        cr_assert_eq(run(&out, "%s prefix --url %s://127.0.0.1:%d --token t list 2>&1", prefixctl(), schemes[i], port),
+                     1, "%s", out);
+        char want[96];
+        snprintf(want, sizeof want, "cannot connect to %s://127.0.0.1:%d", schemes[i], port);
+        cr_assert(strstr(out, want), "%s", out);
+        cr_assert(strstr(out, "is prefixd running"), "%s", out);
+        free(out);
+    }
+    /* Bad URLs are usage errors (2), before any connection. */
+    char *out = NULL;
+    cr_assert_eq(run(&out, "%s prefix --url ftp://127.0.0.1:%d --token t list 2>&1", prefixctl(), port), 2);
+    cr_assert(strstr(out, "only http:// and https://"), "%s", out);
+    free(out);
+    cr_assert_eq(run(&out, "%s prefix --url http://127.0.0.1:%d/admin --token t list 2>&1", prefixctl(), port), 2);
+    cr_assert(strstr(out, "not a path"), "%s", out);
+    free(out);
+    /* No scheme means http (prefixd's listeners), not libcurl's https. */
+    cr_assert_eq(run(&out, "%s prefix --url 127.0.0.1:%d --token t list 2>&1", prefixctl(), port), 1);
+    char want[64];
+    snprintf(want, sizeof want, "http://127.0.0.1:%d", port);
+    cr_assert(strstr(out, want), "%s", out);
+    free(out);
+}
+
+/* stderr not a terminal: gen-model names each phase once, on its own line;
+ * stdout keeps only the summary. */
+Test(cli, gen_model_phase_lines) {
+    char *dir = th_mkdtemp();
+    cr_assert(dir);
+    char *out = NULL;
+    cr_assert_eq(run(&out, "%s gen-model --preset tiny -o %s/m.gguf 2>%s/err >%s/out", prefixctl(), dir, dir, dir), 0);
+    free(out);
+    cr_assert_eq(run(&out, "cat %s/err", dir), 0);
+    cr_assert_str_eq(out, "building vocabulary\nwriting tensors\n");
+    free(out);
+    cr_assert_eq(run(&out, "cat %s/out", dir), 0);
+    cr_assert(strncmp(out, "wrote ", 6) == 0 && !strchr(out, '\r'), "%s", out);
+    free(out);
+    /* --quiet: neither. */
+    cr_assert_eq(run(&out, "%s gen-model --preset tiny -q -o %s/m.gguf 2>&1", prefixctl(), dir), 0);
+    cr_assert_str_eq(out, "");
+    free(out);
+    th_rmtree(dir);
+    free(dir);
+}
+
+/* compress --json --quality: stdout is one JSON document, the phases go to
+ * stderr, one line each, in order. */
+Test(cli, compress_json_stdout_and_phase_lines) {
+    TH_REQUIRE_SHARED();
+    char model[1024];
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    char *dir = th_mkdtemp();
+    cr_assert(dir);
+    char path[1100];
+    snprintf(path, sizeof path, "%s/t.txt", dir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    for (int i = 0; i < 3; i++) fputs(reference_text, f);
+    fclose(f);
+    char *out = NULL;
+    cr_assert_eq(run(&out, "%s compress --model %s --policy snapkv --quality 1.1 --text %s --eval %s --json 2>%s/err",
+                     prefixctl(), model, path, path, dir),
+                 0, "%s", out);
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    cr_assert_not_null(j, "stdout is not one JSON document (%s): %s", je.text, out);
+    cr_assert(json_is_object(json_object_get(j, "calibration")), "%s", out);
+    json_decref(j);
+    free(out);
+    cr_assert_eq(run(&out, "cat %s/err", dir), 0);
+    cr_assert_str_eq(out, "loading model\ncalibrating\ncompressing\nevaluating\n");
+    free(out);
+    th_rmtree(dir);
+    free(dir);
 }

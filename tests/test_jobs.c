@@ -224,6 +224,10 @@ Test(jobs, quality_job_calibrates_with_monotone_progress) {
         while (k < 6 && strcmp(order[k], st.phase) != 0) k++;
         cr_assert_lt(k, 6, "phase '%s' out of order (after '%s')", st.phase, order[phase_at]);
         phase_at = k;
+        /* Calibration fills [0, 0.6] (one step per measurement, see
+         * test_calibrate's progress test); compression starts at 0.6. */
+        if (strcmp(st.phase, "calibrating") == 0) cr_assert_leq(st.progress, 0.6, "calibrating at %g", st.progress);
+        if (strcmp(st.phase, "compressing") == 0) cr_assert_geq(st.progress, 0.6, "compressing at %g", st.progress);
         if (st.state == PD_JOB_DONE || st.state == PD_JOB_FAILED) break;
     }
     cr_assert_eq(st.state, PD_JOB_DONE, "%s", st.error);

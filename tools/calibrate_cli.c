@@ -318,6 +318,20 @@ static void calibrate_usage(FILE *f) {
           f);
 }
 
+/* Progress over the set: text t of n_texts, and the measurements of it. */
+typedef struct set_progress {
+    pd_progress line;
+    int t, n_texts;
+} set_progress;
+
+static int on_measurement(void *ctx, int done, int total, pd_error *err) {
+    set_progress *sp = ctx;
+    char phase[64];
+    snprintf(phase, sizeof phase, "measuring text %d of %d", sp->t + 1, sp->n_texts);
+    pd_progress_update(&sp->line, phase, (sp->t + (double)done / (double)(total > 0 ? total : 1)) / sp->n_texts);
+    return PD_OK;
+}
+
 int pd_calibrate_cli(int argc, char **argv) {
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},   {"policy", required_argument, 0, 'p'},
@@ -379,7 +393,13 @@ int pd_calibrate_cli(int argc, char **argv) {
     memset(&cf, 0, sizeof cf);
     double *ratios = NULL;
     pd_token *ids = NULL;
+    set_progress sp = {.n_texts = 1};
+    pd_progress_init(&sp.line);
     if ((rc = list_set(set, &names, &err))) goto fail;
+    sp.n_texts = names.n;
+    co.progress = on_measurement;
+    co.progress_ctx = &sp;
+    pd_progress_update(&sp.line, "loading model", 0);
     pd_model_params mp = {.n_threads = (int)threads};
     if ((rc = pd_model_load(model, &mp, &m, &err))) goto fail;
     if (!(cf.texts = calloc((size_t)names.n, sizeof *cf.texts)) ||
@@ -398,6 +418,7 @@ int pd_calibrate_cli(int argc, char **argv) {
         if (!rc) rc = pd_tokenize(pd_model_tokenizer(m), text, len, to, &ids, &n, &err);
         free(text);
         pd_curve_text *ct = &cf.texts[t];
+        sp.t = t;
         if (!rc) rc = pd_calib_measure_text(m, ids, (int64_t)n, &spec, &co, ct->ratio, &ct->nll_full, &err);
         free(ids);
         ids = NULL;
@@ -408,11 +429,14 @@ int pd_calibrate_cli(int argc, char **argv) {
         snprintf(ct->file, sizeof ct->file, "%s", names.names[t]);
         ct->tokens = (int64_t)n;
         memcpy(ratios + (size_t)t * (size_t)co.n_points, ct->ratio, sizeof(double) * (size_t)co.n_points);
+        pd_progress_end(&sp.line); /* stdout may be the same terminal */
         printf("text %s: %zu tokens, continuation NLL %.6f, ratios", names.names[t], n, ct->nll_full);
         for (int i = 0; i < co.n_points; i++) printf(" %g:%.6f", co.points[i], ct->ratio[i]);
         putchar('\n');
         fflush(stdout);
     }
+    pd_progress_update(&sp.line, "fitting the curve", 1);
+    pd_progress_end(&sp.line);
     cf.n_texts = names.n;
     cf.n_points = co.n_points;
     memcpy(cf.points, co.points, sizeof cf.points);
@@ -434,6 +458,7 @@ int pd_calibrate_cli(int argc, char **argv) {
         printf(" tau %.2f -> %.4f", taus[i], pd_curve_choose(cf.curve, taus[i], co.min_retention));
     printf("\nwrote %s (%.1f s)\n", out_path, pd_now_seconds() - t0);
 fail:
+    pd_progress_end(&sp.line);
     free(ratios);
     pd_curve_file_free(&cf);
     pd_model_free(m);

@@ -1,34 +1,30 @@
 /* `prefixctl prefix ...`: the daemon's admin API (docs/api.md, "Admin API")
- * from the command line, over a minimal HTTP/1.1 client (one request per
- * connection, Content-Length or chunked answers).
- *
- * prefixctl does not link a JSON library: requests are built with escaped
- * strings (the --messages and --segments files are sent as they are, and
- * the daemon validates them), and answers are printed as the daemon sends
- * them, with only the few fields needed for polling picked out. */
+ * from the command line. HTTP(S) is libcurl's (TLS, redirects refused,
+ * proxies from the usual environment variables: http_proxy, https_proxy,
+ * no_proxy); JSON is jansson's, both ways. Answers are printed as the
+ * daemon sends them; only the polling fields of a job are read. */
 #include <errno.h>
 #include <getopt.h>
-#include <netdb.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
-#include <sys/socket.h>
-#include <sys/types.h>
 #include <time.h>
-#include <unistd.h>
+
+#include <curl/curl.h>
+#include <jansson.h>
 
 #include "tools/tools.h"
 
 #define PROG "prefixctl prefix"
-#define MAX_ANSWER (64u << 20) /* a list of many prefixes is still far below this */
+#define MAX_ANSWER (64u << 20)    /* a list of many prefixes is still far below this */
+#define CONNECT_TIMEOUT_S 30L     /* a listener that does not answer the handshake */
+#define POLL_INTERVAL_NS (200L * 1000 * 1000)
 
 static void usage(FILE *f) {
     fprintf(f,
-            "Usage: prefixctl prefix [--url URL] [--token T] COMMAND\n"
+            "Usage: prefixctl prefix [--url URL] [--token T] [--cacert FILE] COMMAND\n"
             "\n"
             "Manage the stored prefixes of a running prefixd through its admin API.\n"
             "\n"
@@ -48,8 +44,10 @@ static void usage(FILE *f) {
             "  job ID         a registration job's status (JSON)\n"
             "\n"
             "Options:\n"
-            "  --url URL      the admin listener (default http://127.0.0.1:8080)\n"
+            "  --url URL      the admin listener, http:// or https:// (default http://127.0.0.1:8080);\n"
+            "                 proxies from http_proxy, https_proxy and no_proxy\n"
             "  --token T      admin.token (default: $PREFIXD_ADMIN_TOKEN)\n"
+            "  --cacert FILE  trust the CA certificates in FILE for https (default: the system's)\n"
             "  -h, --help     print this help\n"
             "\n"
             "--messages: a JSON array of {\"role\",\"content\"} whose leading system\n"
@@ -58,353 +56,223 @@ static void usage(FILE *f) {
             "Exit status: 0 ok, 1 failure (the daemon's message on stderr), 2 bad usage.\n");
 }
 
-/* ---- a growable string ------------------------------------------------------ */
-
-typedef struct buf {
-    char *p;
-    size_t len, cap;
-    bool oom;
-} buf;
-
-static void buf_add(buf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (n > SIZE_MAX / 2 - b->len - 1) {
-        b->oom = true;
-        return;
-    }
-    if (b->len + n + 1 > b->cap) {
-        size_t nc = b->cap ? b->cap : 256;
-        while (nc < b->len + n + 1) nc *= 2;
-        char *np = realloc(b->p, nc);
-        if (!np) {
-            b->oom = true;
-            return;
-        }
-        b->p = np;
-        b->cap = nc;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-static void buf_str(buf *b, const char *s) {
-    buf_add(b, s, strlen(s));
-}
-
-__attribute__((format(printf, 2, 3))) static void buf_fmt(buf *b, const char *fmt, ...) {
-    char tmp[512];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n < 0 || (size_t)n >= sizeof tmp) b->oom = true;
-    else buf_add(b, tmp, (size_t)n);
-}
-
-/* A JSON string literal. */
-static void buf_json_str(buf *b, const char *s, size_t n) {
-    buf_add(b, "\"", 1);
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        char esc[8];
-        if (c == '"' || c == '\\') {
-            esc[0] = '\\', esc[1] = (char)c;
-            buf_add(b, esc, 2);
-        } else if (c < 0x20) {
-            snprintf(esc, sizeof esc, "\\u%04x", c);
-            buf_add(b, esc, 6);
-        } else {
-            buf_add(b, (const char *)&s[i], 1);
-        }
-    }
-    buf_add(b, "\"", 1);
-}
-
-static int read_file(const char *path, buf *out) {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        fprintf(stderr, PROG ": cannot open %s: %s\n", path, strerror(errno));
-        return 1;
-    }
-    char chunk[65536];
-    size_t n;
-    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0) buf_add(out, chunk, n);
-    int bad = ferror(f);
-    fclose(f);
-    if (bad || out->oom) {
-        fprintf(stderr, PROG ": cannot read %s%s\n", path, out->oom ? ": out of memory" : "");
-        return 1;
-    }
-    if (memchr(out->p ? out->p : "", '\0', out->len)) {
-        fprintf(stderr, PROG ": %s contains NUL bytes; give a UTF-8 text file\n", path);
-        return 1;
-    }
-    return 0;
-}
-
-/* ---- picking fields out of the daemon's compact JSON -------------------------- */
-
-/* The value after "key": (the first occurrence), or NULL. */
-static const char *json_field(const char *j, const char *key) {
-    char pat[80];
-    snprintf(pat, sizeof pat, "\"%s\":", key);
-    const char *p = j ? strstr(j, pat) : NULL;
-    return p ? p + strlen(pat) : NULL;
-}
-
-/* A string value, unescaped (\uXXXX beyond ASCII becomes '?'), into out. */
-static bool json_str(const char *j, const char *key, char *out, size_t cap) {
-    const char *p = json_field(j, key);
-    if (!p || *p != '"' || cap == 0) return false;
-    size_t k = 0;
-    for (p++; *p && *p != '"'; p++) {
-        char c = *p;
-        if (c == '\\' && p[1]) {
-            p++;
-            switch (*p) {
-            case 'n': c = '\n'; break;
-            case 't': c = '\t'; break;
-            case 'r': c = '\r'; break;
-            case 'b': c = '\b'; break;
-            case 'f': c = '\f'; break;
-            case 'u': {
-                unsigned v = 0;
-                int used = 0;
-                if (sscanf(p + 1, "%4x%n", &v, &used) == 1 && used == 4) p += 4;
-                c = v < 0x80 ? (char)v : '?';
-                break;
-            }
-            default: c = *p; break;
-            }
-        }
-        if (k + 1 < cap) out[k++] = c;
-    }
-    out[k] = '\0';
-    return true;
-}
-
-static bool json_num(const char *j, const char *key, double *out) {
-    const char *p = json_field(j, key);
-    if (!p) return false;
-    char *end = NULL;
-    *out = strtod(p, &end);
-    return end != p;
-}
-
-/* The object value of key as a new string (brackets matched outside strings). */
-static char *json_object_text(const char *j, const char *key) {
-    const char *p = json_field(j, key);
-    if (!p || *p != '{') return NULL;
-    int depth = 0;
-    bool in_str = false;
-    for (const char *q = p; *q; q++) {
-        if (in_str) {
-            if (*q == '\\' && q[1]) q++;
-            else if (*q == '"') in_str = false;
-        } else if (*q == '"') {
-            in_str = true;
-        } else if (*q == '{') {
-            depth++;
-        } else if (*q == '}' && --depth == 0) {
-            return strndup(p, (size_t)(q - p + 1));
-        }
-    }
-    return NULL;
-}
-
-/* ---- HTTP/1.1 ------------------------------------------------------------------ */
+/* ---- HTTP ---------------------------------------------------------------------- */
 
 typedef struct client {
-    char host[256];
-    char port[8];
-    char token[512];
+    CURL *curl;
+    char *base;                 /* scheme://host[:port], no trailing slash */
+    char *auth;                 /* "Authorization: Bearer ..." */
+    const char *cacert;
 } client;
 
+typedef struct answer {
+    char *p;
+    size_t len;
+    bool too_big, oom;
+} answer;
+
+static size_t on_data(char *data, size_t size, size_t nmemb, void *ctx) {
+    answer *a = ctx;
+    const size_t n = size * nmemb;
+    if (n > MAX_ANSWER - a->len) {
+        a->too_big = true;
+        return 0; /* libcurl stops with CURLE_WRITE_ERROR */
+    }
+    char *np = realloc(a->p, a->len + n + 1);
+    if (!np) {
+        a->oom = true;
+        return 0;
+    }
+    memcpy(np + a->len, data, n);
+    a->p = np;
+    a->len += n;
+    a->p[a->len] = '\0';
+    return n;
+}
+
+/* The server part of --url: http or https, a host, an optional port, no
+ * path, query or credentials. A URL without a scheme is http. */
 static int parse_url(const char *url, client *c) {
-    const char *p = url;
-    if (strncmp(p, "http://", 7) == 0) p += 7;
-    else if (strstr(p, "://")) {
-        fprintf(stderr, PROG ": --url %s: only http:// is supported (put TLS in front with a proxy)\n", url);
-        return 2;
-    }
-    size_t hl = strcspn(p, ":/");
-    if (hl == 0 || hl >= sizeof c->host) {
-        fprintf(stderr, PROG ": --url %s: no host name\n", url);
-        return 2;
-    }
-    memcpy(c->host, p, hl);
-    c->host[hl] = '\0';
-    p += hl;
-    snprintf(c->port, sizeof c->port, "80");
-    if (*p == ':') {
-        char *end = NULL;
-        long port = strtol(p + 1, &end, 10);
-        if (end == p + 1 || port < 1 || port > 65535 || (*end && *end != '/')) {
-            fprintf(stderr, PROG ": --url %s: the port must be 1..65535\n", url);
-            return 2;
-        }
-        snprintf(c->port, sizeof c->port, "%ld", port);
-        p = end;
-    }
-    if (*p && strcmp(p, "/") != 0) {
-        fprintf(stderr, PROG ": --url %s: give the server only (http://HOST:PORT), not a path\n", url);
-        return 2;
-    }
-    return 0;
-}
-
-static int connect_to(const client *c) {
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
-    int rc = getaddrinfo(c->host, c->port, &hints, &res);
-    if (rc) {
-        fprintf(stderr, PROG ": %s: %s\n", c->host, gai_strerror(rc));
-        return -1;
-    }
-    int fd = -1, saved = 0;
-    for (struct addrinfo *a = res; a; a = a->ai_next) {
-        fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-        if (fd < 0) continue;
-        if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) break;
-        saved = errno;
-        close(fd);
-        fd = -1;
-    }
-    freeaddrinfo(res);
-    if (fd < 0)
-        fprintf(stderr, PROG ": cannot connect to %s:%s: %s (is prefixd running with admin.token set?)\n", c->host,
-                c->port, strerror(saved ? saved : ECONNREFUSED));
-    return fd;
-}
-
-static bool send_all(int fd, const char *p, size_t n) {
-    while (n) {
-        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return false;
-        p += w;
-        n -= (size_t)w;
-    }
-    return true;
-}
-
-/* Decode a chunked body in place; false when malformed. */
-static bool dechunk(char *body, size_t len, size_t *out_len) {
-    size_t r = 0, w = 0;
-    for (;;) {
-        char *end = NULL;
-        if (r >= len) return false;
-        unsigned long long n = strtoull(body + r, &end, 16);
-        if (end == body + r) return false;
-        char *crlf = strstr(end, "\r\n"); /* chunk extensions are skipped */
-        if (!crlf) return false;
-        r = (size_t)(crlf - body) + 2;
-        if (n == 0) break;
-        if (n > len - r) return false;
-        memmove(body + w, body + r, (size_t)n);
-        w += (size_t)n;
-        r += (size_t)n + 2;
-    }
-    body[w] = '\0';
-    *out_len = w;
-    return true;
-}
-
-/* One request; *status and the body (malloc'd, NUL-terminated) on success.
- * The connection is closed by the server after the answer (Connection:
- * close), so the answer is everything read until EOF. */
-static int http(const client *c, const char *method, const char *path, const char *body, int *status, char **out) {
-    *out = NULL;
-    buf req = {0};
-    buf_fmt(&req, "%s %s HTTP/1.1\r\nHost: %s:%s\r\nConnection: close\r\nAccept: application/json\r\n", method, path,
-            c->host, c->port);
-    if (c->token[0]) {
-        buf_str(&req, "Authorization: Bearer ");
-        buf_str(&req, c->token);
-        buf_str(&req, "\r\n");
-    }
-    if (body) buf_fmt(&req, "Content-Type: application/json\r\nContent-Length: %zu\r\n", strlen(body));
-    buf_str(&req, "\r\n");
-    if (body) buf_str(&req, body);
-    if (req.oom) {
-        free(req.p);
+    CURLU *u = curl_url();
+    char *scheme = NULL, *host = NULL, *port = NULL, *path = NULL, *query = NULL, *user = NULL;
+    int rc = 2;
+    if (!u) {
         fprintf(stderr, PROG ": out of memory\n");
         return 1;
     }
-    int fd = connect_to(c);
-    if (fd < 0) {
-        free(req.p);
+    /* libcurl's default scheme would be https; prefixd's listeners are http. */
+    char *full = NULL;
+    if (!strstr(url, "://") && asprintf(&full, "http://%s", url) < 0) full = NULL;
+    CURLUcode uc = curl_url_set(u, CURLUPART_URL, full ? full : url, CURLU_NON_SUPPORT_SCHEME);
+    free(full);
+    if (uc) {
+        fprintf(stderr, PROG ": --url %s: %s (give http://HOST:PORT or https://HOST:PORT)\n", url,
+                curl_url_strerror(uc));
+        goto out;
+    }
+    curl_url_get(u, CURLUPART_SCHEME, &scheme, 0);
+    curl_url_get(u, CURLUPART_HOST, &host, 0);
+    curl_url_get(u, CURLUPART_PORT, &port, 0);
+    curl_url_get(u, CURLUPART_PATH, &path, 0);
+    curl_url_get(u, CURLUPART_QUERY, &query, 0);
+    curl_url_get(u, CURLUPART_USER, &user, 0);
+    if (!scheme || (strcmp(scheme, "http") != 0 && strcmp(scheme, "https") != 0)) {
+        fprintf(stderr, PROG ": --url %s: only http:// and https:// are supported\n", url);
+        goto out;
+    }
+    if (!host || !host[0]) {
+        fprintf(stderr, PROG ": --url %s: no host name\n", url);
+        goto out;
+    }
+    if ((path && strcmp(path, "/") != 0 && path[0]) || query || user) {
+        fprintf(stderr, PROG ": --url %s: give the server only (%s://HOST:PORT), not a path, query or user\n", url,
+                scheme);
+        goto out;
+    }
+    /* The host as curl prints it keeps IPv6 brackets. */
+    const size_t need = strlen(scheme) + strlen(host) + (port ? strlen(port) : 0) + 8;
+    if (!(c->base = malloc(need))) {
+        fprintf(stderr, PROG ": out of memory\n");
+        rc = 1;
+        goto out;
+    }
+    snprintf(c->base, need, "%s://%s%s%s", scheme, host, port ? ":" : "", port ? port : "");
+    rc = 0;
+out:
+    curl_free(scheme);
+    curl_free(host);
+    curl_free(port);
+    curl_free(path);
+    curl_free(query);
+    curl_free(user);
+    curl_url_cleanup(u);
+    return rc;
+}
+
+/* Why a transfer failed, with what to check. */
+static void transfer_failed(const client *c, CURLcode cc, const char *detail, const answer *a) {
+    const char *why = detail[0] ? detail : curl_easy_strerror(cc);
+    if (a->too_big) {
+        fprintf(stderr, PROG ": the answer from %s is larger than %u MiB\n", c->base, MAX_ANSWER >> 20);
+        return;
+    }
+    if (a->oom) {
+        fprintf(stderr, PROG ": out of memory reading the answer from %s\n", c->base);
+        return;
+    }
+    switch (cc) {
+    case CURLE_COULDNT_RESOLVE_HOST:
+    case CURLE_COULDNT_RESOLVE_PROXY:
+        fprintf(stderr, PROG ": cannot resolve the host of %s: %s\n", c->base, why);
+        break;
+    case CURLE_COULDNT_CONNECT:
+    case CURLE_OPERATION_TIMEDOUT:
+        fprintf(stderr, PROG ": cannot connect to %s: %s (is prefixd running with admin.token set, and is --url its "
+                        "listener?)\n", c->base, why);
+        break;
+    case CURLE_SSL_CONNECT_ERROR:
+    case CURLE_PEER_FAILED_VERIFICATION:
+    case CURLE_SSL_CACERT_BADFILE:
+    case CURLE_SSL_CERTPROBLEM:
+        fprintf(stderr, PROG ": TLS with %s failed: %s (prefixd itself serves plain http: use http:// for it, or "
+                        "--cacert for a TLS proxy's certificate)\n", c->base, why);
+        break;
+    default: fprintf(stderr, PROG ": request to %s failed: %s\n", c->base, why); break;
+    }
+}
+
+/* One request; body (a JSON document) may be NULL. On success *status and
+ * the answer (malloc'd, NUL-terminated, possibly empty). */
+static int http(client *c, const char *method, const char *path, const char *body, long *status, char **out) {
+    *out = NULL;
+    char *url = malloc(strlen(c->base) + strlen(path) + 1);
+    if (!url) {
+        fprintf(stderr, PROG ": out of memory\n");
         return 1;
     }
-    bool sent = send_all(fd, req.p, req.len);
-    free(req.p);
-    buf ans = {0};
-    char chunk[16384];
-    ssize_t n = 0;
-    while (sent && !ans.oom && ans.len < MAX_ANSWER) {
-        n = recv(fd, chunk, sizeof chunk, 0);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) break;
-        buf_add(&ans, chunk, (size_t)n);
-    }
-    close(fd);
-    int maj = 0, min = 0;
-    char *sep = ans.p ? strstr(ans.p, "\r\n\r\n") : NULL;
-    if (!sent || n < 0 || ans.oom || !sep || sscanf(ans.p, "HTTP/%d.%d %d", &maj, &min, status) != 3) {
-        fprintf(stderr, PROG ": no valid HTTP answer from %s:%s%s\n", c->host, c->port,
-                ans.oom ? " (out of memory)" : "");
-        free(ans.p);
+    strcpy(url, c->base);
+    strcat(url, path);
+    struct curl_slist *headers = NULL, *h;
+    answer a = {0};
+    char detail[CURL_ERROR_SIZE] = "";
+    CURL *e = c->curl;
+    curl_easy_reset(e);
+    bool ok = (h = curl_slist_append(headers, "Accept: application/json")) != NULL && (headers = h) &&
+              (h = curl_slist_append(headers, c->auth)) != NULL && (headers = h);
+    if (ok && body) ok = (h = curl_slist_append(headers, "Content-Type: application/json")) != NULL && (headers = h);
+    /* No "Expect: 100-continue" round trip before large bodies. */
+    if (ok && body) ok = (h = curl_slist_append(headers, "Expect:")) != NULL && (headers = h);
+    if (!ok) {
+        curl_slist_free_all(headers);
+        free(url);
+        fprintf(stderr, PROG ": out of memory\n");
         return 1;
     }
-    *sep = '\0';
-    char *b = sep + 4;
-    size_t blen = ans.len - (size_t)(b - ans.p);
-    bool chunked = false;
-    long long clen = -1;
-    for (char *line = strstr(ans.p, "\r\n"); line; line = strstr(line, "\r\n")) {
-        line += 2;
-        if (strncasecmp(line, "Transfer-Encoding:", 18) == 0) chunked = strcasestr(line, "chunked") != NULL;
-        else if (strncasecmp(line, "Content-Length:", 15) == 0) clen = strtoll(line + 15, NULL, 10);
+    curl_easy_setopt(e, CURLOPT_URL, url);
+    curl_easy_setopt(e, CURLOPT_HTTPHEADER, headers);
+    curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
+    if (strcmp(method, "GET") == 0) curl_easy_setopt(e, CURLOPT_HTTPGET, 1L);
+    if (body) {
+        curl_easy_setopt(e, CURLOPT_POSTFIELDS, body);
+        curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)strlen(body));
     }
-    if (chunked) {
-        if (!dechunk(b, blen, &blen)) {
-            fprintf(stderr, PROG ": malformed chunked answer from %s:%s\n", c->host, c->port);
-            free(ans.p);
-            return 1;
-        }
-    } else if (clen >= 0) {
-        if ((unsigned long long)clen > blen) {
-            fprintf(stderr, PROG ": the answer from %s:%s was cut short\n", c->host, c->port);
-            free(ans.p);
-            return 1;
-        }
-        blen = (size_t)clen;
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, on_data);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, &a);
+    curl_easy_setopt(e, CURLOPT_ERRORBUFFER, detail);
+    curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT, CONNECT_TIMEOUT_S);
+    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(e, CURLOPT_PROTOCOLS_STR, "http,https");
+    curl_easy_setopt(e, CURLOPT_FOLLOWLOCATION, 0L); /* the token must not travel elsewhere */
+    curl_easy_setopt(e, CURLOPT_USERAGENT, "prefixctl/" PREFIXD_VERSION);
+    if (c->cacert) curl_easy_setopt(e, CURLOPT_CAINFO, c->cacert);
+    CURLcode cc = curl_easy_perform(e);
+    curl_slist_free_all(headers);
+    free(url);
+    if (cc != CURLE_OK) {
+        transfer_failed(c, cc, detail, &a);
+        free(a.p);
+        return 1;
     }
-    memmove(ans.p, b, blen);
-    ans.p[blen] = '\0';
-    *out = ans.p;
+    curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, status);
+    *out = a.p ? a.p : strdup("");
+    if (!*out) {
+        fprintf(stderr, PROG ": out of memory\n");
+        return 1;
+    }
     return 0;
 }
 
+/* The daemon's answer as JSON; NULL (with a message) when it is not. */
+static json_t *parse_answer(const client *c, const char *text) {
+    json_error_t je;
+    json_t *j = json_loads(text, 0, &je);
+    if (!j) fprintf(stderr, PROG ": the answer from %s is not JSON (%s): %.200s\n", c->base, je.text, text);
+    return j;
+}
+
 /* A request whose answer must be 2xx; the daemon's message otherwise. */
-static int call(const client *c, const char *method, const char *path, const char *body, int *status, char **out) {
-    int st = 0;
+static int call(client *c, const char *method, const char *path, const char *body, char **out) {
+    long st = 0;
     if (http(c, method, path, body, &st, out)) return 1;
-    if (status) *status = st;
     if (st >= 200 && st < 300) return 0;
-    char msg[1024];
-    if (!json_str(*out, "message", msg, sizeof msg)) snprintf(msg, sizeof msg, "%.1000s", *out);
-    fprintf(stderr, PROG ": HTTP %d: %s\n", st, msg);
-    if (st == 404 && strstr(*out, "\"no such route\"")) fprintf(stderr, PROG ": is the admin API enabled "
-                                                               "(admin.token), and is --url its listener?\n");
+    /* {"error": {"message", "type", "param", "code"}} (docs/api.md, "Errors"). */
+    json_t *j = json_loads(*out, 0, NULL);
+    json_t *error = json_object_get(j, "error");
+    const char *msg = json_string_value(json_object_get(error, "message"));
+    if (msg) fprintf(stderr, PROG ": HTTP %ld: %s\n", st, msg);
+    else fprintf(stderr, PROG ": HTTP %ld: %.1000s\n", st, *out);
+    /* A 404 without an error code is a route the server does not have; a
+     * missing prefix or job carries one. */
+    if (st == 404 && error && !json_is_string(json_object_get(error, "code")))
+        fprintf(stderr, PROG ": is the admin API enabled (admin.token), and is --url its listener?\n");
+    json_decref(j);
     free(*out);
     *out = NULL;
     return 1;
 }
 
-static int print_answer(char *body) {
-    if (body && body[0]) printf("%s\n", body);
-    free(body);
+static int print_text(const char *text) {
+    if (text && text[0]) printf("%s\n", text);
     return fflush(stdout) == 0 ? 0 : 1;
 }
 
@@ -420,20 +288,113 @@ typedef struct add_opts {
     int n_keep_text;
 } add_opts;
 
-static void progress(bool tty, const char *phase, double frac, char *last_phase, size_t cap) {
-    if (tty) {
-        int w = 30, k = (int)(frac * w + 0.5);
-        if (k < 0) k = 0;
-        if (k > w) k = w;
-        fprintf(stderr, "\r[%.*s%*s] %3d%% %-20s", k, "##############################", w - k, "",
-                (int)(frac * 100 + 0.5), phase);
-    } else if (strcmp(phase, last_phase) != 0) {
-        fprintf(stderr, "%s\n", phase);
+static int read_file(const char *path, char **out, size_t *len) {
+    pd_error err = {0};
+    if (pd_read_file(path, out, len, &err)) {
+        fprintf(stderr, PROG ": %s\n", err.msg);
+        return 1;
     }
-    snprintf(last_phase, cap, "%s", phase);
+    return 0;
 }
 
-static int cmd_add(const client *c, const add_opts *o) {
+/* The "text" of a registration: the file as a JSON string (UTF-8 only). */
+static json_t *text_value(const char *path) {
+    char *text = NULL;
+    size_t len = 0;
+    if (read_file(path, &text, &len)) return NULL;
+    json_t *s = memchr(text, '\0', len) ? NULL : json_stringn(text, len);
+    free(text);
+    if (!s) fprintf(stderr, PROG ": %s is not UTF-8 text (or contains NUL bytes); give a UTF-8 text file\n", path);
+    return s;
+}
+
+/* --messages / --segments: the file's JSON; the daemon checks its shape. */
+static json_t *json_file_value(const char *path) {
+    json_error_t je;
+    json_t *j = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
+    if (!j) fprintf(stderr, PROG ": %s:%d:%d: %s\n", path, je.line, je.column, je.text);
+    return j;
+}
+
+static json_t *add_body(const add_opts *o) {
+    json_t *body = json_object(), *v = NULL;
+    if (!body) return NULL;
+    if (o->text) v = text_value(o->text);
+    else v = json_file_value(o->messages ? o->messages : o->segments);
+    if (!v) goto fail;
+    if (json_object_set_new(body, o->text ? "text" : o->messages ? "messages" : "segments", v)) goto oom;
+    if (o->policy && json_object_set_new(body, "policy", json_string(o->policy))) goto oom;
+    if (o->retention > 0 && json_object_set_new(body, "retention", json_real(o->retention))) goto oom;
+    if (o->quality > 0 && json_object_set_new(body, "quality", json_real(o->quality))) goto oom;
+    if (o->ns && json_object_set_new(body, "namespace", json_string(o->ns))) goto oom;
+    if (o->pin && json_object_set_new(body, "pin", json_true())) goto oom;
+    if (o->dtype && json_object_set_new(body, "dtype", json_string(o->dtype))) goto oom;
+    if (o->spans_auto && json_object_set_new(body, "spans", json_string("auto"))) goto oom;
+    if (o->n_keep_text > 0) {
+        json_t *keep = json_array();
+        if (json_object_set_new(body, "keep_text", keep)) goto oom;
+        for (int i = 0; i < o->n_keep_text; i++)
+            if (json_array_append_new(keep, json_string(o->keep_text[i]))) {
+                fprintf(stderr, PROG ": --keep-text '%s' is not UTF-8\n", o->keep_text[i]);
+                goto fail;
+            }
+    }
+    if (json_object_set_new(body, "wait", json_false())) goto oom;
+    return body;
+oom:
+    /* json_string of an argument that is not UTF-8 fails the same way. */
+    fprintf(stderr, PROG ": out of memory, or an option value that is not UTF-8\n");
+fail:
+    json_decref(body);
+    return NULL;
+}
+
+/* Poll the job until it is done or failed; print the stored prefix. */
+static int wait_job(client *c, json_int_t id) {
+    char path[64];
+    snprintf(path, sizeof path, "/admin/v1/jobs/%lld", (long long)id);
+    pd_progress line;
+    pd_progress_init(&line);
+    for (;;) {
+        char *text = NULL;
+        if (call(c, "GET", path, NULL, &text)) {
+            pd_progress_end(&line);
+            return 1;
+        }
+        json_t *j = parse_answer(c, text);
+        free(text);
+        if (!j) {
+            pd_progress_end(&line);
+            return 1;
+        }
+        const char *state = json_string_value(json_object_get(j, "state"));
+        const char *phase = json_string_value(json_object_get(j, "phase"));
+        const double frac = json_number_value(json_object_get(j, "progress"));
+        if (!state) state = "";
+        pd_progress_update(&line, phase && phase[0] ? phase : state, frac);
+        if (strcmp(state, "done") == 0 || strcmp(state, "failed") == 0) {
+            pd_progress_end(&line);
+            int rc = 1;
+            if (strcmp(state, "failed") == 0) {
+                const char *why = json_string_value(json_object_get(j, "error"));
+                fprintf(stderr, PROG ": job %lld failed: %s\n", (long long)id, why ? why : "(no message)");
+            } else {
+                json_t *prefix = json_object_get(j, "prefix");
+                char *out = json_is_object(prefix) ? json_dumps(prefix, JSON_COMPACT) : NULL;
+                if (out) rc = print_text(out);
+                else fprintf(stderr, PROG ": job %lld is done but the answer has no prefix\n", (long long)id);
+                free(out);
+            }
+            json_decref(j);
+            return rc;
+        }
+        json_decref(j);
+        struct timespec ts = {0, POLL_INTERVAL_NS};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static int cmd_add(client *c, const add_opts *o) {
     int given = (o->text != NULL) + (o->messages != NULL) + (o->segments != NULL);
     if (given != 1) {
         fprintf(stderr, PROG " add: give exactly one of --text, --messages, --segments\n");
@@ -443,94 +404,29 @@ static int cmd_add(const client *c, const add_opts *o) {
         fprintf(stderr, PROG " add: give --retention or --quality, not both\n");
         return 2;
     }
-    buf file = {0}, body = {0};
-    int rc = read_file(o->text ? o->text : o->messages ? o->messages : o->segments, &file);
-    if (rc) {
-        free(file.p);
-        return rc;
-    }
-    buf_str(&body, "{");
-    if (o->text) {
-        buf_str(&body, "\"text\":");
-        buf_json_str(&body, file.p ? file.p : "", file.len);
-    } else {
-        /* Sent as written; the daemon validates it and names what is wrong. */
-        buf_str(&body, o->messages ? "\"messages\":" : "\"segments\":");
-        buf_add(&body, file.p ? file.p : "", file.len);
-    }
-    free(file.p);
-    if (o->policy) {
-        buf_str(&body, ",\"policy\":");
-        buf_json_str(&body, o->policy, strlen(o->policy));
-    }
-    if (o->retention > 0) buf_fmt(&body, ",\"retention\":%.17g", o->retention);
-    if (o->quality > 0) buf_fmt(&body, ",\"quality\":%.17g", o->quality);
-    if (o->ns) {
-        buf_str(&body, ",\"namespace\":");
-        buf_json_str(&body, o->ns, strlen(o->ns));
-    }
-    if (o->pin) buf_str(&body, ",\"pin\":true");
-    if (o->dtype) {
-        buf_str(&body, ",\"dtype\":");
-        buf_json_str(&body, o->dtype, strlen(o->dtype));
-    }
-    if (o->spans_auto) buf_str(&body, ",\"spans\":\"auto\"");
-    for (int i = 0; i < o->n_keep_text; i++) {
-        buf_str(&body, i ? "," : ",\"keep_text\":[");
-        buf_json_str(&body, o->keep_text[i], strlen(o->keep_text[i]));
-        if (i == o->n_keep_text - 1) buf_str(&body, "]");
-    }
-    buf_str(&body, ",\"wait\":false}");
-    if (body.oom) {
-        free(body.p);
+    json_t *body = add_body(o);
+    if (!body) return 1;
+    char *text = json_dumps(body, JSON_COMPACT | JSON_REAL_PRECISION(17));
+    json_decref(body);
+    if (!text) {
         fprintf(stderr, PROG ": out of memory\n");
         return 1;
     }
     char *ans = NULL;
-    rc = call(c, "POST", "/admin/v1/prefixes", body.p, NULL, &ans);
-    free(body.p);
+    int rc = call(c, "POST", "/admin/v1/prefixes", text, &ans);
+    free(text);
     if (rc) return rc;
-    double id = 0;
-    if (!json_num(ans, "job_id", &id) || id < 1) {
+    json_t *j = parse_answer(c, ans);
+    const json_int_t id = json_integer_value(json_object_get(j, "job_id"));
+    json_decref(j);
+    if (id < 1) {
         fprintf(stderr, PROG ": the daemon answered without a job id: %s\n", ans);
         free(ans);
         return 1;
     }
-    char path[64];
-    snprintf(path, sizeof path, "/admin/v1/jobs/%llu", (unsigned long long)id);
-    if (o->no_wait) return print_answer(ans);
+    if (o->no_wait) rc = print_text(ans);
     free(ans);
-    bool tty = isatty(STDERR_FILENO);
-    char last[64] = "";
-    for (;;) {
-        if (call(c, "GET", path, NULL, NULL, &ans)) return 1;
-        char state[32] = "", phase[64] = "";
-        double frac = 0;
-        json_str(ans, "state", state, sizeof state);
-        json_str(ans, "phase", phase, sizeof phase);
-        json_num(ans, "progress", &frac);
-        progress(tty, phase[0] ? phase : state, frac, last, sizeof last);
-        if (strcmp(state, "done") == 0 || strcmp(state, "failed") == 0) {
-            if (tty) fputc('\n', stderr);
-            if (strcmp(state, "failed") == 0) {
-                char err[1024] = "";
-                json_str(ans, "error", err, sizeof err);
-                fprintf(stderr, PROG ": job %llu failed: %s\n", (unsigned long long)id, err);
-                free(ans);
-                return 1;
-            }
-            char *prefix = json_object_text(ans, "prefix");
-            free(ans);
-            if (!prefix) {
-                fprintf(stderr, PROG ": job %llu is done but the answer has no prefix\n", (unsigned long long)id);
-                return 1;
-            }
-            return print_answer(prefix);
-        }
-        free(ans);
-        struct timespec ts = {0, 200 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-    }
+    return o->no_wait ? rc : wait_job(c, id);
 }
 
 /* ---- the command ----------------------------------------------------------------- */
@@ -542,12 +438,61 @@ static bool is_prefix_id(const char *s) {
     return true;
 }
 
+/* GET, DELETE or the list: print the answer, or for DELETE a line. */
+static int cmd_simple(client *c, const char *cmd, const char *arg, const add_opts *ao) {
+    char path[256], *ans = NULL;
+    int rc;
+    if (strcmp(cmd, "list") == 0) {
+        char *ns = ao->ns ? curl_easy_escape(c->curl, ao->ns, 0) : NULL;
+        if (ao->ns && !ns) {
+            fprintf(stderr, PROG ": out of memory\n");
+            return 1;
+        }
+        char *list_path = malloc(sizeof "/admin/v1/prefixes?namespace=" + (ns ? strlen(ns) : 0));
+        if (!list_path) rc = 1;
+        else {
+            strcpy(list_path, "/admin/v1/prefixes");
+            if (ns) strcat(strcat(list_path, "?namespace="), ns);
+            rc = call(c, "GET", list_path, NULL, &ans);
+        }
+        curl_free(ns);
+        free(list_path);
+    } else if (strcmp(cmd, "show") == 0 || strcmp(cmd, "delete") == 0) {
+        if (!is_prefix_id(arg)) {
+            fprintf(stderr, PROG " %s: '%s' is not a prefix id (64 hex digits, see 'list')\n", cmd, arg);
+            return 2;
+        }
+        snprintf(path, sizeof path, "/admin/v1/prefixes/%s", arg);
+        const bool del = strcmp(cmd, "delete") == 0;
+        if ((rc = call(c, del ? "DELETE" : "GET", path, NULL, &ans)) == 0 && del) {
+            free(ans);
+            printf("deleted %s\n", arg);
+            return fflush(stdout) == 0 ? 0 : 1;
+        }
+    } else {
+        char *end = NULL;
+        errno = 0;
+        unsigned long long id = strtoull(arg, &end, 10);
+        if (end == arg || *end || id == 0 || arg[0] == '-' || errno) {
+            fprintf(stderr, PROG " job: '%s' is not a job id (a positive number)\n", arg);
+            return 2;
+        }
+        snprintf(path, sizeof path, "/admin/v1/jobs/%llu", id);
+        rc = call(c, "GET", path, NULL, &ans);
+    }
+    if (rc) return 1;
+    rc = print_text(ans);
+    free(ans);
+    return rc;
+}
+
 int pd_prefix_cli(int argc, char **argv) {
-    enum { O_URL = 256, O_TOKEN, O_TEXT, O_MESSAGES, O_SEGMENTS, O_POLICY, O_RETENTION, O_QUALITY, O_NS, O_PIN,
-           O_DTYPE, O_NO_WAIT, O_SPANS_AUTO, O_KEEP_TEXT };
+    enum { O_URL = 256, O_TOKEN, O_CACERT, O_TEXT, O_MESSAGES, O_SEGMENTS, O_POLICY, O_RETENTION, O_QUALITY, O_NS,
+           O_PIN, O_DTYPE, O_NO_WAIT, O_SPANS_AUTO, O_KEEP_TEXT };
     static const struct option longopts[] = {
         {"url", required_argument, NULL, O_URL},
         {"token", required_argument, NULL, O_TOKEN},
+        {"cacert", required_argument, NULL, O_CACERT},
         {"text", required_argument, NULL, O_TEXT},
         {"messages", required_argument, NULL, O_MESSAGES},
         {"segments", required_argument, NULL, O_SEGMENTS},
@@ -563,7 +508,7 @@ int pd_prefix_cli(int argc, char **argv) {
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
-    const char *url = "http://127.0.0.1:8080", *token = getenv("PREFIXD_ADMIN_TOKEN");
+    const char *url = "http://127.0.0.1:8080", *token = getenv("PREFIXD_ADMIN_TOKEN"), *cacert = NULL;
     add_opts ao = {0};
     int ch;
     optind = 0; /* glibc: start over, whatever parsed argv before */
@@ -572,6 +517,7 @@ int pd_prefix_cli(int argc, char **argv) {
         switch (ch) {
         case O_URL: url = optarg; break;
         case O_TOKEN: token = optarg; break;
+        case O_CACERT: cacert = optarg; break;
         case O_TEXT: ao.text = optarg; break;
         case O_MESSAGES: ao.messages = optarg; break;
         case O_SEGMENTS: ao.segments = optarg; break;
@@ -613,67 +559,48 @@ int pd_prefix_cli(int argc, char **argv) {
     }
     const char *cmd = argv[optind];
     const char *arg = optind + 1 < argc ? argv[optind + 1] : NULL;
+    static const char *const known[] = {"add", "list", "show", "delete", "job"};
+    bool is_known = false;
+    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++) is_known = is_known || strcmp(cmd, known[i]) == 0;
+    if (!is_known) {
+        fprintf(stderr, PROG ": unknown command '%s'\nTry 'prefixctl prefix --help'.\n", cmd);
+        return 2;
+    }
     int want_args = strcmp(cmd, "show") == 0 || strcmp(cmd, "delete") == 0 || strcmp(cmd, "job") == 0 ? 1 : 0;
     if (argc - optind - 1 != want_args) {
         fprintf(stderr, PROG " %s: %s\nTry 'prefixctl prefix --help'.\n", cmd,
                 want_args ? "give exactly one ID" : "takes no arguments");
         return 2;
     }
-    client c = {0};
-    int rc = parse_url(url, &c);
-    if (rc) return rc;
-    if (!token || !token[0]) {
-        fprintf(stderr, PROG ": no admin token: give --token or set PREFIXD_ADMIN_TOKEN (admin.token)\n");
+    if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
+        fprintf(stderr, PROG ": libcurl failed to initialise\n");
         return 1;
     }
-    if (strlen(token) >= sizeof c.token) {
-        fprintf(stderr, PROG ": the admin token is longer than %zu bytes\n", sizeof c.token - 1);
-        return 2;
+    client c = {.cacert = cacert};
+    int rc = parse_url(url, &c);
+    if (!rc && (!token || !token[0])) {
+        fprintf(stderr, PROG ": no admin token: give --token or set PREFIXD_ADMIN_TOKEN (admin.token)\n");
+        rc = 1;
     }
-    snprintf(c.token, sizeof c.token, "%s", token);
-    char path[256], *ans = NULL;
-    if (strcmp(cmd, "add") == 0) return cmd_add(&c, &ao);
-    if (strcmp(cmd, "list") == 0) {
-        buf p = {0};
-        buf_str(&p, "/admin/v1/prefixes");
-        if (ao.ns) {
-            /* Percent-encode the namespace for the query string. */
-            buf_str(&p, "?namespace=");
-            for (const unsigned char *s = (const unsigned char *)ao.ns; *s; s++) {
-                if ((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9') ||
-                    strchr("-_.~", *s))
-                    buf_add(&p, (const char *)s, 1);
-                else
-                    buf_fmt(&p, "%%%02X", *s);
-            }
+    if (!rc && strpbrk(token, "\r\n")) {
+        fprintf(stderr, PROG ": the admin token contains a line break\n");
+        rc = 2;
+    }
+    if (!rc) {
+        const size_t need = sizeof "Authorization: Bearer " + strlen(token);
+        c.curl = curl_easy_init();
+        c.auth = malloc(need);
+        if (!c.curl || !c.auth) {
+            fprintf(stderr, PROG ": out of memory\n");
+            rc = 1;
+        } else {
+            snprintf(c.auth, need, "Authorization: Bearer %s", token);
         }
-        rc = p.oom ? 1 : call(&c, "GET", p.p, NULL, NULL, &ans);
-        free(p.p);
-        return rc ? 1 : print_answer(ans);
     }
-    if (strcmp(cmd, "show") == 0 || strcmp(cmd, "delete") == 0) {
-        if (!is_prefix_id(arg)) {
-            fprintf(stderr, PROG " %s: '%s' is not a prefix id (64 hex digits, see 'list')\n", cmd, arg);
-            return 2;
-        }
-        snprintf(path, sizeof path, "/admin/v1/prefixes/%s", arg);
-        bool del = strcmp(cmd, "delete") == 0;
-        if (call(&c, del ? "DELETE" : "GET", path, NULL, NULL, &ans)) return 1;
-        if (!del) return print_answer(ans);
-        free(ans);
-        printf("deleted %s\n", arg);
-        return fflush(stdout) == 0 ? 0 : 1;
-    }
-    if (strcmp(cmd, "job") == 0) {
-        char *end = NULL;
-        unsigned long long id = strtoull(arg, &end, 10);
-        if (end == arg || *end || id == 0 || arg[0] == '-') {
-            fprintf(stderr, PROG " job: '%s' is not a job id (a positive number)\n", arg);
-            return 2;
-        }
-        snprintf(path, sizeof path, "/admin/v1/jobs/%llu", id);
-        return call(&c, "GET", path, NULL, NULL, &ans) ? 1 : print_answer(ans);
-    }
-    fprintf(stderr, PROG ": unknown command '%s'\nTry 'prefixctl prefix --help'.\n", cmd);
-    return 2;
+    if (!rc) rc = strcmp(cmd, "add") == 0 ? cmd_add(&c, &ao) : cmd_simple(&c, cmd, arg, &ao);
+    if (c.curl) curl_easy_cleanup(c.curl);
+    free(c.auth);
+    free(c.base);
+    curl_global_cleanup();
+    return rc;
 }

@@ -720,6 +720,30 @@ static int apply_curve(const char *path, const pd_model *m, double tau, pd_polic
     return rc;
 }
 
+/* Progress of compress: the phase's share of the whole is [base, base + span). */
+typedef struct compress_progress {
+    pd_progress line;
+    double base, span;
+} compress_progress;
+
+static void compress_phase(compress_progress *cp, const char *phase, double base, double span) {
+    cp->base = base;
+    cp->span = span;
+    pd_progress_update(&cp->line, phase, base);
+}
+
+static int on_calib_measurement(void *ctx, int done, int total, pd_error *err) {
+    compress_progress *cp = ctx;
+    pd_progress_update(&cp->line, "calibrating", cp->base + cp->span * done / (total > 0 ? total : 1));
+    return PD_OK;
+}
+
+static int on_compress_layer(void *ctx, int layer, int n_layer, pd_error *err) {
+    compress_progress *cp = ctx;
+    pd_progress_update(&cp->line, "compressing", cp->base + cp->span * (layer + 1) / (n_layer > 0 ? n_layer : 1));
+    return PD_OK;
+}
+
 static int cmd_compress(int argc, char **argv) {
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},   {"policy", required_argument, 0, 'p'},
@@ -843,7 +867,14 @@ static int cmd_compress(int argc, char **argv) {
     const double t0 = pd_now_seconds();
     pd_model *m = NULL;
     pd_backend *be = NULL;
-    if (load_model_on(model, &device, (int)threads, kv_f32, &be, &m, &err)) return fail(&err);
+    /* Progress on stderr (stdout is the report, pure JSON with --json). */
+    compress_progress cp;
+    pd_progress_init(&cp.line);
+    compress_phase(&cp, "loading model", 0, 0);
+    if (load_model_on(model, &device, (int)threads, kv_f32, &be, &m, &err)) {
+        pd_progress_end(&cp.line);
+        return fail(&err);
+    }
     const pd_hparams *hp = pd_model_hparams(m);
     pd_token *ids = NULL, *eval_ids = NULL;
     size_t n = 0, n_eval = 0;
@@ -888,7 +919,11 @@ static int cmd_compress(int argc, char **argv) {
         pd_calib_result cr;
         pd_policy_spec chosen;
         copts.tau = tau;
+        copts.progress = on_calib_measurement;
+        copts.progress_ctx = &cp;
+        compress_phase(&cp, "calibrating", 0.05, 0.55);
         rc = pd_calibrate(m, ids, (int64_t)n, &spec, lay, &copts, &cr, &chosen, &err);
+        pd_progress_end(&cp.line);
         if (!rc) {
             if (report) json_object_set_new(report, "calibration", calibration_json(&cr, &copts, n));
             else print_calibration(&cr, &copts, n);
@@ -897,7 +932,12 @@ static int cmd_compress(int argc, char **argv) {
             quality.nll_ratio = cr.measured;
         }
     }
-    if (!rc) rc = pd_compress_prefix(m, ids, (int64_t)n, &spec, lay, &prefix, &st, &err);
+    if (!rc) {
+        const double from = have_quality && !curve_path ? 0.6 : 0.05;
+        compress_phase(&cp, "compressing", from, (eval_path ? 0.85 : 0.95) - from);
+        rc = pd_compress_prefix_observed(m, ids, (int64_t)n, &spec, lay, on_compress_layer, &cp, &prefix, &st, &err);
+        pd_progress_end(&cp.line);
+    }
     if (!rc && report) {
         rc = report_compression(report, &spec, layout_text, lay, n, &st, &err);
     } else if (!rc) {
@@ -921,9 +961,11 @@ static int cmd_compress(int argc, char **argv) {
     }
     if (!rc && eval_path) {
         double nll_full = 0, nll_comp = 0;
+        compress_phase(&cp, "evaluating", 0.85, 0.1);
         rc = full_prefix(m, ids, (int64_t)n, &full, &err);
         if (!rc) rc = pd_nll(m, full, NULL, 0, eval_ids, (int64_t)n_eval, &nll_full, &err);
         if (!rc) rc = pd_nll(m, prefix, NULL, 0, eval_ids, (int64_t)n_eval, &nll_comp, &err);
+        pd_progress_end(&cp.line);
         if (!rc && report) {
             json_object_set_new(report, "eval_tokens", json_integer((json_int_t)n_eval));
             json_object_set_new(report, "nll_full", json_real(nll_full));
@@ -940,8 +982,11 @@ static int cmd_compress(int argc, char **argv) {
     }
     if (!rc && store_dir) {
         quality.retention = spec.retention;
+        compress_phase(&cp, "storing", 0.95, 0.05);
+        pd_progress_end(&cp.line); /* store_prefix reports on stdout */
         rc = store_prefix(m, store_dir, &spec, lay, ns, dtype, pin, &quality, ids, n, prefix, report, &err);
     }
+    pd_progress_end(&cp.line);
     if (!rc && report) {
         json_object_set_new(report, "arch", json_string(hp->arch_name));
         json_object_set_new(report, "score_seconds", json_real(st.score_seconds));

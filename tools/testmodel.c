@@ -345,6 +345,8 @@ typedef struct tm_tensor {
     bool hide0;         /* peaked TM_NORM before a sublayer: element 0 is 0, so the bias feature
                            does not swamp the sublayer's input */
     uint64_t qk_rows;   /* peaked: rows [0, qk_rows) are queries/keys, drawn QK_GAIN times larger */
+    const pd_testmodel_opts *opts; /* its progress callback */
+    double done_after;  /* fraction of all tensor bytes written once this one is */
 } tm_tensor;
 
 /* Peaked weights sharpen attention (scores of std ~4 rather than ~0.5) so
@@ -390,6 +392,7 @@ static int fill_tensor(void *ctx, const char *name, void *dst, uint64_t n_bytes,
         rc = pd_quantize_row(t->type, row, out + r * row_bytes, ne0, err);
     }
     free(row);
+    if (!rc && t->opts && t->opts->progress) t->opts->progress(t->opts->progress_ctx, "writing tensors", t->done_after);
     return rc;
 }
 
@@ -817,6 +820,7 @@ int pd_testmodel_write(const pd_testmodel_opts *o, const char *path, pd_testmode
     /* The vocabulary decides n_vocab, which the metadata and shapes need;
      * tokenizer keys follow the model keys, as in llama.cpp's files. */
     pd_gguf *vg = NULL;
+    if (o->progress) o->progress(o->progress_ctx, "building vocabulary", 0);
     if (o->vocab_from)
         rc = open_vocab_file(o->vocab_from, &vg, &n_vocab, err);
     else if (!(rc = builtin_vocab_sized(&v, o->n_vocab, err)))
@@ -839,7 +843,12 @@ int pd_testmodel_write(const pd_testmodel_opts *o, const char *path, pd_testmode
         inf.n_params += n_el;
         inf.data_bytes += bytes;
         if (t->n_dims == 2 && t->type != o->wtype) inf.n_fallback++;
+        t->opts = o;
+        t->done_after = (double)inf.data_bytes; /* divided by the total below */
     }
+    for (size_t i = 0; i < L.n && !rc; i++)
+        L.t[i].done_after = inf.data_bytes ? L.t[i].done_after / (double)inf.data_bytes : 1;
+    if (!rc && o->progress) o->progress(o->progress_ctx, "writing tensors", 0);
     if (!rc) rc = pd_gguf_writer_write(w, path, 0, err);
     if (!rc && info) *info = inf;
     pd_gguf_writer_free(w);
@@ -919,7 +928,7 @@ static void cli_usage(FILE *f, const char *prog) {
             "  --tied | --untied    share token_embd as the output matrix, or write output.weight\n"
             "  --peaked | --flat    peaked weights (a non-flat next-token distribution) or all N(0, 0.02^2)\n"
             "  -o, --output FILE    where to write the model (required)\n"
-            "  -q, --quiet          no summary on stdout\n"
+            "  -q, --quiet          no summary on stdout, no progress on stderr\n"
             "  --list-presets       print the presets and exit\n"
             "  -h, --help           this help\n",
             prog);
@@ -960,6 +969,10 @@ static void cli_list_presets(void) {
                p->head_dim ? p->head_dim : p->n_embd / p->n_head, p->sliding_window, (double)p->rope_freq_base,
                (double)p->rms_eps, p->tied ? "yes" : "no", p->peaked ? "yes" : "no");
     }
+}
+
+static void report_progress(void *ctx, const char *phase, double fraction) {
+    pd_progress_update(ctx, phase, fraction);
 }
 
 int pd_testmodel_cli(int argc, char **argv) {
@@ -1112,7 +1125,15 @@ int pd_testmodel_cli(int argc, char **argv) {
                 "any\n",
                 prog);
     pd_testmodel_info info;
-    if (pd_testmodel_write(&o, out, &info, &err) != PD_OK) {
+    pd_progress prog_line;
+    pd_progress_init(&prog_line);
+    if (!quiet) {
+        o.progress = report_progress;
+        o.progress_ctx = &prog_line;
+    }
+    const int wrc = pd_testmodel_write(&o, out, &info, &err);
+    pd_progress_end(&prog_line);
+    if (wrc != PD_OK) {
         fprintf(stderr, "%s: %s\n", prog, err.msg);
         return 1;
     }

@@ -17,6 +17,30 @@ extern "C" {
 #endif
 
 /* ------------------------------------------------------------------------
+ * Progress of long work (tools/progress.c)
+ *
+ * On stderr. When stderr is a terminal: one line redrawn in place,
+ * "[#####     ]  42% phase", erased by pd_progress_end. Otherwise (a pipe,
+ * a log file): one line per phase, its name, printed when the phase
+ * changes; fractions are not printed, so logs stay short and stable.
+ * stdout is never touched.
+ * ------------------------------------------------------------------------ */
+
+typedef struct pd_progress {
+    bool tty;            /* stderr is a terminal */
+    bool drawn;          /* a refreshed line is on screen (tty) */
+    int shown_pct;
+    char phase[64];      /* the last phase shown */
+} pd_progress;
+
+void pd_progress_init(pd_progress *p);
+/* fraction in [0, 1] of the whole work (clamped). */
+void pd_progress_update(pd_progress *p, const char *phase, double fraction);
+/* Erases the refreshed line (tty); call before printing anything else to
+ * the terminal. A later update draws it again. */
+void pd_progress_end(pd_progress *p);
+
+/* ------------------------------------------------------------------------
  * Test-model generator
  *
  * Writes a GGUF model with llama.cpp's exact tensor names, shapes and
@@ -81,6 +105,10 @@ typedef struct pd_testmodel_opts {
     uint64_t seed;
     const char *vocab_from; /* NULL = built-in vocab; else a GGUF path */
     const char *preset;   /* informational: name of the preset the shape came from */
+    /* Optional: called as the file is written (phase name, fraction of the
+     * tensor bytes written so far). */
+    void (*progress)(void *ctx, const char *phase, double fraction);
+    void *progress_ctx;
 } pd_testmodel_opts;
 
 /* What pd_testmodel_write produced. */
