@@ -247,6 +247,9 @@ int pd_api_models_json(const char *model_id, int64_t created, char **out, size_t
  * Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
  * GET /v1/models, GET /health (503 until ready), GET /metrics. The server
  * starts listening before the model is loaded so /health can say so.
+ * Every response carries X-Request-Id: the client's own when it is sane
+ * (1..64 of [A-Za-z0-9._:-]), else a fresh one; the access line and the
+ * route/status metrics are written when the request is over.
  * ------------------------------------------------------------------------ */
 
 typedef struct pd_server pd_server;
@@ -275,9 +278,9 @@ typedef struct pd_server_opts {
     int idle_timeout_s;        /* a connection that sends nothing this long is closed (default 15) */
     bool metrics;              /* serve GET /metrics (default true) */
     bool metrics_auth;         /* GET /metrics needs api_key like the API (default false) */
-    /* Where libmicrohttpd's own messages go (NULL: stderr as they are). */
-    void (*log)(void *log_ctx, const char *fmt, va_list ap);
-    void *log_ctx;
+    /* The daemon's log (not owned; NULL = none): one access line per
+     * request, failed requests with their error, libmicrohttpd's messages. */
+    const pd_logger *logger;
     pd_api_limits limits;
     /* Admin API (/admin/v1/...): admin_token NULL or "" = disabled (404).
      * admin_port != 0: a second listener on admin_listen:admin_port serves
