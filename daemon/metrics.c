@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "daemon/daemon.h"
@@ -447,19 +448,13 @@ int pd_metrics_process(pd_metrics *m, pd_error *err) {
     return PD_OK;
 }
 
-/* /proc/stat's btime: the boot time in Unix seconds (0 when unknown). */
+/* The boot time in Unix seconds, from the clocks (/proc/stat's btime is
+ * hidden by the unit's ProcSubset=pid). */
 static double boot_time(void) {
-    FILE *f = fopen("/proc/stat", "r");
-    if (!f) return 0;
-    char line[256];
-    double bt = 0;
-    while (fgets(line, sizeof line, f))
-        if (strncmp(line, "btime ", 6) == 0) {
-            bt = strtod(line + 6, NULL);
-            break;
-        }
-    fclose(f);
-    return bt;
+    struct timespec real, boot;
+    clock_gettime(CLOCK_REALTIME, &real);
+    clock_gettime(CLOCK_BOOTTIME, &boot);
+    return (double)(real.tv_sec - boot.tv_sec) + (double)(real.tv_nsec - boot.tv_nsec) * 1e-9;
 }
 
 static void process_refresh(const process_series *p) {
@@ -486,8 +481,7 @@ static void process_refresh(const process_series *p) {
                                   memory_order_relaxed);
             pd_gauge_set(p->virtual_bytes, (double)vsize);
             pd_gauge_set(p->resident_bytes, (double)rss * page);
-            const double bt = boot_time();
-            if (bt > 0) pd_gauge_set(p->start_time, bt + (double)start / ticks);
+            pd_gauge_set(p->start_time, boot_time() + (double)start / ticks);
         }
     }
     DIR *d = opendir("/proc/self/fd");
@@ -617,8 +611,8 @@ static void render_histogram(outbuf *b, const family *f, const series *s) {
 
 int pd_metrics_render(pd_metrics *m, char **out, size_t *len, pd_error *err) {
     if (!m || !out) return pd_errorf(err, PD_EINVAL, "pd_metrics_render: registry or out is NULL");
-    if (m->has_process) process_refresh(&m->proc);
     pthread_mutex_lock(&m->mu);
+    if (m->has_process) process_refresh(&m->proc);
     outbuf b = {0};
     ob_reserve(&b, 0); /* an empty registry still renders "" */
     for (size_t i = 0; i < m->n_fams; i++) {
