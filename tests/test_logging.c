@@ -14,6 +14,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cache/cache.h"
+#include "daemon/daemon.h"
 #include "helpers.h"
 #include "helpers_json.h"
 #include "util/util.h"
@@ -378,6 +380,74 @@ Test(logging, jobs_log_their_start_and_end) {
     cr_assert(strstr(log, "\"msg\":\"job done\"") && strstr(log, want), "%s", log);
     cr_assert(strstr(log, "\"route\":\"/admin/v1/prefixes\",\"status\":201"), "%s", log);
     free(log);
+}
+
+/* A job that fails says so at warn, with its error; the next one that
+ * succeeds logs its start and end. The jobs service on a real store and
+ * model, its lines on a real stream. */
+Test(logging, a_failed_job_is_logged_with_its_error) {
+    TH_REQUIRE_SHARED();
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    FILE *f = tmpfile();
+    cr_assert_not_null(f);
+    const pd_logger lg = {.level = PD_LOG_INFO, .format = PD_LOG_JSON, .sink = f};
+    pd_store_opts so;
+    pd_store_opts_default(&so);
+    so.dir = tmpdir;
+    so.map_size = 64ull << 20;
+    pd_store *store = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_store_open(&so, &store, &err), PD_OK, "%s", err.msg);
+    pd_jobs_opts o;
+    pd_jobs_opts_default(&o);
+    o.model_path = model;
+    o.store = store;
+    o.logger = &lg;
+    pd_jobs *j = NULL;
+    cr_assert_eq(pd_jobs_create(&o, &j, &err), PD_OK, "%s", err.msg);
+    pd_token t[40];
+    for (int i = 0; i < 40; i++) t[i] = 3 + (pd_token)(i * 7 % 500);
+    t[0] = 1;
+    t[10] = 100000; /* outside the vocabulary: the worker fails the job */
+    uint64_t bad = 0, good = 0;
+    pd_job_status st;
+    cr_assert_eq(pd_jobs_submit(j, &(pd_job_spec){.tokens = t, .n = 40, .policy = "snapkv", .retention = 0.5}, &bad,
+                                &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_jobs_wait(j, bad, 120, &st, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(st.state, PD_JOB_FAILED);
+    t[10] = 7;
+    cr_assert_eq(pd_jobs_submit(j, &(pd_job_spec){.tokens = t, .n = 40, .policy = "snapkv", .retention = 0.5}, &good,
+                                &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_jobs_wait(j, good, 120, &st, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(st.state, PD_JOB_DONE, "%s", st.error);
+    pd_jobs_free(j);
+    pd_store_close(store);
+
+    char *text = contents(f);
+    fclose(f);
+    int starts = 0, failed = 0, done = 0;
+    for (char *save = NULL, *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        json_t *l = th_json_parse(line);
+        const char *ev = json_string_value(json_object_get(l, "event"));
+        const json_int_t id = json_integer_value(json_object_get(l, "job_id"));
+        cr_assert_not_null(ev, "%s", line);
+        if (strcmp(ev, "job_start") == 0) {
+            starts++;
+            cr_assert_eq(json_integer_value(json_object_get(l, "tokens")), 40, "%s", line);
+        } else if (strcmp(ev, "job_failed") == 0) {
+            failed++;
+            cr_assert_eq(id, (json_int_t)bad, "%s", line);
+            cr_assert_str_eq(json_string_value(json_object_get(l, "level")), "warn");
+            cr_assert(strstr(json_string_value(json_object_get(l, "error")), "100000"), "%s", line);
+        } else if (strcmp(ev, "job_done") == 0) {
+            done++;
+            cr_assert_eq(id, (json_int_t)good, "%s", line);
+            cr_assert_eq(strlen(json_string_value(json_object_get(l, "prefix_id"))), 64, "%s", line);
+        }
+        json_decref(l);
+    }
+    cr_assert(starts == 2 && failed == 1 && done == 1, "starts %d failed %d done %d", starts, failed, done);
+    free(text);
 }
 
 /* format = journal under a real journal socket: prefixd runs in a mount
