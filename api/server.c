@@ -65,13 +65,13 @@ struct pd_server {
     pthread_t watcher;
 };
 
+/* The longest X-Request-Id taken from a client. */
+#define REQUEST_ID_MAX 64
+
 /* One HTTP request: its body, then (for generation) the scheduler request
  * and what its events produced. Shared by the event-loop thread, the engine
  * thread (through the sink), the watcher and an admin call's thread; `mu`
  * guards everything below it. */
-/* The longest X-Request-Id taken from a client. */
-#define REQUEST_ID_MAX 64
-
 typedef struct http_req {
     pd_server *srv;
     struct MHD_Connection *conn;
@@ -102,8 +102,9 @@ typedef struct http_req {
     char *admin_method, *admin_url, *admin_ns;
     pd_admin_ctx admin_ctx;
     pd_admin_reply admin_rep;
-    /* For the access line and the route/status metrics (on_completed). The
-     * first four are the connection thread's; usage is the engine's (mu). */
+    /* For the access line and the route/status metrics (on_completed).
+     * has_usage and usage are the engine's (mu); the rest is only the
+     * connection thread's. */
     char request_id[REQUEST_ID_MAX + 1];
     const char *route;   /* a route template: a bounded label value */
     const char *method;  /* MHD's string, valid until on_completed */
