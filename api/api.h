@@ -289,6 +289,9 @@ int pd_api_content_json(const char *text, size_t n, char **out, size_t *len, pd_
  * GET /health (503 until ready), GET /metrics; OPTIONS (CORS preflight)
  * when cors_origins is set. The server starts listening before the model
  * is loaded so /health can say so.
+ * Every response carries X-Request-Id: the client's own when it is sane
+ * (1..64 of [A-Za-z0-9._:-]), else a fresh one; the access line and the
+ * route/status metrics are written when the request is over.
  * ------------------------------------------------------------------------ */
 
 typedef struct pd_server pd_server;
@@ -320,9 +323,9 @@ typedef struct pd_server_opts {
     /* Origins browsers may call the public listener from: ORIGIN[,ORIGIN...]
      * or "*"; NULL or "" = no CORS headers and OPTIONS is 405 (default). */
     const char *cors_origins;
-    /* Where libmicrohttpd's own messages go (NULL: stderr as they are). */
-    void (*log)(void *log_ctx, const char *fmt, va_list ap);
-    void *log_ctx;
+    /* The daemon's log (not owned; NULL = none): one access line per
+     * request, failed requests with their error, libmicrohttpd's messages. */
+    const pd_logger *logger;
     pd_api_limits limits;
     /* Admin API (/admin/v1/...): admin_token NULL or "" = disabled (404).
      * admin_port != 0: a second listener on admin_listen:admin_port serves

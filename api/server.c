@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 #include <arpa/inet.h>
@@ -40,7 +41,8 @@ struct pd_server {
     pd_api_keys *keys;
     char admin_token[256];
     pd_metrics *metrics;
-    pd_counter *requests, *errors, *streams;
+    pd_counter *errors, *streams;
+    pd_histogram *prefill_seconds; /* admission to first token, per generation */
     pd_gauge *store_bytes, *store_prefixes, *hot_bytes; /* refreshed on each scrape */
     /* ready/backend: written by set_ready and drain, read by connection
      * threads, which hold the read lock from the check through
@@ -63,6 +65,9 @@ struct pd_server {
     bool watch_stop, watcher_started;
     pthread_t watcher;
 };
+
+/* The longest X-Request-Id taken from a client. */
+#define REQUEST_ID_MAX 64
 
 /* One HTTP request: its body, then (for generation) the scheduler request
  * and what its events produced. Shared by the event-loop thread, the engine
@@ -98,7 +103,26 @@ typedef struct http_req {
     char *admin_method, *admin_url, *admin_ns;
     pd_admin_ctx admin_ctx;
     pd_admin_reply admin_rep;
+    /* For the access line and the route/status metrics (on_completed).
+     * has_usage and usage are the engine's (mu); the rest is only the
+     * connection thread's. */
+    char request_id[REQUEST_ID_MAX + 1];
+    const char *route;   /* a route template: a bounded label value */
+    const char *method;  /* MHD's string, valid until on_completed */
+    double started;      /* pd_now_seconds at the first callback */
+    unsigned status;     /* the status queued; 0 = none (the client went first) */
+    char error[512];     /* the message of an error answer */
+    bool has_usage;
+    pd_sched_usage usage;
 } http_req;
+
+/* One connection's current request, as MHD's socket context, so that the
+ * response path (queue_response) finds it from the connection alone. Only
+ * the connection's own event-loop thread touches it. */
+typedef struct conn_slot {
+    const listener *li; /* the listener it came in on */
+    http_req *cur;
+} conn_slot;
 
 /* ---- CORS (server.cors_origins) -------------------------------------------- */
 
@@ -107,18 +131,12 @@ typedef struct http_req {
 #define CORS_EXPOSE_HEADERS "X-Request-Id, Retry-After"
 #define CORS_MAX_AGE_S "7200" /* the most Chromium keeps a preflight */
 
-/* The listener a connection came in on (its socket context, set by
- * note_listener), so that every response can be given its CORS headers
- * without passing the server around. */
+/* The listener a connection came in on (kept in its slot), so that every
+ * response can be given its CORS headers without passing the server around. */
 static const listener *listener_of(struct MHD_Connection *c) {
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
-    return ci ? ci->socket_context : NULL;
-}
-
-static void note_listener(void *cls, struct MHD_Connection *c, void **socket_context,
-                          enum MHD_ConnectionNotificationCode toe) {
-    (void)c;
-    if (toe == MHD_CONNECTION_NOTIFY_STARTED) *socket_context = cls;
+    const conn_slot *slot = ci ? ci->socket_context : NULL;
+    return slot ? slot->li : NULL;
 }
 
 /* The configured origins of the listener c came in on; NULL when CORS is
@@ -145,22 +163,51 @@ static bool list_has(const char *list, const char *item) {
     }
 }
 
+/* The Access-Control-Allow-Origin value for this request ("*" or its
+ * Origin), NULL when CORS is off or the Origin is not allowed; *vary is
+ * set when the answer depends on the Origin (a list, not "*"). */
+static const char *allowed_origin(struct MHD_Connection *c, bool *vary) {
+    const char *origins = cors_origins(c);
+    *vary = false;
+    if (!origins) return NULL;
+    const bool any = list_has(origins, "*");
+    *vary = !any;
+    const char *origin = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_ORIGIN);
+    if (!origin || (!any && !list_has(origins, origin))) return NULL;
+    return any ? "*" : origin;
+}
+
 /* The Access-Control-* headers every response of the public listener
  * carries for an allowed Origin (and Vary: Origin whenever the answer
- * depends on it). Returns whether the request's Origin is allowed. */
-static bool add_cors(struct MHD_Connection *c, struct MHD_Response *r) {
-    const char *origins = cors_origins(c);
-    if (!origins) return false;
-    const bool any = list_has(origins, "*");
-    if (!any) MHD_add_response_header(r, MHD_HTTP_HEADER_VARY, MHD_HTTP_HEADER_ORIGIN);
-    const char *origin = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_ORIGIN);
-    if (!origin || (!any && !list_has(origins, origin))) return false;
-    MHD_add_response_header(r, MHD_HTTP_HEADER_ACCESS_CONTROL_ALLOW_ORIGIN, any ? "*" : origin);
+ * depends on it). */
+static void add_cors(struct MHD_Connection *c, struct MHD_Response *r) {
+    bool vary;
+    const char *allow = allowed_origin(c, &vary);
+    if (vary) MHD_add_response_header(r, MHD_HTTP_HEADER_VARY, MHD_HTTP_HEADER_ORIGIN);
+    if (!allow) return;
+    MHD_add_response_header(r, MHD_HTTP_HEADER_ACCESS_CONTROL_ALLOW_ORIGIN, allow);
     MHD_add_response_header(r, MHD_HTTP_HEADER_ACCESS_CONTROL_EXPOSE_HEADERS, CORS_EXPOSE_HEADERS);
-    return true;
 }
 
 /* ---- small helpers -------------------------------------------------------- */
+
+static http_req *current_request(struct MHD_Connection *c) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    const conn_slot *slot = ci ? ci->socket_context : NULL;
+    return slot ? slot->cur : NULL;
+}
+
+/* Every answer goes out here: it carries the request's id, and its status
+ * is kept for the access line. */
+static enum MHD_Result queue_response(struct MHD_Connection *c, unsigned status, struct MHD_Response *resp) {
+    http_req *r = current_request(c);
+    add_cors(c, resp);
+    if (r) {
+        MHD_add_response_header(resp, "X-Request-Id", r->request_id);
+        r->status = status;
+    }
+    return MHD_queue_response(c, status, resp);
+}
 
 static enum MHD_Result send_body(struct MHD_Connection *c, unsigned status, const char *type, char *body, size_t len) {
     struct MHD_Response *r = MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
@@ -169,8 +216,7 @@ static enum MHD_Result send_body(struct MHD_Connection *c, unsigned status, cons
         return MHD_NO;
     }
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
-    add_cors(c, r);
-    enum MHD_Result ret = MHD_queue_response(c, status, r);
+    enum MHD_Result ret = queue_response(c, status, r);
     MHD_destroy_response(r);
     return ret;
 }
@@ -183,6 +229,8 @@ static enum MHD_Result send_error(pd_server *s, struct MHD_Connection *c, const 
     char *body = NULL;
     size_t len = 0;
     if (s->errors) pd_counter_add(s->errors, 1);
+    http_req *req = current_request(c);
+    if (req) snprintf(req->error, sizeof req->error, "%s", e->message);
     if (pd_api_error_json(e, &body, &len) != PD_OK) return MHD_NO;
     struct MHD_Response *r = MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
     if (!r) {
@@ -192,8 +240,7 @@ static enum MHD_Result send_error(pd_server *s, struct MHD_Connection *c, const 
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
     /* Busy or stopping: a well-behaved client backs off this long. */
     if (e->http_status == 503 || e->http_status == 429) MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, "2");
-    add_cors(c, r);
-    enum MHD_Result ret = MHD_queue_response(c, (unsigned)e->http_status, r);
+    enum MHD_Result ret = queue_response(c, (unsigned)e->http_status, r);
     MHD_destroy_response(r);
     return ret;
 }
@@ -351,6 +398,12 @@ static void queue_sse_error(http_req *r) {
     append(&r->q, &r->q_len, &r->q_cap, "\n\n" PD_API_SSE_DONE, 2 + strlen(PD_API_SSE_DONE));
 }
 
+/* The usage for the access line; r->mu held. */
+static void keep_usage(http_req *r, const pd_sched_usage *u) {
+    r->usage = *u;
+    r->has_usage = true;
+}
+
 /* Runs on the engine thread. */
 static void on_event(void *ctx, const pd_sched_event *ev) {
     http_req *r = ctx;
@@ -361,6 +414,7 @@ static void on_event(void *ctx, const pd_sched_event *ev) {
     switch (ev->kind) {
     case PD_SCHED_STARTED:
         if (ev->usage) pd_api_response_usage(r->resp, ev->usage);
+        if (ev->usage) keep_usage(r, ev->usage);
         break;
     case PD_SCHED_TOKEN:
         if (pd_api_response_token(r->resp, ev->choice, ev->text, ev->len, ev->sample, &err)) r->failed = true;
@@ -374,6 +428,7 @@ static void on_event(void *ctx, const pd_sched_event *ev) {
         break;
     case PD_SCHED_DONE:
         if (ev->usage) pd_api_response_usage(r->resp, ev->usage);
+        if (ev->usage) keep_usage(r, ev->usage);
         if (r->stream) {
             if (pd_api_response_sse_usage(r->resp, &chunk, &len, &err) == PD_OK) queue_sse(r, chunk, len);
             append(&r->q, &r->q_len, &r->q_cap, PD_API_SSE_DONE, strlen(PD_API_SSE_DONE));
@@ -562,8 +617,7 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
         if (!resp) return MHD_NO;
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-        add_cors(c, resp);
-        enum MHD_Result ret = MHD_queue_response(c, MHD_HTTP_OK, resp);
+        enum MHD_Result ret = queue_response(c, MHD_HTTP_OK, resp);
         MHD_destroy_response(resp);
         return ret;
     }
@@ -634,12 +688,13 @@ static enum MHD_Result answer_preflight(struct MHD_Connection *c) {
     struct MHD_Response *resp = MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT);
     if (!resp) return MHD_NO;
     MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, CORS_ALLOW_METHODS);
-    if (add_cors(c, resp)) {
+    bool vary;
+    if (allowed_origin(c, &vary)) {
         MHD_add_response_header(resp, MHD_HTTP_HEADER_ACCESS_CONTROL_ALLOW_METHODS, CORS_ALLOW_METHODS);
         MHD_add_response_header(resp, MHD_HTTP_HEADER_ACCESS_CONTROL_ALLOW_HEADERS, CORS_ALLOW_HEADERS);
         MHD_add_response_header(resp, MHD_HTTP_HEADER_ACCESS_CONTROL_MAX_AGE, CORS_MAX_AGE_S);
     }
-    enum MHD_Result ret = MHD_queue_response(c, MHD_HTTP_NO_CONTENT, resp);
+    enum MHD_Result ret = queue_response(c, MHD_HTTP_NO_CONTENT, resp); /* + origin, id */
     MHD_destroy_response(resp);
     return ret;
 }
@@ -734,8 +789,7 @@ static enum MHD_Result answer_admin(pd_server *s, struct MHD_Connection *c, http
     if (!rep->body) {
         struct MHD_Response *resp = MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT);
         if (!resp) return MHD_NO;
-        add_cors(c, resp);
-        enum MHD_Result ret = MHD_queue_response(c, (unsigned)rep->status, resp);
+        enum MHD_Result ret = queue_response(c, (unsigned)rep->status, resp);
         MHD_destroy_response(resp);
         return ret;
     }
@@ -792,6 +846,172 @@ static enum MHD_Result handle_admin(pd_server *s, struct MHD_Connection *c, http
     return MHD_YES;
 }
 
+/* ---- request ids, the access log, route/status metrics --------------------- */
+
+/* A client's X-Request-Id is kept when it is 1..REQUEST_ID_MAX characters
+ * of [A-Za-z0-9._:-] (it lands in logs and headers as it is). */
+static bool sane_request_id(const char *id) {
+    size_t n = 0;
+    for (; id[n]; n++) {
+        const char ch = id[n];
+        if (n == REQUEST_ID_MAX ||
+            !((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '.' ||
+              ch == '_' || ch == ':' || ch == '-'))
+            return false;
+    }
+    return n > 0;
+}
+
+/* 16 hex digits from the kernel's random pool. */
+static void new_request_id(char *out, size_t cap) {
+    uint64_t v;
+    if (getrandom(&v, sizeof v, GRND_NONBLOCK) != (ssize_t)sizeof v) {
+        /* No entropy yet (early boot): unique enough for correlating logs. */
+        static _Atomic uint64_t fallback;
+        v = pd_mix64(atomic_fetch_add(&fallback, 1) ^ (uint64_t)(pd_now_seconds() * 1e9));
+    }
+    snprintf(out, cap, "%016llx", (unsigned long long)v);
+}
+
+/* The route template a URL is counted and logged under: a fixed set, so
+ * the metrics' label values stay bounded whatever clients send. */
+static const char *route_of(const char *url, bool admin_listener) {
+    static const char *const exact[] = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
+                                        "/detokenize", "/health", "/metrics", "/admin/v1/prefixes"};
+    for (size_t i = 0; i < sizeof exact / sizeof exact[0]; i++)
+        if (strcmp(url, exact[i]) == 0) return exact[i];
+    static const struct {
+        const char *prefix, *route;
+    } templated[] = {{"/v1/models/", "/v1/models/{id}"},
+                     {"/admin/v1/prefixes/", "/admin/v1/prefixes/{id}"},
+                     {"/admin/v1/jobs/", "/admin/v1/jobs/{id}"}};
+    for (size_t i = 0; i < sizeof templated / sizeof templated[0]; i++)
+        if (strncmp(url, templated[i].prefix, strlen(templated[i].prefix)) == 0) return templated[i].route;
+    return admin_listener || strncmp(url, PD_ADMIN_PREFIX, strlen(PD_ADMIN_PREFIX)) == 0 ? "/admin/other" : "other";
+}
+
+/* At a request's first callback: its id (also the response header), route
+ * and start time, and the connection's current request. */
+static void begin_access(http_req *r, struct MHD_Connection *c, const char *url, const char *method,
+                         bool admin_listener) {
+    r->started = pd_now_seconds();
+    r->route = route_of(url, admin_listener);
+    r->method = method;
+    const char *given = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-Request-Id");
+    if (given && sane_request_id(given)) snprintf(r->request_id, sizeof r->request_id, "%s", given);
+    else new_request_id(r->request_id, sizeof r->request_id);
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    conn_slot *slot = ci ? ci->socket_context : NULL;
+    if (slot) slot->cur = r;
+}
+
+/* MHD's connection notifications: a slot per connection for its current request. */
+static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
+                          enum MHD_ConnectionNotificationCode code) {
+    (void)c;
+    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+        conn_slot *slot = calloc(1, sizeof *slot); /* NULL: requests go without an id header or CORS */
+        if (slot) slot->li = cls;
+        *socket_context = slot;
+    } else {
+        free(*socket_context);
+        *socket_context = NULL;
+    }
+}
+
+#define REQUEST_SECONDS_BOUNDS 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300
+
+/* prefixd_http_requests_total{route,status} and
+ * prefixd_http_request_duration_seconds{route}: the series of a route and
+ * status are registered the first time they occur. */
+static void count_request(pd_server *s, const http_req *r, unsigned status, double seconds) {
+    if (!s->metrics) return;
+    static const double bounds[] = {REQUEST_SECONDS_BOUNDS};
+    char labels[160];
+    pd_error err = {0};
+    pd_counter *n = NULL;
+    pd_histogram *h = NULL;
+    snprintf(labels, sizeof labels, "route=\"%s\",status=\"%u\"", r->route, status);
+    if (pd_metrics_counter(s->metrics, "prefixd_http_requests_total", "HTTP requests answered, by route and status.",
+                           labels, &n, &err) == PD_OK)
+        pd_counter_add(n, 1);
+    snprintf(labels, sizeof labels, "route=\"%s\"", r->route);
+    if (pd_metrics_histogram(s->metrics, "prefixd_http_request_duration_seconds",
+                             "First byte of the request to the last byte of the answer, by route.", labels, bounds,
+                             sizeof bounds / sizeof bounds[0], &h, &err) == PD_OK)
+        pd_histogram_observe(h, seconds);
+}
+
+static const char *termination_name(enum MHD_RequestTerminationCode toe) {
+    switch (toe) {
+    case MHD_REQUEST_TERMINATED_COMPLETED_OK: return "completed";
+    case MHD_REQUEST_TERMINATED_TIMEOUT_REACHED: return "idle_timeout";
+    case MHD_REQUEST_TERMINATED_CLIENT_ABORT: return "client_abort";
+    case MHD_REQUEST_TERMINATED_DAEMON_SHUTDOWN: return "shutdown";
+    default: return "error";
+    }
+}
+
+/* The request is over: count it and write its access line (warn for 5xx,
+ * info otherwise). A request that got no answer (the client left first)
+ * counts as 499, as nginx logs it. */
+static void end_access(pd_server *s, http_req *r, struct MHD_Connection *c, enum MHD_RequestTerminationCode toe) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    conn_slot *slot = ci ? ci->socket_context : NULL;
+    if (slot && slot->cur == r) slot->cur = NULL;
+    const double seconds = pd_now_seconds() - r->started;
+    const unsigned status = r->status ? r->status : 499;
+    pthread_mutex_lock(&r->mu);
+    const bool has_usage = r->has_usage, failed = r->failed;
+    const pd_sched_usage u = r->usage;
+    if (failed && !r->error[0]) snprintf(r->error, sizeof r->error, "%s", r->err.message);
+    pthread_mutex_unlock(&r->mu);
+    count_request(s, r, status, seconds);
+    /* Admission to the first token: the prefill of what the cache did not cover. */
+    if (has_usage && u.ttft_seconds > 0) pd_histogram_observe(s->prefill_seconds, u.ttft_seconds - u.queue_seconds);
+
+    const pd_log_level level = status >= 500 ? PD_LOG_WARN : PD_LOG_INFO;
+    if (!pd_log_enabled(s->opts.logger, level)) return;
+    char client[INET6_ADDRSTRLEN] = "";
+    const union MHD_ConnectionInfo *ai = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+    if (ai && ai->client_addr) {
+        const struct sockaddr *sa = ai->client_addr;
+        if (sa->sa_family == AF_INET) inet_ntop(AF_INET, &((const struct sockaddr_in *)sa)->sin_addr, client, sizeof client);
+        else if (sa->sa_family == AF_INET6)
+            inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)sa)->sin6_addr, client, sizeof client);
+    }
+    pd_log_field f[20];
+    size_t n = 0;
+    f[n++] = PD_LOG_STR("event", "access");
+    f[n++] = PD_LOG_STR("request_id", r->request_id);
+    f[n++] = PD_LOG_STR("method", r->method);
+    f[n++] = PD_LOG_STR("route", r->route);
+    f[n++] = PD_LOG_INT("status", status);
+    f[n++] = PD_LOG_NUM("duration_s", seconds);
+    f[n++] = PD_LOG_STR("client", client[0] ? client : NULL);
+    if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) f[n++] = PD_LOG_STR("termination", termination_name(toe));
+    char ns[PD_PREFIX_NS_MAX], prefix[PD_PREFIX_ID_HEX];
+    if (r->sreq) {
+        /* The API key's namespace: a cache_salt after U+001F stays out of the log. */
+        snprintf(ns, sizeof ns, "%.*s", (int)strcspn(r->areq.ns, "\x1f"), r->areq.ns);
+        f[n++] = PD_LOG_STR("namespace", ns);
+        f[n++] = PD_LOG_STR("stream", r->stream ? "true" : "false");
+    }
+    if (has_usage) {
+        f[n++] = PD_LOG_INT("prompt_tokens", u.prompt_tokens);
+        f[n++] = PD_LOG_INT("cached_tokens", u.cached_tokens);
+        f[n++] = PD_LOG_INT("completion_tokens", u.completion_tokens);
+        f[n++] = PD_LOG_NUM("queue_s", u.queue_seconds);
+        if (u.ttft_seconds > 0) f[n++] = PD_LOG_NUM("ttft_s", u.ttft_seconds);
+        if (u.prefix_used) {
+            pd_prefix_id_hex(&u.prefix_id, prefix);
+            f[n++] = PD_LOG_STR("prefix_id", prefix);
+        }
+    }
+    if (r->error[0]) f[n++] = PD_LOG_STR("error", r->error);
+    pd_log_fields(s->opts.logger, level, "request", f, n);
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                                   const char *version, const char *upload, size_t *upload_size, void **con_cls) {
     (void)version;
@@ -806,7 +1026,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         r->fd = ci ? ci->connect_fd : -1;
         pthread_mutex_init(&r->mu, NULL);
         *con_cls = r;
-        if (s->requests) pd_counter_add(s->requests, 1);
+        begin_access(r, c, url, method, li->admin);
         pthread_mutex_lock(&s->active_mu);
         s->active++;
         pthread_mutex_unlock(&s->active_mu);
@@ -858,12 +1078,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 /* The request is over (sent, failed or the client went away): stop its
  * generation before freeing what the sink writes to. */
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
-    (void)cls, (void)c, (void)toe;
+    (void)cls;
     http_req *r = *con_cls;
     if (!r) return;
     pd_server *s = r->srv;
     unpark(s, r);
     if (r->sreq) pd_sched_request_release(r->sreq);
+    end_access(s, r, c, toe);
     pd_api_response_free(r->resp);
     pd_api_request_free(&r->areq);
     pthread_mutex_destroy(&r->mu);
@@ -949,11 +1170,16 @@ static unsigned event_threads(const pd_server_opts *o) {
     return n > 0 ? (unsigned)n : 1;
 }
 
-/* libmicrohttpd's own messages, through the daemon's logger when it has one. */
+/* libmicrohttpd's own messages ("Failed to bind to port ..."), as warnings
+ * of the daemon's log. */
 static void log_library(void *cls, const char *fmt, va_list ap) {
     const pd_server *s = cls;
-    if (s->opts.log) s->opts.log(s->opts.log_ctx, fmt, ap);
-    else vfprintf(stderr, fmt, ap);
+    if (!pd_log_enabled(s->opts.logger, PD_LOG_WARN)) return;
+    char msg[1024];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    size_t n = strlen(msg);
+    while (n && msg[n - 1] == '\n') msg[--n] = '\0';
+    pd_log(s->opts.logger, PD_LOG_WARN, "libmicrohttpd: %s", msg);
 }
 
 /* epoll, a fixed pool of event-loop threads, suspend/resume for requests
@@ -967,7 +1193,7 @@ static struct MHD_Daemon *start_mhd(const pd_server_opts *o, unsigned threads, s
         ntohs(sa->ss_family == AF_INET6 ? ((struct sockaddr_in6 *)sa)->sin6_port : ((struct sockaddr_in *)sa)->sin_port),
         NULL, NULL, on_request, li, MHD_OPTION_EXTERNAL_LOGGER, log_library, li->srv, /* first, as MHD asks */
         MHD_OPTION_SOCK_ADDR, (struct sockaddr *)sa, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
-        li->srv, MHD_OPTION_NOTIFY_CONNECTION, note_listener, li, MHD_OPTION_THREAD_POOL_SIZE, threads, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections,
+        li->srv, MHD_OPTION_NOTIFY_CONNECTION, on_connection, li, MHD_OPTION_THREAD_POOL_SIZE, threads, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections,
         MHD_OPTION_UNESCAPE_CALLBACK, unescape_keeping_nul, NULL, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
         o->max_connections_per_client, MHD_OPTION_CONNECTION_TIMEOUT,
         (unsigned)(o->idle_timeout_s > 0 ? o->idle_timeout_s : 0), MHD_OPTION_THREAD_STACK_SIZE,
@@ -1001,8 +1227,13 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
     if (wrc) rc = pd_errorf(err, PD_EIO, "cannot start the HTTP server's watcher thread: %s", strerror(wrc));
     s->watcher_started = wrc == 0;
     if (metrics) {
-        rc = pd_metrics_counter(metrics, "prefixd_http_requests_total", "HTTP requests received.", NULL,
-                                &s->requests, err);
+        /* prefixd_http_requests_total{route,status} and the request
+         * durations are registered per route as requests end (count_request). */
+        static const double prefill_bounds[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
+        rc = pd_metrics_histogram(metrics, "prefixd_prefill_duration_seconds",
+                                  "Admission into the batch to the first token: the prefill of the prompt past its "
+                                  "cached prefix.", NULL, prefill_bounds, sizeof prefill_bounds / sizeof prefill_bounds[0],
+                                  &s->prefill_seconds, err);
         if (!rc)
             rc = pd_metrics_counter(metrics, "prefixd_http_errors_total", "HTTP requests answered with an error.",
                                     NULL, &s->errors, err);

@@ -102,7 +102,7 @@ static const retired_key retired_keys[] = {
 };
 static const char *const log_level_names[] = {"error", "warn", "info", "debug", NULL};
 static const char *const kv_type_names[] = {"f16", "f32", NULL};
-static const char *const log_format_names[] = {"text", "json", NULL};
+static const char *const log_format_names[] = {"text", "json", "journal", NULL};
 
 static const char *check_address(const char *s);
 static const char *check_secret(const char *s);
@@ -669,7 +669,7 @@ const char *pd_log_level_name(pd_log_level l) {
     return (unsigned)l < 4 ? log_level_names[l] : "unknown";
 }
 const char *pd_log_format_name(pd_log_format f) {
-    return (unsigned)f < 2 ? log_format_names[f] : "unknown";
+    return (unsigned)f < 3 ? log_format_names[f] : "unknown";
 }
 
 /* ------------------------------------------------------------------------

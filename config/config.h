@@ -49,17 +49,8 @@ typedef enum pd_kv_cache_type {
     PD_KV_CACHE_F32 = 1,
 } pd_kv_cache_type;
 
-typedef enum pd_log_level {
-    PD_LOG_ERROR = 0,
-    PD_LOG_WARN = 1,
-    PD_LOG_INFO = 2,
-    PD_LOG_DEBUG = 3,
-} pd_log_level;
-
-typedef enum pd_log_format {
-    PD_LOG_TEXT = 0,
-    PD_LOG_JSON = 1,
-} pd_log_format;
+/* pd_log_level and pd_log_format (log.level, log.format) are util/util.h's:
+ * the logger every layer uses lives there. */
 
 /* Plain values only: a pd_config can be copied with `=` and needs no free. */
 typedef struct pd_config {

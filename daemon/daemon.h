@@ -24,9 +24,9 @@ extern "C" {
 /* ------------------------------------------------------------------------
  * Metrics registry (Prometheus text exposition format 0.0.4)
  *
- * Families are registered once at start-up (not thread-safe); updates are
- * thread-safe and lock-free for counters and gauges. Label values are given
- * at registration of a series, so the hot path never formats strings.
+ * Registration is thread-safe (a lock; cheap enough per request, but keep
+ * the handle where the series is fixed); updates are thread-safe and
+ * lock-free. Label values are given at registration of a series.
  * ------------------------------------------------------------------------ */
 
 typedef struct pd_metrics pd_metrics;
@@ -55,6 +55,10 @@ void pd_gauge_add(pd_gauge *g, double v);     /* may be negative */
 void pd_histogram_observe(pd_histogram *h, double v);
 double pd_counter_value(const pd_counter *c);
 double pd_gauge_value(const pd_gauge *g);
+
+/* Register the process_* series (CPU seconds, resident and virtual memory,
+ * open and maximum fds, start time), read from /proc at every render. */
+int pd_metrics_process(pd_metrics *m, pd_error *err);
 
 /* The whole registry in text format: families in registration order, each
  * with # HELP and # TYPE, histogram _bucket{le=...} (cumulative), _sum,
@@ -211,6 +215,7 @@ typedef struct pd_jobs_opts {
     pd_metrics *metrics;         /* optional: prefixd_prefix_jobs_total{state="done"|"failed"} and
                                     prefixd_prefix_jobs_queued */
     bool start_paused;           /* the worker starts no job until pd_jobs_set_paused(j, false) */
+    const pd_logger *logger;     /* optional: a line when a job starts, is done or fails (not owned) */
 } pd_jobs_opts;
 
 void pd_jobs_opts_default(pd_jobs_opts *o);

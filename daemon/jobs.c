@@ -61,6 +61,7 @@ struct pd_jobs {
 
     pd_counter *m_done, *m_failed;
     pd_gauge *m_queued;
+    const pd_logger *logger;     /* may be NULL */
 };
 
 const char *pd_job_state_name(pd_job_state s) {
@@ -259,6 +260,39 @@ static int run_job(pd_jobs *j, job *jb, pd_prefix_info *info, bool *existed, dou
     return rc;
 }
 
+/* Job lines: the start (what it compresses), then done (the stored prefix)
+ * or failed (the error). The worker reads only jb's immutable part here. */
+static void log_job_start(const pd_jobs *j, const job *jb) {
+    if (!pd_log_enabled(j->logger, PD_LOG_INFO)) return;
+    char spec[256];
+    pd_policy_spec_print(&jb->spec, spec, sizeof spec);
+    const pd_log_field f[] = {PD_LOG_STR("event", "job_start"), PD_LOG_INT("job_id", jb->st.id),
+                              PD_LOG_INT("tokens", jb->n), PD_LOG_STR("policy", spec),
+                              PD_LOG_STR("namespace", jb->ns)};
+    pd_log_fields(j->logger, PD_LOG_INFO, "job started", f, sizeof f / sizeof f[0]);
+}
+
+static void log_job_end(const pd_jobs *j, const job *jb, int rc, const pd_error *err, const pd_prefix_info *info,
+                        bool existed, double chosen) {
+    const double seconds = unix_now() - jb->st.started_at;
+    if (rc) {
+        const pd_log_field f[] = {PD_LOG_STR("event", "job_failed"), PD_LOG_INT("job_id", jb->st.id),
+                                  PD_LOG_NUM("seconds", seconds), PD_LOG_STR("status", pd_status_name(rc)),
+                                  PD_LOG_STR("error", err->msg[0] ? err->msg : pd_status_name(rc))};
+        pd_log_fields(j->logger, PD_LOG_WARN, "job failed", f, sizeof f / sizeof f[0]);
+        return;
+    }
+    char id[PD_PREFIX_ID_HEX];
+    pd_prefix_id_hex(&info->id, id);
+    const pd_log_field f[] = {PD_LOG_STR("event", "job_done"), PD_LOG_INT("job_id", jb->st.id),
+                              PD_LOG_NUM("seconds", seconds), PD_LOG_STR("prefix_id", id),
+                              PD_LOG_INT("kept_rows", info->kept_rows),
+                              PD_LOG_STR("existed", existed ? "true" : "false"), PD_LOG_NUM("retention", chosen)};
+    /* No retention was chosen (NaN): the last field is left out. */
+    const size_t n = sizeof f / sizeof f[0] - (isnan(chosen) ? 1 : 0);
+    pd_log_fields(j->logger, PD_LOG_INFO, "job done", f, n);
+}
+
 static void *worker_main(void *arg) {
     pd_jobs *j = arg;
     pthread_mutex_lock(&j->mu);
@@ -280,11 +314,13 @@ static void *worker_main(void *arg) {
         pthread_cond_broadcast(&j->cv);
         pthread_mutex_unlock(&j->mu);
 
+        log_job_start(j, jb);
         pd_error err = {0};
         pd_prefix_info info;
         bool existed = false;
         double chosen = NAN;
         int rc = run_job(j, jb, &info, &existed, &chosen, &err);
+        log_job_end(j, jb, rc, &err, &info, existed, chosen);
 
         pthread_mutex_lock(&j->mu);
         jb->st.finished_at = unix_now();
@@ -342,6 +378,7 @@ int pd_jobs_create(const pd_jobs_opts *o, pd_jobs **out, pd_error *err) {
     j->max_jobs = o->max_jobs;
     j->next_id = 1;
     j->paused = o->start_paused;
+    j->logger = o->logger;
     j->model_path = strdup(o->model_path);
     j->default_policy = strdup(dp);
     j->table = calloc((size_t)o->max_jobs, sizeof *j->table);

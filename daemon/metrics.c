@@ -1,18 +1,24 @@
 /* Metrics registry: counters, gauges and histograms rendered in the
  * Prometheus text exposition format 0.0.4.
  *
- * Registration happens at start-up on one thread; updates come from any
- * thread and never lock. A double is kept as its IEEE-754 bit pattern in an
+ * Registration takes the registry's lock (so a series can be added while
+ * serving, e.g. the first request of a new route and status); updates come
+ * from any thread and never lock. A double is kept as its IEEE-754 bit pattern in an
  * atomic uint64_t and updated with a CAS loop: C11 has no atomic fetch-add
  * for floating types, and a 64-bit integer CAS is lock-free on every target
  * we build for (no libatomic needed). */
+#include <dirent.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "daemon/daemon.h"
 
@@ -50,9 +56,18 @@ typedef struct family {
     size_t n_series, cap_series;
 } family;
 
+/* The process_* series, refreshed from /proc at each render. */
+typedef struct process_series {
+    pd_counter *cpu_seconds;
+    pd_gauge *resident_bytes, *virtual_bytes, *open_fds, *max_fds, *start_time;
+} process_series;
+
 struct pd_metrics {
+    pthread_mutex_t mu; /* registration and rendering (the family and series arrays) */
     family **fams;
     size_t n_fams, cap_fams;
+    bool has_process;
+    process_series proc;
 };
 
 /* ---- atomic doubles ----------------------------------------------------- */
@@ -193,6 +208,7 @@ int pd_metrics_create(pd_metrics **out, pd_error *err) {
     if (!out) return pd_errorf(err, PD_EINVAL, "pd_metrics_create: out is NULL");
     *out = calloc(1, sizeof **out);
     if (!*out) return pd_errorf(err, PD_ENOMEM, "out of memory creating the metrics registry");
+    pthread_mutex_init(&(*out)->mu, NULL);
     return PD_OK;
 }
 
@@ -217,6 +233,7 @@ void pd_metrics_free(pd_metrics *m) {
     if (!m) return;
     for (size_t i = 0; i < m->n_fams; i++) family_free(m->fams[i]);
     free(m->fams);
+    pthread_mutex_destroy(&m->mu);
     free(m);
 }
 
@@ -262,9 +279,9 @@ static bool same_bounds(const family *f, const double *bounds, size_t n) {
 
 /* Find or create the family and the series; *created tells the caller to
  * initialise the series' value. */
-static int lookup_series(pd_metrics *m, const char *name, const char *help, const char *labels, metric_type type,
-                         const double *bounds, size_t n_bounds, series **out, pd_error *err) {
-    if (!m || !out) return pd_errorf(err, PD_EINVAL, "metrics: registry or out is NULL");
+static int lookup_series_locked(pd_metrics *m, const char *name, const char *help, const char *labels,
+                                metric_type type, const double *bounds, size_t n_bounds, series **out,
+                                pd_error *err) {
     if (!valid_metric_name(name))
         return pd_errorf(err, PD_EINVAL, "metric name \"%s\" is invalid: use [a-zA-Z_:][a-zA-Z0-9_:]*",
                          name ? name : "(null)");
@@ -369,6 +386,15 @@ oom:
     return pd_errorf(err, PD_ENOMEM, "out of memory registering metric %s", name);
 }
 
+static int lookup_series(pd_metrics *m, const char *name, const char *help, const char *labels, metric_type type,
+                         const double *bounds, size_t n_bounds, series **out, pd_error *err) {
+    if (!m || !out) return pd_errorf(err, PD_EINVAL, "metrics: registry or out is NULL");
+    pthread_mutex_lock(&m->mu);
+    const int rc = lookup_series_locked(m, name, help, labels, type, bounds, n_bounds, out, err);
+    pthread_mutex_unlock(&m->mu);
+    return rc;
+}
+
 int pd_metrics_counter(pd_metrics *m, const char *name, const char *help, const char *labels, pd_counter **out,
                        pd_error *err) {
     series *s;
@@ -391,6 +417,85 @@ int pd_metrics_histogram(pd_metrics *m, const char *name, const char *help, cons
     int rc = lookup_series(m, name, help, labels, MT_HISTOGRAM, bounds, n, &s, err);
     if (rc == PD_OK) *out = &s->u.h;
     return rc;
+}
+
+/* ---- process metrics ------------------------------------------------------ */
+
+/* The process_* series the Prometheus client libraries export, so the
+ * usual dashboards work: CPU seconds (user + system), resident and virtual
+ * memory, open and maximum file descriptors, start time. */
+int pd_metrics_process(pd_metrics *m, pd_error *err) {
+    process_series p = {0};
+    int rc = pd_metrics_counter(m, "process_cpu_seconds_total", "Total user and system CPU time spent in seconds.",
+                                NULL, &p.cpu_seconds, err);
+    if (!rc)
+        rc = pd_metrics_gauge(m, "process_resident_memory_bytes", "Resident memory size in bytes.", NULL,
+                              &p.resident_bytes, err);
+    if (!rc)
+        rc = pd_metrics_gauge(m, "process_virtual_memory_bytes", "Virtual memory size in bytes.", NULL,
+                              &p.virtual_bytes, err);
+    if (!rc) rc = pd_metrics_gauge(m, "process_open_fds", "Number of open file descriptors.", NULL, &p.open_fds, err);
+    if (!rc)
+        rc = pd_metrics_gauge(m, "process_max_fds", "Maximum number of open file descriptors.", NULL, &p.max_fds, err);
+    if (!rc)
+        rc = pd_metrics_gauge(m, "process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
+                              NULL, &p.start_time, err);
+    if (rc) return rc;
+    pthread_mutex_lock(&m->mu);
+    m->proc = p;
+    m->has_process = true;
+    pthread_mutex_unlock(&m->mu);
+    return PD_OK;
+}
+
+/* The boot time in Unix seconds, from the clocks (/proc/stat's btime is
+ * hidden by the unit's ProcSubset=pid). */
+static double boot_time(void) {
+    struct timespec real, boot;
+    clock_gettime(CLOCK_REALTIME, &real);
+    clock_gettime(CLOCK_BOOTTIME, &boot);
+    return (double)(real.tv_sec - boot.tv_sec) + (double)(real.tv_nsec - boot.tv_nsec) * 1e-9;
+}
+
+static void process_refresh(const process_series *p) {
+    /* /proc/self/stat: fields after the command name (which may hold
+     * spaces and parentheses, so parse from the last ')'): field 3 is the
+     * state; utime 14, stime 15 (clock ticks), starttime 22 (ticks after
+     * boot), vsize 23 (bytes), rss 24 (pages). */
+    FILE *f = fopen("/proc/self/stat", "r");
+    if (f) {
+        char buf[1024];
+        const size_t n = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        buf[n] = '\0';
+        const char *p_end = strrchr(buf, ')');
+        unsigned long long utime, stime, start, vsize;
+        long long rss;
+        const double ticks = (double)sysconf(_SC_CLK_TCK), page = (double)sysconf(_SC_PAGESIZE);
+        if (p_end && ticks > 0 &&
+            sscanf(p_end + 1,
+                   " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu %*d %*d %*d %*d %*d %*d %llu %llu %lld",
+                   &utime, &stime, &start, &vsize, &rss) == 5) {
+            /* A counter that is read, not added to: stored as is. */
+            atomic_store_explicit(&p->cpu_seconds->bits, dbl_bits((double)(utime + stime) / ticks),
+                                  memory_order_relaxed);
+            pd_gauge_set(p->virtual_bytes, (double)vsize);
+            pd_gauge_set(p->resident_bytes, (double)rss * page);
+            pd_gauge_set(p->start_time, boot_time() + (double)start / ticks);
+        }
+    }
+    DIR *d = opendir("/proc/self/fd");
+    if (d) {
+        int64_t open = 0;
+        const int own = dirfd(d);
+        for (struct dirent *e; (e = readdir(d));)
+            if (e->d_name[0] != '.' && atoi(e->d_name) != own) open++;
+        closedir(d);
+        pd_gauge_set(p->open_fds, (double)open);
+    }
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0)
+        pd_gauge_set(p->max_fds, rl.rlim_cur == RLIM_INFINITY ? INFINITY : (double)rl.rlim_cur);
 }
 
 /* ---- rendering ----------------------------------------------------------- */
@@ -506,6 +611,8 @@ static void render_histogram(outbuf *b, const family *f, const series *s) {
 
 int pd_metrics_render(pd_metrics *m, char **out, size_t *len, pd_error *err) {
     if (!m || !out) return pd_errorf(err, PD_EINVAL, "pd_metrics_render: registry or out is NULL");
+    pthread_mutex_lock(&m->mu);
+    if (m->has_process) process_refresh(&m->proc);
     outbuf b = {0};
     ob_reserve(&b, 0); /* an empty registry still renders "" */
     for (size_t i = 0; i < m->n_fams; i++) {
@@ -528,6 +635,7 @@ int pd_metrics_render(pd_metrics *m, char **out, size_t *len, pd_error *err) {
             }
         }
     }
+    pthread_mutex_unlock(&m->mu);
     if (b.oom) {
         free(b.data);
         return pd_errorf(err, PD_ENOMEM, "out of memory rendering metrics");

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "daemon/daemon.h"
 #include "helpers.h"
@@ -353,4 +354,84 @@ Test(metrics, concurrent_updates_sum_exactly) {
              "conc_hist_sum %ld\nconc_hist_count %ld\n",
              total, quarter, 2 * quarter, 3 * quarter, total, quarter * (0 + 1 + 2 + 3), total);
     expect_render(want);
+}
+
+/* Series registered while serving (a route and status seen for the first
+ * time) race with each other and with scrapes: each label set ends up as
+ * exactly one series holding every increment. */
+typedef struct reg_arg {
+    int thread;
+} reg_arg;
+
+enum { REG_THREADS = 4, REG_ROUNDS = 2000, REG_ROUTES = 5 };
+
+static void *register_and_count(void *p) {
+    const reg_arg *a = p;
+    for (int i = 0; i < REG_ROUNDS; i++) {
+        char labels[64];
+        snprintf(labels, sizeof labels, "route=\"r%d\",status=\"200\"", (i + a->thread) % REG_ROUTES);
+        pd_counter *c = NULL;
+        pd_error err = {0};
+        if (pd_metrics_counter(reg, "lazy_total", "Lazily registered.", labels, &c, &err) != PD_OK)
+            return "registration failed";
+        pd_counter_add(c, 1);
+        if (a->thread == 0 && i % 100 == 0) {
+            char *text = NULL;
+            if (pd_metrics_render(reg, &text, NULL, &err) != PD_OK) return "render failed";
+            free(text);
+        }
+    }
+    return NULL;
+}
+
+Test(metrics, registration_while_serving_is_thread_safe) {
+    pthread_t t[REG_THREADS];
+    reg_arg args[REG_THREADS];
+    for (int i = 0; i < REG_THREADS; i++) {
+        args[i].thread = i;
+        cr_assert_eq(pthread_create(&t[i], NULL, register_and_count, &args[i]), 0);
+    }
+    for (int i = 0; i < REG_THREADS; i++) {
+        void *res = NULL;
+        pthread_join(t[i], &res);
+        cr_assert_null(res, "%s", (const char *)res);
+    }
+    char *text = render();
+    double total = 0;
+    int series = 0;
+    for (int r = 0; r < REG_ROUTES; r++) {
+        char name[96];
+        snprintf(name, sizeof name, "lazy_total{route=\"r%d\",status=\"200\"}", r);
+        const double v = th_metric(text, name);
+        cr_assert_eq(v, REG_THREADS * REG_ROUNDS / REG_ROUTES, "%s", text);
+        total += v;
+        series++;
+    }
+    cr_assert_eq(total, REG_THREADS * REG_ROUNDS);
+    /* one # TYPE line, one line per series */
+    int lines = 0;
+    for (const char *p = text; (p = strstr(p, "lazy_total{")); p++) lines++;
+    cr_assert_eq(lines, series, "%s", text);
+    free(text);
+}
+
+/* The process_* series read this process's /proc: its open descriptors,
+ * memory and CPU time. */
+Test(metrics, process_series_describe_this_process) {
+    pd_error err = {0};
+    cr_assert_eq(pd_metrics_process(reg, &err), PD_OK, "%s", err.msg);
+    char *text = render();
+    const double open_before = th_metric(text, "process_open_fds");
+    free(text);
+    FILE *extra[8];
+    for (int i = 0; i < 8; i++) cr_assert_not_null(extra[i] = fopen("/dev/null", "r"));
+    text = render();
+    cr_assert_eq(th_metric(text, "process_open_fds"), open_before + 8, "%s", text);
+    cr_assert_gt(th_metric(text, "process_resident_memory_bytes"), 1 << 20, "%s", text);
+    cr_assert_geq(th_metric(text, "process_virtual_memory_bytes"), th_metric(text, "process_resident_memory_bytes"));
+    cr_assert_geq(th_metric(text, "process_max_fds"), open_before + 8);
+    const double start = th_metric(text, "process_start_time_seconds");
+    cr_assert(start > 1.5e9 && start <= (double)time(NULL) + 1, "%f", start);
+    free(text);
+    for (int i = 0; i < 8; i++) fclose(extra[i]);
 }

@@ -1,11 +1,14 @@
-/* util: the bottom of the stack. Error reporting, hashing and small helpers
- * that every other folder may use. Depends on OpenSSL (SHA-256) only. */
+/* util: the bottom of the stack. Error reporting, hashing, the logger and
+ * small helpers that every other folder may use. Depends on OpenSSL
+ * (SHA-256), jansson (JSON log lines) and libsystemd (journal lines). */
 #ifndef PD_UTIL_H
 #define PD_UTIL_H
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -85,6 +88,65 @@ typedef struct pd_strbuf {
     size_t cap, len;
 } pd_strbuf;
 __attribute__((format(printf, 2, 3))) void pd_strbuf_printf(pd_strbuf *b, const char *fmt, ...);
+
+/* ---- logging ----------------------------------------------------------------
+ * One logger for every layer: a plain value set once from the configuration
+ * (log.level, log.format) and handed down by const pointer through each
+ * layer's options, so nothing global changes after start-up. A NULL logger
+ * writes nothing (library use, tests). One function formats every line:
+ *
+ *   text:    2026-01-02T03:04:05.678Z prefixd: [warning: |error: |debug: ]msg key=value key="two words"
+ *   json:    {"ts":"2026-01-02T03:04:05.678Z","level":"info","msg":"...","key":value,...}
+ *   journal: sd_journal_send: MESSAGE, PRIORITY, SYSLOG_IDENTIFIER=prefixd and
+ *            each field as KEY=value (upper-cased); a text line on the sink
+ *            when the journal cannot be reached.
+ *
+ * Each line is written with one call, so lines of concurrent threads never
+ * mix. */
+typedef enum pd_log_level {
+    PD_LOG_ERROR = 0,
+    PD_LOG_WARN = 1,
+    PD_LOG_INFO = 2,
+    PD_LOG_DEBUG = 3,
+} pd_log_level;
+
+typedef enum pd_log_format {
+    PD_LOG_TEXT = 0,
+    PD_LOG_JSON = 1,
+    PD_LOG_JOURNAL = 2,
+} pd_log_format;
+
+typedef struct pd_logger {
+    pd_log_level level;   /* lines of this level or more severe are written */
+    pd_log_format format;
+    FILE *sink;           /* text and json lines (NULL = stderr) */
+} pd_logger;
+
+typedef enum pd_log_field_type { PD_LOG_FIELD_STR, PD_LOG_FIELD_INT, PD_LOG_FIELD_NUM } pd_log_field_type;
+
+/* A structured field of a line; key: [a-z0-9_]+. A NULL string field is
+ * left out. */
+typedef struct pd_log_field {
+    const char *key;
+    pd_log_field_type type;
+    const char *s;
+    int64_t i;
+    double d;
+} pd_log_field;
+
+#define PD_LOG_STR(k, v) ((pd_log_field){.key = (k), .type = PD_LOG_FIELD_STR, .s = (v)})
+#define PD_LOG_INT(k, v) ((pd_log_field){.key = (k), .type = PD_LOG_FIELD_INT, .i = (int64_t)(v)})
+#define PD_LOG_NUM(k, v) ((pd_log_field){.key = (k), .type = PD_LOG_FIELD_NUM, .d = (double)(v)})
+
+/* Whether a line of this level would be written (skip building costly ones). */
+bool pd_log_enabled(const pd_logger *lg, pd_log_level level);
+/* A line with fields (n may be 0). */
+void pd_log_fields(const pd_logger *lg, pd_log_level level, const char *msg, const pd_log_field *fields, size_t n);
+/* A printf-style line without fields. */
+__attribute__((format(printf, 3, 4))) void pd_log(const pd_logger *lg, pd_log_level level, const char *fmt, ...);
+void pd_vlog(const pd_logger *lg, pd_log_level level, const char *fmt, va_list ap);
+/* Whether journald's socket is there to take PD_LOG_JOURNAL lines. */
+bool pd_log_journal_available(void);
 
 /* Seconds on the monotonic clock, for measuring elapsed time. */
 double pd_now_seconds(void);

@@ -24,6 +24,7 @@
 #include "engine/engine.h"
 #include "kernels/kernels.h"
 #include "util/util.h"
+#include "build_info.h"
 
 /* Exit statuses: 0 success, 1 runtime failure, 2 bad usage or config. */
 enum { EXIT_USAGE = 2 };
@@ -94,64 +95,12 @@ static int load_config(const options *opt, pd_config *cfg, pd_error *err) {
 
 /* Secrets in a config file others can read are secrets no longer; say so
  * (the file may be shared on purpose, so this does not stop the start). */
-/* The daemon's log: stderr (the journal under systemd), lines of
- * log.level or more severe, as "prefixd: message" (log.format = text) or
- * one JSON object per line (json). Set once from the configuration before
- * any thread starts: part of the config snapshot. */
-static pd_log_level log_level = PD_LOG_INFO;
-static pd_log_format log_format = PD_LOG_TEXT;
-
-__attribute__((format(printf, 2, 3))) static void log_line(pd_log_level level, const char *fmt, ...) {
-    if (level > log_level) return;
-    char msg[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (log_format == PD_LOG_TEXT) {
-        fprintf(stderr, "prefixd: %s%s\n", level == PD_LOG_WARN ? "warning: " : "", msg);
-        return;
-    }
-    char ts[40];
-    struct timespec now;
-    struct tm tm;
-    clock_gettime(CLOCK_REALTIME, &now);
-    gmtime_r(&now.tv_sec, &tm);
-    size_t n = strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
-    snprintf(ts + n, sizeof ts - n, ".%03ldZ", now.tv_nsec / 1000000);
-    /* The message as a JSON string: quotes, backslashes and control bytes escaped. */
-    char esc[2 * sizeof msg + 8];
-    size_t k = 0;
-    for (const unsigned char *c = (const unsigned char *)msg; *c && k + 7 < sizeof esc; c++) {
-        if (*c == '"' || *c == '\\') {
-            esc[k++] = '\\';
-            esc[k++] = (char)*c;
-        } else if (*c < 0x20) {
-            k += (size_t)snprintf(esc + k, sizeof esc - k, "\\u%04x", *c);
-        } else {
-            esc[k++] = (char)*c;
-        }
-    }
-    esc[k] = '\0';
-    fprintf(stderr, "{\"ts\":\"%s\",\"level\":\"%s\",\"msg\":\"%s\"}\n", ts, pd_log_level_name(level), esc);
-}
-
-/* libmicrohttpd's own messages ("Failed to bind to port ..."), as warnings. */
-static void log_library(void *ctx, const char *fmt, va_list ap) {
-    (void)ctx;
-    char msg[1024];
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    size_t n = strlen(msg);
-    while (n && msg[n - 1] == '\n') msg[--n] = '\0';
-    log_line(PD_LOG_WARN, "libmicrohttpd: %s", msg);
-}
-
-static void warn_exposed_secrets(const options *opt, const pd_config *cfg) {
+static void warn_exposed_secrets(const pd_logger *lg, const options *opt, const pd_config *cfg) {
     struct stat st;
     if (!opt->config_path || (!cfg->server.api_key[0] && !cfg->admin.token[0]) || stat(opt->config_path, &st) != 0 ||
         !(st.st_mode & 077))
         return;
-    log_line(PD_LOG_WARN,
+    pd_log(lg, PD_LOG_WARN,
              "config file %s is readable by %s (mode %04o) and the configuration holds secrets "
              "(server.api_key, admin.token): chmod 600 %s, or 640 with a group only the service is in",
              opt->config_path, st.st_mode & 004 ? "everyone" : "its group", (unsigned)(st.st_mode & 07777),
@@ -161,7 +110,7 @@ static void warn_exposed_secrets(const options *opt, const pd_config *cfg) {
 /* Wait for SIGTERM/SIGINT (signals are blocked in every thread and taken
  * here), pinging the systemd watchdog meanwhile. SIGHUP is accepted and
  * logged: logs go to stderr (the journal), so there is nothing to reopen. */
-static void wait_for_stop(const sigset_t *set) {
+static void wait_for_stop(const pd_logger *lg, const sigset_t *set) {
     uint64_t wd_usec = 0;
     bool watchdog = sd_watchdog_enabled(0, &wd_usec) > 0 && wd_usec > 0;
     for (;;) {
@@ -175,23 +124,48 @@ static void wait_for_stop(const sigset_t *set) {
             continue;
         }
         if (sig == SIGHUP) {
-            log_line(PD_LOG_INFO, "SIGHUP: logs go to stderr, nothing to reopen");
+            pd_log(lg, PD_LOG_INFO, "SIGHUP: logs go to stderr, nothing to reopen");
             continue;
         }
-        log_line(PD_LOG_INFO, "%s: draining", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+        pd_log(lg, PD_LOG_INFO, "%s: draining", sig == SIGTERM ? "SIGTERM" : "SIGINT");
         return;
     }
 }
 
+/* prefixd_build_info{version,commit,backend} 1: which build serves, on
+ * which compute backend (the usual *_build_info idiom: join on it). */
+static int register_build_info(pd_metrics *m, const pd_backend *be, pd_error *err) {
+    const char *values[] = {PREFIXD_VERSION, PREFIXD_COMMIT, pd_backend_name(be)};
+    const char *names[] = {"version", "commit", "backend"};
+    char labels[512];
+    pd_strbuf b = {.buf = labels, .cap = sizeof labels};
+    for (size_t i = 0; i < sizeof values / sizeof values[0]; i++) {
+        pd_strbuf_printf(&b, "%s%s=\"", i ? "," : "", names[i]);
+        /* Label values escape backslash, quote and newline. */
+        for (const char *c = values[i]; *c; c++) {
+            if (*c == '\\' || *c == '"') pd_strbuf_printf(&b, "\\%c", *c);
+            else if (*c == '\n') pd_strbuf_printf(&b, "\\n");
+            else pd_strbuf_printf(&b, "%c", *c);
+        }
+        pd_strbuf_printf(&b, "\"");
+    }
+    if (b.len >= b.cap) return pd_errorf(err, PD_ERANGE, "prefixd_build_info: labels longer than %zu bytes", b.cap);
+    pd_gauge *g = NULL;
+    const int rc = pd_metrics_gauge(m, "prefixd_build_info", "The running build: version, commit and compute backend.",
+                                    labels, &g, err);
+    if (!rc) pd_gauge_set(g, 1);
+    return rc;
+}
+
 /* Give in-flight requests up to grace seconds to finish. */
-static void drain(pd_scheduler *sched, int grace_s) {
+static void drain(const pd_logger *lg, pd_scheduler *sched, int grace_s) {
     double deadline = pd_now_seconds() + grace_s;
     for (;;) {
         pd_scheduler_stats st;
         pd_scheduler_stats_get(sched, &st);
         if (st.queued + st.running == 0) return;
         if (pd_now_seconds() >= deadline) {
-            log_line(PD_LOG_WARN, "grace period over: cancelling %" PRId64 " requests", st.queued + st.running);
+            pd_log(lg, PD_LOG_WARN, "grace period over: cancelling %" PRId64 " requests", st.queued + st.running);
             return;
         }
         struct timespec ts = {.tv_sec = 0, .tv_nsec = 50 * 1000 * 1000};
@@ -214,22 +188,22 @@ static pd_device config_device(const pd_config *cfg) {
 /* "prefixd: compute: cuda:0 (NVIDIA H100 ..., 79.1 GiB)" or
  * "prefixd: compute: cpu (avx2, 16 threads)": which backend `auto` chose, and
  * the line to look for after a driver or config change. */
-static void log_compute(const pd_backend *be, const pd_device *d, int n_threads) {
+static void log_compute(const pd_logger *lg, const pd_backend *be, const pd_device *d, int n_threads) {
     if (pd_backend_host_memory(be)) {
         long online = sysconf(_SC_NPROCESSORS_ONLN);
         int threads = n_threads > 0 ? n_threads : (online > 0 ? (int)online : 1);
-        log_line(PD_LOG_INFO, "compute: cpu (%s, %d threads)", pd_cpu_simd_name(), threads);
+        pd_log(lg, PD_LOG_INFO, "compute: cpu (%s, %d threads)", pd_cpu_simd_name(), threads);
         return;
     }
     /* A device backend: pd_backend_create picks d->index for cuda and auto. */
     pd_cuda_device_info info;
     pd_error err = {0};
     if (pd_cuda_device_info_get(d->index, &info, &err) == PD_OK)
-        log_line(PD_LOG_INFO, "compute: cuda:%d (%s, compute capability %d.%d, %.1f GiB, %d SMs)", d->index,
+        pd_log(lg, PD_LOG_INFO, "compute: cuda:%d (%s, compute capability %d.%d, %.1f GiB, %d SMs)", d->index,
                 info.name, info.cc_major, info.cc_minor, (double)info.total_mem / (1024.0 * 1024 * 1024),
                 info.sm_count);
     else
-        log_line(PD_LOG_INFO, "compute: cuda:%d (%s backend; no device details: %s)", d->index, pd_backend_name(be),
+        pd_log(lg, PD_LOG_INFO, "compute: cuda:%d (%s backend; no device details: %s)", d->index, pd_backend_name(be),
                 err.msg);
 }
 
@@ -237,7 +211,7 @@ static void log_compute(const pd_backend *be, const pd_device *d, int n_threads)
  * weight page is touched, the scratch buffers are sized and the CPU
  * threads are up, so the first request after a start takes no longer than
  * the next ones. */
-static int warm_up(pd_model *m, pd_error *err) {
+static int warm_up(const pd_logger *lg, pd_model *m, pd_error *err) {
     const double t0 = pd_now_seconds();
     const pd_hparams *hp = pd_model_hparams(m);
     float *logits = malloc(sizeof(float) * (size_t)hp->n_vocab);
@@ -249,11 +223,11 @@ static int warm_up(pd_model *m, pd_error *err) {
     pd_seq_free(s);
     free(logits);
     if (rc) return pd_error_prefix(err, "warming up the model");
-    log_line(PD_LOG_INFO, "model warmed up in %.0f ms", (pd_now_seconds() - t0) * 1e3);
+    pd_log(lg, PD_LOG_INFO, "model warmed up in %.0f ms", (pd_now_seconds() - t0) * 1e3);
     return PD_OK;
 }
 
-static int run(const pd_config *cfg) {
+static int run(const pd_logger *lg, const pd_config *cfg) {
     sigset_t set;
     sigemptyset(&set);
     sigaddset(&set, SIGTERM);
@@ -277,7 +251,9 @@ static int run(const pd_config *cfg) {
      * port is opened or the model read. */
     pd_device device = config_device(cfg);
     if (!rc) rc = pd_backend_create(&device, cfg->model.n_threads, &backend, &err);
-    if (!rc) log_compute(backend, &device, cfg->model.n_threads);
+    if (!rc) log_compute(lg, backend, &device, cfg->model.n_threads);
+    if (!rc) rc = pd_metrics_process(metrics, &err);
+    if (!rc) rc = register_build_info(metrics, backend, &err);
 
     pd_server_opts so;
     pd_server_opts_default(&so);
@@ -286,7 +262,7 @@ static int run(const pd_config *cfg) {
     so.api_key = cfg->server.api_key;
     so.api_keys_file = cfg->server.api_keys_file;
     so.threads = cfg->server.threads;
-    so.log = log_library;
+    so.logger = lg;
     so.request_timeout_s = cfg->server.request_timeout_s;
     so.idle_timeout_s = cfg->server.idle_timeout_s;
     so.max_connections = (unsigned)cfg->server.max_connections;
@@ -299,10 +275,10 @@ static int run(const pd_config *cfg) {
     so.admin_listen = cfg->admin.listen;
     so.admin_port = cfg->admin.port;
     if (!rc) rc = pd_server_start(&so, metrics, &server, &err);
-    if (!rc) log_line(PD_LOG_INFO, "listening on %s:%d, loading %s", so.listen, pd_server_port(server),
+    if (!rc) pd_log(lg, PD_LOG_INFO, "listening on %s:%d, loading %s", so.listen, pd_server_port(server),
                      cfg->model.path);
     if (!rc && cfg->admin.token[0])
-        log_line(PD_LOG_INFO, "admin API on %s:%d", cfg->admin.port ? so.admin_listen : so.listen,
+        pd_log(lg, PD_LOG_INFO, "admin API on %s:%d", cfg->admin.port ? so.admin_listen : so.listen,
                 cfg->admin.port ? pd_server_admin_port(server) : pd_server_port(server));
     if (!rc && !cfg->model.path[0])
         rc = pd_errorf(&err, PD_EINVAL, "model.path is not set: give a GGUF file (--set model.path=FILE)");
@@ -310,7 +286,7 @@ static int run(const pd_config *cfg) {
     pd_model_params mp = {.n_threads = cfg->model.n_threads, .backend = backend, .kv_f32 = kv_f32,
                           .mmap_weights = cfg->model.mmap};
     if (!rc) rc = pd_model_load(cfg->model.path, &mp, &model, &err);
-    if (!rc) rc = warm_up(model, &err);
+    if (!rc) rc = warm_up(lg, model, &err);
 
     pd_store_opts sto;
     pd_store_opts_default(&sto);
@@ -345,6 +321,7 @@ static int run(const pd_config *cfg) {
     jo.hot = hot;
     jo.default_policy = cfg->compression.policy;
     jo.metrics = metrics;
+    jo.logger = lg;
     if (!rc && cfg->admin.token[0]) rc = pd_jobs_create(&jo, &jobs, &err);
     if (!rc) {
         pd_server_backend b = {.model = model, .sched = sched, .family = pd_model_chat_family(model),
@@ -359,23 +336,23 @@ static int run(const pd_config *cfg) {
             snprintf(b.model_id, sizeof b.model_id, "%.*s", (int)strcspn(b.model_names, ","), b.model_names);
         }
         pd_server_set_ready(server, &b);
-        log_line(PD_LOG_INFO, "serving %s (%s, chat template: %s, %s KV cache), prefix store %s", b.model_id,
+        pd_log(lg, PD_LOG_INFO, "serving %s (%s, chat template: %s, %s KV cache), prefix store %s", b.model_id,
                 pd_model_hparams(model)->arch_name, pd_chat_family_name(b.family), pd_kv_cache_type_name(cfg->model.kv_type),
                 cfg->cache.path);
         sd_notify(0, "READY=1\nSTATUS=serving");
-        wait_for_stop(&set);
+        wait_for_stop(lg, &set);
         sd_notify(0, "STOPPING=1\nSTATUS=draining");
         pd_server_quiesce(server);
         pd_server_drain(server);
-        drain(sched, cfg->server.shutdown_grace_s);
+        drain(lg, sched, cfg->server.shutdown_grace_s);
     }
-    if (rc) log_line(PD_LOG_ERROR, "%s", err.msg);
+    if (rc) pd_log(lg, PD_LOG_ERROR, "%s", err.msg);
     /* Cancel what is left (waiting clients get an error), then close the
      * connections, then the store. */
     pd_scheduler_free(sched);
     if (server) {
         const int64_t left = pd_server_wait_idle(server, 5.0);
-        if (left) log_line(PD_LOG_WARN, "%" PRId64 " requests still unanswered after 5 s; closing them", left);
+        if (left) pd_log(lg, PD_LOG_WARN, "%" PRId64 " requests still unanswered after 5 s; closing them", left);
     }
     pd_server_stop(server);
     /* After the server: no connection can reach the jobs any more. */
@@ -407,9 +384,13 @@ int main(int argc, char **argv) {
         status = EXIT_USAGE;
         goto done;
     }
-    log_level = cfg.log.level;
-    log_format = cfg.log.format;
-    warn_exposed_secrets(&opt, &cfg);
+    /* The log, from the configuration and fixed from here on: every layer
+     * gets it by const pointer. */
+    const pd_logger logger = {.level = cfg.log.level, .format = cfg.log.format, .sink = stderr};
+    if (cfg.log.format == PD_LOG_JOURNAL && !pd_log_journal_available())
+        pd_log(&logger, PD_LOG_WARN, "log.format = journal, but there is no journal here (no "
+               "/run/systemd/journal/socket): lines go to stderr as text; run under systemd, or set log.format");
+    warn_exposed_secrets(&logger, &opt, &cfg);
     if (opt.check_config) {
         if (pd_config_print(&cfg, stdout, &err) != PD_OK) {
             fprintf(stderr, "prefixd: %s\n", err.msg);
@@ -427,7 +408,7 @@ int main(int argc, char **argv) {
         status = EXIT_USAGE;
         goto done;
     }
-    status = run(&cfg);
+    status = run(&logger, &cfg);
 done:
     free(opt.sets);
     return status;
