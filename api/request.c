@@ -531,6 +531,32 @@ int pd_api_request_namespace(pd_api_request *r, const char *key_ns, pd_api_error
     return PD_OK;
 }
 
+
+/* The body of a JSON endpoint: within the size and nesting limits, valid
+ * JSON without duplicate keys, an object. *root is the caller's. */
+static int load_body_object(const char *body, size_t len, const pd_api_limits *lim, json_t **root, pd_api_error *e) {
+    *root = NULL;
+    if (!body && len) return BAD(e, NULL, "the request body is missing");
+    if (len > lim->max_body_bytes)
+        return pd_api_errorf(e, 413, PD_API_ERR_TOO_LARGE, NULL, "request_too_large",
+                             "the request body has %zu bytes; the limit is %zu", len, lim->max_body_bytes);
+    if (len == 0) return BAD(e, NULL, "the request body is empty: send a JSON object");
+    if (!pd_api_json_depth_ok(body, len, lim->max_depth))
+        return BAD(e, NULL, "the request body nests JSON deeper than %d levels", lim->max_depth);
+    json_error_t jerr;
+    json_t *r = json_loadb(body, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!r)
+        return BAD(e, NULL, "the request body is not valid JSON: %s (line %d, column %d)", jerr.text, jerr.line,
+                   jerr.column);
+    if (!json_is_object(r)) {
+        int rc = BAD(e, NULL, "the request body must be a JSON object, not %s", json_type_name(r));
+        json_decref(r);
+        return rc;
+    }
+    *root = r;
+    return PD_OK;
+}
+
 int pd_api_parse_request(pd_api_kind kind, const char *body, size_t len, const pd_api_limits *lim,
                          pd_api_request *out, pd_api_error *e) {
     pd_api_limits defaults;
@@ -545,25 +571,10 @@ int pd_api_parse_request(pd_api_kind kind, const char *body, size_t len, const p
     out->cache = PD_CACHE_AUTO;
     if (kind != PD_API_COMPLETION && kind != PD_API_CHAT)
         return pd_api_errorf(e, 500, PD_API_ERR_SERVER, NULL, NULL, "unknown endpoint kind %d", (int)kind);
-    if (!body && len) return BAD(e, NULL, "the request body is missing");
-    if (len > lim->max_body_bytes)
-        return pd_api_errorf(e, 413, PD_API_ERR_TOO_LARGE, NULL, "request_too_large",
-                             "the request body has %zu bytes; the limit is %zu", len, lim->max_body_bytes);
-    if (len == 0) return BAD(e, NULL, "the request body is empty: send a JSON object");
-    if (!pd_api_json_depth_ok(body, len, lim->max_depth))
-        return BAD(e, NULL, "the request body nests JSON deeper than %d levels", lim->max_depth);
-
-    json_error_t jerr;
-    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &jerr);
-    if (!root)
-        return BAD(e, NULL, "the request body is not valid JSON: %s (line %d, column %d)", jerr.text, jerr.line,
-                   jerr.column);
-    int rc;
-    if (!json_is_object(root)) {
-        rc = BAD(e, NULL, "the request body must be a JSON object, not %s", json_type_name(root));
-    } else {
-        rc = parse_root(root, out, lim, e);
-    }
+    json_t *root;
+    int rc = load_body_object(body, len, lim, &root, e);
+    if (rc) return rc;
+    rc = parse_root(root, out, lim, e);
     json_decref(root);
     if (rc) {
         pd_api_request_free(out);
@@ -740,19 +751,10 @@ int pd_api_parse_tokenize(bool detokenize, const char *body, size_t len, const p
     }
     memset(out, 0, sizeof *out);
     out->detokenize = detokenize;
-    if (len > lim->max_body_bytes)
-        return pd_api_errorf(e, 413, PD_API_ERR_TOO_LARGE, NULL, "request_too_large",
-                             "the request body has %zu bytes; the limit is %zu", len, lim->max_body_bytes);
-    if (!body || len == 0) return BAD(e, NULL, "the request body is empty: send a JSON object");
-    if (!pd_api_json_depth_ok(body, len, lim->max_depth))
-        return BAD(e, NULL, "the request body nests JSON deeper than %d levels", lim->max_depth);
-    json_error_t jerr;
-    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &jerr);
-    if (!root)
-        return BAD(e, NULL, "the request body is not valid JSON: %s (line %d, column %d)", jerr.text, jerr.line,
-                   jerr.column);
-    int rc = json_is_object(root) ? parse_tokenize_root(root, out, lim, e)
-                                  : BAD(e, NULL, "the request body must be a JSON object, not %s", json_type_name(root));
+    json_t *root;
+    int rc = load_body_object(body, len, lim, &root, e);
+    if (rc) return rc;
+    rc = parse_tokenize_root(root, out, lim, e);
     json_decref(root);
     if (rc) {
         pd_api_tokenize_request_free(out);
