@@ -325,7 +325,7 @@ static int run(const pd_config *cfg) {
     sco.max_batch = cfg->scheduler.max_batch;
     sco.max_queue = cfg->scheduler.max_queue;
     sco.n_ctx = cfg->model.n_ctx;
-    sco.min_prefix_tokens = cfg->compression.min_prefix_tokens;
+    sco.auto_cache_bytes = (uint64_t)cfg->cache.auto_mb << 20;
     sco.store = store;
     sco.hot = hot;
     sco.metrics = metrics;
