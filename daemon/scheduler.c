@@ -72,8 +72,10 @@ struct pd_sched_request {
     const pd_kv_prefix *prefix;
     int32_t prefix_len;
     /* automatic blocks matched at admission (payloads valid until the next
-     * insert, so they are copied into the sequences right away) */
-    int64_t auto_blocks;
+     * insert, so they are copied into the sequences right away) and the
+     * tokens taken from them (the last block's first rows when the prompt
+     * ends with it: at most n_prompt - 1) */
+    int64_t auto_blocks, auto_tokens;
 
     sched_choice choices[SCHED_MAX_CHOICES];
     int n_done;
@@ -586,24 +588,29 @@ static void end_unadmitted(pd_scheduler *s, pd_sched_request *r, end_kind kind, 
 
 /* cache=auto: the automatic blocks the prompt starts with, at most
  * n_prompt - 1 tokens (the last prompt token is always fed, for its
- * logits). They replace the stored prefix looked up at submit only where
- * they cover more of the prompt. */
+ * logits; a prompt that ends with a cached block takes that block's rows
+ * but the last, since a block's first rows are its first positions' KV).
+ * They replace the stored prefix looked up at submit only where they
+ * cover more of the prompt. */
 static void auto_match(pd_scheduler *s, pd_sched_request *r) {
-    const int64_t max_blocks = (r->n_prompt - 1) / PD_AUTO_BLOCK_TOKENS;
+    const int64_t max_blocks = r->n_prompt / PD_AUTO_BLOCK_TOKENS;
     if (!s->autoc || r->cache != PD_CACHE_AUTO || r->explicit_prefix || max_blocks < 1) return;
     int64_t k = pd_autocache_match(s->autoc, r->ns, r->prompt, max_blocks, s->auto_match);
     publish_auto(s);
-    if (k * PD_AUTO_BLOCK_TOKENS <= r->prefix_len) return;
+    int64_t covered = k * PD_AUTO_BLOCK_TOKENS;
+    if (covered > r->n_prompt - 1) covered = r->n_prompt - 1;
+    if (covered <= r->prefix_len) return;
     if (r->prefix) {
         prefix_release(s, r);
         r->prefix_len = 0;
     }
     const pd_hparams *hp = pd_model_hparams(s->model);
     r->auto_blocks = k;
+    r->auto_tokens = covered;
     r->usage.prefix_used = true;
     r->usage.prefix_kind = PD_PREFIX_AUTO;
     memset(&r->usage.prefix_id, 0, sizeof r->usage.prefix_id);
-    r->usage.cached_tokens = k * PD_AUTO_BLOCK_TOKENS;
+    r->usage.cached_tokens = covered;
     r->usage.prefix_full_rows = r->usage.cached_tokens * hp->n_layer * hp->n_head_kv;
     r->usage.prefix_kept_rows = r->usage.prefix_full_rows;
     r->usage.prefix_spec[0] = '\0';
@@ -642,9 +649,12 @@ static int admit(pd_scheduler *s, pd_sched_request *r, pd_error *err) {
         sched_choice *c = &r->choices[i];
         if ((rc = pd_seq_create(s->model, s->n_ctx, &c->seq, err))) return rc;
         if (r->prefix && (rc = pd_seq_attach_prefix(c->seq, r->prefix, err))) return rc;
-        for (int64_t b = 0; b < r->auto_blocks; b++)
-            if ((rc = pd_seq_import_kv(c->seq, PD_AUTO_BLOCK_TOKENS, s->auto_match[b], err))) return rc;
-        c->fed = r->prefix ? r->prefix_len : r->auto_blocks * PD_AUTO_BLOCK_TOKENS;
+        for (int64_t b = 0; b < r->auto_blocks; b++) {
+            const int64_t left = r->auto_tokens - b * PD_AUTO_BLOCK_TOKENS;
+            const int32_t take = (int32_t)(left < PD_AUTO_BLOCK_TOKENS ? left : PD_AUTO_BLOCK_TOKENS);
+            if ((rc = pd_seq_import_kv(c->seq, s->auto_match[b], PD_AUTO_BLOCK_TOKENS, take, err))) return rc;
+        }
+        c->fed = r->prefix ? r->prefix_len : r->auto_tokens;
     }
     double now = pd_now_seconds();
     r->usage.queue_seconds = now - r->submitted_at;

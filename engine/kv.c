@@ -448,15 +448,18 @@ int pd_seq_export_kv(const pd_seq *s, int32_t pos0, int32_t n, void *block, pd_e
     return PD_OK;
 }
 
-int pd_seq_import_kv(pd_seq *s, int32_t n, const void *block, pd_error *err) {
+int pd_seq_import_kv(pd_seq *s, const void *block, int32_t block_tokens, int32_t n, pd_error *err) {
     const pd_hparams *hp = &s->model->hp;
-    if (n < 1 || (int64_t)s->next_pos + n > s->n_ctx)
+    if (n < 1 || n > block_tokens)
+        return pd_errorf(err, PD_EINVAL, "cannot import %d positions of a block of %d", n, block_tokens);
+    if ((int64_t)s->next_pos + n > s->n_ctx)
         return pd_errorf(err, PD_ERANGE, "%d more tokens do not fit after %d in a context of %d", n, s->next_pos,
                          s->n_ctx);
     if (!seq_streams_complete(s))
         return pd_errorf(err, PD_EINVAL, "rows can only be imported into a sequence holding every position in order");
     pd_backend *be = s->model->backend;
-    const size_t row = (size_t)hp->head_dim * kv_elem_size(s->model->kv_type), part = row * (size_t)n;
+    const size_t row = (size_t)hp->head_dim * kv_elem_size(s->model->kv_type), part = row * (size_t)n,
+                 pitch = row * (size_t)block_tokens; /* K rows then V rows of one stream in the block */
     const int32_t p0 = s->next_pos;
     const char *in = block;
     int32_t *pos = malloc(sizeof *pos * (size_t)n);
@@ -467,12 +470,12 @@ int pd_seq_import_kv(pd_seq *s, int32_t n, const void *block, pd_error *err) {
         kv_stream *st = &s->streams[i];
         if ((rc = kv_stream_reserve(st, be, st->len + n, row, err)) ||
             (rc = pd_backend_upload(be, (char *)st->k + (size_t)st->len * row, in, part, err)) ||
-            (rc = pd_backend_upload(be, (char *)st->v + (size_t)st->len * row, in + part, part, err)) ||
+            (rc = pd_backend_upload(be, (char *)st->v + (size_t)st->len * row, in + pitch, part, err)) ||
             (st->dpos && (rc = pd_backend_upload(be, st->dpos + st->len, pos, sizeof *pos * (size_t)n, err))))
             break;
         memcpy(st->pos + st->len, pos, sizeof *pos * (size_t)n);
         st->len += n;
-        in += 2 * part;
+        in += 2 * pitch;
     }
     free(pos);
     if (rc) {

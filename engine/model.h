@@ -169,10 +169,12 @@ size_t pd_model_kv_token_bytes(const pd_model *m);
  * PD_EINVAL unless every stream holds exactly those positions, unmasked
  * (no prefix attached, nothing evicted by a prefill hook). */
 int pd_seq_export_kv(const pd_seq *s, int32_t pos0, int32_t n, void *block, pd_error *err);
-/* Append a token block at positions pd_seq_pos(s) .. + n - 1, as if those
- * tokens had been prefilled. The sequence must have no prefix and every
- * stream must hold all its positions so far (PD_EINVAL otherwise). */
-int pd_seq_import_kv(pd_seq *s, int32_t n, const void *block, pd_error *err);
+/* Append the first n positions of a token block of block_tokens positions
+ * (n <= block_tokens: a block's first rows are those positions' exact KV)
+ * at positions pd_seq_pos(s) .. + n - 1, as if those tokens had been
+ * prefilled. The sequence must have no prefix and every stream must hold
+ * all its positions so far (PD_EINVAL otherwise). */
+int pd_seq_import_kv(pd_seq *s, const void *block, int32_t block_tokens, int32_t n, pd_error *err);
 /* Mask rows of the sequence's own stream out of attention (keep[i] = 0 hides
  * row i) without removing them; NULL clears the mask. For evaluating
  * eviction against masking. */

@@ -277,21 +277,22 @@ static pd_model *load(const char *path) {
     return m;
 }
 
-/* Prefill k blocks, then the rest of n tokens; a second sequence imports
- * the k blocks exported from the first and prefills the same rest: the
- * same logits, bit for bit, and the same cache. (A whole-prompt prefill is
+/* Prefill h = k blocks + 5 tokens, then the rest of n tokens; a second
+ * sequence imports the k blocks exported from the first and the first 5
+ * rows of block k, and prefills the same rest: the same logits, bit for
+ * bit, and the same cache. (A whole-prompt prefill is
  * another chunking, which may round differently: the reference for that is
  * the greedy token, as for the scheduler's chunked prefill.) */
 static void export_import(pd_model *m) {
     const pd_hparams *hp = pd_model_hparams(m);
-    const int64_t n = 100, k = 4;
+    const int64_t n = 100, k = 4, h = k * B + 5;
     pd_token t[100];
     make_tokens(9, n, t);
     for (int64_t i = 0; i < n; i++) t[i] = (pd_token)(3 + t[i] % (hp->n_vocab - 3));
     pd_error err = {0};
     float *la = malloc(sizeof(float) * (size_t)hp->n_vocab), *lb = malloc(sizeof(float) * (size_t)hp->n_vocab);
     const size_t blk = pd_model_kv_token_bytes(m) * B;
-    unsigned char *blocks = malloc(blk * (size_t)k), *again = malloc(blk);
+    unsigned char *blocks = malloc(blk * (size_t)(k + 1)), *again = malloc(blk);
     pd_seq *a = NULL, *b = NULL;
     cr_assert_eq(pd_seq_create(m, 0, &a, &err), PD_OK, "%s", err.msg);
     cr_assert_eq(pd_seq_create(m, 0, &b, &err), PD_OK, "%s", err.msg);
@@ -300,15 +301,16 @@ static void export_import(pd_model *m) {
     for (int32_t v = 1; v < hp->n_vocab; v++)
         if (lb[v] > lb[whole_next]) whole_next = v;
     pd_seq_free(b);
-    cr_assert_eq(pd_prefill(m, a, t, k * B, NULL, NULL, &err), PD_OK, "%s", err.msg);
-    cr_assert_eq(pd_prefill(m, a, t + k * B, n - k * B, NULL, la, &err), PD_OK, "%s", err.msg);
-    for (int64_t i = 0; i < k; i++)
+    cr_assert_eq(pd_prefill(m, a, t, h, NULL, NULL, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_prefill(m, a, t + h, n - h, NULL, la, &err), PD_OK, "%s", err.msg);
+    for (int64_t i = 0; i <= k; i++)
         cr_assert_eq(pd_seq_export_kv(a, (int32_t)(i * B), B, blocks + (size_t)i * blk, &err), PD_OK, "%s", err.msg);
     cr_assert_eq(pd_seq_create(m, 0, &b, &err), PD_OK, "%s", err.msg);
     for (int64_t i = 0; i < k; i++)
-        cr_assert_eq(pd_seq_import_kv(b, B, blocks + (size_t)i * blk, &err), PD_OK, "%s", err.msg);
-    cr_assert_eq(pd_seq_pos(b), k * B);
-    cr_assert_eq(pd_prefill(m, b, t + k * B, n - k * B, NULL, lb, &err), PD_OK, "%s", err.msg);
+        cr_assert_eq(pd_seq_import_kv(b, blocks + (size_t)i * blk, B, B, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_seq_import_kv(b, blocks + (size_t)k * blk, B, (int32_t)(h - k * B), &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_seq_pos(b), h);
+    cr_assert_eq(pd_prefill(m, b, t + h, n - h, NULL, lb, &err), PD_OK, "%s", err.msg);
     cr_assert_eq(memcmp(la, lb, sizeof(float) * (size_t)hp->n_vocab), 0, "imported blocks give the same logits");
     cr_assert_eq(pd_seq_kv_bytes(a), pd_seq_kv_bytes(b));
     /* and the re-exported rows are the rows */
@@ -330,14 +332,15 @@ static void export_import(pd_model *m) {
     pd_seq *c = NULL;
     cr_assert_eq(pd_seq_create(m, 0, &c, &err), PD_OK, "%s", err.msg);
     cr_assert_eq(pd_seq_attach_prefix(c, pre, &err), PD_OK, "%s", err.msg);
-    cr_assert_eq(pd_seq_import_kv(c, B, blocks, &err), PD_EINVAL, "a sequence on a prefix");
+    cr_assert_eq(pd_seq_import_kv(c, blocks, B, B, &err), PD_EINVAL, "a sequence on a prefix");
     cr_assert_eq(pd_prefill(m, c, t, B, NULL, NULL, &err), PD_OK, "%s", err.msg);
     cr_assert_eq(pd_seq_export_kv(c, pd_seq_pos(c) - B, B, again, &err), PD_EINVAL, "rows after a prefix");
     pd_seq_free(c);
     pd_kv_prefix_free(pre);
     cr_assert_eq(pd_seq_create(m, 2 * B - 1, &c, &err), PD_OK, "%s", err.msg);
-    cr_assert_eq(pd_seq_import_kv(c, B, blocks, &err), PD_OK, "%s", err.msg);
-    cr_assert_eq(pd_seq_import_kv(c, B, blocks + blk, &err), PD_ERANGE, "the context is full after it");
+    cr_assert_eq(pd_seq_import_kv(c, blocks, B, B + 1, &err), PD_EINVAL, "more rows than the block has");
+    cr_assert_eq(pd_seq_import_kv(c, blocks, B, B, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_seq_import_kv(c, blocks + blk, B, B, &err), PD_ERANGE, "the context is full after it");
     pd_seq_free(c);
 
     pd_seq_free(a);
