@@ -649,6 +649,9 @@ static int admit(pd_scheduler *s, pd_sched_request *r, pd_error *err) {
         sched_choice *c = &r->choices[i];
         if ((rc = pd_seq_create(s->model, s->n_ctx, &c->seq, err))) return rc;
         if (r->prefix && (rc = pd_seq_attach_prefix(c->seq, r->prefix, err))) return rc;
+        /* the prompt's rows in one allocation per stream, not by doubling
+         * as the blocks arrive */
+        if (r->auto_blocks && (rc = pd_seq_reserve(c->seq, (int32_t)r->n_prompt, err))) return rc;
         for (int64_t b = 0; b < r->auto_blocks; b++) {
             const int64_t left = r->auto_tokens - b * PD_AUTO_BLOCK_TOKENS;
             const int32_t take = (int32_t)(left < PD_AUTO_BLOCK_TOKENS ? left : PD_AUTO_BLOCK_TOKENS);

@@ -408,6 +408,20 @@ int pd_seq_to_prefix(const pd_seq *s, pd_kv_prefix **out, pd_error *err) {
     return PD_OK;
 }
 
+int pd_seq_reserve(pd_seq *s, int32_t n_tokens, pd_error *err) {
+    const pd_hparams *hp = &s->model->hp;
+    if (n_tokens < 0 || n_tokens > s->n_ctx)
+        return pd_errorf(err, PD_ERANGE, "cannot reserve %d tokens in a context of %d", n_tokens, s->n_ctx);
+    const size_t row = (size_t)hp->head_dim * kv_elem_size(s->model->kv_type);
+    for (int64_t i = 0; i < (int64_t)hp->n_layer * hp->n_head_kv; i++) {
+        kv_stream *st = &s->streams[i];
+        if (n_tokens <= st->cap) continue;
+        int rc = kv_stream_reserve(st, s->model->backend, n_tokens, row, err);
+        if (rc) return rc;
+    }
+    return PD_OK;
+}
+
 size_t pd_model_kv_token_bytes(const pd_model *m) {
     return (size_t)m->hp.n_layer * (size_t)m->hp.n_head_kv * 2 * (size_t)m->hp.head_dim * kv_elem_size(m->kv_type);
 }

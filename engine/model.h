@@ -160,6 +160,10 @@ uint64_t pd_seq_kv_bytes(const pd_seq *s);
  * KV type). The sequence must not have a prefix attached; n_orig =
  * pd_seq_pos(s). */
 int pd_seq_to_prefix(const pd_seq *s, pd_kv_prefix **out, pd_error *err);
+/* Room for n_tokens own rows in every stream, allocated now (one
+ * allocation each instead of growing by doubling as rows arrive). */
+int pd_seq_reserve(pd_seq *s, int32_t n_tokens, pd_error *err);
+
 /* Exact KV reuse (the daemon's automatic prefix cache). A token block is
  * the K and V rows of n consecutive positions for every stream, laid out
  * [layer][kv_head][K rows n x head_dim, then V rows n x head_dim] in the

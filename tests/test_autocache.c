@@ -306,6 +306,8 @@ static void export_import(pd_model *m) {
     for (int64_t i = 0; i <= k; i++)
         cr_assert_eq(pd_seq_export_kv(a, (int32_t)(i * B), B, blocks + (size_t)i * blk, &err), PD_OK, "%s", err.msg);
     cr_assert_eq(pd_seq_create(m, 0, &b, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_seq_reserve(b, (int32_t)n, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_seq_kv_bytes(b), 0, "reserving adds no rows");
     for (int64_t i = 0; i < k; i++)
         cr_assert_eq(pd_seq_import_kv(b, blocks + (size_t)i * blk, B, B, &err), PD_OK, "%s", err.msg);
     cr_assert_eq(pd_seq_import_kv(b, blocks + (size_t)k * blk, B, (int32_t)(h - k * B), &err), PD_OK, "%s", err.msg);
@@ -338,6 +340,7 @@ static void export_import(pd_model *m) {
     pd_seq_free(c);
     pd_kv_prefix_free(pre);
     cr_assert_eq(pd_seq_create(m, 2 * B - 1, &c, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_seq_reserve(c, 2 * B, &err), PD_ERANGE, "more than the context");
     cr_assert_eq(pd_seq_import_kv(c, blocks, B, B + 1, &err), PD_EINVAL, "more rows than the block has");
     cr_assert_eq(pd_seq_import_kv(c, blocks, B, B, &err), PD_OK, "%s", err.msg);
     cr_assert_eq(pd_seq_import_kv(c, blocks + blk, B, B, &err), PD_ERANGE, "the context is full after it");
