@@ -110,7 +110,7 @@ struct pd_scheduler {
     sched_choice **dch;
     pd_sched_request **dreq;
     pd_autocache *autoc;    /* NULL without auto_cache_bytes */
-    const void **auto_match; /* [n_ctx / block + 1] payloads of a match */
+    const void **match_blocks; /* [n_ctx / block + 1] payloads of a match */
     pd_autocache_stats auto_published; /* what the counters have seen */
 
     /* metrics (NULL without opts->metrics) */
@@ -595,7 +595,7 @@ static void end_unadmitted(pd_scheduler *s, pd_sched_request *r, end_kind kind, 
 static void auto_match(pd_scheduler *s, pd_sched_request *r) {
     const int64_t max_blocks = r->n_prompt / PD_AUTO_BLOCK_TOKENS;
     if (!s->autoc || r->cache != PD_CACHE_AUTO || r->explicit_prefix || max_blocks < 1) return;
-    int64_t k = pd_autocache_match(s->autoc, r->ns, r->prompt, max_blocks, s->auto_match);
+    int64_t k = pd_autocache_match(s->autoc, r->ns, r->prompt, max_blocks, s->match_blocks);
     publish_auto(s);
     int64_t covered = k * PD_AUTO_BLOCK_TOKENS;
     if (covered > r->n_prompt - 1) covered = r->n_prompt - 1;
@@ -655,7 +655,7 @@ static int admit(pd_scheduler *s, pd_sched_request *r, pd_error *err) {
         for (int64_t b = 0; b < r->auto_blocks; b++) {
             const int64_t left = r->auto_tokens - b * PD_AUTO_BLOCK_TOKENS;
             const int32_t take = (int32_t)(left < PD_AUTO_BLOCK_TOKENS ? left : PD_AUTO_BLOCK_TOKENS);
-            if ((rc = pd_seq_import_kv(c->seq, s->auto_match[b], PD_AUTO_BLOCK_TOKENS, take, err))) return rc;
+            if ((rc = pd_seq_import_kv(c->seq, s->match_blocks[b], PD_AUTO_BLOCK_TOKENS, take, err))) return rc;
         }
         c->fed = r->prefix ? r->prefix_len : r->auto_tokens;
     }
@@ -894,7 +894,7 @@ static void *engine_main(void *arg) {
 
 static void sched_destroy(pd_scheduler *s) {
     pd_autocache_free(s->autoc);
-    free(s->auto_match);
+    free(s->match_blocks);
     free(s->run);
     free(s->logits);
     free(s->dseqs);
@@ -950,7 +950,7 @@ int pd_scheduler_create(pd_model *m, const pd_scheduler_opts *o, pd_scheduler **
             sched_destroy(s);
             return rc;
         }
-        if (!(s->auto_match = calloc((size_t)(s->n_ctx / PD_AUTO_BLOCK_TOKENS + 1), sizeof *s->auto_match))) {
+        if (!(s->match_blocks = calloc((size_t)(s->n_ctx / PD_AUTO_BLOCK_TOKENS + 1), sizeof *s->match_blocks))) {
             sched_destroy(s);
             return pd_errorf(err, PD_ENOMEM, "out of memory for the automatic cache's match");
         }
