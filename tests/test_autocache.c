@@ -373,3 +373,23 @@ Test(autocache, export_import_is_a_prefill_generated_model) {
     export_import(m);
     pd_model_free(m);
 }
+
+/* The same on the CPU backend in discrete-memory mode (the engine's device
+ * path: rows go through the backend's upload and download). */
+Test(autocache, export_import_is_a_prefill_discrete_backend) {
+    pd_testmodel_opts o;
+    pd_error err = {0};
+    cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
+    o.seed = 12;
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tiny.gguf", tmpdir);
+    cr_assert_eq(pd_testmodel_write(&o, path, NULL, &err), PD_OK, "%s", err.msg);
+    pd_backend *be = NULL;
+    cr_assert_eq(pd_backend_cpu_discrete_create(1, &be, &err), PD_OK, "%s", err.msg);
+    pd_model *m = NULL;
+    pd_model_params p = {.n_threads = 1, .backend = be};
+    cr_assert_eq(pd_model_load(path, &p, &m, &err), PD_OK, "%s", err.msg);
+    export_import(m);
+    pd_model_free(m);
+    pd_backend_free(be);
+}
