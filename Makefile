@@ -94,7 +94,7 @@ run: build $(if $(findstring models/default.gguf,$(DEFAULT_MODEL)),models/defaul
 	@echo "== prefixd on http://127.0.0.1:8080 (Ctrl-C stops it), store in var/prefixd"
 	@echo "   try: curl -s localhost:8080/v1/completions -H 'Content-Type: application/json' -d '{\"model\":\"demo\",\"prompt\":\"Once upon a time\",\"max_tokens\":32}'"
 	$(BUILD)/prefixd --config deploy/prefixd.conf --set model.path=$(DEFAULT_MODEL) --set cache.path=var/prefixd \
-	  --set compression.min_prefix_tokens=16 --set server.model_names=demo
+	  --set server.model_names=demo
 
 # Engine throughput on a generated SmolLM2-135M-shaped Q8_0 model (32000 vocab),
 # the shape of the llama.cpp reference numbers in the README.

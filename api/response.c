@@ -389,20 +389,25 @@ oom:
 }
 
 /* kept_tokens: the prefix's kept (layer, head, token) rows expressed as
- * tokens, i.e. original_tokens * kept_rows / full_rows, rounded. */
+ * tokens, i.e. original_tokens * kept_rows / full_rows, rounded. kind
+ * "registered" (a stored prefix: id and policy) or "auto" (exact blocks of
+ * the automatic cache: neither). */
 static int add_prefix(const pd_api_response *r, json_t *root) {
     if (!r->has_usage || !r->usage.prefix_used) return 0;
     const pd_sched_usage *u = &r->usage;
     char hex[PD_PREFIX_ID_HEX];
     pd_prefix_id_hex(&u->prefix_id, hex);
     double frac = u->prefix_full_rows > 0 ? (double)u->prefix_kept_rows / (double)u->prefix_full_rows : 1.0;
+    const bool registered = u->prefix_kind == PD_PREFIX_REGISTERED;
     json_t *p = json_object();
     if (!p) return -1;
-    if (json_object_set_new(p, "id", json_string(hex)) ||
+    if (json_object_set_new(p, "kind", json_string(registered ? "registered" : "auto")) ||
+        (registered && json_object_set_new(p, "id", json_string(hex))) ||
         json_object_set_new(p, "original_tokens", json_integer(u->cached_tokens)) ||
         json_object_set_new(p, "kept_tokens", json_integer((json_int_t)llround(frac * (double)u->cached_tokens))) ||
         json_object_set_new(p, "kept_fraction", json_real(frac)) ||
-        json_object_set_new(p, "policy", json_utf8(u->prefix_spec, strnlen(u->prefix_spec, sizeof u->prefix_spec)))) {
+        (registered &&
+         json_object_set_new(p, "policy", json_utf8(u->prefix_spec, strnlen(u->prefix_spec, sizeof u->prefix_spec))))) {
         json_decref(p);
         return -1;
     }

@@ -1003,9 +1003,11 @@ static void end_access(pd_server *s, http_req *r, struct MHD_Connection *c, enum
         f[n++] = PD_LOG_INT("completion_tokens", u.completion_tokens);
         f[n++] = PD_LOG_NUM("queue_s", u.queue_seconds);
         if (u.ttft_seconds > 0) f[n++] = PD_LOG_NUM("ttft_s", u.ttft_seconds);
-        if (u.prefix_used) {
+        if (u.prefix_used && u.prefix_kind == PD_PREFIX_REGISTERED) {
             pd_prefix_id_hex(&u.prefix_id, prefix);
             f[n++] = PD_LOG_STR("prefix_id", prefix);
+        } else if (u.prefix_used) {
+            f[n++] = PD_LOG_STR("prefix_kind", "auto");
         }
     }
     if (r->error[0]) f[n++] = PD_LOG_STR("error", r->error);

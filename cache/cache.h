@@ -242,6 +242,64 @@ typedef struct pd_hot_stats {
 
 void pd_hot_stats_get(pd_hot *h, pd_hot_stats *out);
 
+/* ------------------------------------------------------------------------
+ * The automatic block cache: exact (uncompressed) KV of recent prompts in
+ * RAM, in blocks of PD_AUTO_BLOCK_TOKENS tokens, each keyed by a chained
+ * SHA-256: block i's key hashes block i-1's key and block i's token ids, and
+ * block 0's parent is a root over (model fingerprint, KV type, namespace).
+ * So a key names a whole token prefix, and namespaces never share blocks.
+ * A block's payload is opaque here (the engine's token block, see
+ * pd_seq_export_kv); a hit also compares the stored parent key and token
+ * ids, so a hash collision is a miss, not wrong rows.
+ *
+ * Bounded by max_bytes (every entry's allocation plus the hash index,
+ * counted exactly); least recently used blocks go first. Using a chain
+ * touches it leaf first, so a parent is always more recent than its
+ * children and eviction never strands reachable blocks behind a missing
+ * parent.
+ *
+ * Not thread-safe: one owner thread (the scheduler's engine thread) makes
+ * every call; stats are copied out by that thread too.
+ * ------------------------------------------------------------------------ */
+
+/* 16 tokens: a prompt that diverges inside a block loses at most 15 tokens
+ * of reuse, while the per-block overhead (about 150 bytes of key, tokens
+ * and links, one hash per block) stays under 2% of the rows of even a
+ * 260K-parameter model. */
+#define PD_AUTO_BLOCK_TOKENS 16
+
+typedef struct pd_autocache pd_autocache;
+
+/* block_bytes: the payload of one block (> 0). max_bytes may be smaller
+ * than one block: nothing is then cached. */
+int pd_autocache_create(uint64_t max_bytes, size_t block_bytes, const uint8_t fingerprint[PD_SHA256_LEN],
+                        int kv_type, pd_autocache **out, pd_error *err);
+void pd_autocache_free(pd_autocache *c);
+
+/* The longest chain of cached blocks the tokens start with, at most
+ * max_blocks: its payloads in blocks[0..k) (valid until the next
+ * pd_autocache_insert or free), k returned. Touches the chain; counts one
+ * hit (k > 0) or miss, unless max_blocks is 0. */
+int64_t pd_autocache_match(pd_autocache *c, const char *ns, const pd_token *tokens, int64_t max_blocks,
+                           const void **blocks);
+
+/* Fills one missing block's payload (block index i of the tokens). */
+typedef int (*pd_autocache_fill_fn)(void *ctx, int64_t block, void *payload, pd_error *err);
+
+/* Cache blocks [0, n_blocks) of tokens: present ones are touched, missing
+ * ones filled by fill and inserted, evicting least recently used blocks
+ * outside this chain. Stops early (PD_OK) when the chain outgrows
+ * max_bytes; a fill failure is returned (what was inserted before stays). */
+int pd_autocache_insert(pd_autocache *c, const char *ns, const pd_token *tokens, int64_t n_blocks,
+                        pd_autocache_fill_fn fill, void *ctx, pd_error *err);
+
+typedef struct pd_autocache_stats {
+    uint64_t bytes, max_bytes;
+    int64_t entries, hits, misses, evictions;
+} pd_autocache_stats;
+
+void pd_autocache_stats_get(const pd_autocache *c, pd_autocache_stats *out);
+
 #ifdef __cplusplus
 }
 #endif

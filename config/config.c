@@ -145,6 +145,7 @@ static const key_desc keys[] = {
     STRING_KEY(cache, path, check_not_empty, false, "var/prefixd"),
     I64_KEY(cache, map_size_mb, 16, INT64_C(16777216), "4096"),
     I64_KEY(cache, hot_tier_mb, 0, INT64_C(16777216), "256"),
+    I64_KEY(cache, auto_mb, 0, INT64_C(16777216), "256"),
     INT_KEY(cache, page_tokens, 1, 4096, "64"),
 
     STRING_KEY(compression, policy, check_policy_spec, false, "compactor:retention=0.25"),

@@ -92,6 +92,7 @@ typedef struct pd_config {
         char path[PD_CONFIG_STR_CAP];   /* LMDB environment directory */
         int64_t map_size_mb;
         int64_t hot_tier_mb;            /* 0 = no in-memory tier */
+        int64_t auto_mb;                /* exact KV of recent prompts in RAM; 0 = no automatic cache */
         int page_tokens;
     } cache;
     struct {

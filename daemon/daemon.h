@@ -75,7 +75,12 @@ int pd_metrics_render(pd_metrics *m, char **out, size_t *len, pd_error *err);
  * decodes every running sequence together with pd_decode. A request whose
  * prompt starts with a stored prefix attends to it read-only (shared by
  * every request that uses it, through the hot tier) and prefills only the
- * rest. Events reach the caller's sink on the engine thread, in order.
+ * rest. With an automatic cache (auto_cache_bytes), every prompt's exact KV
+ * is kept after its request in token blocks (pd_autocache, owned by the
+ * engine thread) and a later prompt starting with the same blocks copies
+ * them into its sequence instead of prefilling them; the longer of the two
+ * matches is used, a stored prefix on a tie. Events reach the caller's sink
+ * on the engine thread, in order.
  * ------------------------------------------------------------------------ */
 
 typedef struct pd_scheduler pd_scheduler;
@@ -86,7 +91,7 @@ typedef struct pd_scheduler_opts {
     int max_queue;           /* requests waiting to start (>= 1); more is PD_ERANGE "queue is full" (default 256) */
     int32_t prefill_chunk;   /* prompt tokens prefilled per step (default 256) */
     int32_t n_ctx;           /* per-sequence context; 0 = the model's trained context */
-    int32_t min_prefix_tokens; /* shorter stored prefixes are not used (default 1) */
+    uint64_t auto_cache_bytes; /* RAM for exact KV of recent prompts (pd_autocache); 0 = none (default) */
     pd_store *store;         /* optional: stored prefixes to look up (not owned) */
     pd_hot *hot;             /* optional: hot tier over `store` (not owned) */
     pd_metrics *metrics;     /* optional: the scheduler registers and updates its series */
@@ -106,8 +111,8 @@ int32_t pd_scheduler_n_ctx(const pd_scheduler *s);
 void pd_scheduler_free(pd_scheduler *s);
 
 typedef enum pd_cache_mode {
-    PD_CACHE_AUTO = 0, /* use the longest stored prefix the prompt starts with */
-    PD_CACHE_OFF,      /* never use a stored prefix */
+    PD_CACHE_AUTO = 0, /* use the longest stored prefix or cached blocks the prompt starts with */
+    PD_CACHE_OFF,      /* never use a stored prefix or cached blocks (the prompt's blocks are still cached) */
 } pd_cache_mode;
 
 /* What a request asks for. Everything is copied by pd_scheduler_submit. */
@@ -120,7 +125,7 @@ typedef struct pd_sched_params {
     pd_generation_params gen;    /* stop strings copied */
     pd_cache_mode cache;
     bool has_prefix_id;          /* use exactly this stored prefix (error if the prompt does not start with its
-                                    tokens or is not longer; contradicts cache OFF); min_prefix_tokens ignored */
+                                    tokens or is not longer; contradicts cache OFF); no automatic blocks then */
     pd_prefix_id prefix_id;
     const char *ns;              /* namespace for lookup ("" or NULL = none) */
     const char *spec;            /* only prefixes compressed with this spec (NULL = any, newest first) */
@@ -134,12 +139,18 @@ typedef enum pd_sched_event_kind {
     PD_SCHED_ERROR,       /* the request failed or was cancelled; the last event */
 } pd_sched_event_kind;
 
+typedef enum pd_prefix_kind {
+    PD_PREFIX_REGISTERED = 0, /* a stored (registered, maybe compressed) prefix */
+    PD_PREFIX_AUTO,           /* exact blocks of the automatic cache */
+} pd_prefix_kind;
+
 typedef struct pd_sched_usage {
     int64_t prompt_tokens;
     int64_t completion_tokens;   /* over all choices */
-    int64_t cached_tokens;       /* prompt tokens covered by a stored prefix (its original length) */
+    int64_t cached_tokens;       /* prompt tokens covered by a prefix of either kind (its original length) */
     bool prefix_used;
-    pd_prefix_id prefix_id;
+    pd_prefix_kind prefix_kind;  /* with prefix_used */
+    pd_prefix_id prefix_id;      /* PD_PREFIX_REGISTERED only; the spec too */
     int64_t prefix_kept_rows;    /* kept (layer, head, token) rows of that prefix */
     int64_t prefix_full_rows;    /* n_orig * n_layer * n_head_kv */
     char prefix_spec[PD_PREFIX_SPEC_MAX];
@@ -186,6 +197,10 @@ typedef struct pd_scheduler_stats {
     int64_t completed, failed, cancelled;
     int64_t prefix_hits, prefix_misses;
     int64_t kv_bytes;            /* own KV of running sequences (not the shared prefixes) */
+    /* the automatic cache (zero without one); a lookup is one request with
+     * cache auto, no prefix_id and at least one whole block before its last
+     * prompt token */
+    int64_t auto_hits, auto_misses, auto_evictions, auto_entries, auto_bytes;
 } pd_scheduler_stats;
 
 void pd_scheduler_stats_get(pd_scheduler *s, pd_scheduler_stats *out);
@@ -216,6 +231,8 @@ typedef struct pd_jobs_opts {
                                     prefixd_prefix_jobs_queued */
     bool start_paused;           /* the worker starts no job until pd_jobs_set_paused(j, false) */
     const pd_logger *logger;     /* optional: a line when a job starts, is done or fails (not owned) */
+    int64_t min_compress_tokens; /* prefixes shorter than this are stored exactly (retention 1, no
+                                    calibration): compressing them saves too little (default 0) */
 } pd_jobs_opts;
 
 void pd_jobs_opts_default(pd_jobs_opts *o);

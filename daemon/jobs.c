@@ -62,6 +62,7 @@ struct pd_jobs {
     pd_counter *m_done, *m_failed;
     pd_gauge *m_queued;
     const pd_logger *logger;     /* may be NULL */
+    int64_t min_compress_tokens; /* shorter prefixes are stored exactly */
 };
 
 const char *pd_job_state_name(pd_job_state s) {
@@ -209,7 +210,10 @@ static int run_job(pd_jobs *j, job *jb, pd_prefix_info *info, bool *existed, dou
     pd_policy_spec spec = jb->spec;
     pd_prefix_quality q = {.retention = NAN, .tau = NAN, .nll_full = NAN, .nll_ratio = NAN};
     double base = 0;
-    if (jb->quality > 1 && jb->has_curve) {
+    if (jb->n < j->min_compress_tokens) {
+        /* Too short to be worth compressing (compression.min_prefix_tokens). */
+        pd_policy_spec_set_retention(&spec, 1);
+    } else if (jb->quality > 1 && jb->has_curve) {
         /* Zero-shot: the curve was fitted offline on a calibration set. */
         pd_calib_opts co;
         pd_calib_opts_default(&co);
@@ -379,6 +383,7 @@ int pd_jobs_create(const pd_jobs_opts *o, pd_jobs **out, pd_error *err) {
     j->next_id = 1;
     j->paused = o->start_paused;
     j->logger = o->logger;
+    j->min_compress_tokens = o->min_compress_tokens;
     j->model_path = strdup(o->model_path);
     j->default_policy = strdup(dp);
     j->table = calloc((size_t)o->max_jobs, sizeof *j->table);

@@ -10,6 +10,11 @@
  *     (from submit until its last event); the last reference frees it.
  *   - everything else about a running request (sequences, samplers, the
  *     prefix) is touched only by the engine thread once it is queued.
+ *   - the automatic block cache belongs to the engine thread: it matches a
+ *     request's prompt at admission (where the stored prefix, looked up at
+ *     submit, is compared with it) and stores the prompt's blocks when its
+ *     first choice finishes the prefill. Only sequences that attend to no
+ *     stored prefix are stored, so every cached row is exact.
  *
  * Each loop iteration: drop cancelled requests, admit queued requests while
  * sequences fit in max_batch, prefill at most prefill_chunk prompt tokens
@@ -56,6 +61,7 @@ struct pd_sched_request {
     pd_cache_mode cache;
     char ns[PD_PREFIX_NS_MAX];
     char *spec;             /* NULL = any */
+    bool explicit_prefix;   /* prefix_id was given: no automatic blocks */
 
     /* the prefix, looked up (cache auto) and acquired at submit, on the
      * caller's thread: loading and verifying a stored prefix never stalls
@@ -65,6 +71,11 @@ struct pd_sched_request {
     pd_prefix_ref *ref;
     const pd_kv_prefix *prefix;
     int32_t prefix_len;
+    /* automatic blocks matched at admission (payloads valid until the next
+     * insert, so they are copied into the sequences right away) and the
+     * tokens taken from them (the last block's first rows when the prompt
+     * ends with it: at most n_prompt - 1) */
+    int64_t auto_blocks, auto_tokens;
 
     sched_choice choices[SCHED_MAX_CHOICES];
     int n_done;
@@ -98,6 +109,9 @@ struct pd_scheduler {
     pd_token *dtoks;
     sched_choice **dch;
     pd_sched_request **dreq;
+    pd_autocache *autoc;    /* NULL without auto_cache_bytes */
+    const void **match_blocks; /* [n_ctx / block + 1] payloads of a match */
+    pd_autocache_stats auto_published; /* what the counters have seen */
 
     /* metrics (NULL without opts->metrics) */
     pd_counter *m_completed, *m_failed, *m_cancelled;
@@ -105,6 +119,8 @@ struct pd_scheduler {
     pd_counter *m_hits, *m_misses;
     pd_gauge *m_queue, *m_running, *m_kv;
     pd_histogram *m_ttft, *m_tpot, *m_queue_time;
+    pd_counter *m_auto_hits, *m_auto_misses, *m_auto_evictions;
+    pd_gauge *m_auto_entries, *m_auto_bytes;
 };
 
 void pd_scheduler_opts_default(pd_scheduler_opts *o) {
@@ -113,10 +129,33 @@ void pd_scheduler_opts_default(pd_scheduler_opts *o) {
     o->max_queue = 256;
     o->prefill_chunk = 256;
     o->n_ctx = 0;
-    o->min_prefix_tokens = 1;
 }
 
 /* ---- metrics ----------------------------------------------------------- */
+
+/* The automatic cache's series (only when it exists). */
+static int register_auto_metrics(pd_scheduler *s, pd_error *err) {
+    pd_metrics *m = s->o.metrics;
+    int rc = pd_metrics_counter(m, "prefixd_auto_cache_hits_total",
+                                "Lookups in the automatic prefix cache that matched at least one block", NULL,
+                                &s->m_auto_hits, err);
+    if (!rc)
+        rc = pd_metrics_counter(m, "prefixd_auto_cache_misses_total",
+                                "Lookups in the automatic prefix cache that matched no block", NULL, &s->m_auto_misses,
+                                err);
+    if (!rc)
+        rc = pd_metrics_counter(m, "prefixd_auto_cache_evictions_total",
+                                "Blocks evicted from the automatic prefix cache to make room", NULL,
+                                &s->m_auto_evictions, err);
+    if (!rc)
+        rc = pd_metrics_gauge(m, "prefixd_auto_cache_entries", "Blocks in the automatic prefix cache", NULL,
+                              &s->m_auto_entries, err);
+    if (!rc)
+        rc = pd_metrics_gauge(m, "prefixd_auto_cache_bytes",
+                              "Bytes the automatic prefix cache holds (blocks and index, bounded by cache.auto_mb)", NULL,
+                              &s->m_auto_bytes, err);
+    return rc;
+}
 
 static int register_metrics(pd_scheduler *s, pd_error *err) {
     pd_metrics *m = s->o.metrics;
@@ -134,7 +173,8 @@ static int register_metrics(pd_scheduler *s, pd_error *err) {
         rc = pd_metrics_counter(m, "prefixd_generated_tokens_total", "Tokens generated over all choices", NULL,
                                 &s->m_gen_tokens, err);
     if (!rc)
-        rc = pd_metrics_counter(m, "prefixd_cached_tokens_total", "Prompt tokens covered by a stored prefix", NULL,
+        rc = pd_metrics_counter(m, "prefixd_cached_tokens_total",
+                                "Prompt tokens covered by a stored prefix or automatic cache blocks", NULL,
                                 &s->m_cached_tokens, err);
     if (!rc)
         rc = pd_metrics_counter(m, "prefixd_prefix_hits_total", "Requests that used a stored prefix", NULL,
@@ -161,6 +201,7 @@ static int register_metrics(pd_scheduler *s, pd_error *err) {
     if (!rc)
         rc = pd_metrics_histogram(m, "prefixd_queue_time_seconds", "Submit to admission into the batch", NULL,
                                   ttft_bounds, sizeof ttft_bounds / sizeof ttft_bounds[0], &s->m_queue_time, err);
+    if (!rc && s->autoc) rc = register_auto_metrics(s, err);
     if (rc) pd_error_prefix(err, "registering the scheduler's metrics");
     return rc;
 }
@@ -196,6 +237,27 @@ static void publish_gauges_locked(pd_scheduler *s) {
     if (s->m_queue) pd_gauge_set(s->m_queue, (double)s->st.queued);
     if (s->m_running) pd_gauge_set(s->m_running, (double)s->st.running);
     if (s->m_kv) pd_gauge_set(s->m_kv, (double)s->st.kv_bytes);
+}
+
+/* The automatic cache's stats into the scheduler's stats and series
+ * (engine thread). */
+static void publish_auto(pd_scheduler *s) {
+    pd_autocache_stats a;
+    pd_autocache_stats_get(s->autoc, &a);
+    pd_autocache_stats *p = &s->auto_published;
+    m_add(s->m_auto_hits, (double)(a.hits - p->hits));
+    m_add(s->m_auto_misses, (double)(a.misses - p->misses));
+    m_add(s->m_auto_evictions, (double)(a.evictions - p->evictions));
+    if (s->m_auto_entries) pd_gauge_set(s->m_auto_entries, (double)a.entries);
+    if (s->m_auto_bytes) pd_gauge_set(s->m_auto_bytes, (double)a.bytes);
+    *p = a;
+    pthread_mutex_lock(&s->mu);
+    s->st.auto_hits = a.hits;
+    s->st.auto_misses = a.misses;
+    s->st.auto_evictions = a.evictions;
+    s->st.auto_entries = a.entries;
+    s->st.auto_bytes = (int64_t)a.bytes;
+    pthread_mutex_unlock(&s->mu);
 }
 
 /* ---- requests ---------------------------------------------------------- */
@@ -300,6 +362,7 @@ static int prefix_acquire(pd_scheduler *s, pd_sched_request *r, const pd_prefix_
     }
     r->prefix_len = info->n_tokens;
     r->usage.prefix_used = true;
+    r->usage.prefix_kind = PD_PREFIX_REGISTERED;
     r->usage.prefix_id = *id;
     r->usage.cached_tokens = info->n_tokens;
     r->usage.prefix_kept_rows = info->kept_rows;
@@ -308,7 +371,8 @@ static int prefix_acquire(pd_scheduler *s, pd_sched_request *r, const pd_prefix_
     return PD_OK;
 }
 
-/* cache=auto: the longest stored prefix strictly shorter than the prompt.
+/* cache=auto: the longest stored prefix strictly shorter than the prompt,
+ * whatever its length (compression.min_prefix_tokens is about compressing).
  * Lookup or load failures (a corrupt record) only cost the cache hit. */
 static void prefix_lookup(pd_scheduler *s, pd_sched_request *r) {
     pd_prefix_id id;
@@ -318,7 +382,6 @@ static void prefix_lookup(pd_scheduler *s, pd_sched_request *r) {
     if (pd_store_lookup(s->o.store, s->fingerprint, r->ns, r->spec, r->prompt, r->n_prompt - 1, &id, &matched,
                         &err) != PD_OK)
         return;
-    if (matched < s->o.min_prefix_tokens) return;
     (void)prefix_acquire(s, r, &id, &err);
 }
 
@@ -408,6 +471,7 @@ int pd_scheduler_submit(pd_scheduler *s, const pd_sched_params *p, pd_sched_sink
     rc = copy_params(s, r, p, err);
     if (!rc) r->usage.prompt_tokens = r->n_prompt;
     if (!rc && p->has_prefix_id) {
+        r->explicit_prefix = true;
         if (!s->o.store) {
             rc = pd_errorf(err, PD_EINVAL, "prefix_id was given but the server has no prefix store");
         } else {
@@ -522,10 +586,60 @@ static void end_unadmitted(pd_scheduler *s, pd_sched_request *r, end_kind kind, 
     request_unref(r);
 }
 
+/* cache=auto: the automatic blocks the prompt starts with, at most
+ * n_prompt - 1 tokens (the last prompt token is always fed, for its
+ * logits; a prompt that ends with a cached block takes that block's rows
+ * but the last, since a block's first rows are its first positions' KV).
+ * They replace the stored prefix looked up at submit only where they
+ * cover more of the prompt. */
+static void auto_match(pd_scheduler *s, pd_sched_request *r) {
+    const int64_t max_blocks = r->n_prompt / PD_AUTO_BLOCK_TOKENS;
+    if (!s->autoc || r->cache != PD_CACHE_AUTO || r->explicit_prefix || max_blocks < 1) return;
+    int64_t k = pd_autocache_match(s->autoc, r->ns, r->prompt, max_blocks, s->match_blocks);
+    publish_auto(s);
+    int64_t covered = k * PD_AUTO_BLOCK_TOKENS;
+    if (covered > r->n_prompt - 1) covered = r->n_prompt - 1;
+    if (covered <= r->prefix_len) return;
+    if (r->prefix) {
+        prefix_release(s, r);
+        r->prefix_len = 0;
+    }
+    const pd_hparams *hp = pd_model_hparams(s->model);
+    r->auto_blocks = k;
+    r->auto_tokens = covered;
+    r->usage.prefix_used = true;
+    r->usage.prefix_kind = PD_PREFIX_AUTO;
+    memset(&r->usage.prefix_id, 0, sizeof r->usage.prefix_id);
+    r->usage.cached_tokens = covered;
+    r->usage.prefix_full_rows = r->usage.cached_tokens * hp->n_layer * hp->n_head_kv;
+    r->usage.prefix_kept_rows = r->usage.prefix_full_rows;
+    r->usage.prefix_spec[0] = '\0';
+}
+
+typedef struct auto_fill_ctx {
+    const pd_seq *seq;
+} auto_fill_ctx;
+
+static int auto_fill(void *vctx, int64_t block, void *payload, pd_error *err) {
+    const auto_fill_ctx *ctx = vctx;
+    return pd_seq_export_kv(ctx->seq, (int32_t)(block * PD_AUTO_BLOCK_TOKENS), PD_AUTO_BLOCK_TOKENS, payload, err);
+}
+
+/* A prompt's prefill is done on a sequence that attends to no stored
+ * prefix: keep its whole blocks. A failure only costs future hits. */
+static void auto_store(pd_scheduler *s, pd_sched_request *r, const pd_seq *seq) {
+    if (!s->autoc || r->prefix) return;
+    auto_fill_ctx ctx = {.seq = seq};
+    pd_error err = {0};
+    (void)pd_autocache_insert(s->autoc, r->ns, r->prompt, r->n_prompt / PD_AUTO_BLOCK_TOKENS, auto_fill, &ctx, &err);
+    publish_auto(s);
+}
+
 /* Admission on the engine thread: prefix, sequences, STARTED. */
 static int admit(pd_scheduler *s, pd_sched_request *r, pd_error *err) {
     int rc;
-    if (r->looked_up || r->prefix) { /* a lookup, or an explicit prefix_id (a hit) */
+    auto_match(s, r);
+    if (r->looked_up || r->explicit_prefix) { /* a lookup, or an explicit prefix_id (a hit) */
         pthread_mutex_lock(&s->mu);
         count_prefix_locked(s, r->prefix != NULL);
         pthread_mutex_unlock(&s->mu);
@@ -535,7 +649,15 @@ static int admit(pd_scheduler *s, pd_sched_request *r, pd_error *err) {
         sched_choice *c = &r->choices[i];
         if ((rc = pd_seq_create(s->model, s->n_ctx, &c->seq, err))) return rc;
         if (r->prefix && (rc = pd_seq_attach_prefix(c->seq, r->prefix, err))) return rc;
-        c->fed = r->prefix ? r->prefix_len : 0;
+        /* the prompt's rows in one allocation per stream, not by doubling
+         * as the blocks arrive */
+        if (r->auto_blocks && (rc = pd_seq_reserve(c->seq, (int32_t)r->n_prompt, err))) return rc;
+        for (int64_t b = 0; b < r->auto_blocks; b++) {
+            const int64_t left = r->auto_tokens - b * PD_AUTO_BLOCK_TOKENS;
+            const int32_t take = (int32_t)(left < PD_AUTO_BLOCK_TOKENS ? left : PD_AUTO_BLOCK_TOKENS);
+            if ((rc = pd_seq_import_kv(c->seq, s->match_blocks[b], PD_AUTO_BLOCK_TOKENS, take, err))) return rc;
+        }
+        c->fed = r->prefix ? r->prefix_len : r->auto_tokens;
     }
     double now = pd_now_seconds();
     r->usage.queue_seconds = now - r->submitted_at;
@@ -635,7 +757,10 @@ static void step(pd_scheduler *s) {
             if (!rc) {
                 c->fed += take;
                 budget -= take;
-                if (c->fed == r->n_prompt) rc = take_token(s, r, ci, s->logits, &err);
+                if (c->fed == r->n_prompt) {
+                    if (ci == 0) auto_store(s, r, c->seq); /* before sampling may free the sequence */
+                    rc = take_token(s, r, ci, s->logits, &err);
+                }
             }
             if (rc) failed = true;
         }
@@ -768,6 +893,8 @@ static void *engine_main(void *arg) {
 /* ---- create / free ----------------------------------------------------- */
 
 static void sched_destroy(pd_scheduler *s) {
+    pd_autocache_free(s->autoc);
+    free(s->match_blocks);
     free(s->run);
     free(s->logits);
     free(s->dseqs);
@@ -790,8 +917,6 @@ int pd_scheduler_create(pd_model *m, const pd_scheduler_opts *o, pd_scheduler **
     if (o->n_ctx < 0 || o->n_ctx > hp->n_ctx_train)
         return pd_errorf(err, PD_ERANGE, "n_ctx must be between 0 (the model's) and %d (got %d)", hp->n_ctx_train,
                          o->n_ctx);
-    if (o->min_prefix_tokens < 1)
-        return pd_errorf(err, PD_ERANGE, "min_prefix_tokens must be at least 1 (got %d)", o->min_prefix_tokens);
     if (o->hot && !o->store) return pd_errorf(err, PD_EINVAL, "a hot tier needs the store it caches");
 
     pd_scheduler *s = calloc(1, sizeof *s);
@@ -819,6 +944,17 @@ int pd_scheduler_create(pd_model *m, const pd_scheduler_opts *o, pd_scheduler **
         return pd_errorf(err, PD_ENOMEM, "out of memory for a batch of %d sequences", o->max_batch);
     }
     int rc;
+    if (o->auto_cache_bytes > 0) {
+        if ((rc = pd_autocache_create(o->auto_cache_bytes, pd_model_kv_token_bytes(m) * PD_AUTO_BLOCK_TOKENS,
+                                      s->fingerprint, (int)pd_model_kv_type(m), &s->autoc, err))) {
+            sched_destroy(s);
+            return rc;
+        }
+        if (!(s->match_blocks = calloc((size_t)(s->n_ctx / PD_AUTO_BLOCK_TOKENS + 1), sizeof *s->match_blocks))) {
+            sched_destroy(s);
+            return pd_errorf(err, PD_ENOMEM, "out of memory for the automatic cache's match");
+        }
+    }
     if (o->metrics && (rc = register_metrics(s, err))) {
         sched_destroy(s);
         return rc;

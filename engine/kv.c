@@ -408,6 +408,99 @@ int pd_seq_to_prefix(const pd_seq *s, pd_kv_prefix **out, pd_error *err) {
     return PD_OK;
 }
 
+int pd_seq_reserve(pd_seq *s, int32_t n_tokens, pd_error *err) {
+    const pd_hparams *hp = &s->model->hp;
+    if (n_tokens < 0 || n_tokens > s->n_ctx)
+        return pd_errorf(err, PD_ERANGE, "cannot reserve %d tokens in a context of %d", n_tokens, s->n_ctx);
+    const size_t row = (size_t)hp->head_dim * kv_elem_size(s->model->kv_type);
+    for (int64_t i = 0; i < (int64_t)hp->n_layer * hp->n_head_kv; i++) {
+        kv_stream *st = &s->streams[i];
+        if (n_tokens <= st->cap) continue;
+        int rc = kv_stream_reserve(st, s->model->backend, n_tokens, row, err);
+        if (rc) return rc;
+    }
+    return PD_OK;
+}
+
+size_t pd_model_kv_token_bytes(const pd_model *m) {
+    return (size_t)m->hp.n_layer * (size_t)m->hp.n_head_kv * 2 * (size_t)m->hp.head_dim * kv_elem_size(m->kv_type);
+}
+
+/* Every own stream holds positions [0, len) in order, unmasked: what a
+ * plain prefill leaves and the only state blocks are exchanged with. */
+static bool seq_streams_complete(const pd_seq *s) {
+    const pd_hparams *hp = &s->model->hp;
+    if (s->prefix) return false;
+    for (int64_t i = 0; i < (int64_t)hp->n_layer * hp->n_head_kv; i++) {
+        const kv_stream *st = &s->streams[i];
+        /* positions are strictly increasing, so the ends decide */
+        if (st->keep || st->len != s->next_pos || (st->len && (st->pos[0] != 0 || st->pos[st->len - 1] != st->len - 1)))
+            return false;
+    }
+    return true;
+}
+
+int pd_seq_export_kv(const pd_seq *s, int32_t pos0, int32_t n, void *block, pd_error *err) {
+    const pd_hparams *hp = &s->model->hp;
+    if (pos0 < 0 || n < 1 || (int64_t)pos0 + n > s->next_pos)
+        return pd_errorf(err, PD_EINVAL, "positions [%d, %lld) are not in a sequence of %d", pos0,
+                         (long long)pos0 + n, s->next_pos);
+    if (!seq_streams_complete(s))
+        return pd_errorf(err, PD_EINVAL, "the sequence's cache is not every position in order (a prefix, a mask "
+                                         "or evicted rows): it cannot be exported exactly");
+    pd_backend *be = s->model->backend;
+    const size_t row = (size_t)hp->head_dim * kv_elem_size(s->model->kv_type), part = row * (size_t)n;
+    char *out = block;
+    for (int64_t i = 0; i < (int64_t)hp->n_layer * hp->n_head_kv; i++) {
+        const kv_stream *st = &s->streams[i];
+        int rc;
+        if ((rc = pd_backend_download(be, out, (const char *)st->k + (size_t)pos0 * row, part, err)) ||
+            (rc = pd_backend_download(be, out + part, (const char *)st->v + (size_t)pos0 * row, part, err)))
+            return rc;
+        out += 2 * part;
+    }
+    return PD_OK;
+}
+
+int pd_seq_import_kv(pd_seq *s, const void *block, int32_t block_tokens, int32_t n, pd_error *err) {
+    const pd_hparams *hp = &s->model->hp;
+    if (n < 1 || n > block_tokens)
+        return pd_errorf(err, PD_EINVAL, "cannot import %d positions of a block of %d", n, block_tokens);
+    if ((int64_t)s->next_pos + n > s->n_ctx)
+        return pd_errorf(err, PD_ERANGE, "%d more tokens do not fit after %d in a context of %d", n, s->next_pos,
+                         s->n_ctx);
+    if (!seq_streams_complete(s))
+        return pd_errorf(err, PD_EINVAL, "rows can only be imported into a sequence holding every position in order");
+    pd_backend *be = s->model->backend;
+    const size_t row = (size_t)hp->head_dim * kv_elem_size(s->model->kv_type), part = row * (size_t)n,
+                 pitch = row * (size_t)block_tokens; /* K rows then V rows of one stream in the block */
+    const int32_t p0 = s->next_pos;
+    const char *in = block;
+    int32_t *pos = malloc(sizeof *pos * (size_t)n);
+    if (!pos) return pd_errorf(err, PD_ENOMEM, "out of memory for %d positions", n);
+    for (int32_t j = 0; j < n; j++) pos[j] = p0 + j;
+    int rc = PD_OK;
+    for (int64_t i = 0; i < (int64_t)hp->n_layer * hp->n_head_kv && !rc; i++) {
+        kv_stream *st = &s->streams[i];
+        if ((rc = kv_stream_reserve(st, be, st->len + n, row, err)) ||
+            (rc = pd_backend_upload(be, (char *)st->k + (size_t)st->len * row, in, part, err)) ||
+            (rc = pd_backend_upload(be, (char *)st->v + (size_t)st->len * row, in + pitch, part, err)) ||
+            (st->dpos && (rc = pd_backend_upload(be, st->dpos + st->len, pos, sizeof *pos * (size_t)n, err))))
+            break;
+        memcpy(st->pos + st->len, pos, sizeof *pos * (size_t)n);
+        st->len += n;
+        in += 2 * pitch;
+    }
+    free(pos);
+    if (rc) {
+        /* streams that took the block already: back to the old length */
+        for (int64_t i = 0; i < (int64_t)hp->n_layer * hp->n_head_kv; i++) s->streams[i].len = p0;
+        return rc;
+    }
+    s->next_pos = p0 + n;
+    return PD_OK;
+}
+
 int pd_seq_set_mask(pd_seq *s, int layer, int kv_head, const uint8_t *keep, int64_t len, pd_error *err) {
     const pd_hparams *hp = &s->model->hp;
     if (layer < 0 || layer >= hp->n_layer || kv_head < 0 || kv_head >= hp->n_head_kv)

@@ -160,6 +160,25 @@ uint64_t pd_seq_kv_bytes(const pd_seq *s);
  * KV type). The sequence must not have a prefix attached; n_orig =
  * pd_seq_pos(s). */
 int pd_seq_to_prefix(const pd_seq *s, pd_kv_prefix **out, pd_error *err);
+/* Room for n_tokens own rows in every stream, allocated now (one
+ * allocation each instead of growing by doubling as rows arrive). */
+int pd_seq_reserve(pd_seq *s, int32_t n_tokens, pd_error *err);
+
+/* Exact KV reuse (the daemon's automatic prefix cache). A token block is
+ * the K and V rows of n consecutive positions for every stream, laid out
+ * [layer][kv_head][K rows n x head_dim, then V rows n x head_dim] in the
+ * model's KV type: pd_model_kv_token_bytes(m) * n bytes. */
+size_t pd_model_kv_token_bytes(const pd_model *m);
+/* Copy the own rows of positions [pos0, pos0 + n) out as a token block.
+ * PD_EINVAL unless every stream holds exactly those positions, unmasked
+ * (no prefix attached, nothing evicted by a prefill hook). */
+int pd_seq_export_kv(const pd_seq *s, int32_t pos0, int32_t n, void *block, pd_error *err);
+/* Append the first n positions of a token block of block_tokens positions
+ * (n <= block_tokens: a block's first rows are those positions' exact KV)
+ * at positions pd_seq_pos(s) .. + n - 1, as if those tokens had been
+ * prefilled. The sequence must have no prefix and every stream must hold
+ * all its positions so far (PD_EINVAL otherwise). */
+int pd_seq_import_kv(pd_seq *s, const void *block, int32_t block_tokens, int32_t n, pd_error *err);
 /* Mask rows of the sequence's own stream out of attention (keep[i] = 0 hides
  * row i) without removing them; NULL clears the mask. For evaluating
  * eviction against masking. */

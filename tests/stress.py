@@ -409,7 +409,13 @@ def register_id(d, text=STORY, namespace=None):
 
 
 def cached_tokens(r):
-    return r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    """Prompt tokens a registered prefix covered: the checks here are about
+    stored prefixes, so blocks of the automatic cache (earlier requests'
+    exact KV, "kind": "auto") count as none."""
+    j = r.json()
+    if (j.get("prefix") or {}).get("kind", "registered") != "registered":
+        return 0
+    return j["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
 
 
 def error_of(r, what):

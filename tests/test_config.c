@@ -140,6 +140,7 @@ Test(config, defaults_validate_and_match_docs) {
     cr_assert_str_eq(cfg.cache.path, "var/prefixd");
     cr_assert_eq(cfg.cache.map_size_mb, 4096);
     cr_assert_eq(cfg.cache.hot_tier_mb, 256);
+    cr_assert_eq(cfg.cache.auto_mb, 256);
     cr_assert_eq(cfg.cache.page_tokens, 64);
     cr_assert_str_eq(cfg.compression.policy, "compactor:retention=0.25");
     cr_assert_eq(cfg.compression.min_prefix_tokens, 256);
@@ -695,6 +696,7 @@ static const char *const every_key_changed[] = {
     "cache.path=/var/lib/prefixd",
     "cache.map_size_mb=65536",
     "cache.hot_tier_mb=0",
+    "cache.auto_mb=0",
     "cache.page_tokens=128",
     "compression.policy=fair:retention=0.3,lambda=0.5,debias=1e-3",
     "compression.min_prefix_tokens=1024",

@@ -63,7 +63,7 @@ static pd_token *tokens_of(int64_t n, uint64_t seed) {
     return t;
 }
 
-static pd_jobs *start(int max_jobs, bool paused, pd_metrics *metrics) {
+static pd_jobs *start_min(int max_jobs, bool paused, pd_metrics *metrics, int64_t min_compress_tokens) {
     pd_jobs_opts o;
     pd_jobs_opts_default(&o);
     o.model_path = model_path;
@@ -72,10 +72,15 @@ static pd_jobs *start(int max_jobs, bool paused, pd_metrics *metrics) {
     o.max_jobs = max_jobs;
     o.start_paused = paused;
     o.metrics = metrics;
+    o.min_compress_tokens = min_compress_tokens;
     pd_jobs *j = NULL;
     pd_error err = {0};
     cr_assert_eq(pd_jobs_create(&o, &j, &err), PD_OK, "%s", err.msg);
     return j;
+}
+
+static pd_jobs *start(int max_jobs, bool paused, pd_metrics *metrics) {
+    return start_min(max_jobs, paused, metrics, 0);
 }
 
 static uint64_t submit(pd_jobs *j, const pd_job_spec *s) {
@@ -172,6 +177,30 @@ Test(jobs, retention_job_stores_the_compressed_prefix) {
     pd_kv_prefix_free(p);
     pd_compress_stats_free(&cs);
     pd_model_free(m);
+    pd_jobs_free(j);
+    free(t);
+}
+
+/* compression.min_prefix_tokens: a prefix shorter than it is stored
+ * exactly (retention 1 in its key, every token kept, no calibration);
+ * one at the bound is compressed as asked. */
+Test(jobs, prefixes_below_min_compress_tokens_are_stored_exactly) {
+    REQUIRE_MODEL();
+    pd_token *t = tokens_of(120, 3);
+    pd_jobs *j = start_min(8, false, NULL, 100);
+    char spec[PD_POLICY_SPEC_MAX];
+    pd_job_status st = wait_ok(j, submit(j, &(pd_job_spec){.tokens = t, .n = 99, .policy = "snapkv", .retention = 0.25}));
+    cr_assert_eq(st.chosen_retention, 1.0);
+    canonical("snapkv", 1.0, spec, sizeof spec);
+    cr_assert_str_eq(st.info.spec, spec);
+    cr_assert_eq(st.info.n_tokens, 99);
+    st = wait_ok(j, submit(j, &(pd_job_spec){.tokens = t, .n = 99, .policy = "snapkv", .quality = 1.05}));
+    cr_assert_eq(st.chosen_retention, 1.0, "no calibration below the bound");
+    cr_assert(isnan(st.info.quality.nll_full));
+    st = wait_ok(j, submit(j, &(pd_job_spec){.tokens = t, .n = 100, .policy = "snapkv", .retention = 0.25}));
+    cr_assert_eq(st.chosen_retention, 0.25);
+    canonical("snapkv", 0.25, spec, sizeof spec);
+    cr_assert_str_eq(st.info.spec, spec);
     pd_jobs_free(j);
     free(t);
 }

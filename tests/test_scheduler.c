@@ -630,15 +630,6 @@ static void stored_prefix(bool with_hot) {
     cr_assert_eq(stats.prefix_misses, 1);
     pd_scheduler_free(s);
 
-    /* min_prefix_tokens above the prefix length: not used */
-    o.min_prefix_tokens = (int32_t)P + 1;
-    s = start(m, &o);
-    p.ns = NULL;
-    run_one(s, &p, &c);
-    cr_assert_not(c.usage.prefix_used);
-    col_destroy(&c);
-    pd_scheduler_free(s);
-
     col_destroy(&off);
     if (hot) {
         pd_hot_stats hs;
@@ -1017,5 +1008,208 @@ Test(scheduler, metrics_are_updated) {
     cr_assert(strstr(text, "prefixd_running_sequences 0"), "%s", text);
     free(text);
     pd_metrics_free(mx);
+    pd_model_free(m);
+}
+
+/* ---- (f) the automatic prefix cache --------------------------------------- */
+
+/* One request through the scheduler with its cached tokens and kind checked,
+ * and its tokens against the sequential reference without any cache. */
+static void auto_run(pd_scheduler *s, pd_model *m, const pd_token *prompt, int64_t n, const char *ns,
+                     int64_t want_cached, const char *what) {
+    pd_sampler_params sp = greedy();
+    pd_sched_params p = params(prompt, n, &sp, 24);
+    p.ns = ns;
+    collector c;
+    run_one(s, &p, &c);
+    cr_assert_eq(c.usage.cached_tokens, want_cached, "%s: %lld cached tokens, expected %lld", what,
+                 (long long)c.usage.cached_tokens, (long long)want_cached);
+    cr_assert_eq(c.usage.prefix_used, want_cached > 0, "%s", what);
+    if (want_cached) {
+        cr_assert_eq(c.usage.prefix_kind, PD_PREFIX_AUTO, "%s", what);
+        cr_assert_eq(c.started.cached_tokens, want_cached, "%s: STARTED says it", what);
+    }
+    pd_token ref[MAXT];
+    int n_ref = reference(m, NULL, prompt, n, &sp, &p.gen, ref);
+    expect_tokens(&c, 0, ref, n_ref, what);
+    col_destroy(&c);
+}
+
+static void auto_cache(pd_model *m) {
+    const int64_t Bk = PD_AUTO_BLOCK_TOKENS;
+    pd_scheduler_opts o;
+    pd_scheduler_opts_default(&o);
+    o.auto_cache_bytes = 64ull << 20;
+    o.prefill_chunk = 24; /* not a multiple of the block: chunks and blocks do not line up */
+    pd_metrics *mx = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_metrics_create(&mx, &err), PD_OK, "%s", err.msg);
+    o.metrics = mx;
+    pd_scheduler *s = start(m, &o);
+    pd_token prompt[200], longer[200], diverged[200];
+    make_prompt(m, 91, 200, prompt);
+    memcpy(longer, prompt, sizeof longer);
+    memcpy(diverged, prompt, sizeof diverged);
+    diverged[2 * Bk + 5] = diverged[2 * Bk + 5] == 7 ? 8 : 7; /* inside block 2 */
+
+    auto_run(s, m, prompt, 100, NULL, 0, "first time");
+    pd_scheduler_stats st;
+    pd_scheduler_stats_get(s, &st);
+    cr_assert_eq(st.auto_misses, 1);
+    cr_assert_eq(st.auto_entries, 100 / Bk, "every whole block of the prompt is kept");
+    auto_run(s, m, prompt, 100, NULL, 96, "the same prompt again");
+    /* at most n - 1 tokens come from the cache: a prompt that ends with a
+     * cached block takes all of its rows but the last */
+    auto_run(s, m, prompt, 97, NULL, 96, "n - 1 tokens in whole blocks");
+    auto_run(s, m, prompt, 96, NULL, 95, "the last token is always computed");
+    auto_run(s, m, longer, 150, NULL, 96, "a prompt that extends a cached one");
+    pd_scheduler_stats_get(s, &st);
+    cr_assert_eq(st.auto_entries, 150 / Bk, "the extension's blocks were added");
+    auto_run(s, m, longer, 150, NULL, 144, "the extension again");
+    auto_run(s, m, diverged, 120, NULL, 2 * Bk, "a prompt that diverges inside block 2");
+    auto_run(s, m, diverged, 120, NULL, 112, "the diverged prompt's own blocks");
+    auto_run(s, m, prompt, 100, "tenant", 0, "another namespace shares nothing");
+    auto_run(s, m, prompt, 100, "tenant", 96, "its own blocks");
+    auto_run(s, m, prompt, Bk, NULL, Bk - 1, "a prompt of one block uses all but its last token");
+    auto_run(s, m, prompt, Bk - 1, NULL, 0, "a prompt shorter than a block cannot match");
+
+    /* cache off: nothing used */
+    pd_sampler_params sp = greedy();
+    pd_sched_params p = params(prompt, 100, &sp, 24);
+    p.cache = PD_CACHE_OFF;
+    collector c;
+    run_one(s, &p, &c);
+    cr_assert_eq(c.usage.cached_tokens, 0);
+    cr_assert_not(c.usage.prefix_used);
+    col_destroy(&c);
+
+    /* n = 3 sampled choices from cached blocks equal the same without them */
+    pd_sampler_params ss = seeded(5);
+    p = params(prompt, 100, &ss, 20);
+    p.n_choices = 3;
+    p.cache = PD_CACHE_OFF;
+    collector off;
+    run_one(s, &p, &off);
+    p.cache = PD_CACHE_AUTO;
+    run_one(s, &p, &c);
+    cr_assert_eq(c.usage.cached_tokens, 96);
+    for (int i = 0; i < 3; i++) expect_tokens(&c, i, off.tokens[i], off.n_tokens[i], "sampled choice");
+    col_destroy(&c);
+    col_destroy(&off);
+
+    pd_scheduler_stats_get(s, &st);
+    cr_assert_eq(st.auto_hits, 10);
+    cr_assert_eq(st.auto_misses, 2);
+    char *text = NULL;
+    size_t len = 0;
+    cr_assert_eq(pd_metrics_render(mx, &text, &len, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(th_metric(text, "prefixd_auto_cache_hits_total"), 10.0);
+    cr_assert_eq(th_metric(text, "prefixd_auto_cache_misses_total"), 2.0);
+    cr_assert_eq(th_metric(text, "prefixd_auto_cache_entries"), (double)st.auto_entries);
+    cr_assert_eq(th_metric(text, "prefixd_auto_cache_bytes"), (double)st.auto_bytes);
+    cr_assert_eq(th_metric(text, "prefixd_auto_cache_evictions_total"), 0.0);
+    free(text);
+    pd_scheduler_free(s);
+    pd_metrics_free(mx);
+}
+
+Test(scheduler, auto_cache_is_exact_stories) {
+    TH_REQUIRE_SHARED();
+    pd_model *m = load_stories();
+    auto_cache(m);
+    pd_model_free(m);
+}
+
+Test(scheduler, auto_cache_is_exact_generated_model) {
+    pd_model *m = load_generated();
+    auto_cache(m);
+    pd_model_free(m);
+}
+
+/* A small cache evicts, and its bytes never pass the bound. */
+Test(scheduler, auto_cache_evicts_within_its_bound) {
+    pd_model *m = load_generated();
+    pd_scheduler_opts o;
+    pd_scheduler_opts_default(&o);
+    const uint64_t block = pd_model_kv_token_bytes(m) * PD_AUTO_BLOCK_TOKENS;
+    o.auto_cache_bytes = 10 * block; /* fewer than 10 blocks with their keys and index */
+    pd_scheduler *s = start(m, &o);
+    pd_token a[100], b[100];
+    make_prompt(m, 3, 100, a);
+    make_prompt(m, 4, 100, b);
+    auto_run(s, m, a, 100, NULL, 0, "a");
+    auto_run(s, m, b, 100, NULL, 0, "b pushes a's oldest blocks out");
+    pd_scheduler_stats st;
+    pd_scheduler_stats_get(s, &st);
+    cr_assert_gt(st.auto_evictions, 0);
+    cr_assert_leq(st.auto_bytes, (int64_t)o.auto_cache_bytes);
+    cr_assert_lt(st.auto_entries, 10);
+    const int64_t a_left = st.auto_entries - 6;
+    cr_assert(a_left >= 0 && a_left < 6, "%lld of a's blocks left", (long long)a_left);
+    auto_run(s, m, b, 100, NULL, 96, "b is whole");
+    /* a lost its last blocks first (a chain is touched leaf first), so
+     * what is left of it is its beginning, still usable */
+    auto_run(s, m, a, 100, NULL, a_left * PD_AUTO_BLOCK_TOKENS, "a keeps its beginning");
+    pd_scheduler_free(s);
+    pd_model_free(m);
+}
+
+/* A stored prefix and automatic blocks: the longer match wins, the stored
+ * one on a tie, and KV computed after a stored prefix is never cached. */
+Test(scheduler, auto_cache_and_stored_prefix_longer_wins) {
+    TH_REQUIRE_SHARED();
+    pd_model *m = load_stories();
+    pd_token prompt[256];
+    int64_t n = tokenize_story(m, story, prompt, 256);
+    const int64_t P = 32;
+    cr_assert_gt(n, 3 * PD_AUTO_BLOCK_TOKENS + 2);
+    pd_store *st = open_store();
+    pd_prefix_info half;
+    compress_put(m, st, prompt, P, "streaming:retention=0.5", &half);
+    pd_scheduler_opts o;
+    pd_scheduler_opts_default(&o);
+    o.store = st;
+    o.auto_cache_bytes = 64ull << 20;
+    pd_scheduler *s = start(m, &o);
+    pd_sampler_params sp = greedy();
+    pd_sched_params p = params(prompt, n, &sp, 16);
+    collector c;
+
+    /* only the stored prefix matches; what follows it is not cached */
+    run_one(s, &p, &c);
+    cr_assert(c.usage.prefix_used);
+    cr_assert_eq(c.usage.prefix_kind, PD_PREFIX_REGISTERED);
+    cr_assert_eq(c.usage.cached_tokens, P);
+    col_destroy(&c);
+    pd_scheduler_stats stats;
+    pd_scheduler_stats_get(s, &stats);
+    cr_assert_eq(stats.auto_entries, 0, "rows after a compressed prefix are not exact: not cached");
+    /* an exact run (cache off) leaves its blocks */
+    p.cache = PD_CACHE_OFF;
+    run_one(s, &p, &c);
+    col_destroy(&c);
+    p.cache = PD_CACHE_AUTO;
+    /* now the blocks cover more than the stored prefix: they win */
+    run_one(s, &p, &c);
+    cr_assert_eq(c.usage.prefix_kind, PD_PREFIX_AUTO);
+    const int64_t whole = n / PD_AUTO_BLOCK_TOKENS * PD_AUTO_BLOCK_TOKENS;
+    cr_assert_eq(c.usage.cached_tokens, whole < n - 1 ? whole : n - 1);
+    col_destroy(&c);
+    /* a prompt whose blocks cover exactly the stored prefix: a tie, stored wins */
+    p.n_prompt = P + 1;
+    run_one(s, &p, &c);
+    cr_assert_eq(c.usage.prefix_kind, PD_PREFIX_REGISTERED);
+    cr_assert_eq(c.usage.cached_tokens, P);
+    col_destroy(&c);
+    /* an explicit prefix_id is used as asked, blocks or not */
+    p.n_prompt = n;
+    p.has_prefix_id = true;
+    p.prefix_id = half.id;
+    run_one(s, &p, &c);
+    cr_assert_eq(c.usage.prefix_kind, PD_PREFIX_REGISTERED);
+    cr_assert_eq(c.usage.cached_tokens, P);
+    col_destroy(&c);
+    pd_scheduler_free(s);
+    pd_store_close(st);
     pd_model_free(m);
 }

@@ -9,7 +9,10 @@
 #      medians with prefixd/llama.cpp ratios, and decode's bytes of weights per
 #      second against the streaming-read bandwidth prefix-bench measures;
 #   2. a stored compressed prefix vs llama-server's saved slot: bytes, and
-#      time to first token (streaming) of a prompt that starts with it.
+#      time to first token (streaming) of a prompt that starts with it;
+#   3. the same long prompt sent twice: prefixd's automatic prefix cache
+#      (cache.auto_mb) vs llama-server's cache_prompt, and prefixd without
+#      the cache (auto_mb = 0), TTFT of the 1st and the 2nd request.
 #
 # Environment:
 #   BUILD          build folder with prefixd and tools/ (default: build)
@@ -19,6 +22,8 @@
 #   BENCH_GEN      decode tokens (default 64)
 #   BENCH_THROUGHPUT  0 skips part 1 (default 1)
 #   BENCH_TTFT     0 skips part 2 (default 1)
+#   BENCH_AUTO     0 skips part 3 (default 1)
+#   BENCH_AUTO_TOKENS  part 3's prompt length, BOS included (default 2000)
 #   BENCH_SET      part 1's models: core (the SmolLM2 Q8_0 and Llama-1B Q4_K and
 #                  Q4_K_M files, default), types (one row per weight type:
 #                  llama-quantize mixes of a 4-layer 1B shape) or all
@@ -38,6 +43,8 @@ THREADS=${BENCH_THREADS:-1,2}
 GEN=${BENCH_GEN:-64}
 DO_TTFT=${BENCH_TTFT:-1}
 DO_THROUGHPUT=${BENCH_THROUGHPUT:-1}
+DO_AUTO=${BENCH_AUTO:-1}
+AUTO_TOKENS=${BENCH_AUTO_TOKENS:-2000}
 SET=${BENCH_SET:-core}
 CACHE=${TMPDIR:-/tmp}/prefixd-bench-peer
 KEEP_WORK=${KEEP_WORK:-0}
@@ -421,11 +428,11 @@ say "GB/s = weight bytes per decode step x decode tok/s; (%) = of the streaming-
 say "measured in the same round with the same thread count (bound GB/s, median)."
 fi
 
-((DO_TTFT)) || exit 0
+((DO_TTFT || DO_AUTO)) || exit 0
 
 # ---- part 2: stored prefix vs llama-server's slot, time to first token ----------------
 say ""
-say "== part 2: a ${PREFIX_TOKENS}-token prefix on $(basename "$SMOL"), $TTFT_THREADS threads: llama-server (cache_prompt, slot save) vs prefixd (stored compressed prefix)"
+((DO_TTFT)) && say "== part 2: a ${PREFIX_TOKENS}-token prefix on $(basename "$SMOL"), $TTFT_THREADS threads: llama-server (cache_prompt, slot save) vs prefixd (stored compressed prefix)"
 
 # A deterministic text of builtin-vocabulary words (the generated model's
 # SentencePiece-like vocabulary), cut to PREFIX_TOKENS tokens with BOS.
@@ -635,6 +642,106 @@ run_prefixd_server() { # round config store
     done
     stop_server "$pid"
 }
+
+# ---- part 3: the same long prompt twice (automatic prefix caching) --------------------
+if ((DO_AUTO)); then
+say ""
+say "== part 3: the same ${AUTO_TOKENS}-token prompt twice on $(basename "$SMOL"), $TTFT_THREADS threads: llama-server (cache_prompt) vs prefixd (automatic prefix cache) vs prefixd with cache.auto_mb=0"
+AUTO_IDS=$(tr ' ' '\n' < "$WORK/long.ids" | grep . | head -n "$AUTO_TOKENS" | paste -sd, -)
+n_auto=$(tr ',' '\n' <<< "$AUTO_IDS" | grep -c .)
+((n_auto == AUTO_TOKENS)) || warn "the generated text gives only $n_auto tokens"
+AT=$WORK/auto.tsv # round, config, figure, value
+: > "$AT"
+
+# llama-server: a new server, the prompt twice; prompt_n = tokens computed.
+run_llama_auto() { # round
+    local r=$1 i st out prompt_n body
+    llama_start || return 1
+    body="{\"prompt\":[$AUTO_IDS],\"n_predict\":1,\"cache_prompt\":true,\"stream\":true,\"temperature\":0}"
+    for i in 1 2; do
+        read -r st out _ < <(http_req "$LS_PORT" POST /completion "$body" "$WORK/la-reply-$i.txt")
+        if [[ $st != 200 || $out == -1* ]]; then
+            warn "llama-server request $i failed (HTTP $st)"
+            stop_server "$LS_PID"
+            return 1
+        fi
+        prompt_n=$(grep -o '"prompt_n":[0-9]*' "$WORK/la-reply-$i.txt" | tail -1 | cut -d: -f2)
+        printf '%s\tllama\tttft%s\t%s\n' "$r" "$i" "$out" >> "$AT"
+        printf '%s\tllama\tcomputed%s\t%s\n' "$r" "$i" "${prompt_n:--1}" >> "$AT"
+    done
+    stop_server "$LS_PID"
+}
+
+# prefixd on an empty store (no registered prefix), the prompt twice;
+# computed = prompt tokens - cached_tokens.
+run_prefixd_auto() { # round config auto_mb
+    local r=$1 cfg=$2 mb=$3 port st out cached i body store=$WORK/auto-store-$1-$2
+    port=$(free_port) || return 1
+    rm -rf "$store"
+    start_server "$WORK/prefixd-auto-$cfg.log" "$PREFIXD" --set "model.path=$SMOL" --set "server.listen=127.0.0.1" \
+        --set "server.port=$port" --set "cache.path=$store" --set "model.n_threads=$TTFT_THREADS" \
+        --set "server.model_names=m" --set "cache.auto_mb=$mb"
+    local pid=$SERVER_PID
+    if ! wait_healthy "$pid" "$port" "$WORK/prefixd-auto-$cfg.log"; then
+        stop_server "$pid"
+        return 1
+    fi
+    body="{\"model\":\"m\",\"prompt\":[$AUTO_IDS],\"max_tokens\":1,\"temperature\":0,\"stream\":true,\"stream_options\":{\"include_usage\":true}}"
+    for i in 1 2; do
+        read -r st out _ < <(http_req "$port" POST /v1/completions "$body" "$WORK/pa-reply-$i.txt")
+        if [[ $st != 200 || $out == -1* ]]; then
+            warn "prefixd request $i failed (HTTP $st): $(grep -m1 error "$WORK/pa-reply-$i.txt")"
+            stop_server "$pid"
+            return 1
+        fi
+        cached=$(grep -o '"cached_tokens": *[0-9]*' "$WORK/pa-reply-$i.txt" | tail -1 | sed 's/.*: *//')
+        printf '%s\t%s\tttft%s\t%s\n' "$r" "$cfg" "$i" "$out" >> "$AT"
+        printf '%s\t%s\tcomputed%s\t%s\n' "$r" "$cfg" "$i" "$((n_auto - ${cached:-0}))" >> "$AT"
+    done
+    stop_server "$pid"
+    rm -rf "$store"
+}
+
+for ((r = 1; r <= ROUNDS; r++)); do
+    if ((r % 2)); then
+        run_llama_auto "$r"; run_prefixd_auto "$r" auto 256; run_prefixd_auto "$r" off 0
+    else
+        run_prefixd_auto "$r" off 0; run_prefixd_auto "$r" auto 256; run_llama_auto "$r"
+    fi
+    printf 'round %d/%d  TTFT ms, 1st / 2nd:' "$r" "$ROUNDS"
+    for cfg in llama auto off; do
+        printf ' %s %s / %s' "$cfg" \
+            "$(awk -F'\t' -v r="$r" -v c="$cfg" '$1 == r && $2 == c && $3 == "ttft1" { printf "%.1f", 1e3 * $4 }' "$AT")" \
+            "$(awk -F'\t' -v r="$r" -v c="$cfg" '$1 == r && $2 == c && $3 == "ttft2" { printf "%.1f", 1e3 * $4 }' "$AT")"
+    done
+    printf '\n'
+done
+
+say ""
+say "== the same prompt twice, medians of $ROUNDS round(s): $n_auto tokens (BOS included), 1 token generated, streaming, $TTFT_THREADS threads"
+awk -F'\t' '
+'"$AWK_MEDIAN"'
+    function ms(v) { return v < 0 ? "-" : sprintf("%.1f", 1e3 * v) }
+    function ratio(a, b) { return a < 0 || b <= 0 ? "-" : sprintf("%.3f", a / b) }
+    { add($2 SUBSEP $3, $4) }
+    END {
+        printf "%-40s %11s %11s %9s %12s %9s\n", "", "TTFT 1st", "TTFT 2nd", "2nd/1st", "computed 2nd", "2nd/LS2"
+        ls2 = med("llama" SUBSEP "ttft2")
+        split("llama auto off", C, " ")
+        name["llama"] = "llama-server (cache_prompt)"
+        name["auto"] = "prefixd (cache.auto_mb=256)"
+        name["off"] = "prefixd (cache.auto_mb=0)"
+        for (i = 1; i <= 3; i++) {
+            c = C[i]; f = med(c SUBSEP "ttft1"); w = med(c SUBSEP "ttft2")
+            printf "%-40s %11s %11s %9s %12s %9s\n", name[c], ms(f), ms(w), ratio(w, f), med(c SUBSEP "computed2"), ratio(w, ls2)
+        }
+    }' "$AT"
+say "TTFT in ms from connecting to the first streamed token; each server new, the 1st request computes the whole prompt."
+say "computed 2nd: prompt tokens the 2nd request computed (llama-server prompt_n; prefixd prompt - cached_tokens)."
+say "2nd/LS2: the 2nd request's TTFT over llama-server's (below 1.00: prefixd answers sooner)."
+fi
+
+((DO_TTFT)) || exit 0
 
 # The stores: one per (retention, KV dtype), written once (not timed).
 CONFIGS=()

@@ -235,8 +235,11 @@ static int start_server(const bench *b, const char *store, server *s) {
     snprintf(a_store, sizeof a_store, "cache.path=%s", store);
     snprintf(a_threads, sizeof a_threads, "model.n_threads=%d", b->threads);
     snprintf(a_batch, sizeof a_batch, "scheduler.max_batch=%d", b->max_batch);
+    /* No automatic cache: the repeated prompts would be served from its
+     * exact blocks, and this measures registered prefixes against a full
+     * prefill (tools/bench-peer.sh part 3 measures the automatic cache). */
     char *argv[] = {(char *)b->prefixd, "--set", a_model, "--set", a_port, "--set", a_store, "--set", a_threads,
-                    "--set", a_batch, "--set", "compression.min_prefix_tokens=8", "--set", "cache.map_size_mb=1024",
+                    "--set", a_batch, "--set", "cache.auto_mb=0", "--set", "cache.map_size_mb=1024",
                     "--set", "server.model_names=x", NULL};
     s->pid = spawn(argv, s->log);
     if (s->pid < 0) return -1;

@@ -302,7 +302,7 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
     sco.max_batch = cfg->scheduler.max_batch;
     sco.max_queue = cfg->scheduler.max_queue;
     sco.n_ctx = cfg->model.n_ctx;
-    sco.min_prefix_tokens = cfg->compression.min_prefix_tokens;
+    sco.auto_cache_bytes = (uint64_t)cfg->cache.auto_mb << 20;
     sco.store = store;
     sco.hot = hot;
     sco.metrics = metrics;
@@ -322,6 +322,7 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
     jo.default_policy = cfg->compression.policy;
     jo.metrics = metrics;
     jo.logger = lg;
+    jo.min_compress_tokens = cfg->compression.min_prefix_tokens;
     if (!rc && cfg->admin.token[0]) rc = pd_jobs_create(&jo, &jobs, &err);
     if (!rc) {
         pd_server_backend b = {.model = model, .sched = sched, .family = pd_model_chat_family(model),

@@ -95,6 +95,24 @@ const dev = await client.chat.completions.create({
 check(dev.usage.prompt_tokens === q.usage.prompt_tokens, `developer prompt_tokens ${dev.usage.prompt_tokens} != ${q.usage.prompt_tokens}`);
 check(dev.choices[0].message.content === q.choices[0].message.content,
   `developer chat ${JSON.stringify(dev.choices[0].message.content)} != ${JSON.stringify(q.choices[0].message.content)}`);
+// The automatic prefix cache: the same long chat again reports cached
+// tokens (usage.prompt_tokens_details) with the same greedy answer.
+const longSystem = 'You are a patient storyteller. '.repeat(12);
+const areq = {
+  model,
+  messages: [
+    { role: 'system', content: longSystem },
+    { role: 'user', content: 'Tell me a story about a dog.' },
+  ],
+  max_tokens: 8,
+  temperature: 0,
+};
+const a1 = await client.chat.completions.create(areq);
+const a2 = await client.chat.completions.create(areq);
+const cached = a2.usage.prompt_tokens_details?.cached_tokens ?? 0;
+check(cached >= 16 && cached < a2.usage.prompt_tokens, `repeated chat cached_tokens ${JSON.stringify(a2.usage)}`);
+check(a2.prefix?.kind === 'auto', `repeated chat prefix ${JSON.stringify(a2.prefix)}`);
+check(a2.choices[0].message.content === a1.choices[0].message.content, 'the cache changed a greedy answer');
 
 // An invalid request surfaces as the client's typed error with the status.
 let err = null;
