@@ -158,7 +158,9 @@ typedef struct pd_store_verify_report {
 
 /* Check every header and page. Corrupt records go to fn (may be NULL) and
  * are deleted when `repair`. Index entries without a record are removed
- * when `repair` too. */
+ * when `repair` too. Automatic blocks are checked as well (counted in the
+ * report; fn gets the block key as id, info NULL and a `why` starting
+ * "automatic block"). */
 int pd_store_verify(pd_store *s, bool repair, pd_store_visit_fn fn, void *ctx, pd_store_verify_report *out,
                     pd_error *err);
 
@@ -186,6 +188,8 @@ typedef struct pd_store_stats {
     uint64_t map_size, map_used;
     uint64_t max_bytes;
     int64_t evicted;           /* by the size limit since open */
+    int64_t auto_blocks;       /* automatic blocks (cache.auto_persist), not counted above */
+    uint64_t auto_bytes;       /* their records' bytes */
 } pd_store_stats;
 
 int pd_store_stats_get(pd_store *s, pd_store_stats *out, pd_error *err);
@@ -296,9 +300,34 @@ int pd_autocache_insert(pd_autocache *c, const char *ns, const pd_token *tokens,
 typedef struct pd_autocache_stats {
     uint64_t bytes, max_bytes;
     int64_t entries, hits, misses, evictions;
+    /* with a store attached: blocks read from it (verified, promoted into
+     * RAM), blocks it held that failed verification (a miss), blocks
+     * written, persists that failed, blocks evicted from it, and blocks
+     * waiting to be written or restamped */
+    int64_t disk_reads, disk_rejected, disk_writes, disk_failures, disk_evictions, pending;
 } pd_autocache_stats;
 
 void pd_autocache_stats_get(const pd_autocache *c, pd_autocache_stats *out);
+
+/* Persistence (cache.auto_persist): blocks also live in the store s, in its
+ * "auto" database (docs/store.md), apart from registered prefixes: their
+ * own LRU order and byte bound (max_disk_bytes, the records' bytes), never
+ * counted in the store's totals or its size limit. A match that misses in
+ * RAM goes on into the store: a block read from it is verified like a RAM
+ * hit (checksum, parent key, token ids; a damaged one is a miss) and
+ * promoted into RAM. Inserted and used blocks become pending; they reach
+ * the store only when the owner calls pd_autocache_persist (the scheduler
+ * does when idle and at shutdown), so no request waits for a disk write.
+ * s must be open writable and outlive the cache. */
+int pd_autocache_attach_store(pd_autocache *c, pd_store *s, uint64_t max_disk_bytes, pd_error *err);
+bool pd_autocache_persist_pending(const pd_autocache *c);
+/* One write transaction: pending blocks, oldest first, are written (new
+ * ones, about max_bytes of them at most; the rest stay pending) or moved in
+ * the store's LRU order (used ones), then the least recently used stored
+ * blocks beyond max_disk_bytes are deleted. A failure (a full map: PD_ERANGE)
+ * changes nothing in the store, is counted in disk_failures and leaves no
+ * block pending: they are tried again when next used. */
+int pd_autocache_persist(pd_autocache *c, uint64_t max_bytes, pd_error *err);
 
 #ifdef __cplusplus
 }

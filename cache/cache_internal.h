@@ -135,6 +135,8 @@ typedef struct cache_access {
 struct pd_store {
     MDB_env *env;
     MDB_dbi records, streams, index, lru, meta;
+    MDB_dbi autob;           /* automatic blocks (auto_store.c) */
+    bool has_auto;           /* false: read-only on a store that never had them */
     pd_store_opts opts;
     char *dir;
     pthread_mutex_t mu;      /* guards everything below */
@@ -143,6 +145,12 @@ struct pd_store {
     uint64_t last_stamp;     /* keeps access stamps strictly increasing */
     int64_t evicted;
 };
+
+/* Transactions as the store's own code runs them (a write one flushes the
+ * pending accesses first and is refused read-only). */
+int cache_read_begin(pd_store *s, MDB_txn **txn, pd_error *err);
+int cache_write_begin(pd_store *s, MDB_txn **txn, pd_error *err);
+int cache_write_commit(pd_store *s, MDB_txn *txn, pd_error *err);
 
 /* Replace a handle's kv, when it borrows rows from the map, by an owned
  * copy and give its read transaction back (the hot tier, when reader slots
@@ -183,5 +191,48 @@ int cache_index_add(pd_store *s, MDB_txn *txn, const uint8_t key[PD_SHA256_LEN],
 /* Removing an entry that is not there is not an error. */
 int cache_index_del(pd_store *s, MDB_txn *txn, const uint8_t key[PD_SHA256_LEN], const pd_prefix_id *id,
                     pd_error *err);
+
+/* ---- automatic blocks (auto_store.c) ------------------------------------
+ * One database, "auto", four kinds of key (docs/store.md):
+ *   'b' key[32]            -> the block record (CACHE_AUTO_MAGIC ...)
+ *   's' key[32]            -> u64 last-use stamp (microseconds)
+ *   'l' be64 stamp key[32] -> empty (the LRU order among automatic blocks)
+ *   't'                    -> u64 blocks, u64 bytes (their totals)
+ * Registered prefixes' databases and totals never see them. */
+
+#define CACHE_AUTO_MAGIC "PDAUTOB1"
+#define CACHE_AUTO_VERSION 1u
+#define CACHE_AUTO_TOKENS PD_AUTO_BLOCK_TOKENS
+#define CACHE_AUTO_FIXED (8u + 4u + 4u + 8u + PD_SHA256_LEN + 4u * CACHE_AUTO_TOKENS)
+
+typedef struct cache_auto_totals {
+    uint64_t blocks, bytes; /* bytes: the records' values */
+} cache_auto_totals;
+
+int cache_auto_totals_get(pd_store *s, MDB_txn *txn, cache_auto_totals *t, pd_error *err);
+/* Read and verify block `key`: its checksum, version, kv_type, payload size,
+ * and that its parent key and tokens are these (as the RAM path compares).
+ * The payload is copied out; *stamp is its last-use stamp. PD_ENOTFOUND
+ * when absent, PD_EFORMAT (a message saying what) when it fails a check. */
+int cache_auto_read(pd_store *s, MDB_txn *txn, const uint8_t key[PD_SHA256_LEN], const uint8_t parent[PD_SHA256_LEN],
+                    const pd_token *tokens, int kv_type, void *payload, size_t payload_bytes, uint64_t *stamp,
+                    pd_error *err);
+/* Write (or replace) a block with this stamp, keeping t current. */
+int cache_auto_write(pd_store *s, MDB_txn *txn, const uint8_t key[PD_SHA256_LEN], const uint8_t parent[PD_SHA256_LEN],
+                     const pd_token *tokens, int kv_type, const void *payload, size_t payload_bytes, uint64_t stamp,
+                     cache_auto_totals *t, pd_error *err);
+/* Move a stored block to `stamp` in the LRU order. PD_ENOTFOUND when it is
+ * not stored (any more). */
+int cache_auto_restamp(pd_store *s, MDB_txn *txn, const uint8_t key[PD_SHA256_LEN], uint64_t stamp, pd_error *err);
+/* Delete least recently used blocks until t's bytes fit max_bytes;
+ * *n_evicted counts them. */
+int cache_auto_evict(pd_store *s, MDB_txn *txn, uint64_t max_bytes, cache_auto_totals *t, int64_t *n_evicted,
+                     pd_error *err);
+int cache_auto_totals_put(pd_store *s, MDB_txn *txn, const cache_auto_totals *t, pd_error *err);
+/* pd_store_verify's pass over automatic blocks: damaged ones go to fn
+ * (with the block key as id) and are deleted when `repair`; the totals are
+ * recounted when `repair` and wrong. Adds to *rep. */
+int cache_auto_verify(pd_store *s, bool repair, pd_store_visit_fn fn, void *ctx, pd_store_verify_report *rep,
+                      pd_error *err);
 
 #endif

@@ -1,5 +1,5 @@
-/* The LMDB prefix store: one environment, five named databases (records,
- * streams, index, lru, meta; see docs/store.md), one write transaction per
+/* The LMDB prefix store: one environment, six named databases (records,
+ * streams, index, lru, meta, and auto for automatic blocks; see docs/store.md), one write transaction per
  * change, every checksum verified on every read. LMDB serialises writers
  * and readers never block them; MDB_NOTLS lets any thread end a read
  * transaction, so a pd_prefix_ref can keep its snapshot (and the rows it
@@ -197,6 +197,8 @@ static int read_begin(pd_store *s, MDB_txn **txn, pd_error *err) {
     return rc ? cache_lmdb_error(s, rc, "starting a read transaction", err) : PD_OK;
 }
 
+int cache_read_begin(pd_store *s, MDB_txn **txn, pd_error *err) { return read_begin(s, txn, err); }
+
 static int write_begin(pd_store *s, MDB_txn **txn, pd_error *err) {
     if (s->opts.read_only)
         return pd_errorf(err, PD_EINVAL, "the prefix store in %s is open read-only; open it writable to change it",
@@ -214,6 +216,9 @@ static int write_commit(pd_store *s, MDB_txn *txn, pd_error *err) {
     int rc = mdb_txn_commit(txn);
     return rc ? cache_lmdb_error(s, rc, "committing a write transaction", err) : PD_OK;
 }
+
+int cache_write_begin(pd_store *s, MDB_txn **txn, pd_error *err) { return write_begin(s, txn, err); }
+int cache_write_commit(pd_store *s, MDB_txn *txn, pd_error *err) { return write_commit(s, txn, err); }
 
 /* ---- open / close -------------------------------------------------------- */
 
@@ -266,6 +271,14 @@ static int open_dbs(pd_store *s, pd_error *err) {
             mdb_txn_abort(txn);
             return cache_lmdb_error(s, rc, "opening the prefix store's databases", err);
         }
+    }
+    /* Automatic blocks (cache.auto_persist) came later: a store written
+     * before them has no such database, which read-only is just empty. */
+    rc = mdb_dbi_open(txn, "auto", ro ? 0 : MDB_CREATE, &s->autob);
+    s->has_auto = rc == 0;
+    if (rc && rc != MDB_NOTFOUND) {
+        mdb_txn_abort(txn);
+        return cache_lmdb_error(s, rc, "opening the prefix store's databases", err);
     }
     MDB_val k = cache_mval(CACHE_STORE_KEY, strlen(CACHE_STORE_KEY)), v;
     rc = mdb_get(txn, s->meta, &k, &v);
@@ -1366,6 +1379,7 @@ int pd_store_verify(pd_store *s, bool repair, pd_store_visit_fn fn, void *ctx, p
     }
     free(bad.v);
     free(orphans.v);
+    if (!rc) rc = cache_auto_verify(s, repair, fn, ctx, &rep, err);
     if (out) *out = rep;
     return rc;
 }
@@ -1378,9 +1392,13 @@ int pd_store_stats_get(pd_store *s, pd_store_stats *out, pd_error *err) {
     int rc = read_begin(s, &txn, err);
     if (rc) return rc;
     store_totals t;
+    cache_auto_totals a;
     rc = totals_get(s, txn, &t, err);
+    if (!rc) rc = cache_auto_totals_get(s, txn, &a, err);
     mdb_txn_abort(txn);
     if (rc) return rc;
+    out->auto_blocks = (int64_t)a.blocks;
+    out->auto_bytes = a.bytes;
     MDB_envinfo ei;
     MDB_stat st;
     if ((rc = mdb_env_info(s->env, &ei)) != 0 || (rc = mdb_env_stat(s->env, &st)) != 0)

@@ -146,6 +146,7 @@ static const key_desc keys[] = {
     I64_KEY(cache, map_size_mb, 16, INT64_C(16777216), "4096"),
     I64_KEY(cache, hot_tier_mb, 0, INT64_C(16777216), "256"),
     I64_KEY(cache, auto_mb, 0, INT64_C(16777216), "256"),
+    BOOL_KEY(cache, auto_persist, "false"),
     INT_KEY(cache, page_tokens, 1, 4096, "64"),
 
     STRING_KEY(compression, policy, check_policy_spec, false, "compactor:retention=0.25"),
@@ -962,6 +963,18 @@ int pd_config_validate(const pd_config *c, pd_error *err) {
         return pd_errorf(err, PD_EINVAL,
                          "admin.token must differ from server.api_key, or every API client "
                          "could use the admin API");
+    if (c->cache.auto_persist && c->cache.auto_mb == 0)
+        return pd_errorf(err, PD_EINVAL,
+                         "cache.auto_persist = true needs the automatic cache: set cache.auto_mb above 0, or "
+                         "cache.auto_persist = false");
+    /* the blocks' disk bound is cache.auto_mb: keep at least half of the map
+     * for registered prefixes */
+    if (c->cache.auto_persist && c->cache.auto_mb > c->cache.map_size_mb / 2)
+        return pd_errorf(err, PD_EINVAL,
+                         "cache.auto_persist = true stores up to cache.auto_mb = %" PRId64
+                         " MiB of automatic blocks, more than half of cache.map_size_mb = %" PRId64
+                         "; raise cache.map_size_mb to at least %" PRId64 " or lower cache.auto_mb",
+                         c->cache.auto_mb, c->cache.map_size_mb, 2 * c->cache.auto_mb);
     if (c->model.n_ctx != 0 && c->compression.min_prefix_tokens > c->model.n_ctx)
         return pd_errorf(err, PD_EINVAL,
                          "compression.min_prefix_tokens = %d is larger than model.n_ctx = %d, so "

@@ -93,6 +93,7 @@ typedef struct pd_config {
         int64_t map_size_mb;
         int64_t hot_tier_mb;            /* 0 = no in-memory tier */
         int64_t auto_mb;                /* exact KV of recent prompts in RAM; 0 = no automatic cache */
+        bool auto_persist;              /* automatic blocks also in the store (up to auto_mb), kept across restarts */
         int page_tokens;
     } cache;
     struct {

@@ -92,6 +92,11 @@ typedef struct pd_scheduler_opts {
     int32_t prefill_chunk;   /* prompt tokens prefilled per step (default 256) */
     int32_t n_ctx;           /* per-sequence context; 0 = the model's trained context */
     uint64_t auto_cache_bytes; /* RAM for exact KV of recent prompts (pd_autocache); 0 = none (default) */
+    /* also keep the automatic blocks in `store` (up to auto_cache_bytes of
+     * them): written when the engine is idle and at shutdown, read back on
+     * a RAM miss (pd_autocache_attach_store) */
+    bool auto_persist;
+    const pd_logger *logger; /* optional: warnings (a failed write of automatic blocks) */
     pd_store *store;         /* optional: stored prefixes to look up (not owned) */
     pd_hot *hot;             /* optional: hot tier over `store` (not owned) */
     pd_metrics *metrics;     /* optional: the scheduler registers and updates its series */
@@ -201,6 +206,8 @@ typedef struct pd_scheduler_stats {
      * cache auto, no prefix_id and at least one whole block before its last
      * prompt token */
     int64_t auto_hits, auto_misses, auto_evictions, auto_entries, auto_bytes;
+    /* ... with auto_persist: blocks read from / written to the store, failed writes */
+    int64_t auto_disk_reads, auto_disk_writes, auto_persist_failures;
 } pd_scheduler_stats;
 
 void pd_scheduler_stats_get(pd_scheduler *s, pd_scheduler_stats *out);

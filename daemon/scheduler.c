@@ -121,7 +121,13 @@ struct pd_scheduler {
     pd_histogram *m_ttft, *m_tpot, *m_queue_time;
     pd_counter *m_auto_hits, *m_auto_misses, *m_auto_evictions;
     pd_gauge *m_auto_entries, *m_auto_bytes;
+    pd_counter *m_disk_reads, *m_disk_rejected, *m_disk_writes, *m_disk_evictions, *m_persist_failures;
+    pd_histogram *m_persist_time;
 };
+
+/* New automatic blocks written to the store per transaction when idle: a
+ * request that arrives meanwhile waits for at most one such commit. */
+#define AUTO_PERSIST_CHUNK_BYTES (16u << 20)
 
 void pd_scheduler_opts_default(pd_scheduler_opts *o) {
     memset(o, 0, sizeof *o);
@@ -154,6 +160,31 @@ static int register_auto_metrics(pd_scheduler *s, pd_error *err) {
         rc = pd_metrics_gauge(m, "prefixd_auto_cache_bytes",
                               "Bytes the automatic prefix cache holds (blocks and index, bounded by cache.auto_mb)", NULL,
                               &s->m_auto_bytes, err);
+    if (!rc && s->o.auto_persist) {
+        static const double bounds[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5};
+        rc = pd_metrics_counter(m, "prefixd_auto_cache_disk_reads_total",
+                                "Automatic blocks read back from the store (verified) on a RAM miss", NULL,
+                                &s->m_disk_reads, err);
+        if (!rc)
+            rc = pd_metrics_counter(m, "prefixd_auto_cache_disk_rejected_total",
+                                    "Automatic blocks in the store that failed verification (served as a miss)", NULL,
+                                    &s->m_disk_rejected, err);
+        if (!rc)
+            rc = pd_metrics_counter(m, "prefixd_auto_cache_disk_writes_total", "Automatic blocks written to the store",
+                                    NULL, &s->m_disk_writes, err);
+        if (!rc)
+            rc = pd_metrics_counter(m, "prefixd_auto_cache_disk_evictions_total",
+                                    "Automatic blocks deleted from the store beyond cache.auto_mb", NULL,
+                                    &s->m_disk_evictions, err);
+        if (!rc)
+            rc = pd_metrics_counter(m, "prefixd_auto_cache_persist_failures_total",
+                                    "Writes of automatic blocks to the store that failed (a full map)", NULL,
+                                    &s->m_persist_failures, err);
+        if (!rc)
+            rc = pd_metrics_histogram(m, "prefixd_auto_cache_persist_seconds",
+                                      "One write transaction of automatic blocks (run while the engine is idle)", NULL,
+                                      bounds, sizeof bounds / sizeof bounds[0], &s->m_persist_time, err);
+    }
     return rc;
 }
 
@@ -248,6 +279,11 @@ static void publish_auto(pd_scheduler *s) {
     m_add(s->m_auto_hits, (double)(a.hits - p->hits));
     m_add(s->m_auto_misses, (double)(a.misses - p->misses));
     m_add(s->m_auto_evictions, (double)(a.evictions - p->evictions));
+    m_add(s->m_disk_reads, (double)(a.disk_reads - p->disk_reads));
+    m_add(s->m_disk_rejected, (double)(a.disk_rejected - p->disk_rejected));
+    m_add(s->m_disk_writes, (double)(a.disk_writes - p->disk_writes));
+    m_add(s->m_disk_evictions, (double)(a.disk_evictions - p->disk_evictions));
+    m_add(s->m_persist_failures, (double)(a.disk_failures - p->disk_failures));
     if (s->m_auto_entries) pd_gauge_set(s->m_auto_entries, (double)a.entries);
     if (s->m_auto_bytes) pd_gauge_set(s->m_auto_bytes, (double)a.bytes);
     *p = a;
@@ -257,7 +293,21 @@ static void publish_auto(pd_scheduler *s) {
     s->st.auto_evictions = a.evictions;
     s->st.auto_entries = a.entries;
     s->st.auto_bytes = (int64_t)a.bytes;
+    s->st.auto_disk_reads = a.disk_reads;
+    s->st.auto_disk_writes = a.disk_writes;
+    s->st.auto_persist_failures = a.disk_failures;
     pthread_mutex_unlock(&s->mu);
+}
+
+/* Write pending automatic blocks (engine thread, never while a request is
+ * running). A failure costs future hits, not a request: a warning. */
+static void persist_auto(pd_scheduler *s, uint64_t max_bytes) {
+    pd_error err = {0};
+    const double t0 = pd_now_seconds();
+    int rc = pd_autocache_persist(s->autoc, max_bytes, &err);
+    m_observe(s->m_persist_time, pd_now_seconds() - t0);
+    if (rc) pd_log(s->o.logger, PD_LOG_WARN, "automatic prefix cache: %s", err.msg);
+    publish_auto(s);
 }
 
 /* ---- requests ---------------------------------------------------------- */
@@ -822,7 +872,15 @@ static void *engine_main(void *arg) {
         pd_sched_request *cancelled = NULL, **ctail = &cancelled;
         pd_sched_request *admitted = NULL, **atail = &admitted;
         pthread_mutex_lock(&s->mu);
-        while (!s->stopping && !s->qhead && s->n_run == 0) pthread_cond_wait(&s->cv, &s->mu);
+        while (!s->stopping && !s->qhead && s->n_run == 0) {
+            if (s->autoc && pd_autocache_persist_pending(s->autoc)) { /* idle: write what is pending */
+                pthread_mutex_unlock(&s->mu);
+                persist_auto(s, AUTO_PERSIST_CHUNK_BYTES);
+                pthread_mutex_lock(&s->mu);
+                continue;
+            }
+            pthread_cond_wait(&s->cv, &s->mu);
+        }
         if (s->stopping) {
             pd_sched_request *q = s->qhead;
             s->qhead = s->qtail = NULL;
@@ -836,6 +894,7 @@ static void *engine_main(void *arg) {
                 end_unadmitted(s, q, END_FAILED, PD_EUNAVAILABLE, "the server shut down before the request started; retry it");
                 q = nx;
             }
+            if (s->autoc && pd_autocache_persist_pending(s->autoc)) persist_auto(s, UINT64_MAX);
             return NULL;
         }
         /* take cancelled requests out of the whole queue */
@@ -918,6 +977,8 @@ int pd_scheduler_create(pd_model *m, const pd_scheduler_opts *o, pd_scheduler **
         return pd_errorf(err, PD_ERANGE, "n_ctx must be between 0 (the model's) and %d (got %d)", hp->n_ctx_train,
                          o->n_ctx);
     if (o->hot && !o->store) return pd_errorf(err, PD_EINVAL, "a hot tier needs the store it caches");
+    if (o->auto_persist && (!o->store || !o->auto_cache_bytes))
+        return pd_errorf(err, PD_EINVAL, "persisting the automatic cache needs a store and auto_cache_bytes above 0");
 
     pd_scheduler *s = calloc(1, sizeof *s);
     if (!s) return pd_errorf(err, PD_ENOMEM, "out of memory for the scheduler");
@@ -953,6 +1014,10 @@ int pd_scheduler_create(pd_model *m, const pd_scheduler_opts *o, pd_scheduler **
         if (!(s->match_blocks = calloc((size_t)(s->n_ctx / PD_AUTO_BLOCK_TOKENS + 1), sizeof *s->match_blocks))) {
             sched_destroy(s);
             return pd_errorf(err, PD_ENOMEM, "out of memory for the automatic cache's match");
+        }
+        if (o->auto_persist && (rc = pd_autocache_attach_store(s->autoc, o->store, o->auto_cache_bytes, err))) {
+            sched_destroy(s);
+            return rc;
         }
     }
     if (o->metrics && (rc = register_metrics(s, err))) {

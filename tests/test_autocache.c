@@ -1,6 +1,10 @@
 /* The automatic block cache (cache/auto.c) against a naive reference LRU,
- * and the engine's exact KV export/import against a plain prefill. */
+ * its persistence in a real LMDB store (cache.auto_persist: written,
+ * reopened, matched from disk, damaged records are misses, bounds, a full
+ * map), and the engine's exact KV export/import against a plain prefill. */
 #include <criterion/criterion.h>
+#include <lmdb.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -392,4 +396,263 @@ Test(autocache, export_import_is_a_prefill_discrete_backend) {
     export_import(m);
     pd_model_free(m);
     pd_backend_free(be);
+}
+
+/* ---- persistence (cache.auto_persist) ------------------------------------ */
+
+static pd_store *open_store(uint64_t map_size) {
+    char dir[1200];
+    snprintf(dir, sizeof dir, "%s/store", tmpdir);
+    pd_store_opts o;
+    pd_store_opts_default(&o);
+    o.dir = dir;
+    o.map_size = map_size;
+    pd_store *s = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_store_open(&o, &s, &err), PD_OK, "%s", err.msg);
+    return s;
+}
+
+static pd_autocache *persisted_cache(pd_store *st, uint64_t ram, size_t bytes, uint64_t disk) {
+    pd_autocache *c = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_autocache_create(ram, bytes, fp_a, 1, &c, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_autocache_attach_store(c, st, disk, &err), PD_OK, "%s", err.msg);
+    return c;
+}
+
+static void insert_all(pd_autocache *c, const char *ns, const pd_token *t, int64_t n_blocks, size_t bytes) {
+    fill_ctx fc = {.tokens = t, .bytes = bytes, .fail_at = -1};
+    pd_error err = {0};
+    cr_assert_eq(pd_autocache_insert(c, ns, t, n_blocks, fill, &fc, &err), PD_OK, "%s", err.msg);
+}
+
+static pd_store_stats store_stats(pd_store *st) {
+    pd_store_stats ss;
+    pd_error err = {0};
+    cr_assert_eq(pd_store_stats_get(st, &ss, &err), PD_OK, "%s", err.msg);
+    return ss;
+}
+
+static int count_visit(void *ctx, const pd_prefix_id *id, const pd_prefix_info *info, const char *why) {
+    (void)id, (void)info, (void)why;
+    ++*(int *)ctx;
+    return 0;
+}
+
+Test(autocache, persisted_blocks_survive_a_reopen_and_serve_ram_misses) {
+    enum { NB = 12 };
+    const size_t bytes = 100;
+    pd_token t[NB * B], other[NB * B];
+    make_tokens(7, NB * B, t);
+    memcpy(other, t, sizeof other);
+    other[5 * B + 3] = (other[5 * B + 3] + 1) % 50; /* diverges inside block 5 */
+    pd_error err = {0};
+    const void *blocks[NB];
+
+    pd_store *st = open_store(16u << 20);
+    pd_autocache *c = persisted_cache(st, 1u << 20, bytes, 1u << 20);
+    insert_all(c, "tenant", t, NB, bytes);
+    pd_autocache_stats a;
+    pd_autocache_stats_get(c, &a);
+    cr_assert_eq(a.pending, NB, "inserted blocks wait for a persist");
+    cr_assert(pd_autocache_persist_pending(c));
+    cr_assert_eq(store_stats(st).auto_blocks, 0, "nothing is written before pd_autocache_persist");
+    cr_assert_eq(pd_autocache_persist(c, UINT64_MAX, &err), PD_OK, "%s", err.msg);
+    pd_autocache_stats_get(c, &a);
+    cr_assert_eq(a.disk_writes, NB);
+    cr_assert_eq(a.pending, 0);
+    cr_assert(!pd_autocache_persist_pending(c));
+    pd_store_stats ss = store_stats(st);
+    cr_assert_eq(ss.auto_blocks, NB);
+    cr_assert(ss.auto_bytes >= NB * bytes && ss.auto_bytes % NB == 0, "%llu", (unsigned long long)ss.auto_bytes);
+    cr_assert_eq(ss.prefixes, 0, "automatic blocks are not registered prefixes");
+    cr_assert_eq(ss.bytes, 0);
+    int listed = 0;
+    cr_assert_eq(pd_store_list(st, count_visit, &listed, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(listed, 0, "the prefix list shows registered prefixes only");
+    /* a second persist of used blocks restamps them and writes nothing new */
+    cr_assert_eq(pd_autocache_match(c, "tenant", t, NB, blocks), NB);
+    cr_assert_eq(pd_autocache_persist(c, UINT64_MAX, &err), PD_OK, "%s", err.msg);
+    pd_autocache_stats_get(c, &a);
+    cr_assert_eq(a.disk_writes, NB);
+    cr_assert_eq(store_stats(st).auto_blocks, NB);
+    pd_autocache_free(c);
+    pd_store_close(st);
+
+    /* a restart: empty RAM, the same store */
+    st = open_store(16u << 20);
+    c = persisted_cache(st, 1u << 20, bytes, 1u << 20);
+    cr_assert_eq(pd_autocache_match(c, "other tenant", t, NB, blocks), 0, "namespaces never share blocks");
+    cr_assert_eq(pd_autocache_match(c, "tenant", other, NB, blocks), 5, "a diverging prompt keeps its whole blocks");
+    check_payloads(other, blocks, 5, bytes);
+    cr_assert_eq(pd_autocache_match(c, "tenant", t, NB, blocks), NB);
+    check_payloads(t, blocks, NB, bytes);
+    pd_autocache_stats_get(c, &a);
+    cr_assert_eq(a.disk_reads, NB, "each block is read from the store once, then served from RAM");
+    cr_assert_eq(a.entries, NB);
+    cr_assert_eq(pd_autocache_match(c, "tenant", t, NB, blocks), NB);
+    pd_autocache_stats_get(c, &a);
+    cr_assert_eq(a.disk_reads, NB);
+    cr_assert_eq(a.disk_rejected, 0);
+    /* a cache of another model (fingerprint) finds nothing */
+    pd_autocache *c2 = NULL;
+    cr_assert_eq(pd_autocache_create(1u << 20, bytes, fp_b, 1, &c2, &err), PD_OK);
+    cr_assert_eq(pd_autocache_attach_store(c2, st, 1u << 20, &err), PD_OK);
+    cr_assert_eq(pd_autocache_match(c2, "tenant", t, NB, blocks), 0);
+    pd_autocache_free(c2);
+    pd_autocache_free(c);
+    pd_store_close(st);
+}
+
+/* Flip one payload byte of one stored block (its checksum no longer holds). */
+static void damage_one_block(void) {
+    char dir[1200];
+    snprintf(dir, sizeof dir, "%s/store", tmpdir);
+    MDB_env *env;
+    MDB_txn *txn;
+    MDB_dbi db;
+    MDB_cursor *cur;
+    cr_assert_eq(mdb_env_create(&env), 0);
+    cr_assert_eq(mdb_env_set_maxdbs(env, 8), 0);
+    cr_assert_eq(mdb_env_open(env, dir, 0, 0600), 0);
+    cr_assert_eq(mdb_txn_begin(env, NULL, 0, &txn), 0);
+    cr_assert_eq(mdb_dbi_open(txn, "auto", 0, &db), 0);
+    cr_assert_eq(mdb_cursor_open(txn, db, &cur), 0);
+    MDB_val k = {.mv_size = 1, .mv_data = "b"}, v;
+    cr_assert_eq(mdb_cursor_get(cur, &k, &v, MDB_SET_RANGE), 0);
+    cr_assert_eq(((const char *)k.mv_data)[0], 'b');
+    unsigned char key[64], *val = malloc(v.mv_size);
+    cr_assert(k.mv_size <= sizeof key);
+    memcpy(key, k.mv_data, k.mv_size);
+    memcpy(val, v.mv_data, v.mv_size);
+    val[v.mv_size - 20] ^= 0x40; /* inside the payload */
+    MDB_val k2 = {.mv_size = k.mv_size, .mv_data = key}, v2 = {.mv_size = v.mv_size, .mv_data = val};
+    mdb_cursor_close(cur);
+    cr_assert_eq(mdb_put(txn, db, &k2, &v2, 0), 0);
+    cr_assert_eq(mdb_txn_commit(txn), 0);
+    mdb_env_close(env);
+    free(val);
+}
+
+static int rejected_visit(void *ctx, const pd_prefix_id *id, const pd_prefix_info *info, const char *why) {
+    (void)id;
+    cr_assert_null(info);
+    cr_assert(strstr(why, "automatic block") != NULL, "%s", why);
+    ++*(int *)ctx;
+    return 0;
+}
+
+Test(autocache, a_damaged_stored_block_is_a_miss_and_verify_repairs_it) {
+    enum { NB = 10 };
+    const size_t bytes = 256;
+    pd_token t[NB * B];
+    make_tokens(11, NB * B, t);
+    pd_error err = {0};
+    const void *blocks[NB];
+    pd_store *st = open_store(16u << 20);
+    pd_autocache *c = persisted_cache(st, 1u << 20, bytes, 1u << 20);
+    insert_all(c, NULL, t, NB, bytes);
+    cr_assert_eq(pd_autocache_persist(c, UINT64_MAX, &err), PD_OK, "%s", err.msg);
+    pd_autocache_free(c);
+    pd_store_close(st);
+
+    damage_one_block();
+
+    st = open_store(16u << 20);
+    c = persisted_cache(st, 1u << 20, bytes, 1u << 20);
+    int64_t k = pd_autocache_match(c, NULL, t, NB, blocks);
+    cr_assert_lt(k, NB, "the chain stops at the damaged block");
+    check_payloads(t, blocks, k, bytes);
+    pd_autocache_stats a;
+    pd_autocache_stats_get(c, &a);
+    cr_assert_eq(a.disk_rejected, 1);
+    cr_assert_eq(a.disk_reads, k);
+
+    pd_store_verify_report rep;
+    int seen = 0;
+    cr_assert_eq(pd_store_verify(st, false, rejected_visit, &seen, &rep, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(seen, 1);
+    cr_assert_eq(rep.checked, NB);
+    cr_assert_eq(rep.corrupt, 1);
+    cr_assert_eq(rep.deleted, 0);
+    seen = 0;
+    cr_assert_eq(pd_store_verify(st, true, rejected_visit, &seen, &rep, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(rep.deleted, 1);
+    cr_assert_eq(store_stats(st).auto_blocks, NB - 1);
+    cr_assert_eq(pd_store_verify(st, false, NULL, NULL, &rep, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(rep.corrupt, 0, "the repaired store verifies");
+
+    /* the prompt again: the missing block is computed, inserted and written back */
+    insert_all(c, NULL, t, NB, bytes);
+    cr_assert_eq(pd_autocache_persist(c, UINT64_MAX, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(store_stats(st).auto_blocks, NB);
+    pd_autocache_free(c);
+    pd_store_close(st);
+    st = open_store(16u << 20);
+    c = persisted_cache(st, 1u << 20, bytes, 1u << 20);
+    cr_assert_eq(pd_autocache_match(c, NULL, t, NB, blocks), NB);
+    check_payloads(t, blocks, NB, bytes);
+    pd_autocache_free(c);
+    pd_store_close(st);
+}
+
+Test(autocache, stored_blocks_are_bounded_lru_and_a_full_map_is_a_counted_failure) {
+    enum { NB = 12 };
+    const size_t bytes = 1000;
+    pd_token t[NB * B];
+    make_tokens(3, NB * B, t);
+    pd_error err = {0};
+    const void *blocks[NB];
+    pd_store *st = open_store(16u << 20);
+
+    /* measure one record, then bound the store to five of them */
+    pd_autocache *c = persisted_cache(st, 1u << 20, bytes, 1u << 20);
+    insert_all(c, NULL, t, 1, bytes);
+    cr_assert_eq(pd_autocache_persist(c, UINT64_MAX, &err), PD_OK, "%s", err.msg);
+    const uint64_t record = store_stats(st).auto_bytes;
+    cr_assert_gt(record, bytes);
+    pd_autocache_free(c);
+
+    c = persisted_cache(st, 1u << 20, bytes, 5 * record);
+    insert_all(c, NULL, t, NB, bytes);
+    cr_assert_eq(pd_autocache_persist(c, UINT64_MAX, &err), PD_OK, "%s", err.msg);
+    pd_store_stats ss = store_stats(st);
+    cr_assert_eq(ss.auto_blocks, 5);
+    cr_assert_eq(ss.auto_bytes, 5 * record);
+    pd_autocache_stats a;
+    pd_autocache_stats_get(c, &a);
+    cr_assert_eq(a.disk_evictions, NB - 5, "block 0, stored already, is replaced, not evicted");
+    pd_autocache_free(c);
+    /* the least recently used are the chain's tail: its first five blocks stay */
+    c = persisted_cache(st, 1u << 20, bytes, 5 * record);
+    cr_assert_eq(pd_autocache_match(c, NULL, t, NB, blocks), 5);
+    check_payloads(t, blocks, 5, bytes);
+    pd_autocache_free(c);
+    pd_store_close(st);
+
+    /* a 1 MiB map cannot take 40 blocks of 64 KiB: the persist fails, is
+     * counted, leaves nothing pending and the store usable */
+    char dir[1200];
+    snprintf(dir, sizeof dir, "%s/store", tmpdir);
+    th_rmtree(dir);
+    st = open_store(1u << 20);
+    enum { NBIG = 40 };
+    pd_token big[NBIG * B];
+    make_tokens(5, NBIG * B, big);
+    c = persisted_cache(st, 64u << 20, 64u << 10, 64u << 20);
+    insert_all(c, NULL, big, NBIG, 64u << 10);
+    int rc = pd_autocache_persist(c, UINT64_MAX, &err);
+    cr_assert_eq(rc, PD_ERANGE, "%d %s", rc, err.msg);
+    cr_assert(strstr(err.msg, "cache.map_size_mb") != NULL, "%s", err.msg);
+    pd_autocache_stats_get(c, &a);
+    cr_assert_eq(a.disk_failures, 1);
+    cr_assert_eq(a.pending, 0);
+    cr_assert_eq(store_stats(st).auto_blocks, 0, "a failed persist writes nothing");
+    cr_assert_eq(pd_autocache_match(c, NULL, big, NBIG, blocks), NBIG, "RAM is unaffected");
+    /* used again: pending again; a smaller chunk fits */
+    cr_assert_eq(pd_autocache_persist(c, 4 * (64u << 10), &err), PD_OK, "%s", err.msg);
+    cr_assert_gt(store_stats(st).auto_blocks, 0);
+    pd_autocache_free(c);
+    pd_store_close(st);
 }

@@ -141,6 +141,7 @@ Test(config, defaults_validate_and_match_docs) {
     cr_assert_eq(cfg.cache.map_size_mb, 4096);
     cr_assert_eq(cfg.cache.hot_tier_mb, 256);
     cr_assert_eq(cfg.cache.auto_mb, 256);
+    cr_assert(!cfg.cache.auto_persist);
     cr_assert_eq(cfg.cache.page_tokens, 64);
     cr_assert_str_eq(cfg.compression.policy, "compactor:retention=0.25");
     cr_assert_eq(cfg.compression.min_prefix_tokens, 256);
@@ -633,6 +634,21 @@ Test(config_validate, cross_field_rules) {
               err.msg);
     cr_assert(!contains(err.msg, "same-secret"), "secret leaked: %s", err.msg);
 
+    pd_config_defaults(&cfg); /* persisted automatic blocks: a cache to persist, room left in the map */
+    set_ok(&cfg, "cache.auto_persist=true");
+    cr_assert_eq(pd_config_validate(&cfg, &err), PD_OK, "%s", err.msg); /* 256 of 4096 MiB */
+    set_ok(&cfg, "cache.auto_mb=0");
+    cr_assert_neq(pd_config_validate(&cfg, &err), PD_OK);
+    cr_assert(contains(err.msg, "cache.auto_persist") && contains(err.msg, "cache.auto_mb"), "%s", err.msg);
+    set_ok(&cfg, "cache.auto_mb=2049");
+    cr_assert_neq(pd_config_validate(&cfg, &err), PD_OK);
+    cr_assert(contains(err.msg, "cache.map_size_mb") && contains(err.msg, "4098"), "%s", err.msg);
+    set_ok(&cfg, "cache.auto_mb=2048");
+    cr_assert_eq(pd_config_validate(&cfg, &err), PD_OK, "%s", err.msg);
+    set_ok(&cfg, "cache.auto_persist=false"); /* without persistence the RAM bound is all */
+    set_ok(&cfg, "cache.auto_mb=8192");
+    cr_assert_eq(pd_config_validate(&cfg, &err), PD_OK, "%s", err.msg);
+
     pd_config_defaults(&cfg);
     set_ok(&cfg, "model.n_ctx=128");
     cr_assert_neq(pd_config_validate(&cfg, &err), PD_OK);
@@ -696,7 +712,8 @@ static const char *const every_key_changed[] = {
     "cache.path=/var/lib/prefixd",
     "cache.map_size_mb=65536",
     "cache.hot_tier_mb=0",
-    "cache.auto_mb=0",
+    "cache.auto_mb=1024", /* with auto_persist below: above 0, at most half the map */
+    "cache.auto_persist=true",
     "cache.page_tokens=128",
     "compression.policy=fair:retention=0.3,lambda=0.5,debias=1e-3",
     "compression.min_prefix_tokens=1024",

@@ -303,6 +303,8 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
     sco.max_queue = cfg->scheduler.max_queue;
     sco.n_ctx = cfg->model.n_ctx;
     sco.auto_cache_bytes = (uint64_t)cfg->cache.auto_mb << 20;
+    sco.auto_persist = cfg->cache.auto_persist;
+    sco.logger = lg;
     sco.store = store;
     sco.hot = hot;
     sco.metrics = metrics;
