@@ -224,6 +224,7 @@ int cache_auto_verify(pd_store *s, bool repair, pd_store_visit_fn fn, void *ctx,
         const uint8_t *kp = k.mv_data;
         if (k.mv_size < 1 || kp[0] != 'b') break;
         rep->checked++;
+        rep->auto_checked++;
         pd_error why = {0};
         pd_prefix_id id = {{0}};
         memcpy(id.b, kp + 1, k.mv_size == KEY_B_LEN ? PD_SHA256_LEN : 0);

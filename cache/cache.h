@@ -154,6 +154,7 @@ int pd_store_list(pd_store *s, pd_store_visit_fn fn, void *ctx, pd_error *err);
 
 typedef struct pd_store_verify_report {
     int64_t checked, corrupt, deleted;
+    int64_t auto_checked; /* of checked: automatic blocks */
 } pd_store_verify_report;
 
 /* Check every header and page. Corrupt records go to fn (may be NULL) and

@@ -574,6 +574,7 @@ Test(autocache, a_damaged_stored_block_is_a_miss_and_verify_repairs_it) {
     cr_assert_eq(pd_store_verify(st, false, rejected_visit, &seen, &rep, &err), PD_OK, "%s", err.msg);
     cr_assert_eq(seen, 1);
     cr_assert_eq(rep.checked, NB);
+    cr_assert_eq(rep.auto_checked, NB);
     cr_assert_eq(rep.corrupt, 1);
     cr_assert_eq(rep.deleted, 0);
     seen = 0;

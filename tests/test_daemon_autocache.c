@@ -3,13 +3,15 @@
  * with prefix.kind "auto" and the same greedy text, an extended and a
  * diverging prompt reuse whole blocks, tenants' salts isolate, the metrics
  * count it; a registered prefix shorter than compression.min_prefix_tokens
- * is used (kind "registered"). */
+ * is used (kind "registered"); with cache.auto_persist the blocks survive a
+ * restart (and prefixctl store shows them), without it none are stored. */
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "helpers.h"
 #include "helpers_json.h"
@@ -173,4 +175,67 @@ Test(daemon_autocache, a_short_registered_prefix_is_used) {
     cr_assert_str_eq(again.kind, "registered");
     cr_assert_eq(again.cached, r.cached);
     free(r.text), free(again.text);
+}
+
+/* prefixctl store <cmd> on the test's store; its output in *out. */
+static int store_cmd(const char *cmd, char **out) {
+    return th_runf(out, "%s store --dir %s/store %s 2>&1", getenv("PD_PREFIXCTL"), tmpdir, cmd);
+}
+
+/* The idle engine writes pending blocks right after a request. */
+static void wait_for_metric_above(const char *name, double floor) {
+    for (int i = 0; i < 200 && metric(name) <= floor; i++) usleep(25 * 1000);
+    cr_assert_gt(metric(name), floor, "%s stayed at %g", name, floor);
+}
+
+Test(daemon_autocache, persisted_blocks_survive_a_restart) {
+    const char *persist = "--set cache.auto_persist=true --set cache.auto_mb=16";
+    start_daemon(persist);
+    reply first = complete(story, NULL);
+    cr_assert_eq(first.cached, 0);
+    wait_for_metric_above("prefixd_auto_cache_disk_writes_total", 0.0);
+    cr_assert_eq(metric("prefixd_auto_cache_persist_failures_total"), 0.0);
+    cr_assert_eq(th_daemon_stop(&daemon_pid, SIGTERM), 0);
+
+    char *out = NULL;
+    cr_assert_eq(store_cmd("stats", &out), 0, "%s", out);
+    cr_assert(strstr(out, "prefixes:    0 ") != NULL, "automatic blocks are not prefixes: %s", out);
+    long long blocks = -1;
+    const char *at = strstr(out, "automatic:");
+    cr_assert(at && sscanf(at, "automatic: %lld block", &blocks) == 1, "%s", out);
+    cr_assert_eq(blocks, first.prompt_tokens / 16, "every whole block of the prompt: %s", out);
+    free(out);
+    cr_assert_eq(store_cmd("list", &out), 0, "%s", out);
+    cr_assert(strstr(out, "0 prefixes") && strstr(out, "automatic block"), "%s", out);
+    free(out);
+    cr_assert_eq(store_cmd("verify", &out), 0, "%s", out);
+    cr_assert(strstr(out, "automatic blocks: 0 corrupt"), "%s", out);
+    free(out);
+
+    start_daemon(persist); /* the same store, empty RAM */
+    reply again = complete(story, NULL);
+    cr_assert_str_eq(again.kind, "auto");
+    cr_assert_gt(again.cached, 32, "served from the store after the restart");
+    cr_assert(again.cached % 16 == 0 || again.cached == again.prompt_tokens - 1, "%lld", again.cached);
+    cr_assert_str_eq(again.text, first.text, "greedy output is the same as before the restart");
+    cr_assert_gt(metric("prefixd_auto_cache_disk_reads_total"), 0.0);
+    cr_assert_eq(metric("prefixd_auto_cache_disk_rejected_total"), 0.0);
+    free(first.text), free(again.text);
+}
+
+Test(daemon_autocache, without_persist_no_blocks_are_stored) {
+    start_daemon(NULL); /* cache.auto_persist = false */
+    reply a = complete(story, NULL), b = complete(story, NULL);
+    cr_assert_str_eq(b.kind, "auto", "the RAM cache works");
+    cr_assert_eq(metric("prefixd_auto_cache_disk_writes_total"), -1.0, "no persistence series without it");
+    cr_assert_eq(th_daemon_stop(&daemon_pid, SIGTERM), 0);
+    char *out = NULL;
+    cr_assert_eq(store_cmd("stats", &out), 0, "%s", out);
+    cr_assert(strstr(out, "automatic:   0 blocks"), "%s", out);
+    free(out);
+    start_daemon(NULL);
+    reply c = complete(story, NULL);
+    cr_assert_eq(c.cached, 0, "nothing survived the restart");
+    cr_assert_str_eq(c.text, a.text);
+    free(a.text), free(b.text), free(c.text);
 }

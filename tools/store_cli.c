@@ -33,7 +33,7 @@ static void store_usage(FILE *f) {
           "                       corrupt records (exit status 1 while any remain)\n"
           "  delete ID            delete a prefix\n"
           "  pin ID | unpin ID    exempt a prefix from (or return it to) size-limit eviction\n"
-          "  stats                prefixes, stored bytes, map use\n"
+          "  stats                prefixes, stored bytes, map use, automatic blocks\n"
           "  salvage NEW_DIR      copy every record whose checksums verify into a new store\n"
           "                       (for a truncated or damaged data.mdb; the source is only read)\n"
           "\n"
@@ -179,6 +179,10 @@ static int cmd_list(pd_store *s) {
     printf("%" PRId64 " prefix%s, %s", c.n, c.n == 1 ? "" : "es", human_size(c.bytes, size));
     if (c.corrupt) printf(", %" PRId64 " corrupt (run verify --repair to delete them)", c.corrupt);
     printf("\n");
+    pd_store_stats st; /* automatic blocks are not prefixes: a count, not rows */
+    if (pd_store_stats_get(s, &st, &err) == PD_OK && st.auto_blocks)
+        printf("(and %" PRId64 " automatic block%s, %s, not listed; cache.auto_persist)\n", st.auto_blocks,
+               st.auto_blocks == 1 ? "" : "s", human_size(st.auto_bytes, size));
     return c.corrupt ? 1 : 0;
 }
 
@@ -253,8 +257,11 @@ static int cmd_verify(pd_store *s, bool repair) {
     pd_error err = {0};
     pd_store_verify_report rep = {0};
     if (pd_store_verify(s, repair, verify_visit, NULL, &rep, &err) != PD_OK) return store_fail(&err);
-    printf("checked %" PRId64 " prefix%s: %" PRId64 " corrupt, %" PRId64 " deleted\n", rep.checked,
-           rep.checked == 1 ? "" : "es", rep.corrupt, rep.deleted);
+    const int64_t prefixes = rep.checked - rep.auto_checked;
+    printf("checked %" PRId64 " prefix%s", prefixes, prefixes == 1 ? "" : "es");
+    if (rep.auto_checked)
+        printf(" and %" PRId64 " automatic block%s", rep.auto_checked, rep.auto_checked == 1 ? "" : "s");
+    printf(": %" PRId64 " corrupt, %" PRId64 " deleted\n", rep.corrupt, rep.deleted);
     if (rep.corrupt > rep.deleted) {
         if (!repair) fprintf(stderr, "prefixctl store: corrupt records found; run verify --repair to delete them\n");
         return 1;
@@ -298,6 +305,8 @@ static int cmd_stats(pd_store *s) {
            st.map_size ? 100.0 * (double)st.map_used / (double)st.map_size : 0.0);
     if (st.max_bytes) printf("size limit:  %s\n", human_size(st.max_bytes, a));
     else printf("size limit:  none\n");
+    printf("automatic:   %" PRId64 " block%s, %s (%" PRIu64 " bytes; cache.auto_persist)\n", st.auto_blocks,
+           st.auto_blocks == 1 ? "" : "s", human_size(st.auto_bytes, a), st.auto_bytes);
     return 0;
 }
 
