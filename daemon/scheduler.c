@@ -127,7 +127,7 @@ struct pd_scheduler {
 
 /* New automatic blocks written to the store per transaction when idle: a
  * request that arrives meanwhile waits for at most one such commit. */
-#define AUTO_PERSIST_CHUNK_BYTES (16u << 20)
+#define AUTO_PERSIST_CHUNK_BYTES (4u << 20)
 
 void pd_scheduler_opts_default(pd_scheduler_opts *o) {
     memset(o, 0, sizeof *o);
