@@ -254,7 +254,7 @@ static int64_t match_disk(pd_autocache *c, const pd_token *tokens, int64_t k, in
                           uint8_t parent[PD_SHA256_LEN], const void **blocks) {
     pd_error err = {0};
     MDB_txn *txn;
-    if (cache_read_begin(c->store, &txn, &err)) return k;
+    if (cache_auto_begin(c->store, false, &txn, &err)) return k;
     c->op++; /* the chain so far must not make room for its own continuation */
     for (int64_t i = 0; i < k; i++) block_of(blocks[i])->op = c->op;
     uint8_t key[PD_SHA256_LEN];
@@ -375,7 +375,7 @@ int pd_autocache_persist(pd_autocache *c, uint64_t max_bytes, pd_error *err) {
     uint64_t bytes = 0, first = 0;
     cache_auto_totals t;
     MDB_txn *txn = NULL;
-    int rc = cache_write_begin(c->store, &txn, err);
+    int rc = cache_auto_begin(c->store, true, &txn, err);
     if (!rc) rc = cache_auto_totals_get(c->store, txn, &t, err);
     /* oldest first, so the store's LRU order is RAM's: a parent stays more
      * recent than its children there too */
@@ -398,7 +398,7 @@ int pd_autocache_persist(pd_autocache *c, uint64_t max_bytes, pd_error *err) {
      * next used) */
     if (!rc && first) rc = cache_auto_evict(c->store, txn, c->max_disk_bytes, &t, &evicted, err);
     if (!rc) rc = cache_auto_totals_put(c->store, txn, &t, err);
-    if (!rc) rc = cache_write_commit(c->store, txn, err);
+    if (!rc) rc = cache_auto_commit(c->store, txn, err);
     else if (txn) mdb_txn_abort(txn);
     if (!rc) {
         for (size_t i = 0; i < n_done; i++) {

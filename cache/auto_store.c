@@ -33,6 +33,19 @@ static int no_auto_db(pd_store *s, pd_error *err) {
     return pd_errorf(err, PD_ENOTFOUND, "the prefix store in %s holds no automatic blocks", s->dir);
 }
 
+int cache_auto_begin(pd_store *s, bool write, MDB_txn **txn, pd_error *err) {
+    if (write && (s->opts.read_only || !s->has_auto))
+        return pd_errorf(err, PD_EINVAL, "the prefix store in %s is open read-only; open it writable to change it",
+                         s->dir);
+    int rc = mdb_txn_begin(s->env, NULL, write ? 0 : MDB_RDONLY, txn);
+    return rc ? cache_lmdb_error(s, rc, "starting a transaction", err) : PD_OK;
+}
+
+int cache_auto_commit(pd_store *s, MDB_txn *txn, pd_error *err) {
+    int rc = mdb_txn_commit(txn);
+    return rc ? cache_lmdb_error(s, rc, "committing a write transaction", err) : PD_OK;
+}
+
 int cache_auto_totals_get(pd_store *s, MDB_txn *txn, cache_auto_totals *t, pd_error *err) {
     *t = (cache_auto_totals){0};
     if (!s->has_auto) return PD_OK;
@@ -208,7 +221,7 @@ int cache_auto_verify(pd_store *s, bool repair, pd_store_visit_fn fn, void *ctx,
                       pd_error *err) {
     if (!s->has_auto) return PD_OK;
     MDB_txn *txn;
-    int rc = cache_read_begin(s, &txn, err);
+    int rc = cache_auto_begin(s, false, &txn, err);
     if (rc) return rc;
     uint8_t(*bad)[PD_SHA256_LEN] = NULL;
     size_t n_bad = 0, cap = 0;
@@ -267,7 +280,7 @@ int cache_auto_verify(pd_store *s, bool repair, pd_store_visit_fn fn, void *ctx,
     }
     if (!rc && repair && (n_bad || totals_wrong)) {
         MDB_txn *w;
-        if (!(rc = cache_write_begin(s, &w, err))) {
+        if (!(rc = cache_auto_begin(s, true, &w, err))) {
             cache_auto_totals ignore = {0};
             for (size_t i = 0; !rc && i < n_bad; i++) {
                 /* a writer may have replaced it since the read pass */
@@ -296,7 +309,7 @@ int cache_auto_verify(pd_store *s, bool repair, pd_store_visit_fn fn, void *ctx,
                 rc = cache_auto_totals_put(s, w, &t, err);
             }
             if (rc) mdb_txn_abort(w);
-            else rc = cache_write_commit(s, w, err);
+            else rc = cache_auto_commit(s, w, err);
         }
     }
     free(bad);

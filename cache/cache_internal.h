@@ -146,12 +146,6 @@ struct pd_store {
     int64_t evicted;
 };
 
-/* Transactions as the store's own code runs them (a write one flushes the
- * pending accesses first and is refused read-only). */
-int cache_read_begin(pd_store *s, MDB_txn **txn, pd_error *err);
-int cache_write_begin(pd_store *s, MDB_txn **txn, pd_error *err);
-int cache_write_commit(pd_store *s, MDB_txn *txn, pd_error *err);
-
 /* Replace a handle's kv, when it borrows rows from the map, by an owned
  * copy and give its read transaction back (the hot tier, when reader slots
  * run short). */
@@ -209,6 +203,10 @@ typedef struct cache_auto_totals {
     uint64_t blocks, bytes; /* bytes: the records' values */
 } cache_auto_totals;
 
+/* A transaction for automatic blocks (a write one is refused read-only);
+ * commit ends a write one. */
+int cache_auto_begin(pd_store *s, bool write, MDB_txn **txn, pd_error *err);
+int cache_auto_commit(pd_store *s, MDB_txn *txn, pd_error *err);
 int cache_auto_totals_get(pd_store *s, MDB_txn *txn, cache_auto_totals *t, pd_error *err);
 /* Read and verify block `key`: its checksum, version, kv_type, payload size,
  * and that its parent key and tokens are these (as the RAM path compares).

@@ -197,8 +197,6 @@ static int read_begin(pd_store *s, MDB_txn **txn, pd_error *err) {
     return rc ? cache_lmdb_error(s, rc, "starting a read transaction", err) : PD_OK;
 }
 
-int cache_read_begin(pd_store *s, MDB_txn **txn, pd_error *err) { return read_begin(s, txn, err); }
-
 static int write_begin(pd_store *s, MDB_txn **txn, pd_error *err) {
     if (s->opts.read_only)
         return pd_errorf(err, PD_EINVAL, "the prefix store in %s is open read-only; open it writable to change it",
@@ -216,9 +214,6 @@ static int write_commit(pd_store *s, MDB_txn *txn, pd_error *err) {
     int rc = mdb_txn_commit(txn);
     return rc ? cache_lmdb_error(s, rc, "committing a write transaction", err) : PD_OK;
 }
-
-int cache_write_begin(pd_store *s, MDB_txn **txn, pd_error *err) { return write_begin(s, txn, err); }
-int cache_write_commit(pd_store *s, MDB_txn *txn, pd_error *err) { return write_commit(s, txn, err); }
 
 /* ---- open / close -------------------------------------------------------- */
 
