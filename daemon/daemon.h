@@ -206,8 +206,6 @@ typedef struct pd_scheduler_stats {
      * cache auto, no prefix_id and at least one whole block before its last
      * prompt token */
     int64_t auto_hits, auto_misses, auto_evictions, auto_entries, auto_bytes;
-    /* ... with auto_persist: blocks read from / written to the store, failed writes */
-    int64_t auto_disk_reads, auto_disk_writes, auto_persist_failures;
 } pd_scheduler_stats;
 
 void pd_scheduler_stats_get(pd_scheduler *s, pd_scheduler_stats *out);

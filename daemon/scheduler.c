@@ -293,9 +293,6 @@ static void publish_auto(pd_scheduler *s) {
     s->st.auto_evictions = a.evictions;
     s->st.auto_entries = a.entries;
     s->st.auto_bytes = (int64_t)a.bytes;
-    s->st.auto_disk_reads = a.disk_reads;
-    s->st.auto_disk_writes = a.disk_writes;
-    s->st.auto_persist_failures = a.disk_failures;
     pthread_mutex_unlock(&s->mu);
 }
 
