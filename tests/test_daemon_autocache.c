@@ -90,6 +90,9 @@ static double metric(const char *name) {
     return v;
 }
 
+static int store_cmd(const char *cmd, char **out);
+static void wait_for_metric_above(const char *name, double floor);
+
 static const char *story =
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the sunshine. One day, "
     "she saw a big tree with a red ball in it. She wanted the ball very much. She asked her mom for help, and "
@@ -148,7 +151,7 @@ Test(daemon_autocache, zero_turns_it_off) {
 
 /* Fix 2: compression.min_prefix_tokens (256 by default) is about
  * compressing; a shorter registered prefix is still looked up and used. */
-Test(daemon_autocache, a_short_registered_prefix_is_used) {
+static void short_registered_prefix_is_used(const char *daemon_args) {
     TH_REQUIRE_SHARED();
     cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
     char text[1200];
@@ -162,7 +165,7 @@ Test(daemon_autocache, a_short_registered_prefix_is_used) {
                          getenv("PD_PREFIXCTL"), model, text, tmpdir),
                  0, "%s", out);
     free(out);
-    start_daemon(NULL); /* compression.min_prefix_tokens stays 256, far above the prefix */
+    start_daemon(daemon_args); /* compression.min_prefix_tokens stays 256, far above the prefix */
     char prompt[4096];
     snprintf(prompt, sizeof prompt, "%s Then", story);
     reply r = complete(prompt, NULL);
@@ -175,6 +178,24 @@ Test(daemon_autocache, a_short_registered_prefix_is_used) {
     cr_assert_str_eq(again.kind, "registered");
     cr_assert_eq(again.cached, r.cached);
     free(r.text), free(again.text);
+}
+
+Test(daemon_autocache, a_short_registered_prefix_is_used) { short_registered_prefix_is_used(NULL); }
+
+/* Persisted automatic blocks change nothing for registered prefixes: the
+ * same choice, and the store still lists the one prefix. */
+Test(daemon_autocache, a_registered_prefix_is_unchanged_by_persisted_blocks) {
+    short_registered_prefix_is_used("--set cache.auto_persist=true --set cache.auto_mb=16");
+    reply other = complete(story + 20, NULL); /* no registered prefix: automatic blocks only */
+    reply other2 = complete(story + 20, NULL);
+    cr_assert_str_eq(other2.kind, "auto");
+    wait_for_metric_above("prefixd_auto_cache_disk_writes_total", 0.0);
+    cr_assert_eq(th_daemon_stop(&daemon_pid, SIGTERM), 0);
+    char *out = NULL;
+    cr_assert_eq(store_cmd("list", &out), 0, "%s", out);
+    cr_assert(strstr(out, "\n1 prefix,") && strstr(out, "automatic block"), "%s", out);
+    free(out);
+    free(other.text), free(other2.text);
 }
 
 /* prefixctl store <cmd> on the test's store; its output in *out. */
