@@ -343,7 +343,7 @@ int pd_calibrate_cli(int argc, char **argv) {
     pd_calib_opts co;
     pd_calib_opts_default(&co);
     long threads = 0;
-    int c, rc;
+    int c, rc = PD_OK;
     optind = 1;
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {

@@ -791,7 +791,7 @@ int main(int argc, char **argv) {
         {0, 0, 0, 0}};
     long k = 8, n_prefix = 400, n_cont = 100, seed = 1, threads = 2, n_sets = 4;
     sep_opts so = {.span_len = 100, .cue_len = 12};
-    int c, rc;
+    int c, rc = PD_OK;
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {
         case 'k': if ((rc = parse_int("--stories", optarg, 1, MAX_STORIES, &k))) return rc; break;

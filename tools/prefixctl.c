@@ -334,7 +334,7 @@ static int cmd_generate(int argc, char **argv) {
     pd_sampler_params sp = pd_sampler_params_default();
     sp.temperature = 0.0f;
     sp.seed = 1;
-    int c, rc;
+    int c, rc = PD_OK;
     while ((c = getopt_long(argc, argv, "m:p:n:h", opts, NULL)) != -1) {
         switch (c) {
         case 'm': model = optarg; break;
@@ -435,7 +435,7 @@ static int cmd_nll(int argc, char **argv) {
     pd_device device = {.kind = PD_DEVICE_CPU};
     bool kv_f32 = false;
     long threads = 0;
-    int c, rc;
+    int c, rc = PD_OK;
     while ((c = getopt_long(argc, argv, "m:h", opts, NULL)) != -1) {
         switch (c) {
         case 'm': model = optarg; break;
@@ -488,7 +488,7 @@ static int cmd_perplexity(int argc, char **argv) {
     pd_device device = {.kind = PD_DEVICE_CPU};
     bool kv_f32 = false;
     long threads = 0, n_ctx = 0, chunks = 0;
-    int c, rc;
+    int c, rc = PD_OK;
     while ((c = getopt_long(argc, argv, "m:f:c:h", opts, NULL)) != -1) {
         switch (c) {
         case 'm': model = optarg; break;
@@ -771,7 +771,7 @@ static int cmd_compress(int argc, char **argv) {
     pd_calib_opts copts;
     pd_calib_opts_default(&copts);
     long threads = 0;
-    int c, rc;
+    int c, rc = PD_OK;
     while ((c = getopt_long(argc, argv, "m:p:h", opts, NULL)) != -1) {
         switch (c) {
         case 'm': model = optarg; break;
