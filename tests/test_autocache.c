@@ -599,12 +599,12 @@ Test(autocache, a_damaged_stored_block_is_a_miss_and_verify_repairs_it) {
 }
 
 Test(autocache, stored_blocks_are_bounded_lru_and_a_full_map_is_a_counted_failure) {
-    enum { NB = 12 };
+    enum { NB = 12, NBIG = 40 };
     const size_t bytes = 1000;
     pd_token t[NB * B];
     make_tokens(3, NB * B, t);
     pd_error err = {0};
-    const void *blocks[NB];
+    const void *blocks[NBIG]; /* both matches below write up to their max_blocks */
     pd_store *st = open_store(16u << 20);
 
     /* measure one record, then bound the store to five of them */
@@ -638,7 +638,6 @@ Test(autocache, stored_blocks_are_bounded_lru_and_a_full_map_is_a_counted_failur
     snprintf(dir, sizeof dir, "%s/store", tmpdir);
     th_rmtree(dir);
     st = open_store(1u << 20);
-    enum { NBIG = 40 };
     pd_token big[NBIG * B];
     make_tokens(5, NBIG * B, big);
     c = persisted_cache(st, 64u << 20, 64u << 10, 64u << 20);
