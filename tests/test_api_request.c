@@ -1085,6 +1085,12 @@ Test(api, one_model_object) {
     free(s);
 }
 
+/* A request body with every %s of fmt (at most two) set to role. */
+static void fill_roles(char *out, size_t cap, const char *fmt, const char *role) {
+    cr_assert(fmt);
+    snprintf(out, cap, fmt, role, role);
+}
+
 /* "developer" parses as "system", so every template renders the two
  * identically, wherever the message stands; validation treats it the same
  * too (a family without a system turn refuses both after the first turn). */
@@ -1098,8 +1104,8 @@ Test(api, developer_renders_as_system_in_every_template) {
     };
     for (size_t b = 0; b < sizeof bodies / sizeof bodies[0]; b++) {
         char sys_body[512], dev_body[512];
-        snprintf(sys_body, sizeof sys_body, bodies[b], "system", "system");
-        snprintf(dev_body, sizeof dev_body, bodies[b], "developer", "developer");
+        fill_roles(sys_body, sizeof sys_body, bodies[b], "system");
+        fill_roles(dev_body, sizeof dev_body, bodies[b], "developer");
         pd_api_request rs = parse_ok(PD_API_CHAT, sys_body), rd = parse_ok(PD_API_CHAT, dev_body);
         cr_assert_eq(rd.n_messages, rs.n_messages);
         for (size_t i = 0; i < rd.n_messages; i++) cr_expect_str_eq(rd.messages[i].role, rs.messages[i].role);
