@@ -184,17 +184,24 @@ void pd_calib_opts_default(pd_calib_opts *o) {
 
 bool pd_calib_tau_valid(double tau) { return tau > 1.0 && tau <= PD_CALIB_TAU_MAX; }
 
-static int check_opts(const pd_calib_opts *o, pd_error *err) {
-    if (!pd_calib_tau_valid(o->tau))
-        return pd_errorf(err, PD_EINVAL, "calibration: tau %g must be above 1 and at most %g (the allowed NLL ratio)",
-                         o->tau, PD_CALIB_TAU_MAX);
-    if (o->n_points < 2 || o->n_points > PD_CALIB_MAX_POINTS)
-        return pd_errorf(err, PD_EINVAL, "calibration: n_points %d must be in [2, %d]", o->n_points,
+/* At least min_points (and at most PD_CALIB_MAX_POINTS) retentions in (0, 1). */
+static int check_points(const pd_calib_opts *o, int min_points, pd_error *err) {
+    if (o->n_points < min_points || o->n_points > PD_CALIB_MAX_POINTS)
+        return pd_errorf(err, PD_EINVAL, "calibration: n_points %d must be in [%d, %d]", o->n_points, min_points,
                          PD_CALIB_MAX_POINTS);
     for (int i = 0; i < o->n_points; i++)
         if (!(o->points[i] > 0 && o->points[i] < 1))
             return pd_errorf(err, PD_EINVAL, "calibration: points[%d] = %g must be a retention in (0, 1)", i,
                              o->points[i]);
+    return PD_OK;
+}
+
+static int check_opts(const pd_calib_opts *o, pd_error *err) {
+    if (!pd_calib_tau_valid(o->tau))
+        return pd_errorf(err, PD_EINVAL, "calibration: tau %g must be above 1 and at most %g (the allowed NLL ratio)",
+                         o->tau, PD_CALIB_TAU_MAX);
+    int rc = check_points(o, 2, err);
+    if (rc) return rc;
     if (!(o->min_retention > 0 && o->min_retention <= 1))
         return pd_errorf(err, PD_EINVAL, "calibration: min_retention %g must be in (0, 1]", o->min_retention);
     if (!(o->under_weight > 0) || !isfinite(o->under_weight))
@@ -477,13 +484,7 @@ int pd_calib_measure_text(pd_model *m, const pd_token *tokens, int64_t n, const 
     }
     int rc = pd_policy_spec_validate(spec, err);
     if (rc) return rc;
-    if (opts->n_points < 1 || opts->n_points > PD_CALIB_MAX_POINTS)
-        return pd_errorf(err, PD_EINVAL, "calibration: n_points %d must be in [1, %d]", opts->n_points,
-                         PD_CALIB_MAX_POINTS);
-    for (int i = 0; i < opts->n_points; i++)
-        if (!(opts->points[i] > 0 && opts->points[i] < 1))
-            return pd_errorf(err, PD_EINVAL, "calibration: points[%d] = %g must be a retention in (0, 1)", i,
-                             opts->points[i]);
+    if ((rc = check_points(opts, 1, err))) return rc;
     if (!(opts->holdout > 0 && opts->holdout < 1))
         return pd_errorf(err, PD_EINVAL, "calibration: holdout %g must be a fraction in (0, 1)", opts->holdout);
     if (!tokens || n <= 0) return pd_errorf(err, PD_EINVAL, "calibration: the text is empty");
