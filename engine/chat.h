@@ -36,10 +36,40 @@ typedef enum pd_chat_family {
     PD_CHAT_FAMILY_COUNT
 } pd_chat_family;
 
+/* A call an assistant turn made (OpenAI tool_calls[i].function). */
+typedef struct pd_chat_tool_call {
+    const char *id;        /* "call_..."; NULL when unknown */
+    const char *name;      /* the function's name */
+    const char *arguments; /* JSON text of the arguments object */
+} pd_chat_tool_call;
+
 typedef struct pd_chat_message {
-    const char *role;    /* "system", "user" or "assistant" */
-    const char *content; /* UTF-8, NUL-terminated */
+    const char *role;    /* "system", "user", "assistant" or "tool" */
+    const char *content; /* UTF-8, NUL-terminated ("" for an assistant turn that only calls tools) */
+    const pd_chat_tool_call *tool_calls; /* assistant: the calls it made (may be NULL) */
+    size_t n_tool_calls;
+    const char *tool_call_id; /* tool: the call this result answers (may be NULL) */
+    const char *name;         /* tool: the function's name (may be NULL) */
 } pd_chat_message;
+
+/* A function the model may call (OpenAI tools[i].function). */
+typedef struct pd_chat_tool {
+    const char *name;
+    const char *description; /* may be NULL */
+    const char *parameters;  /* JSON Schema text of the arguments object; NULL = none */
+} pd_chat_tool;
+
+/* How a family's model writes tool calls, for the grammar that constrains
+ * them and the parser that reads them back. Each call is a JSON object
+ * {"name": NAME, ARGS_KEY: {...}}. */
+typedef struct pd_chat_tool_syntax {
+    const char *open;    /* before each call, or before the list when json_list ("<tool_call>\n") */
+    const char *close;   /* after each call, or after the list ("\n</tool_call>") */
+    const char *sep;     /* between calls ("\n"; ", " inside a json_list) */
+    bool json_list;      /* the calls are one JSON array between open and close (Mistral) */
+    bool parallel;       /* more than one call per turn can be written */
+    const char *args_key; /* "arguments", or "parameters" (Llama 3) */
+} pd_chat_tool_syntax;
 
 /* The family of a template text (NULL or unrecognised: PD_CHAT_NONE). */
 pd_chat_family pd_chat_detect(const char *template_text, size_t len);
@@ -59,6 +89,21 @@ bool pd_chat_family_from_name(const char *name, pd_chat_family *out);
  * malloc'd and NUL-terminated; len and system_len may be NULL. */
 int pd_chat_render(pd_chat_family f, const pd_chat_message *msgs, size_t n, bool add_generation_prompt, char **out,
                    size_t *len, size_t *system_len, pd_error *err);
+/* The same with tools offered to the model: rendered into the prompt the
+ * way the family's template does (Qwen2.5/Qwen3 and ChatML: a <tools> block
+ * in the system turn; Llama 3: the JSON function list in the system turn;
+ * Mistral: [AVAILABLE_TOOLS] before the last user turn; others: a generic
+ * block in the system turn asking for <tool_call> JSON </tool_call>).
+ * Assistant turns with tool_calls and "tool" turns are rendered as the
+ * family writes them. system_len covers the tool block when it sits in the
+ * system part, so a system prompt with its tools is one stored prefix.
+ * n_tools may be 0 (then it is pd_chat_render, tool turns included). */
+int pd_chat_render_tools(pd_chat_family f, const pd_chat_message *msgs, size_t n, const pd_chat_tool *tools,
+                         size_t n_tools, bool add_generation_prompt, char **out, size_t *len, size_t *system_len,
+                         pd_error *err);
+/* The family's tool call syntax (every family has one; the generic form is
+ * <tool_call>JSON</tool_call>). */
+void pd_chat_tool_syntax_of(pd_chat_family f, pd_chat_tool_syntax *out);
 
 #ifdef __cplusplus
 }

@@ -154,10 +154,10 @@ Test(chat, detect_real_phi3_vocab) {
 /* ---- rendering: the format contract ------------------------------------- */
 
 static const pd_chat_message conv4[] = {
-    {"system", "You are terse."},
-    {"user", "Hello"},
-    {"assistant", "Hi there"},
-    {"user", "Who are you?"},
+    {.role = "system", .content = "You are terse."},
+    {.role = "user", .content = "Hello"},
+    {.role = "assistant", .content = "Hi there"},
+    {.role = "user", .content = "Who are you?"},
 };
 
 typedef struct expected_render {
@@ -236,9 +236,9 @@ Test(chat, render_every_family_exactly) {
  * cross-check that we render as llama.cpp does, whitespace included. */
 Test(chat, render_matches_llama_cpp_vectors) {
     static const pd_chat_message conv[] = {
-        {"system", "You are a helpful assistant"}, {"user", "Hello"},
-        {"assistant", "Hi there"},                 {"user", "Who are you"},
-        {"assistant", "   I am an assistant   "},  {"user", "Another question"},
+        {.role = "system", .content = "You are a helpful assistant"}, {.role = "user", .content = "Hello"},
+        {.role = "assistant", .content = "Hi there"},                 {.role = "user", .content = "Who are you"},
+        {.role = "assistant", .content = "   I am an assistant   "},  {.role = "user", .content = "Another question"},
     };
     static const struct {
         pd_chat_family f;
@@ -282,7 +282,7 @@ Test(chat, render_matches_llama_cpp_vectors) {
 }
 
 Test(chat, render_without_system) {
-    static const pd_chat_message conv[] = {{"user", "Hi"}};
+    static const pd_chat_message conv[] = {{.role = "user", .content = "Hi"}};
     static const struct {
         pd_chat_family f;
         const char *want;
@@ -307,7 +307,7 @@ Test(chat, render_without_system) {
 }
 
 Test(chat, llama3_trims_content_others_keep_it) {
-    static const pd_chat_message conv[] = {{"system", " \tS \n"}, {"user", "\n  Hi  "}};
+    static const pd_chat_message conv[] = {{.role = "system", .content = " \tS \n"}, {.role = "user", .content = "\n  Hi  "}};
     char *got = render(PD_CHAT_LLAMA3, conv, 2, false, NULL, NULL);
     cr_expect_str_eq(got, "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
                           "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>");
@@ -315,7 +315,7 @@ Test(chat, llama3_trims_content_others_keep_it) {
     got = render(PD_CHAT_CHATML, conv, 2, false, NULL, NULL);
     cr_expect_str_eq(got, "<|im_start|>system\n \tS \n<|im_end|>\n<|im_start|>user\n\n  Hi  <|im_end|>\n");
     free(got);
-    static const pd_chat_message blank[] = {{"user", "   "}, {"assistant", ""}};
+    static const pd_chat_message blank[] = {{.role = "user", .content = "   "}, {.role = "assistant", .content = ""}};
     got = render(PD_CHAT_LLAMA3, blank, 2, false, NULL, NULL);
     cr_expect_str_eq(got, "<|start_header_id|>user<|end_header_id|>\n\n<|eot_id|>"
                           "<|start_header_id|>assistant<|end_header_id|>\n\n<|eot_id|>");
@@ -328,13 +328,13 @@ Test(chat, llama3_trims_content_others_keep_it) {
  * that share it render to texts sharing exactly that many leading bytes,
  * and it equals the rendering of the system message on its own. */
 Test(chat, system_len_is_a_shared_prefix) {
-    static const pd_chat_message a[] = {{"system", "Answer in French."}, {"user", "first question"}};
-    static const pd_chat_message b[] = {{"system", "Answer in French."},
-                                        {"user", "something else entirely"},
-                                        {"assistant", "d'accord"},
-                                        {"user", "more"}};
-    static const pd_chat_message c[] = {{"system", "Answer in German."}, {"user", "first question"}};
-    static const pd_chat_message only[] = {{"system", "Answer in French."}};
+    static const pd_chat_message a[] = {{.role = "system", .content = "Answer in French."}, {.role = "user", .content = "first question"}};
+    static const pd_chat_message b[] = {{.role = "system", .content = "Answer in French."},
+                                        {.role = "user", .content = "something else entirely"},
+                                        {.role = "assistant", .content = "d'accord"},
+                                        {.role = "user", .content = "more"}};
+    static const pd_chat_message c[] = {{.role = "system", .content = "Answer in German."}, {.role = "user", .content = "first question"}};
+    static const pd_chat_message only[] = {{.role = "system", .content = "Answer in French."}};
     for (int fi = 1; fi < PD_CHAT_FAMILY_COUNT; fi++) {
         pd_chat_family f = (pd_chat_family)fi;
         const char *name = pd_chat_family_name(f);
@@ -374,7 +374,7 @@ Test(chat, system_len_is_a_shared_prefix) {
 }
 
 Test(chat, several_leading_system_messages) {
-    static const pd_chat_message conv[] = {{"system", "A"}, {"system", "B"}, {"user", "U"}};
+    static const pd_chat_message conv[] = {{.role = "system", .content = "A"}, {.role = "system", .content = "B"}, {.role = "user", .content = "U"}};
     static const struct {
         pd_chat_family f;
         const char *prefix;
@@ -407,7 +407,7 @@ Test(chat, several_leading_system_messages) {
 
 Test(chat, later_system_message) {
     static const pd_chat_message conv[] = {
-        {"user", "U1"}, {"assistant", "A1"}, {"system", "Now be brief."}, {"user", "U2"}};
+        {.role = "user", .content = "U1"}, {.role = "assistant", .content = "A1"}, {.role = "system", .content = "Now be brief."}, {.role = "user", .content = "U2"}};
     /* a native system turn can go anywhere; it is not part of the prefix */
     size_t sys = 99;
     char *got = render(PD_CHAT_CHATML, conv, 4, false, NULL, &sys);
@@ -415,7 +415,7 @@ Test(chat, later_system_message) {
                           "<|im_start|>system\nNow be brief.<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n");
     cr_expect_eq(sys, 0);
     free(got);
-    static const pd_chat_message lead[] = {{"system", "S"}, {"user", "U1"}, {"system", "T"}};
+    static const pd_chat_message lead[] = {{.role = "system", .content = "S"}, {.role = "user", .content = "U1"}, {.role = "system", .content = "T"}};
     got = render(PD_CHAT_PHI3, lead, 3, false, NULL, &sys);
     cr_expect_str_eq(got, "<|system|>\nS<|end|>\n<|user|>\nU1<|end|>\n<|system|>\nT<|end|>\n");
     cr_expect_eq(sys, strlen("<|system|>\nS<|end|>\n"), "only the leading system turn is the prefix");
@@ -446,7 +446,7 @@ Test(chat, errors) {
     pd_error err = {0};
     char *out = NULL;
     size_t len, sys;
-    static const pd_chat_message ok[] = {{"user", "hi"}};
+    static const pd_chat_message ok[] = {{.role = "user", .content = "hi"}};
 
     cr_expect_eq(pd_chat_render(PD_CHAT_CHATML, ok, 0, true, &out, &len, &sys, &err), PD_EINVAL);
     cr_expect(strstr(err.msg, "no messages"), "%s", err.msg);
@@ -454,20 +454,20 @@ Test(chat, errors) {
 
     cr_expect_eq(pd_chat_render(PD_CHAT_CHATML, NULL, 2, true, &out, &len, &sys, &err), PD_EINVAL);
 
-    static const pd_chat_message tool[] = {{"user", "hi"}, {"tool", "{}"}};
+    static const pd_chat_message tool[] = {{.role = "user", .content = "hi"}, {.role = "tool", .content = "{}"}};
     cr_expect_eq(pd_chat_render(PD_CHAT_CHATML, tool, 2, true, &out, &len, &sys, &err), PD_EINVAL);
     cr_expect(strstr(err.msg, "\"tool\"") && strstr(err.msg, "message 1"), "names role and index: %s", err.msg);
     cr_expect_null(out);
 
-    static const pd_chat_message upper[] = {{"User", "hi"}};
+    static const pd_chat_message upper[] = {{.role = "User", .content = "hi"}};
     cr_expect_eq(pd_chat_render(PD_CHAT_PHI3, upper, 1, true, &out, &len, &sys, &err), PD_EINVAL,
                  "roles are case-sensitive");
 
-    static const pd_chat_message norole[] = {{NULL, "hi"}};
+    static const pd_chat_message norole[] = {{.role = NULL, .content = "hi"}};
     cr_expect_eq(pd_chat_render(PD_CHAT_LLAMA3, norole, 1, true, &out, &len, &sys, &err), PD_EINVAL);
     cr_expect(strstr(err.msg, "message 0"), "%s", err.msg);
 
-    static const pd_chat_message nocontent[] = {{"user", "hi"}, {"assistant", NULL}};
+    static const pd_chat_message nocontent[] = {{.role = "user", .content = "hi"}, {.role = "assistant", .content = NULL}};
     cr_expect_eq(pd_chat_render(PD_CHAT_ZEPHYR, nocontent, 2, true, &out, &len, &sys, &err), PD_EINVAL);
     cr_expect(strstr(err.msg, "message 1"), "%s", err.msg);
 
@@ -490,7 +490,7 @@ Test(chat, long_message) {
     cr_assert_not_null(big);
     memset(big, 'x', n);
     big[n] = '\0';
-    pd_chat_message conv[] = {{"system", big}, {"user", big}};
+    pd_chat_message conv[] = {{.role = "system", .content = big}, {.role = "user", .content = big}};
     size_t len = 0, sys = 0;
     char *got = render(PD_CHAT_LLAMA2, conv, 2, true, &len, &sys);
     cr_expect_eq(sys, strlen("[INST] <<SYS>>\n") + n + strlen("\n<</SYS>>\n\n"));
@@ -799,7 +799,7 @@ Test(chat, detect_gemma_qwen3_phi3_templates) {
  * first user turn. */
 Test(chat, gemma_renders_as_its_template) {
     static const pd_chat_message conv[] = {
-        {"system", "  Be kind. "}, {"user", " Hello\n"}, {"assistant", "\n Hi! "}, {"user", "Bye"}};
+        {.role = "system", .content = "  Be kind. "}, {.role = "user", .content = " Hello\n"}, {.role = "assistant", .content = "\n Hi! "}, {.role = "user", .content = "Bye"}};
     char *got = render(PD_CHAT_GEMMA, conv, 4, true, NULL, NULL);
     cr_expect_str_eq(got, "<start_of_turn>user\n  Be kind. \n\nHello<end_of_turn>\n"
                           "<start_of_turn>model\nHi!<end_of_turn>\n"
@@ -808,7 +808,7 @@ Test(chat, gemma_renders_as_its_template) {
     free(got);
     /* A system message followed by a model turn: its user turn holds only
      * the system text (Gemma's template would refuse the order). */
-    static const pd_chat_message model_first[] = {{"system", "S"}, {"assistant", "A"}, {"user", "U"}};
+    static const pd_chat_message model_first[] = {{.role = "system", .content = "S"}, {.role = "assistant", .content = "A"}, {.role = "user", .content = "U"}};
     size_t sys = 0;
     got = render(PD_CHAT_GEMMA, model_first, 3, true, NULL, &sys);
     cr_expect_str_eq(got, "<start_of_turn>user\nS\n\n<end_of_turn>\n<start_of_turn>model\nA<end_of_turn>\n"
@@ -817,8 +817,8 @@ Test(chat, gemma_renders_as_its_template) {
     free(got);
     /* System only, with a generation prompt: what the template renders for
      * the system message and an empty user message. */
-    static const pd_chat_message only[] = {{"system", "S"}};
-    static const pd_chat_message empty_user[] = {{"system", "S"}, {"user", ""}};
+    static const pd_chat_message only[] = {{.role = "system", .content = "S"}};
+    static const pd_chat_message empty_user[] = {{.role = "system", .content = "S"}, {.role = "user", .content = ""}};
     char *a = render(PD_CHAT_GEMMA, only, 1, true, NULL, NULL);
     char *b = render(PD_CHAT_GEMMA, empty_user, 2, true, NULL, NULL);
     cr_expect_str_eq(a, "<start_of_turn>user\nS\n\n<end_of_turn>\n<start_of_turn>model\n");
@@ -832,17 +832,17 @@ Test(chat, qwen3_renders_as_its_template) {
     /* Reasoning written into an earlier answer is dropped from the history;
      * the final answer (after the last question) keeps a <think> block,
      * empty when it had no reasoning. */
-    static const pd_chat_message conv[] = {{"system", "S"},
-                                           {"user", "Q1"},
-                                           {"assistant", "<think>\nplan\n</think>\n\nA1"},
-                                           {"user", "Q2"},
-                                           {"assistant", "A2"}};
+    static const pd_chat_message conv[] = {{.role = "system", .content = "S"},
+                                           {.role = "user", .content = "Q1"},
+                                           {.role = "assistant", .content = "<think>\nplan\n</think>\n\nA1"},
+                                           {.role = "user", .content = "Q2"},
+                                           {.role = "assistant", .content = "A2"}};
     char *got = render(PD_CHAT_QWEN3, conv, 5, false, NULL, NULL);
     cr_expect_str_eq(got, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n"
                           "<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nQ2<|im_end|>\n"
                           "<|im_start|>assistant\n<think>\n\n</think>\n\nA2<|im_end|>\n");
     free(got);
-    static const pd_chat_message reasoned[] = {{"user", "Q"}, {"assistant", "<think>\n\nstep one\n\n</think>\n\nA"}};
+    static const pd_chat_message reasoned[] = {{.role = "user", .content = "Q"}, {.role = "assistant", .content = "<think>\n\nstep one\n\n</think>\n\nA"}};
     got = render(PD_CHAT_QWEN3, reasoned, 2, false, NULL, NULL);
     cr_expect_str_eq(got, "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\nstep one\n</think>\n\nA"
                           "<|im_end|>\n");
@@ -850,11 +850,11 @@ Test(chat, qwen3_renders_as_its_template) {
     /* Tool output sent as a user message does not start a new query: the
      * answers after the question keep their reasoning, an answer without
      * reasoning that is not the last one stays plain. */
-    static const pd_chat_message tools[] = {{"user", "Q"},
-                                            {"assistant", "calling"},
-                                            {"user", "<tool_response>\n42\n</tool_response>"},
-                                            {"assistant", "<think>r</think>x"},
-                                            {"assistant", "y"}};
+    static const pd_chat_message tools[] = {{.role = "user", .content = "Q"},
+                                            {.role = "assistant", .content = "calling"},
+                                            {.role = "user", .content = "<tool_response>\n42\n</tool_response>"},
+                                            {.role = "assistant", .content = "<think>r</think>x"},
+                                            {.role = "assistant", .content = "y"}};
     got = render(PD_CHAT_QWEN3, tools, 5, true, NULL, NULL);
     cr_expect_str_eq(got, "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\ncalling<|im_end|>\n"
                           "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
@@ -864,7 +864,7 @@ Test(chat, qwen3_renders_as_its_template) {
     free(got);
     /* Only the part after the last </think> is the answer; the reasoning is
      * what precedes the first </think>, after its last <think>. */
-    static const pd_chat_message nested[] = {{"user", "Q"}, {"assistant", "a<think>b</think>c</think>\nd"}};
+    static const pd_chat_message nested[] = {{.role = "user", .content = "Q"}, {.role = "assistant", .content = "a<think>b</think>c</think>\nd"}};
     got = render(PD_CHAT_QWEN3, nested, 2, false, NULL, NULL);
     cr_expect_str_eq(got, "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\nb\n</think>\n\nd<|im_end|>\n");
     free(got);
