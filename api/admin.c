@@ -109,7 +109,7 @@ static int reg_text(const pd_admin_ctx *ctx, json_t *v, reg *r, pd_api_error *e)
  * scheduler finds a stored prefix only if its tokens begin the request's
  * tokens, so that is checked on the conversation given (with a placeholder
  * user turn when it holds only system messages). */
-static int reg_messages(const pd_admin_ctx *ctx, json_t *v, reg *r, pd_api_error *e) {
+static int reg_messages(const pd_admin_ctx *ctx, json_t *v, json_t *tools, reg *r, pd_api_error *e) {
     if (ctx->b.family == PD_CHAT_NONE)
         return pd_api_errorf(e, 400, PD_API_ERR_INVALID, "messages", "no_chat_template",
                              "the model has no chat template prefixd recognises (tokenizer.chat_template); "
@@ -128,6 +128,12 @@ static int reg_messages(const pd_admin_ctx *ctx, json_t *v, reg *r, pd_api_error
     /* Let the public request parser validate the messages (roles, content
      * parts) so that both accept exactly the same conversations. */
     json_t *wrap = json_pack("{s:s,s:O}", "model", "prefixd", "messages", v);
+    /* tools render into the system part for most families (the tool list
+     * is part of the prefix chat requests with the same tools send) */
+    if (wrap && tools && json_object_set(wrap, "tools", tools)) {
+        json_decref(wrap);
+        wrap = NULL;
+    }
     if (wrap && only_system) {
         json_t *u = json_pack("{s:s,s:s}", "role", "user", "content", "Hello");
         if (!u || json_array_append_new(json_object_get(wrap, "messages"), u)) {
@@ -155,7 +161,8 @@ static int reg_messages(const pd_admin_ctx *ctx, json_t *v, reg *r, pd_api_error
     if (!rc && sys == 0)
         rc = BAD(e, "messages", "the %s chat template does not render the system message as a separate leading "
                  "part, so it cannot be stored as a prefix", pd_chat_family_name(ctx->b.family));
-    if (!rc && pd_chat_render(ctx->b.family, areq.messages, areq.n_messages, true, &text, NULL, NULL, &err))
+    if (!rc && pd_chat_render_tools(ctx->b.family, areq.messages, areq.n_messages, areq.tools, areq.n_tools, true,
+                                    &text, NULL, NULL, &err))
         rc = pd_api_error_from(e, &err, "messages");
     if (!rc) rc = tokenize(ctx, text, sys, true, &r->tokens, &r->n, "messages", e);
     if (!rc && (r->n > (size_t)n_full || memcmp(r->tokens, full, r->n * sizeof *full) != 0))
@@ -352,7 +359,7 @@ static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len
     int rc = PD_OK;
     reg r = {0};
     pd_job_spec spec = {.dtype = PD_KV_F16}; /* half the bytes; read zero-copy by an f16 KV cache */
-    json_t *text = NULL, *msgs = NULL, *segs = NULL, *v = NULL, *spans = NULL, *keep_text = NULL;
+    json_t *text = NULL, *msgs = NULL, *segs = NULL, *v = NULL, *spans = NULL, *keep_text = NULL, *tools = NULL;
     bool wait = false;
     if (!json_is_object(root)) {
         rc = BAD(e, NULL, "the body must be a JSON object");
@@ -362,6 +369,9 @@ static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len
     if (opt_type(root, "text", &text, JSON_STRING, "a string", e, &rc)) given++;
     if (!rc && opt_type(root, "messages", &msgs, JSON_ARRAY, "an array of messages", e, &rc)) given++;
     if (!rc && opt_type(root, "segments", &segs, JSON_ARRAY, "an array of segments", e, &rc)) given++;
+    if (!rc && opt_type(root, "tools", &tools, JSON_ARRAY, "an array of tools as chat requests send them", e, &rc) &&
+        !msgs)
+        rc = BAD(e, "tools", "'tools' goes with 'messages': the tool list is rendered into the system turn");
     if (!rc && given != 1) {
         rc = BAD(e, given ? "segments" : "text", "send exactly one of 'text', 'messages' or 'segments' (got %d)",
                  given);
@@ -431,7 +441,7 @@ static int handle_register(const pd_admin_ctx *ctx, const char *body, size_t len
     }
     if (rc) goto done;
 
-    rc = text ? reg_text(ctx, text, &r, e) : msgs ? reg_messages(ctx, msgs, &r, e) : reg_segments(ctx, segs, &r, e);
+    rc = text ? reg_text(ctx, text, &r, e) : msgs ? reg_messages(ctx, msgs, tools, &r, e) : reg_segments(ctx, segs, &r, e);
     if (!rc) rc = reg_layout(ctx, spans, keep_text, &r, e);
     if (rc) goto done;
     if (ctx->b.n_ctx > 0 && r.n >= (size_t)ctx->b.n_ctx) {

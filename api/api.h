@@ -22,9 +22,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <jansson.h>
+
 #include "cache/cache.h"
 #include "daemon/daemon.h"
 #include "engine/engine.h"
+#include "grammar/grammar.h"
 #include "util/util.h"
 
 #ifdef __cplusplus
@@ -94,6 +97,23 @@ void pd_api_limits_default(pd_api_limits *l);
 /* A parsed, range-checked request. Strings are owned (pd_api_request_free). */
 #define PD_API_SALT_MAX 64 /* bytes of a request's cache_salt */
 
+/* response_format.type */
+typedef enum pd_api_format {
+    PD_API_FORMAT_TEXT = 0,
+    PD_API_FORMAT_JSON_OBJECT,  /* any JSON object */
+    PD_API_FORMAT_JSON_SCHEMA,  /* a document valid under response_format.json_schema.schema */
+} pd_api_format;
+
+/* tool_choice */
+typedef enum pd_api_tool_choice {
+    PD_API_TOOLS_AUTO = 0,  /* text or calls (the default with tools) */
+    PD_API_TOOLS_NONE,      /* text only: no constraint, no parsing of calls */
+    PD_API_TOOLS_REQUIRED,  /* one or more calls */
+    PD_API_TOOLS_NAMED,     /* exactly one call of tool_choice_name */
+} pd_api_tool_choice;
+
+#define PD_API_MAX_TOOLS 128
+
 typedef struct pd_api_request {
     pd_api_kind kind;
     char *model;
@@ -105,10 +125,23 @@ typedef struct pd_api_request {
     pd_token *prompt_tokens;
     size_t n_prompt_tokens;
 
-    /* chat: roles are "system", "user" or "assistant" (static strings);
-     * array content parts are joined with "\n" */
+    /* chat: roles are "system", "user", "assistant" or "tool" (static
+     * strings); array content parts are joined with "\n"; an assistant's
+     * tool_calls and a tool's tool_call_id are owned */
     pd_chat_message *messages;
     size_t n_messages;
+
+    /* constrained output: response_format (both endpoints), and for chat
+     * the tools the model may call (names, descriptions and parameters as
+     * JSON text, owned) */
+    pd_api_format format;
+    json_t *schema;              /* FORMAT_JSON_SCHEMA: the schema (a reference we own) */
+    char *schema_name;           /* response_format.json_schema.name */
+    pd_chat_tool *tools;
+    size_t n_tools;
+    pd_api_tool_choice tool_choice;
+    char *tool_choice_name;      /* TOOLS_NAMED */
+    bool parallel_tool_calls;    /* default true */
 
     int32_t max_tokens;          /* 0 = not given (see pd_api_sched_params) */
     int n;                       /* choices, default 1 */
@@ -166,6 +199,51 @@ int pd_api_sched_params(const pd_api_request *r, const pd_token *prompt, int64_t
                         int32_t n_vocab, const pd_api_limits *lim, pd_sched_params *out, pd_api_error *e);
 
 /* ------------------------------------------------------------------------
+ * Constrained output (api/constrain.c, docs/structured-output.md)
+ *
+ * response_format and tools become one grammar (grammar/grammar.h) that the
+ * scheduler's matcher applies to every sampled token:
+ *   root ::= fmt                      response_format alone
+ *   root ::= tc-calls | TEXT          tools, tool_choice auto (TEXT: plain
+ *                                     text not starting with the calls'
+ *                                     marker, or the response_format document)
+ *   root ::= tc-calls                 tool_choice required or a named function
+ * tc-calls is the family's call syntax (pd_chat_tool_syntax) around
+ * {"name": NAME, ARGS_KEY: <the tool's parameters schema>}.
+ * ------------------------------------------------------------------------ */
+
+typedef struct pd_api_constraint {
+    char *grammar;               /* grammar text; NULL = the answer is unconstrained */
+    bool tool_calls;             /* the answer may hold calls: parse them back */
+    pd_chat_tool_syntax syntax;  /* with tool_calls */
+    char trigger[32];            /* text that starts the calls ("<tool_call>", "{", "[TOOL_CALLS]") */
+} pd_api_constraint;
+
+/* The grammar of a parsed request. An unsupported schema keyword is a 400
+ * naming the field ("response_format.json_schema.schema",
+ * "tools[1].function.parameters") and the keyword. */
+int pd_api_constraint_build(const pd_api_request *r, pd_chat_family family, const pd_tokenizer *tok,
+                            pd_api_constraint *out, pd_api_error *e);
+void pd_api_constraint_free(pd_api_constraint *c);
+/* The model's vocabulary as the grammar matcher sees it: each token's
+ * bytes, control tokens special, end-of-generation tokens EOG. */
+int pd_api_grammar_vocab(const pd_tokenizer *tok, pd_grammar_vocab **out, pd_error *err);
+
+typedef struct pd_api_tool_call {
+    char id[40];      /* "call_" + 24 random characters */
+    char *name;
+    char *arguments;  /* compact JSON text of the arguments object */
+} pd_api_tool_call;
+
+/* Calls in a finished answer. *n_calls = 0 and PD_OK when the text does
+ * not start with the syntax's marker (it is plain content); PD_EFORMAT when
+ * it does but is not whole calls (cut short by max_tokens or a stop
+ * string): then it is returned as content too. */
+int pd_api_tool_calls_parse(const pd_chat_tool_syntax *syn, const char *text, size_t len, pd_api_tool_call **calls,
+                            size_t *n_calls);
+void pd_api_tool_calls_free(pd_api_tool_call *calls, size_t n);
+
+/* ------------------------------------------------------------------------
  * Responses
  * ------------------------------------------------------------------------ */
 
@@ -187,6 +265,14 @@ typedef struct pd_api_response_opts {
     int32_t n_logprobs;
     bool include_usage;  /* streaming: usage: null in chunks, then a usage chunk */
     const pd_tokenizer *tok;
+    /* Tool calls (chat): a choice whose text starts with `trigger` is read
+     * back as calls (message.tool_calls, finish_reason "tool_calls"); in a
+     * stream its text is held from the first byte that may start the
+     * trigger and the calls are sent whole, one delta.tool_calls entry
+     * each, with the finish reason. */
+    bool tool_calls;
+    pd_chat_tool_syntax syntax;
+    char trigger[32];
 } pd_api_response_opts;
 
 /* The options a parsed request implies. */

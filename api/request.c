@@ -1,5 +1,6 @@
 /* OpenAI request bodies -> validated pd_api_request; errors -> OpenAI error
  * objects; the request's prompt -> tokens -> pd_sched_params. */
+#include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
@@ -252,7 +253,7 @@ static int parse_prompt(json_t *root, pd_api_request *r, pd_api_error *e) {
  * name for "system" (sent by its clients for reasoning models): it becomes
  * "system" here, so every template renders it as its system turn. */
 static const char *known_role(const char *s) {
-    static const char *const roles[] = {"system", "user", "assistant"};
+    static const char *const roles[] = {"system", "user", "assistant", "tool"};
     for (size_t i = 0; i < sizeof roles / sizeof roles[0]; i++)
         if (strcmp(s, roles[i]) == 0) return roles[i];
     if (strcmp(s, "developer") == 0) return roles[0];
@@ -305,6 +306,8 @@ static int parse_content(json_t *c, size_t mi, char **out, pd_api_error *e) {
     return PD_OK;
 }
 
+static int parse_tool_calls(json_t *msg, size_t mi, pd_chat_message *out, pd_api_error *e);
+
 static int parse_messages(json_t *root, pd_api_request *r, pd_api_error *e) {
     json_t *m = field(root, "messages");
     if (!m) return BAD(e, "messages", "'messages' is required: an array of {\"role\",\"content\"}");
@@ -323,16 +326,196 @@ static int parse_messages(json_t *root, pd_api_request *r, pd_api_error *e) {
         if (!json_is_string(role)) return BAD(e, param, "'%s' must be a string", param);
         const char *known = known_role(json_string_value(role));
         if (!known)
-            return BAD(e, param, "'%s' = '%.40s' is not supported: use \"system\", \"user\" or \"assistant\" "
-                       "(\"developer\" counts as \"system\")", param, json_string_value(role));
+            return BAD(e, param, "'%s' = '%.40s' is not supported: use \"system\", \"user\", \"assistant\" or "
+                       "\"tool\" (\"developer\" counts as \"system\")", param, json_string_value(role));
         char *content = NULL;
         int rc = parse_content(field(msg, "content"), i, &content, e);
         if (rc) return rc;
         r->messages[i].role = known;
         r->messages[i].content = content;
         r->n_messages = i + 1;
+        if (strcmp(known, "assistant") == 0 && (rc = parse_tool_calls(msg, i, &r->messages[i], e))) return rc;
+        if (strcmp(known, "tool") == 0) {
+            json_t *id = field(msg, "tool_call_id");
+            snprintf(param, sizeof param, "messages[%zu].tool_call_id", i);
+            if (!id) return BAD(e, param, "'%s' is required for a tool message: the id of the call it answers", param);
+            if (!json_is_string(id)) return BAD(e, param, "'%s' must be a string, not %s", param, json_type_name(id));
+            if (!(r->messages[i].tool_call_id = dup_json_string(id))) return OOM(e);
+            json_t *name = field(msg, "name");
+            if (name && json_is_string(name) && !(r->messages[i].name = dup_json_string(name))) return OOM(e);
+        }
     }
     return PD_OK;
+}
+
+/* A function name as OpenAI allows it: 1..64 of [A-Za-z0-9_-] (so it can
+ * be written into a grammar literal and a prompt without escaping). */
+static bool good_function_name(const char *s, size_t len) {
+    if (len == 0 || len > 64 || strlen(s) != len) return false;
+    for (size_t i = 0; i < len; i++)
+        if (!isalnum((unsigned char)s[i]) && s[i] != '_' && s[i] != '-') return false;
+    return true;
+}
+
+/* A JSON object's text (key order kept), for arguments and parameters. */
+static char *object_text(json_t *v) { return json_dumps(v, JSON_COMPACT | JSON_PRESERVE_ORDER); }
+
+/* An assistant message's tool_calls: [{"id","type":"function","function":{"name","arguments"}}]. */
+static int parse_tool_calls(json_t *msg, size_t mi, pd_chat_message *out, pd_api_error *e) {
+    json_t *tc = field(msg, "tool_calls");
+    char param[96];
+    snprintf(param, sizeof param, "messages[%zu].tool_calls", mi);
+    if (!tc) return PD_OK;
+    if (!json_is_array(tc)) return BAD(e, param, "'%s' must be an array, not %s", param, json_type_name(tc));
+    size_t n = json_array_size(tc);
+    if (n == 0) return PD_OK;
+    pd_chat_tool_call *calls = calloc(n, sizeof *calls);
+    if (!calls) return OOM(e);
+    out->tool_calls = calls;
+    for (size_t j = 0; j < n; j++) {
+        json_t *c = json_array_get(tc, j);
+        snprintf(param, sizeof param, "messages[%zu].tool_calls[%zu]", mi, j);
+        if (!json_is_object(c)) return BAD(e, param, "'%s' must be an object, not %s", param, json_type_name(c));
+        json_t *type = field(c, "type"), *fn = field(c, "function"), *id = field(c, "id");
+        if (type && (!json_is_string(type) || strcmp(json_string_value(type), "function") != 0))
+            return BAD(e, param, "'%s.type' must be \"function\"", param);
+        if (!json_is_object(fn)) return BAD(e, param, "'%s.function' must be an object {\"name\",\"arguments\"}", param);
+        json_t *name = field(fn, "name"), *args = field(fn, "arguments");
+        if (!json_is_string(name) || !good_function_name(json_string_value(name), json_string_length(name)))
+            return BAD(e, param, "'%s.function.name' must be a function name (1..64 of A-Z a-z 0-9 _ -)", param);
+        json_t *parsed = NULL;
+        if (json_is_string(args)) parsed = json_loadb(json_string_value(args), json_string_length(args), 0, NULL);
+        else if (json_is_object(args)) parsed = json_incref(args);
+        else if (!args) parsed = json_object();
+        if (!json_is_object(parsed)) {
+            json_decref(parsed);
+            return BAD(e, param, "'%s.function.arguments' must be a JSON object written as a string (\"{...}\")", param);
+        }
+        out->n_tool_calls = j + 1;
+        calls[j].arguments = object_text(parsed);
+        json_decref(parsed);
+        calls[j].name = dup_json_string(name);
+        if (id && json_is_string(id)) calls[j].id = dup_json_string(id);
+        if (!calls[j].arguments || !calls[j].name || (id && json_is_string(id) && !calls[j].id)) return OOM(e);
+    }
+    return PD_OK;
+}
+
+/* response_format: {"type":"text"|"json_object"} or
+ * {"type":"json_schema","json_schema":{"name","schema","strict","description"}}.
+ * The schema itself is checked when its grammar is built (unsupported
+ * keywords are a 400 there). */
+static int parse_response_format(json_t *root, pd_api_request *r, pd_api_error *e) {
+    json_t *rf = field(root, "response_format");
+    if (!rf) return PD_OK;
+    if (!json_is_object(rf))
+        return BAD(e, "response_format", "'response_format' must be an object {\"type\": ...}, not %s",
+                   json_type_name(rf));
+    json_t *type = field(rf, "type");
+    const char *t = json_is_string(type) ? json_string_value(type) : "";
+    if (strcmp(t, "text") == 0) return PD_OK;
+    if (strcmp(t, "json_object") == 0) {
+        r->format = PD_API_FORMAT_JSON_OBJECT;
+        return PD_OK;
+    }
+    if (strcmp(t, "json_schema") != 0)
+        return BAD(e, "response_format.type", "'response_format.type' must be \"text\", \"json_object\" or "
+                   "\"json_schema\"");
+    json_t *js = field(rf, "json_schema");
+    if (!json_is_object(js))
+        return BAD(e, "response_format.json_schema", "'response_format.json_schema' must be an object "
+                   "{\"name\", \"schema\", \"strict\"}");
+    json_t *name = field(js, "name");
+    if (!json_is_string(name) || !good_function_name(json_string_value(name), json_string_length(name)))
+        return BAD(e, "response_format.json_schema.name", "'response_format.json_schema.name' is required: 1..64 "
+                   "of A-Z a-z 0-9 _ -");
+    json_t *strict = field(js, "strict");
+    if (strict && !json_is_boolean(strict))
+        return BAD(e, "response_format.json_schema.strict", "'response_format.json_schema.strict' must be a boolean");
+    json_t *schema = field(js, "schema");
+    if (!schema) schema = json_object(); /* OpenAI's default: any JSON */
+    else json_incref(schema);
+    if (!json_is_object(schema) && !json_is_boolean(schema)) {
+        json_decref(schema);
+        return BAD(e, "response_format.json_schema.schema", "'response_format.json_schema.schema' must be a JSON "
+                   "Schema object");
+    }
+    r->format = PD_API_FORMAT_JSON_SCHEMA;
+    r->schema = schema;
+    if (!(r->schema_name = dup_json_string(name))) return OOM(e);
+    return PD_OK;
+}
+
+/* tools: [{"type":"function","function":{"name","description","parameters","strict"}}],
+ * tool_choice and parallel_tool_calls. */
+static int parse_tools(json_t *root, pd_api_request *r, pd_api_error *e) {
+    json_t *tools = field(root, "tools"), *choice = field(root, "tool_choice");
+    r->parallel_tool_calls = true;
+    int rc = get_bool(root, "parallel_tool_calls", &r->parallel_tool_calls, e);
+    if (rc) return rc;
+    if (tools && r->kind != PD_API_CHAT)
+        return BAD(e, "tools", "'tools' belongs to /v1/chat/completions");
+    if (tools && !json_is_array(tools)) return BAD(e, "tools", "'tools' must be an array, not %s", json_type_name(tools));
+    size_t n = tools ? json_array_size(tools) : 0;
+    if (n > PD_API_MAX_TOOLS) return BAD(e, "tools", "'tools' has %zu functions; at most %d", n, PD_API_MAX_TOOLS);
+    if (n) {
+        if (!(r->tools = calloc(n, sizeof *r->tools))) return OOM(e);
+    }
+    for (size_t i = 0; i < n; i++) {
+        char param[64];
+        json_t *t = json_array_get(tools, i);
+        snprintf(param, sizeof param, "tools[%zu]", i);
+        if (!json_is_object(t)) return BAD(e, param, "'%s' must be an object, not %s", param, json_type_name(t));
+        json_t *type = field(t, "type"), *fn = field(t, "function");
+        if (!json_is_string(type) || strcmp(json_string_value(type), "function") != 0)
+            return BAD(e, param, "'%s.type' must be \"function\" (the only kind of tool)", param);
+        snprintf(param, sizeof param, "tools[%zu].function", i);
+        if (!json_is_object(fn)) return BAD(e, param, "'%s' must be an object {\"name\", \"parameters\"}", param);
+        json_t *name = field(fn, "name"), *desc = field(fn, "description"), *params = field(fn, "parameters");
+        snprintf(param, sizeof param, "tools[%zu].function.name", i);
+        if (!json_is_string(name) || !good_function_name(json_string_value(name), json_string_length(name)))
+            return BAD(e, param, "'%s' must be a function name (1..64 of A-Z a-z 0-9 _ -)", param);
+        for (size_t j = 0; j < i; j++)
+            if (strcmp(r->tools[j].name, json_string_value(name)) == 0)
+                return BAD(e, param, "'%s' = \"%s\" is listed twice", param, json_string_value(name));
+        if (desc && !json_is_string(desc)) {
+            snprintf(param, sizeof param, "tools[%zu].function.description", i);
+            return BAD(e, param, "'%s' must be a string", param);
+        }
+        if (params && !json_is_object(params)) {
+            snprintf(param, sizeof param, "tools[%zu].function.parameters", i);
+            return BAD(e, param, "'%s' must be a JSON Schema object", param);
+        }
+        pd_chat_tool *out = &r->tools[i];
+        r->n_tools = i + 1;
+        if (!(out->name = dup_json_string(name)) || (desc && !(out->description = dup_json_string(desc))) ||
+            (params && !(out->parameters = object_text(params))))
+            return OOM(e);
+    }
+    r->tool_choice = n ? PD_API_TOOLS_AUTO : PD_API_TOOLS_NONE;
+    if (!choice) return PD_OK;
+    if (!n) return BAD(e, "tool_choice", "'tool_choice' needs 'tools'");
+    if (json_is_string(choice)) {
+        const char *c = json_string_value(choice);
+        if (strcmp(c, "auto") == 0) r->tool_choice = PD_API_TOOLS_AUTO;
+        else if (strcmp(c, "none") == 0) r->tool_choice = PD_API_TOOLS_NONE;
+        else if (strcmp(c, "required") == 0) r->tool_choice = PD_API_TOOLS_REQUIRED;
+        else return BAD(e, "tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or "
+                        "{\"type\":\"function\",\"function\":{\"name\":...}}");
+        return PD_OK;
+    }
+    json_t *fn = json_is_object(choice) ? field(choice, "function") : NULL;
+    json_t *name = json_is_object(fn) ? field(fn, "name") : NULL;
+    if (!json_is_string(name))
+        return BAD(e, "tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or "
+                   "{\"type\":\"function\",\"function\":{\"name\":...}}");
+    for (size_t j = 0; j < n; j++)
+        if (strcmp(r->tools[j].name, json_string_value(name)) == 0) {
+            r->tool_choice = PD_API_TOOLS_NAMED;
+            if (!(r->tool_choice_name = dup_json_string(name))) return OOM(e);
+            return PD_OK;
+        }
+    return BAD(e, "tool_choice", "'tool_choice' names \"%.64s\", which is not in 'tools'", json_string_value(name));
 }
 
 static int parse_stop(json_t *root, pd_api_request *r, pd_api_error *e) {
@@ -460,6 +643,8 @@ static int parse_root(json_t *root, pd_api_request *r, const pd_api_limits *lim,
     if ((rc = parse_stop(root, r, e))) return rc;
     if ((rc = parse_logit_bias(root, r, e))) return rc;
     if ((rc = parse_logprobs(root, r, e))) return rc;
+    if ((rc = parse_response_format(root, r, e))) return rc;
+    if ((rc = parse_tools(root, r, e))) return rc;
 
     if ((rc = get_bool(root, "stream", &r->stream, e))) return rc;
     json_t *so = field(root, "stream_options");
@@ -588,8 +773,28 @@ void pd_api_request_free(pd_api_request *r) {
     free(r->model);
     free(r->prompt_text);
     free(r->prompt_tokens);
-    for (size_t i = 0; i < r->n_messages; i++) free((char *)r->messages[i].content);
+    for (size_t i = 0; i < r->n_messages; i++) {
+        pd_chat_message *m = &r->messages[i];
+        free((char *)m->content);
+        free((char *)m->tool_call_id);
+        free((char *)m->name);
+        for (size_t j = 0; j < m->n_tool_calls; j++) {
+            free((char *)m->tool_calls[j].id);
+            free((char *)m->tool_calls[j].name);
+            free((char *)m->tool_calls[j].arguments);
+        }
+        free((void *)m->tool_calls);
+    }
     free(r->messages);
+    json_decref(r->schema);
+    free(r->schema_name);
+    for (size_t i = 0; i < r->n_tools; i++) {
+        free((char *)r->tools[i].name);
+        free((char *)r->tools[i].description);
+        free((char *)r->tools[i].parameters);
+    }
+    free(r->tools);
+    free(r->tool_choice_name);
     for (size_t i = 0; i < r->n_stop; i++) free(r->stop[i]);
     free(r->logit_bias);
     free(r->user);
@@ -629,7 +834,8 @@ int pd_api_prompt_tokens(const pd_api_request *r, const pd_tokenizer *tok, pd_ch
                                  "use /v1/completions with a prompt");
         char *text = NULL;
         size_t len = 0, sys = 0;
-        if (pd_chat_render(family, r->messages, r->n_messages, true, &text, &len, &sys, &err))
+        if (pd_chat_render_tools(family, r->messages, r->n_messages, r->tools, r->n_tools, true, &text, &len, &sys,
+                                 &err))
             return pd_api_error_from(e, &err, param);
         pd_tokenize_opts o = {.add_special = true, .parse_special = true};
         int rc = pd_tokenize(tok, text, len, o, &t, &n, &err);

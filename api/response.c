@@ -30,6 +30,7 @@ typedef struct choice_acc {
     /* streaming cursors */
     size_t sent_text, sent_lp;
     bool sent_role, sent_finish;
+    bool text_decided; /* tool calls on: the text is known not to start with the trigger */
 } choice_acc;
 
 struct pd_api_response {
@@ -123,6 +124,44 @@ void pd_api_response_opts_from(const pd_api_request *r, const pd_tokenizer *tok,
     o->n_logprobs = r->sampling.n_logprobs;
     o->include_usage = r->stream && r->include_usage;
     o->tok = tok;
+}
+
+/* ---------------------------------------------------------------- tool calls */
+
+/* Whether a choice's text may still turn out to be calls: it is a prefix
+ * of the trigger or starts with it. Once it cannot, it is plain content
+ * for good (the text only grows). */
+static bool may_be_calls(const pd_api_response *r, choice_acc *c) {
+    if (!r->o.tool_calls || c->text_decided) return false;
+    const size_t n = strlen(r->o.trigger), m = c->len < n ? c->len : n;
+    if (m > 0 && memcmp(c->text, r->o.trigger, m) != 0) {
+        c->text_decided = true;
+        return false;
+    }
+    return true;
+}
+
+/* [{"id","type":"function","function":{"name","arguments"}}], with "index"
+ * for stream deltas; NULL when the text is not whole calls. */
+static json_t *tool_calls_json(const pd_api_response *r, const choice_acc *c, bool with_index) {
+    pd_api_tool_call *calls = NULL;
+    size_t n = 0;
+    if (pd_api_tool_calls_parse(&r->o.syntax, c->text ? c->text : "", c->len, &calls, &n) || n == 0) return NULL;
+    json_t *arr = json_array();
+    for (size_t i = 0; arr && i < n; i++) {
+        json_t *call = json_pack("{s:s,s:s,s:{s:s,s:s}}", "id", calls[i].id, "type", "function", "function", "name",
+                                 calls[i].name, "arguments", calls[i].arguments);
+        if (call && with_index && json_object_set_new(call, "index", json_integer((json_int_t)i))) {
+            json_decref(call);
+            call = NULL;
+        }
+        if (!call || json_array_append_new(arr, call)) {
+            json_decref(arr);
+            arr = NULL;
+        }
+    }
+    pd_api_tool_calls_free(calls, n);
+    return arr;
 }
 
 static void random_id(char *out, size_t cap, const char *prefix) {
@@ -469,16 +508,18 @@ int pd_api_response_json(const pd_api_response *r, char **out, size_t *len, pd_e
         json_t *ch = json_object();
         APPEND(choices, ch);
         SET(ch, "index", json_integer(i));
+        json_t *calls = chat && r->o.tool_calls ? tool_calls_json(r, c, false) : NULL;
         if (chat) {
             json_t *msg = json_object();
             SET(ch, "message", msg);
             SET(msg, "role", json_string("assistant"));
-            SET(msg, "content", json_utf8(c->text ? c->text : "", c->len));
+            SET(msg, "content", calls ? json_null() : json_utf8(c->text ? c->text : "", c->len));
+            if (calls) SET(msg, "tool_calls", calls);
         } else {
             SET(ch, "text", json_utf8(c->text ? c->text : "", c->len));
         }
         SET(ch, "logprobs", r->o.logprobs ? logprobs_json(r, c, 0, c->n_lp) : json_null());
-        SET(ch, "finish_reason", finish_json(c->finish));
+        SET(ch, "finish_reason", calls ? json_string("tool_calls") : finish_json(c->finish));
     }
     SET(root, "usage", usage_json(r));
     if (add_prefix(r, root)) goto oom;
@@ -502,6 +543,12 @@ static int sse_choice(pd_api_response *r, int choice, bool final, char **out, si
         return pd_errorf(err, PD_EINVAL, "response: choice %d has not finished", choice);
     size_t end = final ? c->len : c->len - utf8_incomplete_tail(c->text, c->len);
     size_t lp_end = c->n_lp;
+    /* Text that may still be calls is held; at the end it is sent as
+     * calls when it parses as such, else as the content it is. */
+    const bool held = chat && may_be_calls(r, c);
+    json_t *calls = NULL;
+    if (held && !final) end = c->sent_text, lp_end = c->sent_lp;
+    if (held && final) calls = tool_calls_json(r, c, true);
     bool role = chat && !c->sent_role;
     if (!final && !role && end == c->sent_text && lp_end == c->sent_lp) return PD_OK;
 
@@ -517,12 +564,19 @@ static int sse_choice(pd_api_response *r, int choice, bool final, char **out, si
         json_t *delta = json_object();
         SET(ch, "delta", delta);
         if (role) SET(delta, "role", json_string("assistant"));
-        if (role || end > c->sent_text) SET(delta, "content", json_utf8(delta_text, end - c->sent_text));
+        if (calls) {
+            SET(delta, "tool_calls", calls);
+            calls = NULL;
+        } else if (role || end > c->sent_text) {
+            SET(delta, "content", json_utf8(delta_text, end - c->sent_text));
+        }
     } else {
         SET(ch, "text", json_utf8(delta_text, end - c->sent_text));
     }
     SET(ch, "logprobs", r->o.logprobs && lp_end > c->sent_lp ? logprobs_json(r, c, c->sent_lp, lp_end) : json_null());
-    SET(ch, "finish_reason", final ? finish_json(c->finish) : json_null());
+    SET(ch, "finish_reason", final ? (held && json_object_get(json_object_get(ch, "delta"), "tool_calls")
+                                           ? json_string("tool_calls") : finish_json(c->finish))
+                                   : json_null());
     if (r->o.include_usage) SET(root, "usage", json_null());
     if (final && add_prefix(r, root)) goto oom;
     rc = dump(root, true, out, len, err);
@@ -533,6 +587,7 @@ static int sse_choice(pd_api_response *r, int choice, bool final, char **out, si
     if (final) c->sent_finish = true;
     return PD_OK;
 oom:
+    json_decref(calls);
     json_decref(root);
     return pd_errorf(err, PD_ENOMEM, "response: out of memory rendering a chunk");
 }

@@ -34,6 +34,16 @@ typedef struct listener {
     bool admin; /* serves only the admin routes */
 } listener;
 
+/* Compiled grammars kept for requests that repeat a schema or a tool list:
+ * a grammar caches the token sets of its states, so a warm one masks fast. */
+#define GRAMMAR_CACHE_SLOTS 32
+
+typedef struct grammar_slot {
+    char *text;
+    pd_grammar *g;
+    uint64_t used;
+} grammar_slot;
+
 struct pd_server {
     struct MHD_Daemon *mhd, *admin_mhd;
     listener pub, adm;
@@ -50,6 +60,12 @@ struct pd_server {
     pthread_rwlock_t lock;
     bool ready, draining;
     pd_server_backend backend;
+    /* Constrained output: the model's vocabulary for the matcher (built at
+     * the first request that needs it) and the grammar cache. */
+    pthread_mutex_t grammar_mu;
+    pd_grammar_vocab *gvocab;
+    grammar_slot grammars[GRAMMAR_CACHE_SLOTS];
+    uint64_t grammar_clock;
     /* Requests between their first callback and on_completed: the drain
      * waits for them so that final events reach their clients. */
     pthread_mutex_t active_mu;
@@ -562,6 +578,48 @@ static enum MHD_Result answer_generation(pd_server *s, struct MHD_Connection *c,
     return send_json(c, MHD_HTTP_OK, body, len);
 }
 
+/* The compiled grammar for text (a new reference: pd_grammar_free it) and
+ * the vocabulary it masks, from the cache or compiled now. */
+static int server_grammar(pd_server *s, const pd_tokenizer *tok, const char *text, pd_grammar **g,
+                          const pd_grammar_vocab **vocab, pd_api_error *e) {
+    pd_error err = {0};
+    int rc = PD_OK;
+    *g = NULL;
+    pthread_mutex_lock(&s->grammar_mu);
+    if (!s->gvocab && (rc = pd_api_grammar_vocab(tok, &s->gvocab, &err))) goto done;
+    *vocab = s->gvocab;
+    grammar_slot *victim = &s->grammars[0];
+    for (int i = 0; i < GRAMMAR_CACHE_SLOTS; i++) {
+        grammar_slot *slot = &s->grammars[i];
+        if (slot->text && strcmp(slot->text, text) == 0) {
+            slot->used = ++s->grammar_clock;
+            *g = pd_grammar_retain(slot->g);
+            goto done;
+        }
+        if (slot->used < victim->used) victim = slot;
+    }
+    pd_grammar *fresh = NULL;
+    char *copy = strdup(text);
+    if (!copy) {
+        rc = pd_errorf(&err, PD_ENOMEM, "out of memory for a grammar");
+        goto done;
+    }
+    if ((rc = pd_grammar_compile(text, strlen(text), &fresh, &err))) {
+        free(copy);
+        goto done;
+    }
+    free(victim->text);
+    pd_grammar_free(victim->g);
+    victim->text = copy;
+    victim->g = fresh;
+    victim->used = ++s->grammar_clock;
+    *g = pd_grammar_retain(fresh);
+done:
+    pthread_mutex_unlock(&s->grammar_mu);
+    if (rc) pd_api_error_from(e, &err, NULL);
+    return rc;
+}
+
 static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, http_req *r, pd_api_kind kind,
                                        const char *ns) {
     pd_api_error e;
@@ -592,9 +650,20 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
     pd_sched_params sp;
     const pd_hparams *hp = pd_model_hparams(b.model);
     int rc = pd_api_sched_params(&r->areq, prompt, n_prompt, b.n_ctx, hp->n_vocab, &s->opts.limits, &sp, &e);
+    pd_api_constraint con = {0};
+    pd_grammar *grammar = NULL;
+    if (!rc) rc = pd_api_constraint_build(&r->areq, b.family, tok, &con, &e);
+    if (!rc && con.grammar) rc = server_grammar(s, tok, con.grammar, &grammar, &sp.grammar_vocab, &e);
+    sp.grammar = grammar;
+    /* a call syntax may start with a control token ([TOOL_CALLS]): its text
+     * must reach the answer for the calls to be read back */
+    if (con.tool_calls) sp.gen.special = true;
     pd_api_response_opts ro;
     pd_api_response_opts_from(&r->areq, tok, &ro);
     ro.model = b.model_id;
+    ro.tool_calls = con.tool_calls;
+    ro.syntax = con.syntax;
+    memcpy(ro.trigger, con.trigger, sizeof ro.trigger);
     pd_error err = {0};
     if (!rc && pd_api_response_create(&ro, &r->resp, &err)) rc = pd_api_error_from(&e, &err, NULL);
     r->stream = r->areq.stream;
@@ -608,6 +677,8 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
     }
     pthread_rwlock_unlock(&s->lock);
     free(prompt);
+    pd_grammar_free(grammar); /* the scheduler's matchers hold their own references */
+    pd_api_constraint_free(&con);
     if (rc) return send_error(s, c, &e);
 
     park(s, r);
@@ -1220,6 +1291,7 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
     s->adm = (listener){.srv = s, .admin = true};
     s->metrics = metrics;
     pthread_rwlock_init(&s->lock, NULL);
+    pthread_mutex_init(&s->grammar_mu, NULL);
     pthread_mutex_init(&s->active_mu, NULL);
     cond_init_monotonic(&s->active_cv);
     pthread_mutex_init(&s->park_mu, NULL);
@@ -1357,6 +1429,12 @@ void pd_server_stop(pd_server *s) {
     if (s->admin_mhd) MHD_stop_daemon(s->admin_mhd);
     if (s->mhd) MHD_stop_daemon(s->mhd);
     pthread_rwlock_destroy(&s->lock);
+    for (int i = 0; i < GRAMMAR_CACHE_SLOTS; i++) {
+        free(s->grammars[i].text);
+        pd_grammar_free(s->grammars[i].g);
+    }
+    pd_grammar_vocab_free(s->gvocab);
+    pthread_mutex_destroy(&s->grammar_mu);
     pthread_mutex_destroy(&s->active_mu);
     pthread_cond_destroy(&s->active_cv);
     pthread_mutex_destroy(&s->park_mu);

@@ -14,6 +14,7 @@
 
 #include "cache/cache.h"
 #include "engine/engine.h"
+#include "grammar/grammar.h"
 #include "policies/policies.h"
 #include "util/util.h"
 
@@ -134,6 +135,13 @@ typedef struct pd_sched_params {
     pd_prefix_id prefix_id;
     const char *ns;              /* namespace for lookup ("" or NULL = none) */
     const char *spec;            /* only prefixes compressed with this spec (NULL = any, newest first) */
+    /* Constrained output: every choice samples only tokens the grammar
+     * allows, with its remaining max_tokens as the matcher's budget (so a
+     * grammar's text always completes when max_tokens leaves room for it).
+     * The scheduler holds a reference to the grammar until the request is
+     * freed; the vocabulary must outlive the scheduler. NULL = none. */
+    const pd_grammar *grammar;
+    const pd_grammar_vocab *grammar_vocab;
 } pd_sched_params;
 
 typedef enum pd_sched_event_kind {

@@ -36,6 +36,7 @@ typedef struct sched_choice {
     pd_seq *seq;
     pd_sampler *smp;
     pd_generation *gen;
+    pd_grammar_matcher *gm; /* constrained output, else NULL */
     int64_t fed;            /* prompt tokens in the cache, the prefix's included */
     pd_token pending;       /* sampled, fed by the next decode */
     bool decoding;          /* the prompt is done and `pending` is valid */
@@ -58,6 +59,7 @@ struct pd_sched_request {
     pd_token *prompt;
     int64_t n_prompt;
     int n_choices;
+    int32_t max_tokens;
     pd_cache_mode cache;
     char ns[PD_PREFIX_NS_MAX];
     char *spec;             /* NULL = any */
@@ -118,7 +120,7 @@ struct pd_scheduler {
     pd_counter *m_prompt_tokens, *m_gen_tokens, *m_cached_tokens;
     pd_counter *m_hits, *m_misses;
     pd_gauge *m_queue, *m_running, *m_kv;
-    pd_histogram *m_ttft, *m_tpot, *m_queue_time;
+    pd_histogram *m_ttft, *m_tpot, *m_queue_time, *m_mask;
     pd_counter *m_auto_hits, *m_auto_misses, *m_auto_evictions;
     pd_gauge *m_auto_entries, *m_auto_bytes;
     pd_counter *m_disk_reads, *m_disk_rejected, *m_disk_writes, *m_disk_evictions, *m_persist_failures;
@@ -232,6 +234,11 @@ static int register_metrics(pd_scheduler *s, pd_error *err) {
     if (!rc)
         rc = pd_metrics_histogram(m, "prefixd_queue_time_seconds", "Submit to admission into the batch", NULL,
                                   ttft_bounds, sizeof ttft_bounds / sizeof ttft_bounds[0], &s->m_queue_time, err);
+    static const double mask_bounds[] = {0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1};
+    if (!rc)
+        rc = pd_metrics_histogram(m, "prefixd_grammar_mask_seconds",
+                                  "Time to mask one token's logits by a grammar (structured output, tool calls)", NULL,
+                                  mask_bounds, sizeof mask_bounds / sizeof mask_bounds[0], &s->m_mask, err);
     if (!rc && s->autoc) rc = register_auto_metrics(s, err);
     if (rc) pd_error_prefix(err, "registering the scheduler's metrics");
     return rc;
@@ -324,6 +331,7 @@ static void request_free_work(pd_scheduler *s, pd_sched_request *r) {
         pd_seq_free(c->seq);
         pd_sampler_free(c->smp);
         pd_generation_free(c->gen);
+        pd_grammar_matcher_free(c->gm);
         memset(c, 0, sizeof *c);
     }
     prefix_release(s, r);
@@ -464,6 +472,8 @@ static int copy_params(pd_scheduler *s, pd_sched_request *r, const pd_sched_para
         return pd_errorf(err, PD_EINVAL, "prefix_id names a stored prefix but cache is \"off\"");
     if (p->ns && strlen(p->ns) >= PD_PREFIX_NS_MAX)
         return pd_errorf(err, PD_EINVAL, "the namespace is longer than %d bytes", PD_PREFIX_NS_MAX - 1);
+    if (p->grammar && (!p->grammar_vocab || pd_grammar_vocab_size(p->grammar_vocab) != s->n_vocab))
+        return pd_errorf(err, PD_EINVAL, "a grammar needs the model's vocabulary of %d tokens", s->n_vocab);
     if (p->spec && strlen(p->spec) >= PD_PREFIX_SPEC_MAX)
         return pd_errorf(err, PD_EINVAL, "the policy spec is longer than %d bytes", PD_PREFIX_SPEC_MAX - 1);
 
@@ -472,6 +482,7 @@ static int copy_params(pd_scheduler *s, pd_sched_request *r, const pd_sched_para
     memcpy(r->prompt, p->prompt, sizeof(pd_token) * (size_t)p->n_prompt);
     r->n_prompt = p->n_prompt;
     r->n_choices = p->n_choices;
+    r->max_tokens = p->gen.max_tokens;
     r->cache = p->cache;
     snprintf(r->ns, sizeof r->ns, "%s", p->ns ? p->ns : "");
     if (p->spec && !(r->spec = strdup(p->spec))) return pd_errorf(err, PD_ENOMEM, "out of memory");
@@ -485,6 +496,7 @@ static int copy_params(pd_scheduler *s, pd_sched_request *r, const pd_sched_para
         if ((rc = pd_sampler_create(&sp, s->n_vocab, &c->smp, err))) return rc;
         if ((rc = pd_sampler_accept_many(c->smp, r->prompt, (size_t)r->n_prompt, false, err))) return rc;
         if ((rc = pd_generation_create(tok, &p->gen, &c->gen, err))) return rc;
+        if (p->grammar && (rc = pd_grammar_matcher_create(p->grammar, p->grammar_vocab, &c->gm, err))) return rc;
     }
     return PD_OK;
 }
@@ -718,11 +730,22 @@ static int admit(pd_scheduler *s, pd_sched_request *r, pd_error *err) {
 
 /* Sample the next token of a choice from its logits and emit it. Returns a
  * failure of the request (sampling errors), not of the batch. */
-static int take_token(pd_scheduler *s, pd_sched_request *r, int ci, const float *logits, pd_error *err) {
+static int take_token(pd_scheduler *s, pd_sched_request *r, int ci, float *logits, pd_error *err) {
     sched_choice *c = &r->choices[ci];
     pd_sample_result res;
     pd_generation_step step;
-    int rc = pd_sampler_sample(c->smp, logits, &res, err);
+    int rc = PD_OK;
+    if (c->gm) {
+        /* the logits are this step's scratch: masking them in place is
+         * what makes sampling and logprobs see the constrained distribution */
+        const int32_t budget = r->max_tokens - pd_generation_n_tokens(c->gen);
+        const double t0 = pd_now_seconds();
+        rc = pd_grammar_matcher_mask(c->gm, logits, budget, err);
+        m_observe(s->m_mask, pd_now_seconds() - t0);
+    }
+    if (!rc) rc = pd_sampler_sample(c->smp, logits, &res, err);
+    if (!rc && c->gm && !pd_tokenizer_is_eog(pd_model_tokenizer(s->model), res.token))
+        rc = pd_grammar_matcher_accept(c->gm, res.token, err);
     if (!rc) rc = pd_sampler_accept(c->smp, res.token, true, err);
     if (!rc) rc = pd_generation_push(c->gen, res.token, &step, err);
     if (rc) return rc;

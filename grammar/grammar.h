@@ -51,6 +51,9 @@ typedef struct pd_grammar pd_grammar;
  * expected. The result is immutable apart from its internal mask cache
  * (locked), so one grammar serves any number of matchers on any threads. */
 int pd_grammar_compile(const char *text, size_t len, pd_grammar **out, pd_error *err);
+/* Grammars are reference-counted: compile returns one reference, retain
+ * adds one (and returns g), free drops one. A matcher holds its own. */
+pd_grammar *pd_grammar_retain(const pd_grammar *g);
 void pd_grammar_free(pd_grammar *g);
 
 /* ------------------------------------------------------------------------

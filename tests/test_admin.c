@@ -515,6 +515,75 @@ Test(admin, chat_messages_register_the_system_prompt) {
     cr_assert_eq(completion_cached("/v1/chat/completions", body_chat), n);
 }
 
+/* A system prompt with its tool list is one stored prefix: registered with
+ * the same tools, chat requests that offer them use it, and the calls come
+ * back as tool_calls; a repeated tool request hits the automatic cache. */
+Test(admin, a_system_prompt_with_tools_is_a_prefix_and_calls_come_back) {
+    TH_REQUIRE_SHARED();
+    char vpath[1024], mpath[1200];
+    cr_assert_not_null(th_shared_file("vocab/ggml-vocab-phi-3.gguf", vpath, sizeof vpath));
+    pd_testmodel_opts o;
+    pd_error err = {0};
+    cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
+    o.vocab_from = vpath;
+    o.wtype = PD_TYPE_Q8_0;
+    snprintf(mpath, sizeof mpath, "%s/phi3.gguf", tmpdir);
+    cr_assert_eq(pd_testmodel_write(&o, mpath, NULL, &err), PD_OK, "%s", err.msg);
+    start_daemon_on(mpath, "--set admin.token=" TOKEN);
+    const char *tools = "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"description\":\"The weather "
+                        "in a city\",\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\","
+                        "\"maxLength\":12}},\"required\":[\"city\"],\"additionalProperties\":false}}}]";
+    const char *sys = "You are a weather assistant. Use the tools to answer questions about the weather.";
+    char body[4096], *out = NULL;
+    snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"system\",\"content\":\"%s\"}],\"tools\":%s,"
+             "\"policy\":\"knorm\",\"retention\":0.5,\"wait\":true}", sys, tools);
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 201, "%s", out);
+    json_t *j = th_json_parse(out);
+    json_int_t n = th_json_int(json_object_get(j, "prefix"), "tokens", NULL);
+    json_decref(j);
+    free(out);
+    /* the tool block is in the prefix: far longer than the system text alone */
+    cr_assert_gt(n, 60);
+    for (int seed = 0; seed < 3; seed++) {
+        snprintf(body, sizeof body, "{\"model\":\"test\",\"messages\":[{\"role\":\"system\",\"content\":\"%s\"},"
+                 "{\"role\":\"user\",\"content\":\"Weather in Oslo?\"}],\"tools\":%s,\"tool_choice\":\"required\","
+                 "\"max_tokens\":48,\"temperature\":1,\"seed\":%d}", sys, tools, seed);
+        cr_assert_eq(req("POST", "/v1/chat/completions", body, NULL, &out), 200, "%s", out);
+        j = th_json_parse(out);
+        free(out);
+        cr_assert_eq(th_json_int(json_object_get(j, "usage"), "prompt_tokens_details", "cached_tokens"), n);
+        cr_assert_str_eq(json_string_value(json_object_get(json_object_get(j, "prefix"), "kind")), "registered");
+        json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
+        cr_assert_str_eq(json_string_value(json_object_get(ch, "finish_reason")), "tool_calls");
+        json_t *call = json_array_get(json_object_get(json_object_get(ch, "message"), "tool_calls"), 0);
+        json_t *fn = json_object_get(call, "function");
+        cr_assert_str_eq(json_string_value(json_object_get(fn, "name")), "get_weather");
+        json_t *args = json_loads(json_string_value(json_object_get(fn, "arguments")), 0, NULL);
+        cr_assert(json_is_string(json_object_get(args, "city")) && json_object_size(args) == 1);
+        json_decref(args);
+        json_decref(j);
+    }
+    /* Unregistered tools: the second identical request finds the first's
+     * blocks in the automatic cache and still answers with calls. */
+    snprintf(body, sizeof body, "{\"model\":\"test\",\"messages\":[{\"role\":\"system\",\"content\":\"You help with "
+             "time zones and clocks around the world.\"},{\"role\":\"user\",\"content\":\"Time?\"}],\"tools\":"
+             "[{\"type\":\"function\",\"function\":{\"name\":\"get_time\"}}],\"tool_choice\":\"required\","
+             "\"max_tokens\":32,\"temperature\":0}");
+    for (int round = 0; round < 2; round++) {
+        cr_assert_eq(req("POST", "/v1/chat/completions", body, NULL, &out), 200, "%s", out);
+        j = th_json_parse(out);
+        json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
+        cr_assert_str_eq(json_string_value(json_object_get(ch, "finish_reason")), "tool_calls", "%s", out);
+        if (round == 1) {
+            cr_assert_gt(th_json_int(json_object_get(j, "usage"), "prompt_tokens_details", "cached_tokens"), 16, "%s",
+                         out);
+            cr_assert_str_eq(json_string_value(json_object_get(json_object_get(j, "prefix"), "kind")), "auto");
+        }
+        free(out);
+        json_decref(j);
+    }
+}
+
 Test(admin, prefixctl_prefix_end_to_end) {
     char *out = NULL;
     if (th_runf(&out, "%s prefix --help >/dev/null 2>&1", getenv("PD_PREFIXCTL")) != 0) {

@@ -1,0 +1,406 @@
+/* Constrained output: the grammar a request's answer must follow
+ * (response_format, tools with tool_choice), the vocabulary the grammar
+ * masks, and the tool calls read back out of a finished answer. */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+#include "api/api.h"
+
+#define BAD(e, param, ...) pd_api_errorf((e), 400, PD_API_ERR_INVALID, (param), NULL, __VA_ARGS__)
+#define OOM(e) pd_api_errorf((e), 503, PD_API_ERR_OVERLOADED, NULL, "out_of_memory", "out of memory building the grammar")
+
+/* ---------------------------------------------------------------- vocabulary */
+
+int pd_api_grammar_vocab(const pd_tokenizer *tok, pd_grammar_vocab **out, pd_error *err) {
+    *out = NULL;
+    const int32_t n = pd_tokenizer_n_vocab(tok);
+    char **pieces = calloc((size_t)n, sizeof *pieces);
+    uint32_t *lens = calloc((size_t)n, sizeof *lens);
+    uint8_t *kinds = calloc((size_t)n, 1);
+    int rc = PD_OK;
+    if (!pieces || !lens || !kinds) {
+        rc = pd_errorf(err, PD_ENOMEM, "out of memory for the grammar vocabulary (%d tokens)", n);
+        goto done;
+    }
+    char buf[256];
+    for (int32_t i = 0; i < n; i++) {
+        if (pd_tokenizer_is_eog(tok, i)) kinds[i] = PD_GTOK_EOG;
+        else if (pd_tokenizer_token_type(tok, i) == PD_TOKEN_TYPE_CONTROL) kinds[i] = PD_GTOK_SPECIAL;
+        else kinds[i] = PD_GTOK_BYTES;
+        int len = kinds[i] == PD_GTOK_BYTES ? pd_token_to_piece(tok, i, false, buf, sizeof buf) : 0;
+        if (len < 0) len = 0;
+        if ((size_t)len > sizeof buf) len = 0; /* a piece longer than any real token: never allowed */
+        pieces[i] = malloc((size_t)len + 1);
+        if (!pieces[i]) {
+            rc = pd_errorf(err, PD_ENOMEM, "out of memory for the grammar vocabulary");
+            goto done;
+        }
+        memcpy(pieces[i], buf, (size_t)len);
+        lens[i] = (uint32_t)len;
+    }
+    rc = pd_grammar_vocab_create(n, (const char *const *)pieces, lens, kinds, out, err);
+done:
+    if (pieces)
+        for (int32_t i = 0; i < n; i++) free(pieces[i]);
+    free(pieces);
+    free(lens);
+    free(kinds);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- grammar text */
+
+typedef struct gbuf {
+    char *s;
+    size_t len, cap;
+    bool oom;
+} gbuf;
+
+static void put(gbuf *b, const char *s, size_t n) {
+    if (b->oom) return;
+    if (b->len + n + 1 > b->cap) {
+        size_t nc = b->cap ? b->cap * 2 : 1024;
+        while (nc < b->len + n + 1) nc *= 2;
+        char *p = realloc(b->s, nc);
+        if (!p) {
+            b->oom = true;
+            return;
+        }
+        b->s = p;
+        b->cap = nc;
+    }
+    memcpy(b->s + b->len, s, n);
+    b->len += n;
+    b->s[b->len] = '\0';
+}
+
+static void puts_(gbuf *b, const char *s) { put(b, s, strlen(s)); }
+
+static void putf(gbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void putf(gbuf *b, const char *fmt, ...) {
+    char tmp[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= sizeof tmp) {
+        b->oom = true;
+        return;
+    }
+    put(b, tmp, (size_t)n);
+}
+
+static void put_literal(gbuf *b, const char *bytes, size_t n) {
+    char *q = pd_grammar_quote(bytes, n);
+    if (!q) {
+        b->oom = true;
+        return;
+    }
+    puts_(b, q);
+    free(q);
+}
+
+/* Text of a tool syntax as grammar elements: a control token of the
+ * vocabulary written in it ("[TOOL_CALLS]" of Mistral's) becomes <[id]>,
+ * since the model emits it as that one token; the rest are literals. */
+static void put_syntax_text(gbuf *b, const pd_tokenizer *tok, const char *text) {
+    size_t n = strlen(text), lit = 0;
+    if (n == 0) {
+        puts_(b, "\"\"");
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (text[i] != '[' && text[i] != '<') continue;
+        for (size_t j = i + 1; j < n && j - i < 32; j++) {
+            if (text[j] != ']' && text[j] != '>') continue;
+            pd_token t = pd_tokenizer_find(tok, text + i, j - i + 1);
+            if (t == PD_TOKEN_NULL || pd_tokenizer_token_type(tok, t) != PD_TOKEN_TYPE_CONTROL) continue;
+            if (i > lit) {
+                put_literal(b, text + lit, i - lit);
+                puts_(b, " ");
+            }
+            putf(b, "<[%d]> ", (int)t);
+            lit = j + 1;
+            i = j;
+            break;
+        }
+    }
+    if (lit < n) put_literal(b, text + lit, n - lit);
+}
+
+/* Whether the syntax text starts with a control token (then plain text can
+ * never begin a call: the model has no bytes that make that token). */
+static bool starts_with_control(const pd_tokenizer *tok, const char *text) {
+    size_t n = strlen(text);
+    for (size_t j = 1; j < n && j < 32; j++) {
+        if (text[j] != ']' && text[j] != '>') continue;
+        pd_token t = pd_tokenizer_find(tok, text, j + 1);
+        if (t != PD_TOKEN_NULL && pd_tokenizer_token_type(tok, t) == PD_TOKEN_TYPE_CONTROL) return true;
+    }
+    return false;
+}
+
+/* The text that marks the start of calls: the open string up to its first
+ * space or newline ("<tool_call>", "[TOOL_CALLS]"), or "{" for a syntax
+ * whose calls are bare JSON (Llama 3). */
+static void syntax_trigger(const pd_chat_tool_syntax *syn, char *out, size_t cap) {
+    size_t n = strcspn(syn->open, " \n");
+    if (n == 0) {
+        snprintf(out, cap, "{");
+        return;
+    }
+    if (n >= cap) n = cap - 1;
+    memcpy(out, syn->open, n);
+    out[n] = '\0';
+}
+
+/* Rules of one schema under a prefix, appended. schema_param names the
+ * request field for a 400. */
+static int put_schema(gbuf *b, const json_t *schema, const char *prefix, const char *schema_param, pd_api_error *e) {
+    char *text = NULL;
+    pd_error err = {0};
+    int rc = pd_json_schema_grammar(schema, prefix, &text, &err);
+    if (rc == PD_ENOMEM) return OOM(e);
+    if (rc) return BAD(e, schema_param, "'%s': %s", schema_param, err.msg);
+    puts_(b, text);
+    puts_(b, "\n");
+    free(text);
+    return PD_OK;
+}
+
+/* Plain text that does not start with `trigger`: ASCII trigger bytes, one
+ * rule per position (the text may stop, differ there, or go on matching). */
+static void put_text_rules(gbuf *b, const char *trigger) {
+    size_t n = strlen(trigger);
+    for (size_t k = 0; k < n; k++) {
+        putf(b, "tc-text%zu ::= \"\" | [^\\x%02x] .*", k, (unsigned char)trigger[k]);
+        if (k + 1 < n) putf(b, " | \"\\x%02x\" tc-text%zu", (unsigned char)trigger[k], k + 1);
+        puts_(b, "\n");
+    }
+}
+
+int pd_api_constraint_build(const pd_api_request *r, pd_chat_family family, const pd_tokenizer *tok,
+                            pd_api_constraint *out, pd_api_error *e) {
+    memset(out, 0, sizeof *out);
+    const bool tools = r->kind == PD_API_CHAT && r->n_tools > 0 && r->tool_choice != PD_API_TOOLS_NONE;
+    if (!tools && r->format == PD_API_FORMAT_TEXT) return PD_OK;
+    gbuf b = {0};
+    int rc = PD_OK;
+    puts_(&b, "tc-ws ::= ( \" \" | \"\\n\" [ \\t]{0,20} )?\n");
+    /* the answer when it is not a call: a document (response_format) */
+    if (r->format == PD_API_FORMAT_JSON_OBJECT) {
+        json_t *obj = json_pack("{s:s}", "type", "object");
+        rc = obj ? put_schema(&b, obj, "fmt", "response_format", e) : OOM(e);
+        json_decref(obj);
+    } else if (r->format == PD_API_FORMAT_JSON_SCHEMA) {
+        rc = put_schema(&b, r->schema, "fmt", "response_format.json_schema.schema", e);
+    }
+    if (rc) goto fail;
+    if (!tools) {
+        puts_(&b, "root ::= fmt\n");
+        goto done;
+    }
+
+    pd_chat_tool_syntax syn;
+    pd_chat_tool_syntax_of(family, &syn);
+    out->tool_calls = true;
+    out->syntax = syn;
+    syntax_trigger(&syn, out->trigger, sizeof out->trigger);
+    puts_(&b, "tc-call ::= ");
+    size_t n_calls = 0;
+    for (size_t i = 0; i < r->n_tools; i++) {
+        if (r->tool_choice == PD_API_TOOLS_NAMED && strcmp(r->tools[i].name, r->tool_choice_name) != 0) continue;
+        putf(&b, "%stc-call%zu", n_calls++ ? " | " : "", i);
+    }
+    puts_(&b, "\n");
+    for (size_t i = 0; i < r->n_tools; i++) {
+        if (r->tool_choice == PD_API_TOOLS_NAMED && strcmp(r->tools[i].name, r->tool_choice_name) != 0) continue;
+        char param[64], prefix[32];
+        snprintf(param, sizeof param, "tools[%zu].function.parameters", i);
+        snprintf(prefix, sizeof prefix, "tc-a%zu", i);
+        json_error_t jerr;
+        json_t *schema = r->tools[i].parameters ? json_loads(r->tools[i].parameters, 0, &jerr)
+                                                : json_pack("{s:s,s:b}", "type", "object", "additionalProperties", 0);
+        if (!schema) {
+            rc = OOM(e);
+            goto fail;
+        }
+        rc = put_schema(&b, schema, prefix, param, e);
+        json_decref(schema);
+        if (rc) goto fail;
+        /* {"name": "NAME", "ARGS": {...}} with the JSON spacing a model writes */
+        putf(&b, "tc-call%zu ::= \"{\" tc-ws \"\\\"name\\\"\" tc-ws \":\" tc-ws \"\\\"%s\\\"\" tc-ws \",\" tc-ws "
+                 "\"\\\"%s\\\"\" tc-ws \":\" tc-ws %s tc-ws \"}\"\n",
+             i, r->tools[i].name, syn.args_key, prefix);
+    }
+    const bool many = syn.parallel && r->parallel_tool_calls && r->tool_choice != PD_API_TOOLS_NAMED;
+    puts_(&b, "tc-calls ::= ");
+    put_syntax_text(&b, tok, syn.open);
+    puts_(&b, " tc-call ");
+    if (!syn.json_list) {
+        put_syntax_text(&b, tok, syn.close);
+        if (many) {
+            puts_(&b, " ( ");
+            put_syntax_text(&b, tok, syn.sep);
+            puts_(&b, " ");
+            put_syntax_text(&b, tok, syn.open);
+            puts_(&b, " tc-call ");
+            put_syntax_text(&b, tok, syn.close);
+            puts_(&b, " )*");
+        }
+    } else {
+        if (many) {
+            puts_(&b, "( ");
+            put_syntax_text(&b, tok, syn.sep);
+            puts_(&b, " tc-call )* ");
+        }
+        put_syntax_text(&b, tok, syn.close);
+    }
+    puts_(&b, "\n");
+    if (r->tool_choice == PD_API_TOOLS_REQUIRED || r->tool_choice == PD_API_TOOLS_NAMED) {
+        puts_(&b, "root ::= tc-calls\n");
+    } else if (r->format != PD_API_FORMAT_TEXT) {
+        puts_(&b, "root ::= tc-calls | fmt\n");
+    } else if (starts_with_control(tok, syn.open)) {
+        puts_(&b, "root ::= tc-calls | .*\n");
+    } else {
+        put_text_rules(&b, out->trigger);
+        puts_(&b, "root ::= tc-calls | tc-text0\n");
+    }
+done:
+    if (b.oom) {
+        rc = OOM(e);
+        goto fail;
+    }
+    out->grammar = b.s;
+    return PD_OK;
+fail:
+    free(b.s);
+    memset(out, 0, sizeof *out);
+    return rc;
+}
+
+void pd_api_constraint_free(pd_api_constraint *c) {
+    if (!c) return;
+    free(c->grammar);
+    memset(c, 0, sizeof *c);
+}
+
+/* ---------------------------------------------------------------- reading calls back */
+
+static size_t skip_ws(const char *t, size_t len, size_t p) {
+    while (p < len && (t[p] == ' ' || t[p] == '\n' || t[p] == '\t' || t[p] == '\r')) p++;
+    return p;
+}
+
+static bool eat(const char *t, size_t len, size_t *p, const char *lit) {
+    size_t n = strlen(lit);
+    if (n > len - *p || memcmp(t + *p, lit, n) != 0) return false;
+    *p += n;
+    return true;
+}
+
+/* One JSON value at t[*p..len); advances past it. */
+static json_t *load_value(const char *t, size_t len, size_t *p) {
+    json_error_t jerr;
+    json_t *v = json_loadb(t + *p, len - *p, JSON_DISABLE_EOF_CHECK | JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);
+    if (v) *p += jerr.position;
+    return v;
+}
+
+static void call_id(char *out, size_t cap) {
+    static const char alphabet[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    unsigned char raw[24] = {0};
+    if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw) {
+        /* ids only need to tell calls apart within a conversation */
+        for (size_t i = 0; i < sizeof raw; i++) raw[i] = (unsigned char)(i * 37 + (uintptr_t)out);
+    }
+    char s[sizeof raw + 1];
+    for (size_t i = 0; i < sizeof raw; i++) s[i] = alphabet[raw[i] % (sizeof alphabet - 1)];
+    s[sizeof raw] = '\0';
+    snprintf(out, cap, "call_%s", s);
+}
+
+static int add_call(const pd_chat_tool_syntax *syn, json_t *obj, pd_api_tool_call **calls, size_t *n) {
+    json_t *name = json_object_get(obj, "name"), *args = json_object_get(obj, syn->args_key);
+    if (!json_is_object(obj) || !json_is_string(name) || !json_is_object(args)) return PD_EFORMAT;
+    pd_api_tool_call *grown = realloc(*calls, (*n + 1) * sizeof **calls);
+    if (!grown) return PD_ENOMEM;
+    *calls = grown;
+    pd_api_tool_call *c = &grown[*n];
+    memset(c, 0, sizeof *c);
+    c->name = strdup(json_string_value(name));
+    c->arguments = json_dumps(args, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    call_id(c->id, sizeof c->id);
+    (*n)++;
+    return c->name && c->arguments ? PD_OK : PD_ENOMEM;
+}
+
+int pd_api_tool_calls_parse(const pd_chat_tool_syntax *syn, const char *t, size_t len, pd_api_tool_call **calls,
+                            size_t *n_calls) {
+    *calls = NULL;
+    *n_calls = 0;
+    char trigger[32];
+    syntax_trigger(syn, trigger, sizeof trigger);
+    if (len < strlen(trigger) || memcmp(t, trigger, strlen(trigger)) != 0) return PD_OK; /* text */
+    size_t p = 0;
+    int rc = PD_EFORMAT;
+    if (syn->json_list) {
+        /* open (which may end with the array's "["), the array, close */
+        size_t open = strlen(syn->open);
+        if (!eat(t, len, &p, syn->open)) goto fail;
+        if (open && syn->open[open - 1] == '[') p--;
+        p = skip_ws(t, len, p);
+        json_t *arr = load_value(t, len, &p);
+        if (!json_is_array(arr)) {
+            json_decref(arr);
+            goto fail;
+        }
+        size_t i;
+        json_t *v;
+        rc = PD_OK;
+        json_array_foreach(arr, i, v) if (!rc) rc = add_call(syn, v, calls, n_calls);
+        json_decref(arr);
+        if (rc) goto fail;
+        const char *close = syn->close;
+        if (close[0] == ']') close++;
+        if (!eat(t, len, &p, close)) goto fail_format;
+    } else {
+        for (;;) {
+            if (!eat(t, len, &p, syn->open)) goto fail_format;
+            p = skip_ws(t, len, p);
+            json_t *obj = load_value(t, len, &p);
+            rc = obj ? add_call(syn, obj, calls, n_calls) : PD_EFORMAT;
+            json_decref(obj);
+            if (rc) goto fail;
+            size_t q = skip_ws(t, len, p);
+            if (syn->close[0] && !eat(t, len, &q, syn->close + (syn->close[0] == '\n' ? 1 : 0))) goto fail_format;
+            p = q;
+            if (skip_ws(t, len, p) == len) break;
+            if (!syn->parallel) goto fail_format;
+            size_t s = p;
+            if (syn->sep[0] && !eat(t, len, &s, syn->sep)) s = skip_ws(t, len, p);
+            p = s;
+        }
+    }
+    if (skip_ws(t, len, p) != len) goto fail_format;
+    return PD_OK;
+fail_format:
+    rc = PD_EFORMAT;
+fail:
+    pd_api_tool_calls_free(*calls, *n_calls);
+    *calls = NULL;
+    *n_calls = 0;
+    return rc;
+}
+
+void pd_api_tool_calls_free(pd_api_tool_call *calls, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        free(calls[i].name);
+        free(calls[i].arguments);
+    }
+    free(calls);
+}
