@@ -363,14 +363,18 @@ static void render_inst(pd_chat_family f, const pd_chat_message *msgs, const cha
         buf_str(b, f == PD_CHAT_LLAMA2 ? "\n<</SYS>>\n\n" : "\n");
         *system_len = b->len;
     }
-    bool open = true; /* inside an [INST] turn that has been written */
+    bool open = true;          /* inside an [INST] turn that has been written */
+    bool after_results = false; /* the model answers right after [/TOOL_RESULTS] */
     for (size_t i = n_lead_sys; i < n; i++) {
         if (roles[i] == ROLE_TOOL) {
             buf_str(b, msgs[i].content);
+            after_results = true;
             continue;
         }
         if (tools_block && !tools_first && i == last_user) buf_str(b, tools_block);
-        if (!open) {
+        const bool answer_to_results = after_results && roles[i] == ROLE_ASSISTANT;
+        after_results = false;
+        if (!open && !answer_to_results) {
             /* Llama 2 chat restarts every exchange with BOS; Mistral's
              * template emits BOS only once, at the very start. */
             buf_str(b, f == PD_CHAT_LLAMA2 ? "<s>[INST] " : "[INST] ");
