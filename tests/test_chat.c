@@ -1360,7 +1360,8 @@ Test(chat, tools_errors) {
               err.msg);
     cr_expect_eq(pd_chat_render_tools(PD_CHAT_PHI3, user, 1, NULL, 1, true, &out, &len, &sys, &err), PD_EINVAL);
 
-    static const char *const bad_args[] = {"[1]", "nope", "", "{\"a\": 1"};
+    /* not an object, not JSON, empty, cut short, an integer beyond 64 bits */
+    static const char *const bad_args[] = {"[1]", "nope", "", "{\"a\": 1", "{\"n\": 123456789012345678901234567890}"};
     for (size_t k = 0; k < sizeof bad_args / sizeof bad_args[0]; k++) {
         const pd_chat_tool_call c[] = {{.name = "f", .arguments = "{}"}, {.name = "g", .arguments = bad_args[k]}};
         const pd_chat_message m[] = {{.role = "user", .content = "hi"},
