@@ -454,9 +454,10 @@ Test(chat, errors) {
 
     cr_expect_eq(pd_chat_render(PD_CHAT_CHATML, NULL, 2, true, &out, &len, &sys, &err), PD_EINVAL);
 
-    static const pd_chat_message tool[] = {{.role = "user", .content = "hi"}, {.role = "tool", .content = "{}"}};
-    cr_expect_eq(pd_chat_render(PD_CHAT_CHATML, tool, 2, true, &out, &len, &sys, &err), PD_EINVAL);
-    cr_expect(strstr(err.msg, "\"tool\"") && strstr(err.msg, "message 1"), "names role and index: %s", err.msg);
+    /* "function" is the role OpenAI retired for "tool" */
+    static const pd_chat_message fn[] = {{.role = "user", .content = "hi"}, {.role = "function", .content = "{}"}};
+    cr_expect_eq(pd_chat_render(PD_CHAT_CHATML, fn, 2, true, &out, &len, &sys, &err), PD_EINVAL);
+    cr_expect(strstr(err.msg, "\"function\"") && strstr(err.msg, "message 1"), "names role and index: %s", err.msg);
     cr_expect_null(out);
 
     static const pd_chat_message upper[] = {{.role = "User", .content = "hi"}};
@@ -989,4 +990,415 @@ Test(chat, phi3_stop_tokens) {
     cr_expect_not(pd_tokenizer_is_eog(t, find_tok(t, "<|user|>")));
     cr_expect_not(pd_tokenizer_is_eog(t, find_tok(t, "<|assistant|>")));
     pd_tokenizer_free(t);
+}
+
+/* ---- tools: the format contract ------------------------------------------- */
+
+/* The expected strings below are written by hand from the real templates:
+ * Qwen2.5-7B-Instruct's and Qwen3-8B's tokenizer_config.json chat_template
+ * (Hermes <tools>/<tool_call>/<tool_response>), Llama-3.1-8B-Instruct's
+ * (JSON tool calling, tools_in_user_message=false, default date_string),
+ * Mistral-7B-Instruct-v0.3's ([AVAILABLE_TOOLS], [TOOL_CALLS],
+ * [TOOL_RESULTS], in the classic [INST] spacing prefixd renders), and
+ * prefixd's generic block (the Hermes one) for the other families. */
+
+/* The tool's parameters are compact on input: the templates' tojson
+ * re-serializes them with ", " and ": ". */
+static const pd_chat_tool weather_tool[] = {{
+    .name = "get_weather",
+    .description = "Get the weather in a city",
+    .parameters = "{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\"}},\"required\":[\"city\"]}",
+}};
+
+#define TOOL_JSON                                                                                                   \
+    "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Get the weather in a "   \
+    "city\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, "          \
+    "\"required\": [\"city\"]}}}"
+
+/* tojson(indent=4), as Llama 3.1 lists its tools */
+#define TOOL_JSON_INDENT4                                                                                           \
+    "{\n"                                                                                                           \
+    "    \"type\": \"function\",\n"                                                                                 \
+    "    \"function\": {\n"                                                                                         \
+    "        \"name\": \"get_weather\",\n"                                                                          \
+    "        \"description\": \"Get the weather in a city\",\n"                                                     \
+    "        \"parameters\": {\n"                                                                                   \
+    "            \"type\": \"object\",\n"                                                                           \
+    "            \"properties\": {\n"                                                                               \
+    "                \"city\": {\n"                                                                                 \
+    "                    \"type\": \"string\"\n"                                                                    \
+    "                }\n"                                                                                           \
+    "            },\n"                                                                                              \
+    "            \"required\": [\n"                                                                                 \
+    "                \"city\"\n"                                                                                    \
+    "            ]\n"                                                                                               \
+    "        }\n"                                                                                                   \
+    "    }\n"                                                                                                       \
+    "}"
+
+/* The Hermes tool block (Qwen2.5/Qwen3, and prefixd's generic form) */
+#define HERMES_BLOCK                                                                                                \
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"                              \
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n" TOOL_JSON              \
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "           \
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "                 \
+    "<args-json-object>}\n</tool_call>"
+
+#define LLAMA3_TOOLS_HEAD                                                                                           \
+    "Environment: ipython\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"                      \
+    "You have access to the following functions. To call a function, please respond with JSON for a function "     \
+    "call.Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its "    \
+    "value}.Do not use variables.\n\n" TOOL_JSON_INDENT4 "\n\n"
+
+#define HERMES_CALL "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
+#define HERMES_RESULT "<tool_response>\n{\"temp_c\": 21}\n</tool_response>"
+
+static const pd_chat_tool_call paris_call[] = {
+    {.id = "call_abc123", .name = "get_weather", .arguments = "{\"city\":\"Paris\"}"}};
+
+/* system, user, an assistant turn that only calls, the tool's result */
+static const pd_chat_message tool_conv[] = {
+    {.role = "system", .content = "You are terse."},
+    {.role = "user", .content = "Weather in Paris?"},
+    {.role = "assistant", .content = "", .tool_calls = paris_call, .n_tool_calls = 1},
+    {.role = "tool", .content = "{\"temp_c\": 21}", .tool_call_id = "call_abc123", .name = "get_weather"},
+};
+
+static const expected_render expected_tools[] = {
+    {PD_CHAT_CHATML,
+     "<|im_start|>system\nYou are terse.\n\n" HERMES_BLOCK "<|im_end|>\n"
+     "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+     "<|im_start|>assistant\n" HERMES_CALL "<|im_end|>\n"
+     "<|im_start|>user\n" HERMES_RESULT "<|im_end|>\n",
+     "<|im_start|>assistant\n", "<|im_start|>system\nYou are terse.\n\n" HERMES_BLOCK "<|im_end|>\n"},
+    {PD_CHAT_QWEN3, /* the call follows the last query and is not last: no think block */
+     "<|im_start|>system\nYou are terse.\n\n" HERMES_BLOCK "<|im_end|>\n"
+     "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+     "<|im_start|>assistant\n" HERMES_CALL "<|im_end|>\n"
+     "<|im_start|>user\n" HERMES_RESULT "<|im_end|>\n",
+     "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+     "<|im_start|>system\nYou are terse.\n\n" HERMES_BLOCK "<|im_end|>\n"},
+    {PD_CHAT_LLAMA3,
+     "<|start_header_id|>system<|end_header_id|>\n\n" LLAMA3_TOOLS_HEAD "You are terse.<|eot_id|>"
+     "<|start_header_id|>user<|end_header_id|>\n\nWeather in Paris?<|eot_id|>"
+     "<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"get_weather\", \"parameters\": {\"city\": "
+     "\"Paris\"}}<|eot_id|>"
+     "<|start_header_id|>ipython<|end_header_id|>\n\n{\"temp_c\": 21}<|eot_id|>",
+     "<|start_header_id|>assistant<|end_header_id|>\n\n",
+     "<|start_header_id|>system<|end_header_id|>\n\n" LLAMA3_TOOLS_HEAD "You are terse.<|eot_id|>"},
+    {PD_CHAT_MISTRAL, /* the only user turn is the last: the tool list opens the text */
+     "[AVAILABLE_TOOLS] [" TOOL_JSON "][/AVAILABLE_TOOLS][INST] You are terse.\nWeather in Paris? [/INST]"
+     "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}, \"id\": \"call_abc123\"}]</s>"
+     "[TOOL_RESULTS] {\"content\": {\"temp_c\": 21}, \"call_id\": \"call_abc123\"}[/TOOL_RESULTS]",
+     "", "[AVAILABLE_TOOLS] [" TOOL_JSON "][/AVAILABLE_TOOLS][INST] You are terse.\n"},
+    {PD_CHAT_LLAMA2,
+     "[INST] <<SYS>>\nYou are terse.\n\n" HERMES_BLOCK "\n<</SYS>>\n\nWeather in Paris? [/INST]" HERMES_CALL
+     "</s><s>[INST] " HERMES_RESULT " [/INST]",
+     "", "[INST] <<SYS>>\nYou are terse.\n\n" HERMES_BLOCK "\n<</SYS>>\n\n"},
+    {PD_CHAT_ZEPHYR,
+     "<|system|>\nYou are terse.\n\n" HERMES_BLOCK "</s>\n"
+     "<|user|>\nWeather in Paris?</s>\n"
+     "<|assistant|>\n" HERMES_CALL "</s>\n"
+     "<|user|>\n" HERMES_RESULT "</s>\n",
+     "<|assistant|>\n", "<|system|>\nYou are terse.\n\n" HERMES_BLOCK "</s>\n"},
+    {PD_CHAT_PHI3,
+     "<|system|>\nYou are terse.\n\n" HERMES_BLOCK "<|end|>\n"
+     "<|user|>\nWeather in Paris?<|end|>\n"
+     "<|assistant|>\n" HERMES_CALL "<|end|>\n"
+     "<|user|>\n" HERMES_RESULT "<|end|>\n",
+     "<|assistant|>\n", "<|system|>\nYou are terse.\n\n" HERMES_BLOCK "<|end|>\n"},
+    {PD_CHAT_GEMMA,
+     "<start_of_turn>user\nYou are terse.\n\n" HERMES_BLOCK "\n\nWeather in Paris?<end_of_turn>\n"
+     "<start_of_turn>model\n" HERMES_CALL "<end_of_turn>\n"
+     "<start_of_turn>user\n" HERMES_RESULT "<end_of_turn>\n",
+     "<start_of_turn>model\n", "<start_of_turn>user\nYou are terse.\n\n" HERMES_BLOCK "\n\n"},
+};
+
+static char *render_tools(pd_chat_family f, const pd_chat_message *m, size_t n, const pd_chat_tool *tools,
+                          size_t n_tools, bool gen, size_t *sys_len) {
+    char *out = NULL;
+    pd_error err = {0};
+    size_t l = 0, s = 0;
+    int rc = pd_chat_render_tools(f, m, n, tools, n_tools, gen, &out, &l, &s, &err);
+    cr_assert_eq(rc, PD_OK, "%s: %s", pd_chat_family_name(f), err.msg);
+    cr_assert_not_null(out);
+    cr_assert_eq(strlen(out), l, "%s: length matches the NUL-terminated text", pd_chat_family_name(f));
+    if (sys_len) *sys_len = s;
+    return out;
+}
+
+static char *concat(const char *a, const char *b) {
+    size_t na = strlen(a), nb = strlen(b);
+    char *s = malloc(na + nb + 1);
+    cr_assert_not_null(s);
+    memcpy(s, a, na);
+    memcpy(s + na, b, nb + 1);
+    return s;
+}
+
+Test(chat, tools_render_every_family_exactly) {
+    cr_assert_eq(sizeof expected_tools / sizeof expected_tools[0], PD_CHAT_FAMILY_COUNT - 1, "every family");
+    for (size_t k = 0; k < sizeof expected_tools / sizeof expected_tools[0]; k++) {
+        const expected_render *e = &expected_tools[k];
+        const char *name = pd_chat_family_name(e->f);
+        size_t sys = 0;
+        char *got = render_tools(e->f, tool_conv, 4, weather_tool, 1, false, &sys);
+        cr_expect_str_eq(got, e->text, "%s without generation prompt", name);
+        cr_expect_eq(sys, strlen(e->prefix), "%s: system_len covers the system text and its tools", name);
+        cr_expect(strncmp(got, e->prefix, strlen(e->prefix)) == 0, "%s: the prefix leads the text", name);
+        free(got);
+
+        char *want = concat(e->text, e->gen);
+        got = render_tools(e->f, tool_conv, 4, weather_tool, 1, true, &sys);
+        cr_expect_str_eq(got, want, "%s with generation prompt", name);
+        cr_expect_eq(sys, strlen(e->prefix), "%s", name);
+        free(got);
+        free(want);
+
+        /* The system message with its tools alone is that prefix: a system
+         * prompt with a tool list can be registered and found again. */
+        got = render_tools(e->f, tool_conv, 1, weather_tool, 1, false, &sys);
+        cr_expect_str_eq(got, e->prefix, "%s: system + tools alone render to the prefix", name);
+        cr_expect_eq(sys, strlen(got), "%s", name);
+        free(got);
+    }
+}
+
+/* Without tools, pd_chat_render_tools is pd_chat_render, and the tool turns
+ * of a conversation still render the family's way. */
+Test(chat, tools_none_offered) {
+    for (int f = 1; f < PD_CHAT_FAMILY_COUNT; f++) {
+        size_t sys_a = 0, sys_b = 0, len = 0;
+        char *a = render((pd_chat_family)f, conv4, 4, true, &len, &sys_a);
+        char *b = render_tools((pd_chat_family)f, conv4, 4, NULL, 0, true, &sys_b);
+        cr_expect_str_eq(a, b, "%s", pd_chat_family_name((pd_chat_family)f));
+        cr_expect_eq(sys_a, sys_b);
+        free(a);
+        free(b);
+    }
+    char *got = render(PD_CHAT_CHATML, tool_conv + 1, 3, true, NULL, NULL);
+    cr_expect_str_eq(got, "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+                          "<|im_start|>assistant\n" HERMES_CALL "<|im_end|>\n"
+                          "<|im_start|>user\n" HERMES_RESULT "<|im_end|>\n"
+                          "<|im_start|>assistant\n");
+    free(got);
+    got = render(PD_CHAT_MISTRAL, tool_conv + 1, 3, false, NULL, NULL);
+    cr_expect_str_eq(got, "[INST] Weather in Paris? [/INST]"
+                          "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}, \"id\": "
+                          "\"call_abc123\"}]</s>"
+                          "[TOOL_RESULTS] {\"content\": {\"temp_c\": 21}, \"call_id\": \"call_abc123\"}[/TOOL_RESULTS]");
+    free(got);
+}
+
+/* No system message: Qwen3's layout (the block alone in a system turn; no
+ * Qwen2.5 default "You are Qwen..." text), a system turn / first user turn
+ * made for the others. */
+Test(chat, tools_without_system_message) {
+    size_t sys = 0;
+    char *got = render_tools(PD_CHAT_CHATML, tool_conv + 1, 1, weather_tool, 1, true, &sys);
+    static const char chatml_sys[] = "<|im_start|>system\n" HERMES_BLOCK "<|im_end|>\n";
+    cr_expect_str_eq(got, "<|im_start|>system\n" HERMES_BLOCK "<|im_end|>\n"
+                          "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n");
+    cr_expect_eq(sys, strlen(chatml_sys));
+    free(got);
+
+    got = render_tools(PD_CHAT_LLAMA3, tool_conv + 1, 1, weather_tool, 1, false, &sys);
+    static const char llama3_sys[] = "<|start_header_id|>system<|end_header_id|>\n\n" LLAMA3_TOOLS_HEAD "<|eot_id|>";
+    cr_expect_str_eq(got, "<|start_header_id|>system<|end_header_id|>\n\n" LLAMA3_TOOLS_HEAD "<|eot_id|>"
+                          "<|start_header_id|>user<|end_header_id|>\n\nWeather in Paris?<|eot_id|>");
+    cr_expect_eq(sys, strlen(llama3_sys), "the block keeps its trailing blank line (not trimmed)");
+    free(got);
+
+    got = render_tools(PD_CHAT_GEMMA, tool_conv + 1, 1, weather_tool, 1, true, &sys);
+    cr_expect_str_eq(got, "<start_of_turn>user\n" HERMES_BLOCK "\n\nWeather in Paris?<end_of_turn>\n"
+                          "<start_of_turn>model\n");
+    cr_expect_eq(sys, strlen("<start_of_turn>user\n" HERMES_BLOCK "\n\n"));
+    free(got);
+
+    got = render_tools(PD_CHAT_MISTRAL, tool_conv + 1, 1, weather_tool, 1, false, &sys);
+    cr_expect_str_eq(got, "[AVAILABLE_TOOLS] [" TOOL_JSON "][/AVAILABLE_TOOLS][INST] Weather in Paris? [/INST]");
+    cr_expect_eq(sys, strlen("[AVAILABLE_TOOLS] [" TOOL_JSON "][/AVAILABLE_TOOLS]"));
+    free(got);
+}
+
+/* Mistral puts its list before the last user turn, so in a longer
+ * conversation the system prefix is the one without tools. */
+Test(chat, tools_mistral_before_last_user_turn) {
+    size_t sys = 0;
+    char *got = render_tools(PD_CHAT_MISTRAL, conv4, 4, weather_tool, 1, false, &sys);
+    cr_expect_str_eq(got, "[INST] You are terse.\nHello [/INST]Hi there</s>"
+                          "[AVAILABLE_TOOLS] [" TOOL_JSON "][/AVAILABLE_TOOLS][INST] Who are you? [/INST]");
+    cr_expect_eq(sys, strlen("[INST] You are terse.\n"));
+    free(got);
+}
+
+/* Qwen writes text before the calls, parallel calls one block each, and
+ * consecutive results in one user turn; Mistral lists parallel calls in
+ * one array and keeps each result in its own [TOOL_RESULTS]. */
+Test(chat, tools_parallel_calls_and_results) {
+    static const pd_chat_tool_call two[] = {
+        {.id = "aaaaaaaaa", .name = "get_weather", .arguments = "{\"city\": \"Paris\"}"},
+        {.id = "bbbbbbbbb", .name = "get_weather", .arguments = "{\"city\": \"Oslo\"}"},
+    };
+    static const pd_chat_message m[] = {
+        {.role = "user", .content = "Paris and Oslo?"},
+        {.role = "assistant", .content = "Checking.", .tool_calls = two, .n_tool_calls = 2},
+        {.role = "tool", .content = "21", .tool_call_id = "aaaaaaaaa"},
+        {.role = "tool", .content = "9", .tool_call_id = "bbbbbbbbb"},
+        {.role = "assistant", .content = "Paris 21, Oslo 9."},
+    };
+    char *got = render_tools(PD_CHAT_CHATML, m, 5, NULL, 0, false, NULL);
+    cr_expect_str_eq(got,
+                     "<|im_start|>user\nParis and Oslo?<|im_end|>\n"
+                     "<|im_start|>assistant\nChecking.\n"
+                     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n"
+                     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"
+                     "<|im_end|>\n"
+                     "<|im_start|>user\n<tool_response>\n21\n</tool_response>\n<tool_response>\n9\n</tool_response>"
+                     "<|im_end|>\n"
+                     "<|im_start|>assistant\nParis 21, Oslo 9.<|im_end|>\n");
+    free(got);
+    got = render_tools(PD_CHAT_MISTRAL, m, 5, NULL, 0, false, NULL);
+    cr_expect_str_eq(got, "[INST] Paris and Oslo? [/INST]"
+                          "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}, \"id\": "
+                          "\"aaaaaaaaa\"}, {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}, \"id\": "
+                          "\"bbbbbbbbb\"}]</s>"
+                          "[TOOL_RESULTS] {\"content\": 21, \"call_id\": \"aaaaaaaaa\"}[/TOOL_RESULTS]"
+                          "[TOOL_RESULTS] {\"content\": 9, \"call_id\": \"bbbbbbbbb\"}[/TOOL_RESULTS]"
+                          "Paris 21, Oslo 9.</s>");
+    free(got);
+    /* Qwen3: the tool results are not a new query, so the final answer
+     * (after the last query, and last) gets its empty think block */
+    got = render_tools(PD_CHAT_QWEN3, m, 5, NULL, 0, false, NULL);
+    cr_expect(strstr(got, "</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+                          "Paris 21, Oslo 9.<|im_end|>\n") != NULL,
+              "%s", got);
+    free(got);
+}
+
+/* The rendered call is exactly what pd_chat_tool_syntax_of says the model
+ * writes, so the parser reads back what the prompt shows. */
+Test(chat, tools_syntax_matches_rendered_calls) {
+    for (int f = 1; f < PD_CHAT_FAMILY_COUNT; f++) {
+        pd_chat_tool_syntax syn = {0};
+        pd_chat_tool_syntax_of((pd_chat_family)f, &syn);
+        cr_assert(syn.open && syn.close && syn.sep && syn.args_key);
+        char call[256];
+        snprintf(call, sizeof call, "%s{\"name\": \"get_weather\", \"%s\": {\"city\": \"Paris\"}%s}%s", syn.open,
+                 syn.args_key, f == PD_CHAT_MISTRAL ? ", \"id\": \"call_abc123\"" : "", syn.close);
+        char *got = render_tools((pd_chat_family)f, tool_conv + 1, 2, NULL, 0, false, NULL);
+        cr_expect(strstr(got, call) != NULL, "%s: %s not in %s", pd_chat_family_name((pd_chat_family)f), call, got);
+        free(got);
+    }
+    pd_chat_tool_syntax syn;
+    pd_chat_tool_syntax_of(PD_CHAT_LLAMA3, &syn);
+    cr_expect_not(syn.parallel);
+    cr_expect_str_eq(syn.args_key, "parameters");
+    pd_chat_tool_syntax_of(PD_CHAT_MISTRAL, &syn);
+    cr_expect(syn.json_list && syn.parallel);
+    cr_expect_str_eq(syn.open, "[TOOL_CALLS] [");
+    cr_expect_str_eq(syn.sep, ", ");
+    pd_chat_tool_syntax_of(PD_CHAT_PHI3, &syn);
+    cr_expect(!syn.json_list && syn.parallel);
+    cr_expect_str_eq(syn.open, "<tool_call>\n");
+    cr_expect_str_eq(syn.close, "\n</tool_call>");
+    pd_chat_tool_syntax_of(PD_CHAT_NONE, &syn); /* every family has one */
+    cr_expect_str_eq(syn.open, "<tool_call>\n");
+    pd_chat_tool_syntax_of(PD_CHAT_CHATML, NULL); /* ignored */
+}
+
+/* Arguments are re-serialized as Python's json.dumps (the templates'
+ * tojson) writes them; the expected strings are what CPython 3 prints. */
+Test(chat, tools_json_as_python_writes_it) {
+    static const pd_chat_tool_call c[] = {{
+        .name = "f",
+        .arguments = "{\"b\":1,\"a\":[],\"c\":{},\"d\":\"\xc3\xa9\\\"\\\\\\n\\u0001/\",\"e\":0.1,\"f\":1e16,"
+                     "\"g\":1.5e-5,\"h\":-0.0,\"i\":1e2,\"j\":true,\"k\":null,\"l\":12345678901234,"
+                     "\"m\":[1,{\"x\":[]}],\"n\":123456789.125,\"o\":1e-4,\"p\":3.0e15,\"b\":2}",
+    }};
+    static const pd_chat_message m[] = {{.role = "assistant", .content = "", .tool_calls = c, .n_tool_calls = 1}};
+    char *got = render_tools(PD_CHAT_LLAMA3, m, 1, NULL, 0, false, NULL);
+    /* key order kept (a repeated key keeps its place and takes the last
+     * value, as a Python dict); UTF-8 as is; floats in repr form */
+    cr_expect_str_eq(got, "<|start_header_id|>assistant<|end_header_id|>\n\n"
+                          "{\"name\": \"f\", \"parameters\": {\"b\": 2, \"a\": [], \"c\": {}, "
+                          "\"d\": \"\xc3\xa9\\\"\\\\\\n\\u0001/\", \"e\": 0.1, \"f\": 1e+16, \"g\": 1.5e-05, "
+                          "\"h\": -0.0, \"i\": 100.0, \"j\": true, \"k\": null, \"l\": 12345678901234, "
+                          "\"m\": [1, {\"x\": []}], \"n\": 123456789.125, \"o\": 0.0001, "
+                          "\"p\": 3000000000000000.0}}<|eot_id|>");
+    free(got);
+
+    /* indent=4 with empty containers and nesting, as json.dumps(indent=4) */
+    static const pd_chat_tool t[] = {{.name = "g", .parameters = "{\"a\":[],\"b\":{},\"m\":[1,{\"x\":[2]}]}"}};
+    static const pd_chat_message u[] = {{.role = "user", .content = "go"}};
+    got = render_tools(PD_CHAT_LLAMA3, u, 1, t, 1, false, NULL);
+    cr_expect(strstr(got, "{\n    \"type\": \"function\",\n    \"function\": {\n        \"name\": \"g\",\n"
+                          "        \"parameters\": {\n            \"a\": [],\n            \"b\": {},\n"
+                          "            \"m\": [\n                1,\n                {\n"
+                          "                    \"x\": [\n                        2\n                    ]\n"
+                          "                }\n            ]\n        }\n    }\n}\n\n<|eot_id|>") != NULL,
+              "%s", got);
+    free(got);
+}
+
+Test(chat, tools_errors) {
+    pd_error err = {0};
+    char *out = NULL;
+    size_t len = 1, sys = 1;
+    static const pd_chat_message user[] = {{.role = "user", .content = "hi"}};
+
+    static const pd_chat_tool unnamed[] = {{.name = "ok"}, {.name = "", .description = "x"}};
+    cr_expect_eq(pd_chat_render_tools(PD_CHAT_CHATML, user, 1, unnamed, 2, true, &out, &len, &sys, &err), PD_EINVAL);
+    cr_expect(strstr(err.msg, "tools[1]") && strstr(err.msg, "name"), "%s", err.msg);
+    cr_expect_null(out);
+    cr_expect_eq(len, 0);
+    cr_expect_eq(sys, 0);
+
+    static const pd_chat_tool bad_schema[] = {{.name = "f", .parameters = "[\"not\", \"an object\"]"}};
+    cr_expect_eq(pd_chat_render_tools(PD_CHAT_PHI3, user, 1, bad_schema, 1, true, &out, &len, &sys, &err), PD_EINVAL);
+    cr_expect(strstr(err.msg, "tools[0]") && strstr(err.msg, "parameters") && strstr(err.msg, "not an object"), "%s",
+              err.msg);
+    cr_expect_eq(pd_chat_render_tools(PD_CHAT_PHI3, user, 1, NULL, 1, true, &out, &len, &sys, &err), PD_EINVAL);
+
+    /* not an object, not JSON, empty, cut short, an integer beyond 64 bits */
+    static const char *const bad_args[] = {"[1]", "nope", "", "{\"a\": 1", "{\"n\": 123456789012345678901234567890}"};
+    for (size_t k = 0; k < sizeof bad_args / sizeof bad_args[0]; k++) {
+        const pd_chat_tool_call c[] = {{.name = "f", .arguments = "{}"}, {.name = "g", .arguments = bad_args[k]}};
+        const pd_chat_message m[] = {{.role = "user", .content = "hi"},
+                                     {.role = "assistant", .content = "", .tool_calls = c, .n_tool_calls = 2}};
+        cr_expect_eq(pd_chat_render(PD_CHAT_QWEN3, m, 2, true, &out, &len, &sys, &err), PD_EINVAL, "%s", bad_args[k]);
+        cr_expect(strstr(err.msg, "message 1") && strstr(err.msg, "tool_calls[1]") && strstr(err.msg, "arguments"),
+                  "%s", err.msg);
+        cr_expect_null(out);
+    }
+
+    static const pd_chat_tool_call nameless[] = {{.name = NULL, .arguments = "{}"}};
+    static const pd_chat_message m1[] = {{.role = "assistant", .content = "", .tool_calls = nameless, .n_tool_calls = 1}};
+    cr_expect_eq(pd_chat_render(PD_CHAT_GEMMA, m1, 1, true, &out, &len, &sys, &err), PD_EINVAL);
+    cr_expect(strstr(err.msg, "message 0") && strstr(err.msg, "tool_calls[0]") && strstr(err.msg, "name"), "%s",
+              err.msg);
+
+    static const pd_chat_message on_user[] = {{.role = "user", .content = "", .tool_calls = paris_call, .n_tool_calls = 1}};
+    cr_expect_eq(pd_chat_render(PD_CHAT_CHATML, on_user, 1, true, &out, &len, &sys, &err), PD_EINVAL);
+    cr_expect(strstr(err.msg, "message 0") && strstr(err.msg, "assistant"), "%s", err.msg);
+
+    /* Llama 3's template writes one call per turn */
+    static const pd_chat_tool_call two[] = {{.name = "f", .arguments = "{}"}, {.name = "g", .arguments = "{}"}};
+    static const pd_chat_message m2[] = {{.role = "user", .content = "hi"},
+                                         {.role = "assistant", .content = "", .tool_calls = two, .n_tool_calls = 2}};
+    cr_expect_eq(pd_chat_render(PD_CHAT_LLAMA3, m2, 2, true, &out, &len, &sys, &err), PD_EINVAL);
+    cr_expect(strstr(err.msg, "message 1") && strstr(err.msg, "llama3"), "%s", err.msg);
+    cr_expect_eq(pd_chat_render(PD_CHAT_CHATML, m2, 2, true, &out, &len, &sys, &err), PD_OK, "%s", err.msg);
+    free(out);
+    out = NULL;
+
+    /* a result with no call before it, and NULL arguments (no arguments),
+     * are accepted */
+    static const pd_chat_tool_call noargs[] = {{.name = "now", .arguments = NULL}};
+    static const pd_chat_message loose[] = {{.role = "tool", .content = "42"},
+                                            {.role = "assistant", .content = "", .tool_calls = noargs, .n_tool_calls = 1}};
+    cr_expect_eq(pd_chat_render(PD_CHAT_PHI3, loose, 2, false, &out, &len, &sys, &err), PD_OK, "%s", err.msg);
+    cr_expect_str_eq(out, "<|user|>\n<tool_response>\n42\n</tool_response><|end|>\n"
+                          "<|assistant|>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call><|end|>\n");
+    free(out);
 }
