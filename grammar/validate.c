@@ -94,7 +94,9 @@ static bool type_matches(const char *type, const json_t *doc) {
     if (strcmp(type, "null") == 0) return json_is_null(doc);
     if (strcmp(type, "integer") == 0) {
         if (json_is_integer(doc)) return true;
-        double v = json_is_real(doc) ? json_real_value(doc) : 0.5;
+        if (!json_is_real(doc)) return false;
+        double v = json_real_value(doc);
+        if (v >= 9e15 || v <= -9e15) return true; /* doubles this large are all integral */
         return v == (double)(long long)v;
     }
     return false;

@@ -361,6 +361,19 @@ static bool recognize(const rgram *g, const char *start, const char *text, size_
     return false;
 }
 
+TestSuite(schema);
+
+/* The reference recognizer itself, on a hand-written grammar. */
+Test(schema, reference_recognizer) {
+    rgram *g = rgram_parse("# comment\ns ::= \"x\" d{2,3} ( \"y\" | \"z\" )? t\n"
+                           "d ::= [0-9]\nt ::= [^a-c\\x00] ( \"\\\\\" | \"\\u00e9\" )* | \".\"\n");
+    const char *yes[] = {"x12.", "x123z.", "x12d", "x12d\\\xc3\xa9\\", "x99y."};
+    const char *no[] = {"x1.", "x1234.", "x12a", "x12", "x12.\xc3\xa9.", "x12d\xc3", "x12yz."};
+    for (size_t i = 0; i < sizeof yes / sizeof *yes; i++) cr_expect(recognize(g, "s", yes[i], strlen(yes[i])), "%s", yes[i]);
+    for (size_t i = 0; i < sizeof no / sizeof *no; i++) cr_expect(!recognize(g, "s", no[i], strlen(no[i])), "%s", no[i]);
+    rgram_free(g);
+}
+
 /* ======================================================================
  * Helpers
  * ====================================================================== */
@@ -713,8 +726,6 @@ static const char *const pattern_samples[] = {
     "a\"c",            "a\nc",    "abc\x01", "$10",    "$10.50", "$1.5", "",       "d",      "zzz",    "a.c", "a\\c",
     "\xc3\xa9t\xc3\xa9", "a\xf0\x9f\x98\x80" "c", NULL};
 
-TestSuite(schema);
-
 Test(schema, cross_check_objects) {
     const xcase cases[] = {
         {.schema = "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"minLength\":1,\"maxLength\":8},"
@@ -1008,6 +1019,8 @@ Test(schema, validator_keywords) {
         {"{\"type\":\"integer\"}", "3", true, NULL},
         {"{\"type\":\"integer\"}", "3.0", true, NULL},
         {"{\"type\":\"integer\"}", "3.5", false, "#"},
+        {"{\"type\":\"integer\"}", "1e300", true, NULL},
+        {"{\"type\":\"integer\"}", "\"3\"", false, "#"},
         {"{\"type\":[\"string\",\"null\"]}", "null", true, NULL},
         {"{\"type\":[\"string\",\"null\"]}", "1", false, "#"},
         {"{\"enum\":[1,\"a\"]}", "\"a\"", true, NULL},
