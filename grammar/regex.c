@@ -186,7 +186,7 @@ static bool emit_set(pd_sbuf *b, const cp_set *s, bool *simple) {
         free(plain.r);
         return true;
     }
-    *simple = alts == 1 && n_short + n_u == 0;
+    *simple = alts > 1 || n_short + n_u == 0; /* parenthesized, or one class */
     if (alts > 1) pd_sbuf_puts(b, "( ");
     if (plain.n > 0) {
         cp_set all = set_complement(&plain), comp = {0};
@@ -281,6 +281,7 @@ typedef struct rx {
 typedef struct rexpr {
     pd_sbuf t;
     bool simple, never;
+    int elems; /* items of a sequence */
 } rexpr;
 
 static int unsupported(rx *r, const char *what) {
@@ -502,7 +503,7 @@ static void flush_literal(rexpr *body, pd_sbuf *pending) {
     free(q);
     pending->len = 0;
     pending->p[0] = '\0';
-    body->simple = false;
+    body->simple = ++body->elems == 1; /* one literal is one token */
 }
 
 static void put_quantified(rexpr *dst, const rexpr *atom, long m, long n) {
@@ -515,10 +516,13 @@ static void put_quantified(rexpr *dst, const rexpr *atom, long m, long n) {
         if (atom->t.len) {
             if (dst->t.len) pd_sbuf_putn(&dst->t, " ", 1);
             pd_sbuf_puts(&dst->t, pd_sbuf_str(&atom->t));
+            dst->simple = ++dst->elems == 1 && atom->simple;
         }
         return;
     }
     if (n == 0) return;
+    dst->elems++;
+    dst->simple = false;
     if (dst->t.len) pd_sbuf_putn(&dst->t, " ", 1);
     if (atom->simple) pd_sbuf_puts(&dst->t, pd_sbuf_str(&atom->t));
     else pd_sbuf_printf(&dst->t, "( %s )", pd_sbuf_str(&atom->t));
@@ -728,7 +732,7 @@ static int parse_seq(rx *r, rexpr *out, bool top) {
             pd_sbuf_printf(t, "%s*", r->char_rule);
             parts++;
         }
-        out->simple = parts == 1 && body.t.len == 0 ? true : (parts == 1 && body.simple);
+        out->simple = parts == 1 && body.elems == 1 && body.simple;
         if (body.t.oom) t->oom = true;
     }
 fail:
