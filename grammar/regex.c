@@ -589,6 +589,8 @@ static int parse_seq(rx *r, rexpr *out, bool top) {
     int rc = PD_OK;
     bool anchored_start = false, anchored_end = false;
     pd_sbuf pending = {0}; /* literal JSON text not yet quoted */
+    rexpr atom = {0};
+    pd_sbuf lit = {0}; /* the JSON spelling of a single-character atom */
     if (top && r->s[r->pos] == '^') {
         anchored_start = true;
         r->pos++;
@@ -597,8 +599,9 @@ static int parse_seq(rx *r, rexpr *out, bool top) {
     for (;;) {
         char c = r->s[r->pos];
         if (!c || c == '|' || c == ')') break;
-        rexpr atom = {0};
-        pd_sbuf lit = {0}; /* the JSON spelling of a single-character atom */
+        pd_sbuf_free(&atom.t);
+        pd_sbuf_free(&lit);
+        atom = (rexpr){0};
         bool is_literal = false;
         size_t at = r->pos;
         if (c == '$') {
@@ -696,10 +699,7 @@ static int parse_seq(rx *r, rexpr *out, bool top) {
             free(set.r);
         }
         long m, n;
-        if ((rc = parse_quantifier(r, &m, &n)) != PD_OK) {
-            pd_sbuf_free(&atom.t);
-            goto fail;
-        }
+        if ((rc = parse_quantifier(r, &m, &n)) != PD_OK) goto fail;
         if (is_literal && m == 1 && n == 1) {
             pd_sbuf_puts(&pending, pd_sbuf_str(&lit)); /* runs of literals become one "..." */
         } else {
@@ -707,8 +707,6 @@ static int parse_seq(rx *r, rexpr *out, bool top) {
             put_quantified(&body, &atom, m, n);
         }
         if (atom.t.oom || lit.oom) body.t.oom = true;
-        pd_sbuf_free(&atom.t);
-        pd_sbuf_free(&lit);
     }
     flush_literal(&body, &pending);
     if (body.never) {
@@ -736,6 +734,8 @@ static int parse_seq(rx *r, rexpr *out, bool top) {
         if (body.t.oom) t->oom = true;
     }
 fail:
+    pd_sbuf_free(&atom.t);
+    pd_sbuf_free(&lit);
     pd_sbuf_free(&body.t);
     pd_sbuf_free(&pending);
     return rc;
