@@ -84,6 +84,9 @@ struct pd_grammar_vocab {
 /* Whether token would be accepted now, without changing the matcher; *min_after
  * (optional) gets the shortest completion after it (-1 for an EOG token). */
 bool pd_grammar_matcher_try(pd_grammar_matcher *m, int32_t token, int64_t *min_after);
+/* Move the live stacks to a fresh frame pool now (done by accept when the
+ * pool has grown; tests force it to check nothing is lost). */
+int pd_grammar_matcher_collect(pd_grammar_matcher *m);
 /* UTF-8 byte-range sequences of the code points [lo, hi] (surrogates and
  * anything above U+10FFFF left out): calls fn once per sequence of n ranges. */
 void pd_grammar_utf8_ranges(uint32_t lo, uint32_t hi,

@@ -640,8 +640,7 @@ static gframe *copy_frame(fpool *to, gframe *f) {
     return f->fwd;
 }
 
-static void maybe_collect(pd_grammar_matcher *m) {
-    if (m->pool.n_frames < m->collect_at) return;
+int pd_grammar_matcher_collect(pd_grammar_matcher *m) {
     fpool fresh = {.g = m->g};
     for (size_t i = 0; i < m->live.n; i++) {
         gframe *f = copy_frame(&fresh, m->live.v[i]);
@@ -651,13 +650,14 @@ static void maybe_collect(pd_grammar_matcher *m) {
                 size_t n = c + 1 == m->pool.n_chunks ? m->pool.used : CHUNK_FRAMES;
                 for (size_t k = 0; k < n; k++) m->pool.chunks[c][k].fwd = NULL;
             }
-            return;
+            return PD_ENOMEM;
         }
-        m->live.v[i] = f;
     }
+    for (size_t i = 0; i < m->live.n; i++) m->live.v[i] = m->live.v[i]->fwd;
     fpool_free(&m->pool);
     m->pool = fresh;
     m->collect_at = 2 * m->pool.n_frames + 65536;
+    return PD_OK;
 }
 
 int pd_grammar_matcher_accept(pd_grammar_matcher *m, int32_t token, pd_error *err) {
@@ -682,7 +682,7 @@ int pd_grammar_matcher_accept(pd_grammar_matcher *m, int32_t token, pd_error *er
     m->next = t;
     m->complete = complete;
     m->min_bytes = after;
-    maybe_collect(m);
+    if (m->pool.n_frames >= m->collect_at) pd_grammar_matcher_collect(m); /* on failure the old pool stays */
     return PD_OK;
 }
 

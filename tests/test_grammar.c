@@ -3,6 +3,7 @@
  * token tried by its bytes) along random walks, with and without a budget. */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -258,7 +259,7 @@ typedef struct walk_result {
 
 /* One random walk; at every step the mask must equal brute force. */
 static void random_walk(const pd_grammar *g, const pd_grammar_vocab *v, const vocab_spec *s, int32_t budget,
-                        int max_steps, walk_result *res, const char *name) {
+                        int max_steps, walk_result *res, const char *name, bool collect) {
     pd_grammar_matcher *m;
     pd_error err;
     cr_assert_eq(pd_grammar_matcher_create(g, v, &m, &err), PD_OK);
@@ -292,6 +293,7 @@ static void random_walk(const pd_grammar *g, const pd_grammar_vocab *v, const vo
             }
         }
         cr_assert_eq(pd_grammar_matcher_accept(m, pick, &err), PD_OK, "%s: %s", name, err.msg);
+        if (collect) cr_assert_eq(pd_grammar_matcher_collect(m), PD_OK);
         if (s->kinds[pick] == PD_GTOK_EOG) {
             res->ended = true;
             break;
@@ -339,7 +341,7 @@ static void check_grammar(const char *name, const char *text, bool is_json, int 
     srand(42);
     for (int w = 0; w < walks; w++) {
         walk_result r;
-        random_walk(g, v, &s, 0, max_steps, &r, name);
+        random_walk(g, v, &s, 0, max_steps, &r, name, w % 4 == 3);
         if (is_json && r.ended) {
             json_error_t je;
             json_t *doc = json_loadb(r.text, r.len, JSON_DECODE_ANY | JSON_ALLOW_NUL | JSON_DECODE_INT_AS_REAL, &je);
@@ -356,7 +358,7 @@ static void check_grammar(const char *name, const char *text, bool is_json, int 
     for (int w = 0; w < walks; w++) {
         walk_result r;
         int32_t budget = (int32_t)min0 + 1 + (w % 3 == 0 ? 0 : rand() % 30);
-        random_walk(g, v, &s, budget, budget + 1, &r, name);
+        random_walk(g, v, &s, budget, budget + 1, &r, name, w % 4 == 1);
         if (is_json) {
             json_error_t je;
             json_t *doc = json_loadb(r.text, r.len, JSON_DECODE_ANY | JSON_ALLOW_NUL | JSON_DECODE_INT_AS_REAL, &je);
@@ -367,7 +369,7 @@ static void check_grammar(const char *name, const char *text, bool is_json, int 
     }
     /* a budget too small from the start: still a token, the ones that shorten most */
     walk_result r;
-    random_walk(g, v, &s, 1, 1, &r, name);
+    random_walk(g, v, &s, 1, 1, &r, name, false);
     cr_assert(r.ended || min0 > 0);
     pd_grammar_free(g);
     pd_grammar_vocab_free(v);
@@ -498,7 +500,7 @@ Test(grammar, real_vocabulary_json_walks, .timeout = 600) {
     srand(5);
     for (int w = 0; w < 3; w++) {
         walk_result r;
-        random_walk(g, v, &s, 60, 61, &r, "llama-spm json");
+        random_walk(g, v, &s, 60, 61, &r, "llama-spm json", false);
         json_error_t je;
         json_t *doc = json_loadb(r.text, r.len, JSON_DECODE_ANY | JSON_ALLOW_NUL | JSON_DECODE_INT_AS_REAL, &je);
         cr_assert_not_null(doc, "not JSON (%s): '%.*s'", je.text, (int)r.len, r.text);
@@ -509,4 +511,98 @@ Test(grammar, real_vocabulary_json_walks, .timeout = 600) {
     spec_free(&s);
     pd_tokenizer_free(tok);
     pd_gguf_close(gg);
+}
+
+/* One grammar, its cache filled by several threads at once: every thread's
+ * masks along the same token sequence equal those of a lone matcher. */
+typedef struct replay {
+    const pd_grammar *g;
+    const pd_grammar_vocab *v;
+    const int32_t *tokens;
+    int n_tokens;
+    const uint64_t *want; /* per step, the allowed set as bits */
+    size_t words;
+    int mismatches;
+} replay;
+
+static void mask_bits(pd_grammar_matcher *m, int32_t n, float *logits, uint64_t *bits) {
+    pd_error err;
+    for (int32_t t = 0; t < n; t++) logits[t] = 0;
+    int rc = pd_grammar_matcher_mask(m, logits, 0, &err);
+    memset(bits, 0, ((size_t)n + 63) / 64 * 8);
+    if (rc) return;
+    for (int32_t t = 0; t < n; t++)
+        if (!isinf(logits[t])) bits[t / 64] |= 1ull << (t % 64);
+}
+
+static void *replay_thread(void *arg) {
+    replay *r = arg;
+    pd_grammar_matcher *m;
+    pd_error err;
+    int32_t n = pd_grammar_vocab_size(r->v);
+    float *logits = malloc((size_t)n * sizeof *logits);
+    uint64_t *bits = malloc(r->words * 8);
+    if (pd_grammar_matcher_create(r->g, r->v, &m, &err)) {
+        r->mismatches = -1;
+        return NULL;
+    }
+    for (int i = 0; i < r->n_tokens; i++) {
+        mask_bits(m, n, logits, bits);
+        if (memcmp(bits, r->want + (size_t)i * r->words, r->words * 8)) r->mismatches++;
+        if (pd_grammar_matcher_accept(m, r->tokens[i], &err)) r->mismatches++;
+    }
+    pd_grammar_matcher_free(m);
+    free(logits);
+    free(bits);
+    return NULL;
+}
+
+Test(grammar, matchers_on_threads_share_one_grammar, .timeout = 300) {
+    vocab_spec s;
+    int32_t special0, eog0;
+    synthetic_vocab(&s, 2500, 99, &special0, &eog0);
+    pd_grammar_vocab *v = make_vocab(&s);
+    size_t words = ((size_t)s.n + 63) / 64;
+    enum { STEPS = 80, THREADS = 4 };
+    int32_t tokens[STEPS];
+    uint64_t *want = calloc(STEPS * words, 8);
+    float *logits = malloc((size_t)s.n * sizeof *logits);
+    /* the reference: one matcher on its own grammar */
+    pd_grammar *ref = compile_ok(JSON_GBNF);
+    pd_grammar_matcher *m;
+    pd_error err;
+    cr_assert_eq(pd_grammar_matcher_create(ref, v, &m, &err), PD_OK);
+    srand(3);
+    int n_tokens = 0;
+    for (; n_tokens < STEPS; n_tokens++) {
+        uint64_t *bits = want + (size_t)n_tokens * words;
+        mask_bits(m, s.n, logits, bits);
+        int32_t pick = -1, seen = 0;
+        for (int32_t t = 0; t < s.n; t++)
+            if ((bits[t / 64] >> (t % 64) & 1) && s.kinds[t] == PD_GTOK_BYTES && rand() % ++seen == 0) pick = t;
+        if (pick < 0) break;
+        tokens[n_tokens] = pick;
+        cr_assert_eq(pd_grammar_matcher_accept(m, pick, &err), PD_OK);
+    }
+    pd_grammar_matcher_free(m);
+    pd_grammar *shared = compile_ok(JSON_GBNF);
+    pthread_t th[THREADS];
+    replay r[THREADS];
+    for (int i = 0; i < THREADS; i++) {
+        r[i] = (replay){.g = shared, .v = v, .tokens = tokens, .n_tokens = n_tokens, .want = want, .words = words};
+        cr_assert_eq(pthread_create(&th[i], NULL, replay_thread, &r[i]), 0);
+    }
+    for (int i = 0; i < THREADS; i++) {
+        pthread_join(th[i], NULL);
+        cr_assert_eq(r[i].mismatches, 0, "thread %d: %d steps differ", i, r[i].mismatches);
+    }
+    pd_grammar_stats st;
+    pd_grammar_stats_get(shared, &st);
+    cr_assert_eq(st.cache_hits + st.cache_misses > 0, true);
+    free(want);
+    free(logits);
+    pd_grammar_free(ref);
+    pd_grammar_free(shared);
+    pd_grammar_vocab_free(v);
+    spec_free(&s);
 }
