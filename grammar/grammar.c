@@ -869,7 +869,7 @@ static int table_rehash(dfa_builder *d) {
     return PD_OK;
 }
 
-#define DFA_MAX_STATES 2000000
+#define DFA_MAX_STATES 500000
 
 /* The DFA state for a closed, sorted NFA set (added if new). */
 static int dfa_state_of(dfa_builder *d, const ivec *set, int32_t *id) {
@@ -1084,13 +1084,16 @@ static bool relax_rule(pd_grammar *g, pd_grule *r) {
 static int check_left_recursion(pd_grammar *g, parser *p) {
     int32_t n = g->n_rules;
     int rc = PD_ENOMEM;
-    /* left[r] = rules r calls before consuming anything */
-    uint8_t *left = calloc((size_t)n * (size_t)n, 1);
+    /* left[left_off[r] .. left_off[r + 1]) = rules r calls before consuming anything */
+    ivec left = {0};
+    int32_t *left_off = malloc((size_t)(n + 1) * sizeof *left_off);
+    uint32_t *listed = calloc((size_t)n, sizeof *listed);
     uint8_t *seen = NULL;
     int32_t *stack = NULL, *color = NULL, *path = NULL, *iter = NULL;
-    if (!left) goto out;
+    if (!left_off || !listed) goto out;
     for (int32_t r = 0; r < n; r++) {
         const pd_grule *ru = &g->rules[r];
+        left_off[r] = (int32_t)left.n;
         seen = calloc((size_t)ru->n_states, 1);
         stack = malloc((size_t)ru->n_states * sizeof *stack);
         if (!seen || !stack) goto out;
@@ -1101,7 +1104,10 @@ static int check_left_recursion(pd_grammar *g, parser *p) {
             const pd_gstate *st = &ru->states[stack[--sp]];
             for (uint32_t i = 0; i < st->n_ref; i++) {
                 const pd_gsym_edge *e = &ru->refs[st->ref_off + i];
-                left[(size_t)r * (size_t)n + (size_t)e->sym] = 1;
+                if (listed[e->sym] != (uint32_t)r + 1) {
+                    listed[e->sym] = (uint32_t)r + 1;
+                    if (ivec_push(&left, e->sym)) goto out;
+                }
                 const pd_grule *c = &g->rules[e->sym];
                 if (c->states[c->start].min_bytes == 0 && !seen[e->to]) {
                     seen[e->to] = 1;
@@ -1114,7 +1120,8 @@ static int check_left_recursion(pd_grammar *g, parser *p) {
         seen = NULL;
         stack = NULL;
     }
-    /* a cycle in left[] is left recursion: DFS with colours */
+    left_off[n] = (int32_t)left.n;
+    /* a cycle in left is left recursion: DFS with colours */
     color = calloc((size_t)n, sizeof *color);
     path = malloc((size_t)n * sizeof *path);
     iter = malloc((size_t)n * sizeof *iter);
@@ -1123,17 +1130,16 @@ static int check_left_recursion(pd_grammar *g, parser *p) {
         if (color[root]) continue;
         int32_t depth = 0;
         path[0] = root;
-        iter[0] = 0;
+        iter[0] = left_off[root];
         color[root] = 1;
         while (depth >= 0) {
             int32_t r = path[depth];
-            if (iter[depth] >= n) {
+            if (iter[depth] >= left_off[r + 1]) {
                 color[r] = 2;
                 depth--;
                 continue;
             }
-            int32_t c = iter[depth]++;
-            if (!left[(size_t)r * (size_t)n + (size_t)c]) continue;
+            int32_t c = left.v[iter[depth]++];
             if (color[c] == 1) {
                 char chain[300];
                 pd_strbuf b = {chain, sizeof chain, 0};
@@ -1151,13 +1157,15 @@ static int check_left_recursion(pd_grammar *g, parser *p) {
                 color[c] = 1;
                 depth++;
                 path[depth] = c;
-                iter[depth] = 0;
+                iter[depth] = left_off[c];
             }
         }
     }
     rc = PD_OK;
 out:
-    free(left);
+    free(left.v);
+    free(left_off);
+    free(listed);
     free(seen);
     free(stack);
     free(color);

@@ -563,7 +563,7 @@ nomem:
 }
 
 bool pd_grammar_matcher_complete(const pd_grammar_matcher *m) {
-    return m->complete && !m->ended;
+    return m->complete; /* stays true after an EOG: the text it ended was complete */
 }
 
 int64_t pd_grammar_matcher_min_bytes(const pd_grammar_matcher *m) {
