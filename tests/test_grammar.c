@@ -272,7 +272,10 @@ typedef struct walk_result {
     bool ended;
 } walk_result;
 
-/* One random walk; at every step the mask must equal brute force. */
+/* One random walk; at every step the mask must equal brute force. With
+ * `collect`, the matcher moves its stacks to a fresh pool after every token,
+ * and a walk without a budget avoids EOG and takes, every other step, a token
+ * that opens something, for deeper states. */
 static void random_walk(const pd_grammar *g, const pd_grammar_vocab *v, const vocab_spec *s, int32_t budget,
                         int max_steps, walk_result *res, const char *name, bool collect) {
     pd_grammar_matcher *m;
@@ -306,6 +309,22 @@ static void random_walk(const pd_grammar *g, const pd_grammar_vocab *v, const vo
                 cr_assert_eq(logits[t], (float)(t % 7), "an allowed logit is left as it was");
                 if (rand() % ++seen == 0) pick = t;
             }
+        }
+        if (collect && budget == 0) { /* go on, and steer into structure: tokens that open something */
+            int32_t opener = -1, n_opener = 0, other = -1, n_other = 0;
+            for (int32_t t = 0; t < n; t++) {
+                if (!allowed[t] || s->kinds[t] == PD_GTOK_EOG) continue;
+                if (rand() % ++n_other == 0) other = t;
+                if (s->kinds[t] == PD_GTOK_BYTES &&
+                    (memchr(s->pieces[t], '{', s->lens[t]) || memchr(s->pieces[t], '[', s->lens[t]) ||
+                     memchr(s->pieces[t], '"', s->lens[t]) || memchr(s->pieces[t], '(', s->lens[t])) &&
+                    rand() % ++n_opener == 0)
+                    opener = t;
+            }
+            if (opener >= 0 && (step == 0 || step % 2 == 1))
+                pick = opener;
+            else if (other >= 0)
+                pick = other;
         }
         cr_assert_eq(pd_grammar_matcher_accept(m, pick, &err), PD_OK, "%s: %s", name, err.msg);
         if (collect) cr_assert_eq(pd_grammar_matcher_collect(m), PD_OK);
