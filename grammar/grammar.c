@@ -584,6 +584,7 @@ typedef struct nfa {
     nfa_edge *edges;
     int32_t n_edges, cap_edges;
     parser *p;
+    const bool *inline_rule; /* references to these rules are expanded in place */
 } nfa;
 
 #define NFA_MAX_STATES 4000000
@@ -732,6 +733,8 @@ static int build(nfa *a, int32_t id, int32_t from, int32_t *end) {
         return PD_OK;
     }
     case A_REF:
+        if (a->inline_rule[n->sym]) return build(a, p->rules[n->sym].body, from, end);
+        /* fall through */
     case A_TOK: {
         int32_t s = nfa_state(a);
         if (s < 0) goto too_big;
@@ -1174,6 +1177,132 @@ out:
     return rc;
 }
 
+/* ---- inlining -------------------------------------------------------------
+ * A reference to a rule that cannot reach itself is expanded in place. A
+ * small helper rule (a string's `char ::= [^"\\] | ...`) would otherwise be
+ * the top frame of every stack inside a string, and as it ends after one
+ * character, nearly every token would leave it: masks would walk the whole
+ * vocabulary each time instead of using the cached set. Only recursive
+ * rules stay references, and expansions are capped in size. */
+
+#define INLINE_MAX_STATES 1000
+#define EST_CAP 1000000000LL
+
+static int collect_refs(const parser *p, int32_t id, uint32_t *listed, uint32_t stamp, ivec *out) {
+    const ast *n = &p->nodes[id];
+    if (n->kind == A_REF && listed[n->sym] != stamp) {
+        listed[n->sym] = stamp;
+        if (ivec_push(out, n->sym)) return PD_ENOMEM;
+    }
+    for (int i = 0; i < n->n_kids; i++)
+        if (collect_refs(p, n->kids[i], listed, stamp, out)) return PD_ENOMEM;
+    return PD_OK;
+}
+
+static int64_t est_add(int64_t a, int64_t b) {
+    return a + b > EST_CAP ? EST_CAP : a + b;
+}
+
+/* Estimated NFA states of node id with the inlining decided so far. */
+static int64_t estimate(const parser *p, int32_t id, const bool *inline_rule, const int64_t *rule_est) {
+    const ast *n = &p->nodes[id];
+    switch (n->kind) {
+    case A_BYTES: return n->n_bytes + 1;
+    case A_CLASS: return 4 * (int64_t)(n->n_ranges + 1) + 8;
+    case A_TOK: return 1;
+    case A_REF: return inline_rule[n->sym] ? rule_est[n->sym] : 1;
+    case A_REP: {
+        int64_t kid = estimate(p, n->kids[0], inline_rule, rule_est);
+        int64_t copies = n->max < 0 ? (n->min > 1 ? n->min : 1) + 1 : (n->max > 1 ? n->max : 1);
+        return kid > EST_CAP / copies ? EST_CAP : kid * copies + 2;
+    }
+    default: {
+        int64_t sum = 1;
+        for (int i = 0; i < n->n_kids; i++) sum = est_add(sum, estimate(p, n->kids[i], inline_rule, rule_est) + 1);
+        return sum;
+    }
+    }
+}
+
+/* Tarjan's strongly connected components over the call graph: a rule in a
+ * component of two or more, or calling itself, is recursive. Components
+ * complete callees first, so a non-recursive rule's size is known when its
+ * callers need it. */
+static int decide_inlining(const parser *p, bool *inline_rule) {
+    int32_t n = p->n_rules;
+    int rc = PD_ENOMEM;
+    ivec adj = {0}, sccs = {0};
+    int32_t *adj_off = malloc((size_t)(n + 1) * sizeof *adj_off);
+    uint32_t *listed = calloc((size_t)n, sizeof *listed);
+    int32_t *index = malloc((size_t)n * sizeof *index), *low = malloc((size_t)n * sizeof *low);
+    int32_t *call_v = malloc((size_t)n * sizeof *call_v), *call_it = malloc((size_t)n * sizeof *call_it);
+    uint8_t *on = calloc((size_t)n, 1);
+    int64_t *rule_est = calloc((size_t)n, sizeof *rule_est);
+    if (!adj_off || !listed || !index || !low || !call_v || !call_it || !on || !rule_est) goto out;
+    for (int32_t r = 0; r < n; r++) {
+        adj_off[r] = (int32_t)adj.n;
+        if (collect_refs(p, p->rules[r].body, listed, (uint32_t)r + 1, &adj)) goto out;
+    }
+    adj_off[n] = (int32_t)adj.n;
+    for (int32_t r = 0; r < n; r++) index[r] = -1;
+    int32_t next_index = 0;
+    for (int32_t root = 0; root < n; root++) {
+        if (index[root] >= 0) continue;
+        int32_t depth = 0;
+        call_v[0] = root;
+        call_it[0] = adj_off[root];
+        index[root] = low[root] = next_index++;
+        if (ivec_push(&sccs, root)) goto out;
+        on[root] = 1;
+        while (depth >= 0) {
+            int32_t v = call_v[depth];
+            if (call_it[depth] < adj_off[v + 1]) {
+                int32_t w = adj.v[call_it[depth]++];
+                if (index[w] < 0) {
+                    index[w] = low[w] = next_index++;
+                    if (ivec_push(&sccs, w)) goto out;
+                    on[w] = 1;
+                    depth++;
+                    call_v[depth] = w;
+                    call_it[depth] = adj_off[w];
+                } else if (on[w] && index[w] < low[v]) {
+                    low[v] = index[w];
+                }
+                continue;
+            }
+            depth--;
+            if (depth >= 0 && low[v] < low[call_v[depth]]) low[call_v[depth]] = low[v];
+            if (low[v] != index[v]) continue;
+            /* v roots a component: the rules above it on the stack */
+            size_t first = sccs.n;
+            while (sccs.v[first - 1] != v) first--;
+            first--;
+            bool recursive = sccs.n - first > 1;
+            for (int32_t k = adj_off[v]; k < adj_off[v + 1] && !recursive; k++)
+                if (adj.v[k] == v) recursive = true;
+            for (size_t k = first; k < sccs.n; k++) on[sccs.v[k]] = 0;
+            sccs.n = first;
+            if (!recursive) {
+                rule_est[v] = estimate(p, p->rules[v].body, inline_rule, rule_est);
+                inline_rule[v] = rule_est[v] <= INLINE_MAX_STATES;
+            }
+        }
+    }
+    rc = PD_OK;
+out:
+    free(adj.v);
+    free(sccs.v);
+    free(adj_off);
+    free(listed);
+    free(index);
+    free(low);
+    free(call_v);
+    free(call_it);
+    free(on);
+    free(rule_est);
+    return rc;
+}
+
 /* ---- compile ------------------------------------------------------------- */
 
 void pd_grammar_free(pd_grammar *g) {
@@ -1196,6 +1325,7 @@ int pd_grammar_compile(const char *text, size_t len, pd_grammar **out, pd_error 
     parser p = {.text = text, .len = len, .err = err};
     nfa a = {.p = &p};
     pd_grammar *g = NULL;
+    bool *inline_rule = NULL;
     int rc = parse_grammar(&p);
     if (rc) goto out;
     int32_t root = -1;
@@ -1206,6 +1336,9 @@ int pd_grammar_compile(const char *text, size_t len, pd_grammar **out, pd_error 
         goto out;
     }
     rc = PD_ENOMEM;
+    inline_rule = calloc((size_t)p.n_rules, sizeof *inline_rule);
+    if (!inline_rule || decide_inlining(&p, inline_rule)) goto out;
+    a.inline_rule = inline_rule;
     g = calloc(1, sizeof *g);
     if (!g) goto out;
     g->rules = calloc((size_t)p.n_rules, sizeof *g->rules);
@@ -1217,9 +1350,10 @@ int pd_grammar_compile(const char *text, size_t len, pd_grammar **out, pd_error 
         g->rules[r].name = strdup(p.rules[r].name);
         if (!g->rules[r].name) goto out;
         a.n_states = a.n_edges = 0;
-        int32_t start = nfa_state(&a), end;
+        int32_t start = nfa_state(&a), end = start;
         if (start < 0) goto out;
-        if ((rc = build(&a, p.rules[r].body, start, &end))) goto out;
+        /* a rule expanded wherever it is used needs no automaton of its own */
+        if ((r == root || !inline_rule[r]) && (rc = build(&a, p.rules[r].body, start, &end))) goto out;
         rc = determinize(&a, start, end, &g->rules[r]);
         if (rc == PD_ERANGE)
             rc = perr(&p, p.rules[r].def_pos, "rule '%s' needs more than %d automaton states", p.rules[r].name,
@@ -1265,6 +1399,7 @@ out:
     pd_grammar_free(g);
     free(a.head);
     free(a.edges);
+    free(inline_rule);
     free_parser(&p);
     return rc;
 }

@@ -413,6 +413,23 @@ Test(grammar, mask_matches_brute_force_json, .timeout = 600) {
     check_grammar("json", JSON_GBNF, true, 40, 60);
 }
 
+/* JSON as llama.cpp's schema converter writes it: helper rules (char,
+ * integer) that the compiler expands in place */
+Test(grammar, mask_matches_brute_force_json_helper_rules, .timeout = 600) {
+    check_grammar("json-char",
+                  "root ::= ws value ws\n"
+                  "value ::= object | array | string | number | (\"true\" | \"false\" | \"null\") space\n"
+                  "object ::= \"{\" space ( string \":\" space value (\",\" space string \":\" space value)* )? \"}\" space\n"
+                  "array ::= \"[\" space ( value (\",\" space value)* )? \"]\" space\n"
+                  "string ::= \"\\\"\" char* \"\\\"\" space\n"
+                  "char ::= [^\"\\\\\\x7F\\x00-\\x1F] | [\\\\] ([\"\\\\bfnrt] | \"u\" [0-9a-fA-F]{4})\n"
+                  "number ::= integer (\".\" [0-9]+)? ([eE] [-+]? [0-9]{1,2})? space\n"
+                  "integer ::= \"-\"? (\"0\" | [1-9] [0-9]{0,15})\n"
+                  "space ::= | \" \" | \"\\n\" [ \\t]{0,20}\n"
+                  "ws ::= [ \\t\\n]*\n",
+                  true, 30, 60);
+}
+
 Test(grammar, mask_matches_brute_force_arithmetic, .timeout = 600) {
     check_grammar("arith",
                   "root ::= expr\nexpr ::= term ((\"+\" | \"-\") term)*\nterm ::= factor ((\"*\" | \"/\") factor)*\n"
@@ -639,4 +656,24 @@ Test(grammar, matchers_on_threads_share_one_grammar, .timeout = 300) {
     pd_grammar_free(shared);
     pd_grammar_vocab_free(v);
     spec_free(&s);
+}
+
+/* Non-recursive rules are expanded where they are used (so a string's
+ * `char` is never the top frame, whose every token would leave it); the
+ * recursive ones stay references. */
+Test(grammar, non_recursive_rules_are_expanded_in_place) {
+    pd_grammar *g = compile_ok("root ::= value\nvalue ::= string | \"[\" value \"]\"\nstring ::= \"\\\"\" char* \"\\\"\"\n"
+                               "char ::= [^\"\\\\] | \"\\\\\" [nt]\n");
+    for (int32_t r = 0; r < g->n_rules; r++) {
+        const pd_grule *ru = &g->rules[r];
+        int64_t refs = 0;
+        for (int32_t s = 0; s < ru->n_states; s++) refs += ru->states[s].n_ref;
+        if (!strcmp(ru->name, "char") || !strcmp(ru->name, "string"))
+            cr_assert_eq(ru->n_states, 1, "%s is expanded, not compiled on its own", ru->name);
+        else if (!strcmp(ru->name, "value"))
+            cr_assert_eq(refs, 1, "value refers only to itself (string is expanded)");
+        else
+            cr_assert_eq(refs, 1, "root refers to value");
+    }
+    pd_grammar_free(g);
 }
