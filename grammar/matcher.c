@@ -796,12 +796,20 @@ int pd_grammar_matcher_mask(pd_grammar_matcher *m, float *logits, int32_t budget
     bool any = false;
     for (size_t k = 0; k < words; k++) {
         uint64_t w = m->bits[k];
-        if (w) any = true;
-        if (w == ~0ull) continue;
         size_t base = k * 64;
         size_t end = base + 64 < (size_t)v->n_vocab ? base + 64 : (size_t)v->n_vocab;
-        for (size_t t = base; t < end; t++)
-            if (!(w >> (t - base) & 1)) logits[t] = -INFINITY;
+        if (w == 0) {
+            for (size_t t = base; t < end; t++) logits[t] = -INFINITY;
+            continue;
+        }
+        any = true;
+        /* only the masked ones: few where most tokens are allowed */
+        uint64_t masked = ~w;
+        if (end - base < 64) masked &= (1ull << (end - base)) - 1;
+        while (masked) {
+            logits[base + (size_t)__builtin_ctzll(masked)] = -INFINITY;
+            masked &= masked - 1;
+        }
     }
     if (!any) rc = pd_errorf(err, PD_ERANGE, "grammar matcher: no token of the vocabulary can continue the text");
 out:
