@@ -631,19 +631,24 @@ bool pd_grammar_matcher_try(pd_grammar_matcher *m, int32_t token, int64_t *min_a
 
 /* Copy the live stacks into a fresh pool once the old one holds mostly
  * frames no live stack uses (walks and dead alternatives add frames). */
-static gframe *copy_frame(fpool *to, gframe *f) {
-    if (!f) return NULL;
-    if (f->fwd) return f->fwd;
-    gframe *parent = NULL;
-    if (f->parent && !(parent = copy_frame(to, f->parent))) return NULL;
-    f->fwd = intern(to, f->rule, f->state, parent);
+static gframe *copy_frame(fpool *to, gframe *f, flist *chain) {
+    /* iteratively (stacks can be as deep as the text is nested): up to the
+     * first frame already copied, then down again */
+    chain->n = 0;
+    for (gframe *x = f; x && !x->fwd; x = x->parent)
+        if (flist_push(chain, x)) return NULL;
+    for (size_t i = chain->n; i-- > 0;) {
+        gframe *x = chain->v[i];
+        gframe *parent = x->parent ? x->parent->fwd : NULL;
+        if (!(x->fwd = intern(to, x->rule, x->state, parent))) return NULL;
+    }
     return f->fwd;
 }
 
 int pd_grammar_matcher_collect(pd_grammar_matcher *m) {
     fpool fresh = {.g = m->g};
     for (size_t i = 0; i < m->live.n; i++) {
-        gframe *f = copy_frame(&fresh, m->live.v[i]);
+        gframe *f = copy_frame(&fresh, m->live.v[i], &m->work);
         if (!f) { /* out of memory: keep the old pool */
             fpool_free(&fresh);
             for (size_t c = 0; c < m->pool.n_chunks; c++) {

@@ -677,3 +677,39 @@ Test(grammar, non_recursive_rules_are_expanded_in_place) {
     }
     pd_grammar_free(g);
 }
+
+/* Stacks as deep as the text is nested: 20000 open arrays, a collection in
+ * the middle, then closed again. */
+Test(grammar, deep_nesting, .timeout = 120) {
+    vocab_spec s;
+    int32_t special0, eog0;
+    synthetic_vocab(&s, 100, 11, &special0, &eog0);
+    pd_grammar_vocab *v = make_vocab(&s);
+    pd_grammar *g = compile_ok(JSON_GBNF);
+    pd_grammar_matcher *m;
+    pd_error err;
+    cr_assert_eq(pd_grammar_matcher_create(g, v, &m, &err), PD_OK);
+    enum { DEPTH = 20000 };
+    for (int i = 0; i < DEPTH; i++) cr_assert_eq(pd_grammar_matcher_accept(m, '[', &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_grammar_matcher_min_bytes(m), DEPTH, "one ']' per open array");
+    cr_assert_eq(pd_grammar_matcher_collect(m), PD_OK);
+    float *logits = calloc((size_t)s.n, sizeof *logits);
+    cr_assert_eq(pd_grammar_matcher_mask(m, logits, 0, &err), PD_OK);
+    cr_assert(!isinf(logits[']']) && !isinf(logits['[']) && isinf(logits['}']) && isinf(logits[eog0]));
+    /* a budget of exactly the shortest completion plus the EOG: only ']'s */
+    for (int32_t t = 0; t < s.n; t++) logits[t] = 0;
+    cr_assert_eq(pd_grammar_matcher_mask(m, logits, DEPTH + 1, &err), PD_OK);
+    for (int32_t t = 0; t < s.n; t++) {
+        bool closes = s.kinds[t] == PD_GTOK_BYTES && s.lens[t] > 0;
+        for (uint32_t b = 0; b < s.lens[t] && closes; b++) closes = s.pieces[t][b] == ']';
+        cr_assert_eq(!isinf(logits[t]), closes, "token %d", t);
+    }
+    for (int i = 0; i < DEPTH; i++) cr_assert_eq(pd_grammar_matcher_accept(m, ']', &err), PD_OK, "%s", err.msg);
+    cr_assert(pd_grammar_matcher_complete(m));
+    cr_assert_eq(pd_grammar_matcher_accept(m, eog0, &err), PD_OK);
+    free(logits);
+    pd_grammar_matcher_free(m);
+    pd_grammar_free(g);
+    pd_grammar_vocab_free(v);
+    spec_free(&s);
+}
