@@ -242,6 +242,10 @@ typedef struct pd_api_tool_call {
 int pd_api_tool_calls_parse(const pd_chat_tool_syntax *syn, const char *text, size_t len, pd_api_tool_call **calls,
                             size_t *n_calls);
 void pd_api_tool_calls_free(pd_api_tool_call *calls, size_t n);
+/* The text that starts calls in a syntax: its open string up to the first
+ * space or newline ("<tool_call>", "[TOOL_CALLS]"), or "{" where calls are
+ * bare JSON (Llama 3). */
+void pd_api_tool_trigger(const pd_chat_tool_syntax *syn, char *out, size_t cap);
 
 /* ------------------------------------------------------------------------
  * Responses

@@ -36,7 +36,7 @@ typedef struct listener {
 
 /* Compiled grammars kept for requests that repeat a schema or a tool list:
  * a grammar caches the token sets of its states, so a warm one masks fast. */
-#define GRAMMAR_CACHE_SLOTS 32
+#define GRAMMAR_CACHE_SLOTS 8
 
 typedef struct grammar_slot {
     char *text;

@@ -95,7 +95,43 @@ void pd_grammar_utf8_ranges(uint32_t lo, uint32_t hi,
                             void (*fn)(void *ctx, int n, const uint8_t *lo_b, const uint8_t *hi_b), void *ctx);
 
 /* Cache lifetime (matcher.c). */
+/* ---- the mask cache (cache.c) ----------------------------------------------- */
+
+typedef struct gentry {
+    uint64_t vocab_id;
+    int32_t rule, state;
+    int32_t n_vocab;
+    uint64_t *accepted; /* tokens consumed within the frame */
+    int32_t n_acc;
+    int64_t min_cost, max_cost; /* local shortest completions over them */
+    int32_t *by_cost;           /* the accepted tokens, cheapest first */
+    int64_t *group_cost;        /* group k: by_cost[group_start[k] .. group_start[k + 1]) */
+    uint32_t *group_start;
+    int32_t n_groups;
+    uint32_t *deps;
+    int32_t n_deps;
+    size_t bytes;
+    uint64_t tick;
+    int refs;
+    bool evicted;
+    struct gentry *next;
+} gentry;
+
+struct pd_gcache {
+    pthread_mutex_t lock;
+    gentry **table;
+    size_t table_cap, n_entries, bytes, cap_bytes;
+    uint64_t tick;
+    int64_t computed, hits, misses;
+};
+
 pd_gcache *pd_gcache_new(void);
 void pd_gcache_free(pd_gcache *c);
+void pd_gentry_free(gentry *e);
+/* The next four: with c->lock held, except release, which takes it. */
+gentry *pd_gcache_find(pd_gcache *c, uint64_t vocab_id, int32_t rule, int32_t state);
+void pd_gcache_insert(pd_gcache *c, gentry *e);
+void pd_gcache_evict(pd_gcache *c);
+void pd_gcache_release(pd_gcache *c, gentry *e);
 
 #endif

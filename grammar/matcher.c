@@ -268,141 +268,7 @@ static int walk_subtree(walk *w, uint32_t node, size_t lo, size_t hi) {
     return PD_OK;
 }
 
-/* ---- the mask cache --------------------------------------------------------- */
-
-typedef struct gentry {
-    uint64_t vocab_id;
-    int32_t rule, state;
-    int32_t n_vocab;
-    uint64_t *accepted; /* tokens consumed within the frame */
-    int32_t n_acc;
-    int64_t min_cost, max_cost; /* local shortest completions over them */
-    int32_t *by_cost;           /* the accepted tokens, cheapest first */
-    int64_t *group_cost;        /* group k: by_cost[group_start[k] .. group_start[k + 1]) */
-    uint32_t *group_start;
-    int32_t n_groups;
-    uint32_t *deps;
-    int32_t n_deps;
-    size_t bytes;
-    uint64_t tick;
-    int refs;
-    bool evicted;
-    struct gentry *next;
-} gentry;
-
-struct pd_gcache {
-    pthread_mutex_t lock;
-    gentry **table;
-    size_t table_cap, n_entries, bytes, cap_bytes;
-    uint64_t tick;
-    int64_t computed, hits, misses;
-};
-
-/* per grammar: a state costs about 1 MiB at a 152k vocabulary (its bitset and
- * its tokens sorted by cost), and the server keeps 8 grammars */
-#define CACHE_CAP_BYTES ((size_t)128 << 20)
-
-pd_gcache *pd_gcache_new(void) {
-    pd_gcache *c = calloc(1, sizeof *c);
-    if (!c) return NULL;
-    c->table_cap = 256;
-    c->table = calloc(c->table_cap, sizeof *c->table);
-    if (!c->table || pthread_mutex_init(&c->lock, NULL)) {
-        free(c->table);
-        free(c);
-        return NULL;
-    }
-    c->cap_bytes = CACHE_CAP_BYTES;
-    return c;
-}
-
-static void entry_free(gentry *e) {
-    if (!e) return;
-    free(e->accepted);
-    free(e->by_cost);
-    free(e->group_cost);
-    free(e->group_start);
-    free(e->deps);
-    free(e);
-}
-
-void pd_gcache_free(pd_gcache *c) {
-    if (!c) return;
-    for (size_t i = 0; i < c->table_cap; i++)
-        for (gentry *e = c->table[i], *next; e; e = next) {
-            next = e->next;
-            entry_free(e);
-        }
-    free(c->table);
-    pthread_mutex_destroy(&c->lock);
-    free(c);
-}
-
-static size_t entry_slot(const pd_gcache *c, uint64_t vocab_id, int32_t rule, int32_t state) {
-    uint64_t h = vocab_id ^ ((uint64_t)(uint32_t)rule << 32 | (uint32_t)state) * 0x9E3779B97F4A7C15ull;
-    h ^= h >> 29;
-    return (size_t)h & (c->table_cap - 1);
-}
-
-static gentry *cache_find(pd_gcache *c, uint64_t vocab_id, int32_t rule, int32_t state) {
-    for (gentry *e = c->table[entry_slot(c, vocab_id, rule, state)]; e; e = e->next)
-        if (e->vocab_id == vocab_id && e->rule == rule && e->state == state) return e;
-    return NULL;
-}
-
-static void cache_unlink(pd_gcache *c, gentry *e) {
-    gentry **pp = &c->table[entry_slot(c, e->vocab_id, e->rule, e->state)];
-    while (*pp != e) pp = &(*pp)->next;
-    *pp = e->next;
-    c->n_entries--;
-    c->bytes -= e->bytes;
-}
-
-/* Evict least recently used entries while over the cap (locked). In-use
- * ones are unlinked now and freed by their last release. */
-static void cache_evict(pd_gcache *c) {
-    while (c->bytes > c->cap_bytes && c->n_entries > 1) {
-        gentry *lru = NULL;
-        for (size_t i = 0; i < c->table_cap; i++)
-            for (gentry *e = c->table[i]; e; e = e->next)
-                if (!lru || e->tick < lru->tick) lru = e;
-        cache_unlink(c, lru);
-        lru->evicted = true;
-        if (lru->refs == 0) entry_free(lru);
-    }
-}
-
-static void cache_insert(pd_gcache *c, gentry *e) {
-    if (c->n_entries + 1 > c->table_cap) {
-        size_t cap = c->table_cap * 2;
-        gentry **t = calloc(cap, sizeof *t);
-        if (t) {
-            gentry **old = c->table;
-            size_t old_cap = c->table_cap;
-            c->table = t;
-            c->table_cap = cap;
-            for (size_t i = 0; i < old_cap; i++)
-                for (gentry *x = old[i], *next; x; x = next) {
-                    next = x->next;
-                    size_t k = entry_slot(c, x->vocab_id, x->rule, x->state);
-                    x->next = t[k];
-                    t[k] = x;
-                }
-            free(old);
-        }
-    }
-    size_t k = entry_slot(c, e->vocab_id, e->rule, e->state);
-    e->next = c->table[k];
-    c->table[k] = e;
-    c->n_entries++;
-    c->bytes += e->bytes;
-}
-
-static void cache_release(pd_gcache *c, gentry *e) {
-    pthread_mutex_lock(&c->lock);
-    if (--e->refs == 0 && e->evicted) entry_free(e);
-    pthread_mutex_unlock(&c->lock);
-}
+/* ---- the mask cache (its storage: cache.c) ------------------------------ */
 
 static int cmp_tok_cost(const void *x, const void *y) {
     const tok_cost *a = x, *b = y;
@@ -460,7 +326,7 @@ static int entry_build(const pd_grammar *g, const pd_grammar_vocab *v, int32_t r
     e = NULL;
     rc = PD_OK;
 out:
-    entry_free(e);
+    pd_gentry_free(e);
     walk_free(&w);
     fpool_free(&pool);
     return rc;
@@ -471,7 +337,7 @@ out:
 static int cache_get(const pd_grammar *g, const pd_grammar_vocab *v, int32_t rule, int32_t state, gentry **out) {
     pd_gcache *c = g->cache;
     pthread_mutex_lock(&c->lock);
-    gentry *e = cache_find(c, v->id, rule, state);
+    gentry *e = pd_gcache_find(c, v->id, rule, state);
     if (e) {
         e->refs++;
         e->tick = ++c->tick;
@@ -482,21 +348,21 @@ static int cache_get(const pd_grammar *g, const pd_grammar_vocab *v, int32_t rul
     }
     c->misses++;
     pthread_mutex_unlock(&c->lock);
-    gentry *built;
+    gentry *built = NULL;
     int rc = entry_build(g, v, rule, state, &built);
     if (rc) return rc;
     pthread_mutex_lock(&c->lock);
-    e = cache_find(c, v->id, rule, state);
+    e = pd_gcache_find(c, v->id, rule, state);
     if (e) { /* another thread built it meanwhile */
-        entry_free(built);
+        pd_gentry_free(built);
     } else {
         e = built;
-        cache_insert(c, e);
+        pd_gcache_insert(c, e);
         c->computed++;
     }
     e->refs++;
     e->tick = ++c->tick;
-    cache_evict(c);
+    pd_gcache_evict(c);
     pthread_mutex_unlock(&c->lock);
     *out = e;
     return PD_OK;
@@ -822,7 +688,7 @@ int pd_grammar_matcher_mask(pd_grammar_matcher *m, float *logits, int32_t budget
     if (!any) rc = pd_errorf(err, PD_ERANGE, "grammar matcher: no token of the vocabulary can continue the text");
 out:
     for (size_t i = 0; i < got; i++)
-        if (m->entries[i]) cache_release(m->g->cache, m->entries[i]);
+        if (m->entries[i]) pd_gcache_release(m->g->cache, m->entries[i]);
     if (rc == PD_ENOMEM) pd_errorf(err, rc, "grammar matcher: out of memory");
     return rc;
 }
