@@ -527,6 +527,7 @@ Test(admin, a_system_prompt_with_tools_is_a_prefix_and_calls_come_back) {
     cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
     o.vocab_from = vpath;
     o.wtype = PD_TYPE_Q8_0;
+    o.n_ctx = 1024; /* a system prompt with its tool list is ~200 tokens */
     snprintf(mpath, sizeof mpath, "%s/phi3.gguf", tmpdir);
     cr_assert_eq(pd_testmodel_write(&o, mpath, NULL, &err), PD_OK, "%s", err.msg);
     start_daemon_on(mpath, "--set admin.token=" TOKEN);

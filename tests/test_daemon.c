@@ -331,6 +331,7 @@ static void phi3_model(char *path, size_t cap) {
     cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
     o.vocab_from = vpath;
     o.wtype = PD_TYPE_Q8_0;
+    o.n_ctx = 1024; /* a system prompt with its tool list is ~200 tokens */
     snprintf(path, cap, "%s/phi3.gguf", tmpdir);
     cr_assert_eq(pd_testmodel_write(&o, path, NULL, &err), PD_OK, "%s", err.msg);
 }

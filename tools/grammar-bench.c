@@ -27,7 +27,7 @@
 #include <time.h>
 
 #include "engine/gguf.h"
-#include "engine/tokenizer.h"
+#include "engine/engine.h"
 #include "grammar/grammar.h"
 
 static const char json_grammar[] =
@@ -166,13 +166,43 @@ static void usage(FILE *f) {
           "  --steps N         tokens per walk at most, and the budget (default 200)\n"
           "  --seed S          random seed (default 1)\n"
           "  --pad-to N        add joined pieces up to N tokens\n"
-          "  --grammar FILE    GBNF instead of the built-in JSON grammar\n",
+          "  --grammar FILE    GBNF instead of the built-in JSON grammar\n"
+          "  --decode N        VOCAB.gguf is a model: also time N decode steps (batch 1) and print\n"
+          "                    the mask's cost as a share of one decode step\n"
+          "  --threads N       decode threads (default 2)\n",
           f);
+}
+
+/* The median time of one decode step (batch 1) of the model in path: what
+ * a mask is compared with, on the same machine in the same run. */
+static int decode_median(const char *path, int threads, int steps, double *out_ms, pd_error *err) {
+    pd_model *m = NULL;
+    pd_model_params mp = {.n_threads = threads};
+    int rc = pd_model_load(path, &mp, &m, err);
+    if (rc) return rc;
+    const pd_hparams *hp = pd_model_hparams(m);
+    float *logits = malloc(sizeof(float) * (size_t)hp->n_vocab);
+    double *t = malloc(sizeof(double) * (size_t)steps);
+    pd_seq *s = NULL;
+    rc = logits && t ? pd_seq_create(m, steps + 2, &s, err) : pd_errorf(err, PD_ENOMEM, "out of memory");
+    pd_token tok = 1;
+    for (int i = 0; !rc && i < steps; i++) {
+        double a = now_ms();
+        rc = pd_decode(m, &s, &tok, 1, logits, err);
+        t[i] = now_ms() - a;
+        tok = (pd_token)((tok * 31 + 7) % hp->n_vocab);
+    }
+    if (!rc) *out_ms = pct(t, (size_t)steps, 0.5);
+    pd_seq_free(s);
+    free(logits);
+    free(t);
+    pd_model_free(m);
+    return rc;
 }
 
 int main(int argc, char **argv) {
     const char *gguf = NULL, *encoder = NULL, *grammar_file = NULL;
-    long walks = 20, steps = 200, seed = 1, pad_to = 0;
+    long walks = 20, steps = 200, seed = 1, pad_to = 0, decode_steps = 0, threads = 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         bool has = i + 1 < argc;
@@ -184,6 +214,10 @@ int main(int argc, char **argv) {
             seed = strtol(argv[++i], NULL, 10);
         else if (!strcmp(a, "--pad-to") && has)
             pad_to = strtol(argv[++i], NULL, 10);
+        else if (!strcmp(a, "--decode") && has)
+            decode_steps = strtol(argv[++i], NULL, 10);
+        else if (!strcmp(a, "--threads") && has)
+            threads = strtol(argv[++i], NULL, 10);
         else if (!strcmp(a, "--grammar") && has)
             grammar_file = argv[++i];
         else if (!strcmp(a, "--encoder-json") && has)
@@ -321,6 +355,22 @@ int main(int argc, char **argv) {
     printf("accept           median %.4f ms, p99 %.4f ms\n", pct(acc, n_acc, 0.5), pct(acc, n_acc, 0.99));
     printf("cache            %" PRId64 " states, %.1f MiB, %" PRId64 " hits, %" PRId64 " misses\n", st.states_cached,
            (double)st.cache_bytes / (1024.0 * 1024.0), st.cache_hits, st.cache_misses);
+    if (decode_steps > 0) {
+        if (!gguf || pad_to) {
+            fprintf(stderr, "grammar-bench: --decode needs a model GGUF (with weights) and no --pad-to\n");
+            return 2;
+        }
+        double per_token = 0;
+        if (decode_median(gguf, (int)threads, (int)decode_steps, &per_token, &err)) {
+            fprintf(stderr, "grammar-bench: %s\n", err.msg);
+            return 1;
+        }
+        double wm = n_warm ? warm_sum / (double)n_warm : 0.0;
+        printf("decode           median %.2f ms per token (batch 1, %ld threads, %ld steps)\n", per_token, threads,
+               decode_steps);
+        printf("mask / decode    warm mean %.2f%%, warm p99 %.2f%%, cold median %.1f%%\n", 100.0 * wm / per_token,
+               100.0 * pct(warm, n_warm, 0.99) / per_token, 100.0 * pct(cold, n_cold, 0.5) / per_token);
+    }
     pd_grammar_free(g);
     pd_grammar_vocab_free(v);
     for (int32_t i = 0; i < in.n; i++) free(in.pieces[i]);
