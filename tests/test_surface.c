@@ -191,7 +191,7 @@ Test(surface, role_developer_is_rendered_as_system) {
     /* other unknown roles stay a 400 that names developer among the choices */
     char *out = NULL;
     int st = post("/v1/chat/completions",
-                  "{\"model\":\"test\",\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", NULL, &out);
+                  "{\"model\":\"test\",\"messages\":[{\"role\":\"function\",\"content\":\"x\"}]}", NULL, &out);
     expect_error(st, out, 400, "invalid_request_error", "messages[0].role", NULL);
     cr_expect(strstr(out, "developer"), "%s", out);
     free(out);
