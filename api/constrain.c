@@ -52,63 +52,23 @@ done:
 
 /* ---------------------------------------------------------------- grammar text */
 
-typedef struct gbuf {
-    char *s;
-    size_t len, cap;
-    bool oom;
-} gbuf;
-
-static void put(gbuf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->len + n + 1 > b->cap) {
-        size_t nc = b->cap ? b->cap * 2 : 1024;
-        while (nc < b->len + n + 1) nc *= 2;
-        char *p = realloc(b->s, nc);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->s = p;
-        b->cap = nc;
-    }
-    memcpy(b->s + b->len, s, n);
-    b->len += n;
-    b->s[b->len] = '\0';
-}
-
-static void puts_(gbuf *b, const char *s) { put(b, s, strlen(s)); }
-
-static void putf(gbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void putf(gbuf *b, const char *fmt, ...) {
-    char tmp[512];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n < 0 || (size_t)n >= sizeof tmp) {
-        b->oom = true;
-        return;
-    }
-    put(b, tmp, (size_t)n);
-}
-
-static void put_literal(gbuf *b, const char *bytes, size_t n) {
+static void put_literal(pd_sbuf *b, const char *bytes, size_t n) {
     char *q = pd_grammar_quote(bytes, n);
     if (!q) {
         b->oom = true;
         return;
     }
-    puts_(b, q);
+    pd_sbuf_puts(b, q);
     free(q);
 }
 
 /* Text of a tool syntax as grammar elements: a control token of the
  * vocabulary written in it ("[TOOL_CALLS]" of Mistral's) becomes <[id]>,
  * since the model emits it as that one token; the rest are literals. */
-static void put_syntax_text(gbuf *b, const pd_tokenizer *tok, const char *text) {
+static void put_syntax_text(pd_sbuf *b, const pd_tokenizer *tok, const char *text) {
     size_t n = strlen(text), lit = 0;
     if (n == 0) {
-        puts_(b, "\"\"");
+        pd_sbuf_puts(b, "\"\"");
         return;
     }
     for (size_t i = 0; i < n; i++) {
@@ -119,9 +79,9 @@ static void put_syntax_text(gbuf *b, const pd_tokenizer *tok, const char *text) 
             if (t == PD_TOKEN_NULL || pd_tokenizer_token_type(tok, t) != PD_TOKEN_TYPE_CONTROL) continue;
             if (i > lit) {
                 put_literal(b, text + lit, i - lit);
-                puts_(b, " ");
+                pd_sbuf_puts(b, " ");
             }
-            putf(b, "<[%d]> ", (int)t);
+            pd_sbuf_printf(b, "<[%d]> ", (int)t);
             lit = j + 1;
             i = j;
             break;
@@ -144,26 +104,26 @@ static bool starts_with_control(const pd_tokenizer *tok, const char *text) {
 
 /* Rules of one schema under a prefix, appended. schema_param names the
  * request field for a 400. */
-static int put_schema(gbuf *b, const json_t *schema, const char *prefix, const char *schema_param, pd_api_error *e) {
+static int put_schema(pd_sbuf *b, const json_t *schema, const char *prefix, const char *schema_param, pd_api_error *e) {
     char *text = NULL;
     pd_error err = {0};
     int rc = pd_json_schema_grammar(schema, prefix, &text, &err);
     if (rc == PD_ENOMEM) return OOM(e);
     if (rc) return BAD(e, schema_param, "'%s': %s", schema_param, err.msg);
-    puts_(b, text);
-    puts_(b, "\n");
+    pd_sbuf_puts(b, text);
+    pd_sbuf_puts(b, "\n");
     free(text);
     return PD_OK;
 }
 
 /* Plain text that does not start with `trigger`: ASCII trigger bytes, one
  * rule per position (the text may stop, differ there, or go on matching). */
-static void put_text_rules(gbuf *b, const char *trigger) {
+static void put_text_rules(pd_sbuf *b, const char *trigger) {
     size_t n = strlen(trigger);
     for (size_t k = 0; k < n; k++) {
-        putf(b, "tc-text%zu ::= \"\" | [^\\x%02x] .*", k, (unsigned char)trigger[k]);
-        if (k + 1 < n) putf(b, " | \"\\x%02x\" tc-text%zu", (unsigned char)trigger[k], k + 1);
-        puts_(b, "\n");
+        pd_sbuf_printf(b, "tc-text%zu ::= \"\" | [^\\x%02x] .*", k, (unsigned char)trigger[k]);
+        if (k + 1 < n) pd_sbuf_printf(b, " | \"\\x%02x\" tc-text%zu", (unsigned char)trigger[k], k + 1);
+        pd_sbuf_puts(b, "\n");
     }
 }
 
@@ -172,9 +132,9 @@ int pd_api_constraint_build(const pd_api_request *r, pd_chat_family family, cons
     memset(out, 0, sizeof *out);
     const bool tools = r->kind == PD_API_CHAT && r->n_tools > 0 && r->tool_choice != PD_API_TOOLS_NONE;
     if (!tools && r->format == PD_API_FORMAT_TEXT) return PD_OK;
-    gbuf b = {0};
+    pd_sbuf b = {0};
     int rc = PD_OK;
-    puts_(&b, "tc-ws ::= ( \" \" | \"\\n\" [ \\t]{0,20} )?\n");
+    pd_sbuf_puts(&b, "tc-ws ::= ( \" \" | \"\\n\" [ \\t]{0,20} )?\n");
     /* the answer when it is not a call: a document (response_format) */
     if (r->format == PD_API_FORMAT_JSON_OBJECT) {
         json_t *obj = json_pack("{s:s}", "type", "object");
@@ -185,7 +145,7 @@ int pd_api_constraint_build(const pd_api_request *r, pd_chat_family family, cons
     }
     if (rc) goto fail;
     if (!tools) {
-        puts_(&b, "root ::= fmt\n");
+        pd_sbuf_puts(&b, "root ::= fmt\n");
         goto done;
     }
 
@@ -194,13 +154,13 @@ int pd_api_constraint_build(const pd_api_request *r, pd_chat_family family, cons
     out->tool_calls = true;
     out->syntax = syn;
     pd_api_tool_trigger(&syn, out->trigger, sizeof out->trigger);
-    puts_(&b, "tc-call ::= ");
+    pd_sbuf_puts(&b, "tc-call ::= ");
     size_t n_calls = 0;
     for (size_t i = 0; i < r->n_tools; i++) {
         if (r->tool_choice == PD_API_TOOLS_NAMED && strcmp(r->tools[i].name, r->tool_choice_name) != 0) continue;
-        putf(&b, "%stc-call%zu", n_calls++ ? " | " : "", i);
+        pd_sbuf_printf(&b, "%stc-call%zu", n_calls++ ? " | " : "", i);
     }
-    puts_(&b, "\n");
+    pd_sbuf_puts(&b, "\n");
     for (size_t i = 0; i < r->n_tools; i++) {
         if (r->tool_choice == PD_API_TOOLS_NAMED && strcmp(r->tools[i].name, r->tool_choice_name) != 0) continue;
         char param[64], prefix[32];
@@ -217,53 +177,53 @@ int pd_api_constraint_build(const pd_api_request *r, pd_chat_family family, cons
         json_decref(schema);
         if (rc) goto fail;
         /* {"name": "NAME", "ARGS": {...}} with the JSON spacing a model writes */
-        putf(&b, "tc-call%zu ::= \"{\" tc-ws \"\\\"name\\\"\" tc-ws \":\" tc-ws \"\\\"%s\\\"\" tc-ws \",\" tc-ws "
+        pd_sbuf_printf(&b, "tc-call%zu ::= \"{\" tc-ws \"\\\"name\\\"\" tc-ws \":\" tc-ws \"\\\"%s\\\"\" tc-ws \",\" tc-ws "
                  "\"\\\"%s\\\"\" tc-ws \":\" tc-ws %s tc-ws \"}\"\n",
              i, r->tools[i].name, syn.args_key, prefix);
     }
     const bool many = syn.parallel && r->parallel_tool_calls && r->tool_choice != PD_API_TOOLS_NAMED;
-    puts_(&b, "tc-calls ::= ");
+    pd_sbuf_puts(&b, "tc-calls ::= ");
     put_syntax_text(&b, tok, syn.open);
-    puts_(&b, " tc-call ");
+    pd_sbuf_puts(&b, " tc-call ");
     if (!syn.json_list) {
         put_syntax_text(&b, tok, syn.close);
         if (many) {
-            puts_(&b, " ( ");
+            pd_sbuf_puts(&b, " ( ");
             put_syntax_text(&b, tok, syn.sep);
-            puts_(&b, " ");
+            pd_sbuf_puts(&b, " ");
             put_syntax_text(&b, tok, syn.open);
-            puts_(&b, " tc-call ");
+            pd_sbuf_puts(&b, " tc-call ");
             put_syntax_text(&b, tok, syn.close);
-            puts_(&b, " )*");
+            pd_sbuf_puts(&b, " )*");
         }
     } else {
         if (many) {
-            puts_(&b, "( ");
+            pd_sbuf_puts(&b, "( ");
             put_syntax_text(&b, tok, syn.sep);
-            puts_(&b, " tc-call )* ");
+            pd_sbuf_puts(&b, " tc-call )* ");
         }
         put_syntax_text(&b, tok, syn.close);
     }
-    puts_(&b, "\n");
+    pd_sbuf_puts(&b, "\n");
     if (r->tool_choice == PD_API_TOOLS_REQUIRED || r->tool_choice == PD_API_TOOLS_NAMED) {
-        puts_(&b, "root ::= tc-calls\n");
+        pd_sbuf_puts(&b, "root ::= tc-calls\n");
     } else if (r->format != PD_API_FORMAT_TEXT) {
-        puts_(&b, "root ::= tc-calls | fmt\n");
+        pd_sbuf_puts(&b, "root ::= tc-calls | fmt\n");
     } else if (starts_with_control(tok, syn.open)) {
-        puts_(&b, "root ::= tc-calls | .*\n");
+        pd_sbuf_puts(&b, "root ::= tc-calls | .*\n");
     } else {
         put_text_rules(&b, out->trigger);
-        puts_(&b, "root ::= tc-calls | tc-text0\n");
+        pd_sbuf_puts(&b, "root ::= tc-calls | tc-text0\n");
     }
 done:
     if (b.oom) {
         rc = OOM(e);
         goto fail;
     }
-    out->grammar = b.s;
+    out->grammar = b.p;
     return PD_OK;
 fail:
-    free(b.s);
+    free(b.p);
     memset(out, 0, sizeof *out);
     return rc;
 }

@@ -162,38 +162,8 @@ pd_chat_family pd_model_chat_family(const pd_model *m) {
  * Rendering
  * ------------------------------------------------------------------------ */
 
-typedef struct chat_buf {
-    char *data;
-    size_t len, cap;
-    bool oom;
-} chat_buf;
-
-/* Append n bytes; on allocation failure (or size overflow) remember it and
- * ignore further appends, so the renderers need no error path per call. */
-static void buf_add(chat_buf *b, const char *s, size_t n) {
-    if (b->oom || n == 0) return;
-    if (n > SIZE_MAX - 1 - b->len) {
-        b->oom = true;
-        return;
-    }
-    size_t need = b->len + n + 1; /* + NUL */
-    if (need > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < need) cap = cap > SIZE_MAX / 2 ? need : cap * 2;
-        char *p = realloc(b->data, cap);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->data = p;
-        b->cap = cap;
-    }
-    memcpy(b->data + b->len, s, n);
-    b->len += n;
-    b->data[b->len] = '\0';
-}
-
-static void buf_str(chat_buf *b, const char *s) { buf_add(b, s, strlen(s)); }
+/* Rendered text goes into a pd_sbuf (util.h): appends need no error path
+ * per call; an allocation failure shows as oom at the end. */
 
 static bool is_ascii_space(char c) {
     return c == ' ' || c == '\t' || c == '\n' || c == '\v' || c == '\f' || c == '\r';
@@ -202,12 +172,12 @@ static bool is_ascii_space(char c) {
 /* Llama 3 and Gemma trim every message they trim (the official templates'
  * `| trim`, and llama.cpp's trim()); ASCII whitespace only, as llama.cpp's
  * isspace. */
-static void buf_trimmed(chat_buf *b, const char *s) {
+static void buf_trimmed(pd_sbuf *b, const char *s) {
     size_t n = strlen(s);
     size_t a = 0;
     while (a < n && is_ascii_space(s[a])) a++;
     while (n > a && is_ascii_space(s[n - 1])) n--;
-    buf_add(b, s + a, n - a);
+    pd_sbuf_putn(b, s + a, n - a);
 }
 
 /* [p, end) without leading (lead) and/or trailing (trail) '\n' bytes:
@@ -247,7 +217,7 @@ static bool qwen3_is_tool_response(const char *s) {
  * false. Reasoning written into the content (<think>...</think>) is cut
  * out; a turn after the last user query keeps it in a <think> block, and
  * the final turn always has one (empty when there was no reasoning). */
-static void render_qwen3_assistant(const char *content, bool after_last_query, bool last, chat_buf *b) {
+static void render_qwen3_assistant(const char *content, bool after_last_query, bool last, pd_sbuf *b) {
     const char *c = content, *c_end = content + strlen(content);
     const char *r = c, *r_end = c; /* reasoning: empty unless </think> is present */
     const char *close_first = find_first(c, c_end, "</think>");
@@ -260,23 +230,23 @@ static void render_qwen3_assistant(const char *content, bool after_last_query, b
         c = find_last(c, c_end, "</think>") + strlen("</think>");
         strip_newlines(&c, &c_end, true, false);
     }
-    buf_str(b, "<|im_start|>assistant\n");
+    pd_sbuf_puts(b, "<|im_start|>assistant\n");
     if (after_last_query && (last || r_end > r)) {
         strip_newlines(&r, &r_end, true, true);
-        buf_str(b, "<think>\n");
-        buf_add(b, r, (size_t)(r_end - r));
-        buf_str(b, "\n</think>\n\n");
+        pd_sbuf_puts(b, "<think>\n");
+        pd_sbuf_putn(b, r, (size_t)(r_end - r));
+        pd_sbuf_puts(b, "\n</think>\n\n");
         strip_newlines(&c, &c_end, true, false);
     }
-    buf_add(b, c, (size_t)(c_end - c));
-    buf_str(b, "<|im_end|>\n");
+    pd_sbuf_putn(b, c, (size_t)(c_end - c));
+    pd_sbuf_puts(b, "<|im_end|>\n");
 }
 
 /* Turn-based families: every message is "open role sep content close",
  * with its own role name, so a system message may appear anywhere.
  * verbatim[i] (may be NULL) exempts a text built here from Llama 3's trim. */
 static void render_turns(pd_chat_family f, const pd_chat_message *msgs, const chat_role *roles, const bool *verbatim,
-                         size_t n, size_t n_lead_sys, bool add_gen, chat_buf *b, size_t *system_len) {
+                         size_t n, size_t n_lead_sys, bool add_gen, pd_sbuf *b, size_t *system_len) {
     size_t last_query = n - 1; /* Qwen3: the last user message that is not tool output */
     for (size_t i = n; i-- > 0;)
         if (roles[i] == ROLE_USER && !qwen3_is_tool_response(msgs[i].content)) {
@@ -290,29 +260,29 @@ static void render_turns(pd_chat_family f, const pd_chat_message *msgs, const ch
         } else {
             switch (f == PD_CHAT_QWEN3 ? PD_CHAT_CHATML : f) { /* Qwen3's other turns are ChatML's */
             case PD_CHAT_CHATML:
-                buf_str(b, "<|im_start|>");
-                buf_str(b, role);
-                buf_str(b, "\n");
-                buf_str(b, msgs[i].content);
-                buf_str(b, "<|im_end|>\n");
+                pd_sbuf_puts(b, "<|im_start|>");
+                pd_sbuf_puts(b, role);
+                pd_sbuf_puts(b, "\n");
+                pd_sbuf_puts(b, msgs[i].content);
+                pd_sbuf_puts(b, "<|im_end|>\n");
                 break;
             case PD_CHAT_LLAMA3:
-                buf_str(b, "<|start_header_id|>");
-                buf_str(b, role);
-                buf_str(b, "<|end_header_id|>\n\n");
+                pd_sbuf_puts(b, "<|start_header_id|>");
+                pd_sbuf_puts(b, role);
+                pd_sbuf_puts(b, "<|end_header_id|>\n\n");
                 if (verbatim && verbatim[i])
-                    buf_str(b, msgs[i].content);
+                    pd_sbuf_puts(b, msgs[i].content);
                 else
                     buf_trimmed(b, msgs[i].content);
-                buf_str(b, "<|eot_id|>");
+                pd_sbuf_puts(b, "<|eot_id|>");
                 break;
             case PD_CHAT_ZEPHYR:
             case PD_CHAT_PHI3:
-                buf_str(b, "<|");
-                buf_str(b, role);
-                buf_str(b, "|>\n");
-                buf_str(b, msgs[i].content);
-                buf_str(b, f == PD_CHAT_PHI3 ? "<|end|>\n" : "</s>\n");
+                pd_sbuf_puts(b, "<|");
+                pd_sbuf_puts(b, role);
+                pd_sbuf_puts(b, "|>\n");
+                pd_sbuf_puts(b, msgs[i].content);
+                pd_sbuf_puts(b, f == PD_CHAT_PHI3 ? "<|end|>\n" : "</s>\n");
                 break;
             default: break;
             }
@@ -321,11 +291,11 @@ static void render_turns(pd_chat_family f, const pd_chat_message *msgs, const ch
     }
     if (!add_gen) return;
     switch (f) {
-    case PD_CHAT_CHATML: buf_str(b, "<|im_start|>assistant\n"); break;
-    case PD_CHAT_QWEN3: buf_str(b, "<|im_start|>assistant\n<think>\n\n</think>\n\n"); break;
-    case PD_CHAT_LLAMA3: buf_str(b, "<|start_header_id|>assistant<|end_header_id|>\n\n"); break;
+    case PD_CHAT_CHATML: pd_sbuf_puts(b, "<|im_start|>assistant\n"); break;
+    case PD_CHAT_QWEN3: pd_sbuf_puts(b, "<|im_start|>assistant\n<think>\n\n</think>\n\n"); break;
+    case PD_CHAT_LLAMA3: pd_sbuf_puts(b, "<|start_header_id|>assistant<|end_header_id|>\n\n"); break;
     case PD_CHAT_ZEPHYR:
-    case PD_CHAT_PHI3: buf_str(b, "<|assistant|>\n"); break;
+    case PD_CHAT_PHI3: pd_sbuf_puts(b, "<|assistant|>\n"); break;
     default: break;
     }
 }
@@ -341,7 +311,7 @@ static void render_turns(pd_chat_family f, const pd_chat_message *msgs, const ch
  * system prefix covers it. Mistral's tool results (ROLE_TOOL, already
  * rendered) follow the call without reopening [INST]. */
 static void render_inst(pd_chat_family f, const pd_chat_message *msgs, const chat_role *roles, size_t n,
-                        size_t n_lead_sys, const char *tools_block, chat_buf *b, size_t *system_len) {
+                        size_t n_lead_sys, const char *tools_block, pd_sbuf *b, size_t *system_len) {
     size_t last_user = n;
     for (size_t i = n; i-- > n_lead_sys;)
         if (roles[i] == ROLE_USER) {
@@ -350,42 +320,42 @@ static void render_inst(pd_chat_family f, const pd_chat_message *msgs, const cha
         }
     const bool tools_first = tools_block && (last_user == n || last_user == n_lead_sys);
     if (tools_first) {
-        buf_str(b, tools_block);
+        pd_sbuf_puts(b, tools_block);
         *system_len = b->len;
     }
-    buf_str(b, "[INST] ");
+    pd_sbuf_puts(b, "[INST] ");
     if (n_lead_sys > 0) {
-        if (f == PD_CHAT_LLAMA2) buf_str(b, "<<SYS>>\n");
+        if (f == PD_CHAT_LLAMA2) pd_sbuf_puts(b, "<<SYS>>\n");
         for (size_t i = 0; i < n_lead_sys; i++) {
-            if (i > 0) buf_str(b, "\n");
-            buf_str(b, msgs[i].content);
+            if (i > 0) pd_sbuf_puts(b, "\n");
+            pd_sbuf_puts(b, msgs[i].content);
         }
-        buf_str(b, f == PD_CHAT_LLAMA2 ? "\n<</SYS>>\n\n" : "\n");
+        pd_sbuf_puts(b, f == PD_CHAT_LLAMA2 ? "\n<</SYS>>\n\n" : "\n");
         *system_len = b->len;
     }
     bool open = true;          /* inside an [INST] turn that has been written */
     bool after_results = false; /* the model answers right after [/TOOL_RESULTS] */
     for (size_t i = n_lead_sys; i < n; i++) {
         if (roles[i] == ROLE_TOOL) {
-            buf_str(b, msgs[i].content);
+            pd_sbuf_puts(b, msgs[i].content);
             after_results = true;
             continue;
         }
-        if (tools_block && !tools_first && i == last_user) buf_str(b, tools_block);
+        if (tools_block && !tools_first && i == last_user) pd_sbuf_puts(b, tools_block);
         const bool answer_to_results = after_results && roles[i] == ROLE_ASSISTANT;
         after_results = false;
         if (!open && !answer_to_results) {
             /* Llama 2 chat restarts every exchange with BOS; Mistral's
              * template emits BOS only once, at the very start. */
-            buf_str(b, f == PD_CHAT_LLAMA2 ? "<s>[INST] " : "[INST] ");
+            pd_sbuf_puts(b, f == PD_CHAT_LLAMA2 ? "<s>[INST] " : "[INST] ");
             open = true;
         }
         if (roles[i] == ROLE_USER) {
-            buf_str(b, msgs[i].content);
-            buf_str(b, " [/INST]");
+            pd_sbuf_puts(b, msgs[i].content);
+            pd_sbuf_puts(b, " [/INST]");
         } else { /* assistant: system ones were refused by validation */
-            buf_str(b, msgs[i].content);
-            buf_str(b, "</s>");
+            pd_sbuf_puts(b, msgs[i].content);
+            pd_sbuf_puts(b, "</s>");
             open = false;
         }
     }
@@ -398,32 +368,32 @@ static void render_inst(pd_chat_family f, const pd_chat_message *msgs, const cha
  * it is closed before a model turn or the generation prompt, and left open
  * when nothing follows (the system prefix alone). */
 static void render_gemma(const pd_chat_message *msgs, const chat_role *roles, size_t n, size_t n_lead_sys,
-                         bool add_gen, chat_buf *b, size_t *system_len) {
+                         bool add_gen, pd_sbuf *b, size_t *system_len) {
     bool open = false; /* a user turn holding the system text is open */
     if (n_lead_sys > 0) {
-        buf_str(b, "<start_of_turn>user\n");
+        pd_sbuf_puts(b, "<start_of_turn>user\n");
         for (size_t i = 0; i < n_lead_sys; i++) {
-            buf_str(b, msgs[i].content);
-            buf_str(b, "\n\n");
+            pd_sbuf_puts(b, msgs[i].content);
+            pd_sbuf_puts(b, "\n\n");
         }
         *system_len = b->len;
         open = true;
     }
     for (size_t i = n_lead_sys; i < n; i++) {
         const bool user = roles[i] == ROLE_USER; /* system ones were refused by validation */
-        if (open && !user) buf_str(b, "<end_of_turn>\n");
+        if (open && !user) pd_sbuf_puts(b, "<end_of_turn>\n");
         if (!open || !user) {
-            buf_str(b, "<start_of_turn>");
-            buf_str(b, user ? "user" : "model");
-            buf_str(b, "\n");
+            pd_sbuf_puts(b, "<start_of_turn>");
+            pd_sbuf_puts(b, user ? "user" : "model");
+            pd_sbuf_puts(b, "\n");
         }
         open = false;
         buf_trimmed(b, msgs[i].content);
-        buf_str(b, "<end_of_turn>\n");
+        pd_sbuf_puts(b, "<end_of_turn>\n");
     }
     if (!add_gen) return;
-    if (open) buf_str(b, "<end_of_turn>\n");
-    buf_str(b, "<start_of_turn>model\n");
+    if (open) pd_sbuf_puts(b, "<end_of_turn>\n");
+    pd_sbuf_puts(b, "<start_of_turn>model\n");
 }
 
 /* ------------------------------------------------------------------------
@@ -456,8 +426,8 @@ void pd_chat_tool_syntax_of(pd_chat_family f, pd_chat_tool_syntax *out) {
 /* Python's json.dumps(s, ensure_ascii=False) for a string: only the quote,
  * the backslash and control characters are escaped (\uXXXX in lower case
  * where there is no short form). */
-static void py_json_string(chat_buf *b, const char *s, size_t n) {
-    buf_str(b, "\"");
+static void py_json_string(pd_sbuf *b, const char *s, size_t n) {
+    pd_sbuf_puts(b, "\"");
     size_t run = 0; /* start of the bytes not yet written */
     for (size_t i = 0; i < n; i++) {
         const unsigned char c = (unsigned char)s[i];
@@ -479,19 +449,19 @@ static void py_json_string(chat_buf *b, const char *s, size_t n) {
             break;
         }
         if (esc) {
-            buf_add(b, s + run, i - run);
-            buf_str(b, esc);
+            pd_sbuf_putn(b, s + run, i - run);
+            pd_sbuf_puts(b, esc);
             run = i + 1;
         }
     }
-    buf_add(b, s + run, n - run);
-    buf_str(b, "\"");
+    pd_sbuf_putn(b, s + run, n - run);
+    pd_sbuf_puts(b, "\"");
 }
 
 /* Python's repr of a float: the shortest digits that read back as the same
  * double; positional for decimal exponents -4..15 (always with a fraction,
  * "2.0"), else d.ddde+XX. */
-static void py_json_real(chat_buf *b, double v) {
+static void py_json_real(pd_sbuf *b, double v) {
     char sci[40];
     for (int precision = 0; precision < 17; precision++) {
         snprintf(sci, sizeof sci, "%.*e", precision, v);
@@ -534,67 +504,67 @@ static void py_json_real(chat_buf *b, double v) {
             out[o++] = '0';
         }
     }
-    buf_add(b, out, o);
+    pd_sbuf_putn(b, out, o);
 }
 
-static void py_json_newline(chat_buf *b, int indent, int depth) {
+static void py_json_newline(pd_sbuf *b, int indent, int depth) {
     if (indent <= 0) return;
-    buf_str(b, "\n");
-    for (int i = 0; i < indent * depth; i++) buf_str(b, " ");
+    pd_sbuf_puts(b, "\n");
+    for (int i = 0; i < indent * depth; i++) pd_sbuf_puts(b, " ");
 }
 
 /* json.dumps(v, ensure_ascii=False, indent=indent or None). */
-static void py_json_dump(chat_buf *b, json_t *v, int indent, int depth) {
+static void py_json_dump(pd_sbuf *b, json_t *v, int indent, int depth) {
     switch (json_typeof(v)) {
     case JSON_OBJECT: {
         if (json_object_size(v) == 0) {
-            buf_str(b, "{}");
+            pd_sbuf_puts(b, "{}");
             break;
         }
-        buf_str(b, "{");
+        pd_sbuf_puts(b, "{");
         const char *key;
         json_t *val;
         bool first = true;
         json_object_foreach(v, key, val) {
-            if (!first) buf_str(b, indent > 0 ? "," : ", ");
+            if (!first) pd_sbuf_puts(b, indent > 0 ? "," : ", ");
             first = false;
             py_json_newline(b, indent, depth + 1);
             py_json_string(b, key, strlen(key));
-            buf_str(b, ": ");
+            pd_sbuf_puts(b, ": ");
             py_json_dump(b, val, indent, depth + 1);
         }
         py_json_newline(b, indent, depth);
-        buf_str(b, "}");
+        pd_sbuf_puts(b, "}");
         break;
     }
     case JSON_ARRAY: {
         if (json_array_size(v) == 0) {
-            buf_str(b, "[]");
+            pd_sbuf_puts(b, "[]");
             break;
         }
-        buf_str(b, "[");
+        pd_sbuf_puts(b, "[");
         size_t i;
         json_t *val;
         json_array_foreach(v, i, val) {
-            if (i > 0) buf_str(b, indent > 0 ? "," : ", ");
+            if (i > 0) pd_sbuf_puts(b, indent > 0 ? "," : ", ");
             py_json_newline(b, indent, depth + 1);
             py_json_dump(b, val, indent, depth + 1);
         }
         py_json_newline(b, indent, depth);
-        buf_str(b, "]");
+        pd_sbuf_puts(b, "]");
         break;
     }
     case JSON_STRING: py_json_string(b, json_string_value(v), json_string_length(v)); break;
     case JSON_INTEGER: {
         char num[32];
         snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
-        buf_str(b, num);
+        pd_sbuf_puts(b, num);
         break;
     }
     case JSON_REAL: py_json_real(b, json_real_value(v)); break;
-    case JSON_TRUE: buf_str(b, "true"); break;
-    case JSON_FALSE: buf_str(b, "false"); break;
-    case JSON_NULL: buf_str(b, "null"); break;
+    case JSON_TRUE: pd_sbuf_puts(b, "true"); break;
+    case JSON_FALSE: pd_sbuf_puts(b, "false"); break;
+    case JSON_NULL: pd_sbuf_puts(b, "null"); break;
     }
 }
 
@@ -641,7 +611,7 @@ fail:
     return NULL;
 }
 
-static void dump_tool(chat_buf *b, const pd_chat_tool *t, int indent) {
+static void dump_tool(pd_sbuf *b, const pd_chat_tool *t, int indent) {
     json_t *tool = tool_object(t);
     if (!tool) {
         b->oom = true;
@@ -653,7 +623,7 @@ static void dump_tool(chat_buf *b, const pd_chat_tool *t, int indent) {
 
 /* One call as {"name": NAME, ARGS_KEY: {...}}, with Mistral's "id" after
  * the arguments when there is one. */
-static void dump_call(chat_buf *b, const pd_chat_tool_call *c, const char *args_key, bool with_id) {
+static void dump_call(pd_sbuf *b, const pd_chat_tool_call *c, const char *args_key, bool with_id) {
     char why[256];
     json_t *call = json_object();
     json_t *args = parse_object(c->arguments, why, sizeof why); /* validated before: fails only for memory */
@@ -700,69 +670,69 @@ static const char llama3_tools_head[] =
  * message). Llama 3 puts the block before the (trimmed) system text, the
  * others after it, separated by a blank line. */
 static void compose_system(pd_chat_family f, const char *sys, const pd_chat_tool *tools, size_t n_tools,
-                           chat_buf *b) {
+                           pd_sbuf *b) {
     if (f == PD_CHAT_LLAMA3) {
-        buf_str(b, llama3_tools_head);
+        pd_sbuf_puts(b, llama3_tools_head);
         for (size_t t = 0; t < n_tools; t++) {
             dump_tool(b, &tools[t], 4);
-            buf_str(b, "\n\n");
+            pd_sbuf_puts(b, "\n\n");
         }
         if (sys) buf_trimmed(b, sys);
         return;
     }
     if (sys) {
-        buf_str(b, sys);
-        buf_str(b, "\n\n");
+        pd_sbuf_puts(b, sys);
+        pd_sbuf_puts(b, "\n\n");
     }
-    buf_str(b, hermes_tools_head);
+    pd_sbuf_puts(b, hermes_tools_head);
     for (size_t t = 0; t < n_tools; t++) {
-        buf_str(b, "\n");
+        pd_sbuf_puts(b, "\n");
         dump_tool(b, &tools[t], 0);
     }
-    buf_str(b, hermes_tools_tail);
+    pd_sbuf_puts(b, hermes_tools_tail);
 }
 
 /* Mistral v0.3's list: [AVAILABLE_TOOLS] [tool, tool][/AVAILABLE_TOOLS]. */
-static void compose_mistral_tools(const pd_chat_tool *tools, size_t n_tools, chat_buf *b) {
-    buf_str(b, "[AVAILABLE_TOOLS] [");
+static void compose_mistral_tools(const pd_chat_tool *tools, size_t n_tools, pd_sbuf *b) {
+    pd_sbuf_puts(b, "[AVAILABLE_TOOLS] [");
     for (size_t t = 0; t < n_tools; t++) {
-        if (t > 0) buf_str(b, ", ");
+        if (t > 0) pd_sbuf_puts(b, ", ");
         dump_tool(b, &tools[t], 0);
     }
-    buf_str(b, "][/AVAILABLE_TOOLS]");
+    pd_sbuf_puts(b, "][/AVAILABLE_TOOLS]");
 }
 
 /* An assistant turn's text with its calls in the family's syntax. Llama 3's
  * and Mistral's templates write only the calls of such a turn; Qwen's (and
  * the generic form) keep the text and put the calls after a newline. */
-static void compose_assistant_calls(pd_chat_family f, const pd_chat_message *m, chat_buf *b) {
+static void compose_assistant_calls(pd_chat_family f, const pd_chat_message *m, pd_sbuf *b) {
     pd_chat_tool_syntax syn;
     pd_chat_tool_syntax_of(f, &syn);
     const bool keeps_text = f != PD_CHAT_LLAMA3 && f != PD_CHAT_MISTRAL;
     if (keeps_text && m->content[0]) {
-        buf_str(b, m->content);
-        buf_str(b, "\n");
+        pd_sbuf_puts(b, m->content);
+        pd_sbuf_puts(b, "\n");
     }
-    if (syn.json_list) buf_str(b, syn.open);
+    if (syn.json_list) pd_sbuf_puts(b, syn.open);
     for (size_t k = 0; k < m->n_tool_calls; k++) {
-        if (k > 0) buf_str(b, syn.sep);
-        if (!syn.json_list) buf_str(b, syn.open);
+        if (k > 0) pd_sbuf_puts(b, syn.sep);
+        if (!syn.json_list) pd_sbuf_puts(b, syn.open);
         dump_call(b, &m->tool_calls[k], syn.args_key, f == PD_CHAT_MISTRAL);
-        if (!syn.json_list) buf_str(b, syn.close);
+        if (!syn.json_list) pd_sbuf_puts(b, syn.close);
     }
-    if (syn.json_list) buf_str(b, syn.close);
+    if (syn.json_list) pd_sbuf_puts(b, syn.close);
 }
 
 /* Mistral v0.3's result: [TOOL_RESULTS] {"content": C, "call_id": ID}[/TOOL_RESULTS],
  * the content written as given (the template does not quote it). */
-static void compose_mistral_result(const pd_chat_message *m, chat_buf *b) {
-    buf_str(b, "[TOOL_RESULTS] {\"content\": ");
-    buf_str(b, m->content);
+static void compose_mistral_result(const pd_chat_message *m, pd_sbuf *b) {
+    pd_sbuf_puts(b, "[TOOL_RESULTS] {\"content\": ");
+    pd_sbuf_puts(b, m->content);
     if (m->tool_call_id) {
-        buf_str(b, ", \"call_id\": ");
+        pd_sbuf_puts(b, ", \"call_id\": ");
         py_json_string(b, m->tool_call_id, strlen(m->tool_call_id));
     }
-    buf_str(b, "}[/TOOL_RESULTS]");
+    pd_sbuf_puts(b, "}[/TOOL_RESULTS]");
 }
 
 /* The conversation the renderers see: tool blocks, calls and results
@@ -788,14 +758,14 @@ static void conv_free(chat_conv *c) {
 }
 
 /* Take a built text as the next message of c (or note the failure). */
-static void conv_push_built(chat_conv *c, const char *role, chat_role r, chat_buf *b, bool verbatim) {
-    if (b->oom || !b->data) {
-        free(b->data);
+static void conv_push_built(chat_conv *c, const char *role, chat_role r, pd_sbuf *b, bool verbatim) {
+    if (b->oom || !b->p) {
+        free(b->p);
         c->oom = true;
         return;
     }
-    c->owned[c->n_owned++] = b->data;
-    c->msgs[c->n] = (pd_chat_message){.role = role, .content = b->data};
+    c->owned[c->n_owned++] = b->p;
+    c->msgs[c->n] = (pd_chat_message){.role = role, .content = b->p};
     c->roles[c->n] = r;
     c->verbatim[c->n] = verbatim;
     c->n++;
@@ -822,14 +792,14 @@ static void build_conv(pd_chat_family f, const pd_chat_message *msgs, const chat
     size_t i = 0;
     c->n_lead_sys = n_lead_sys;
     if (n_tools > 0 && f == PD_CHAT_MISTRAL) {
-        chat_buf b = {0};
+        pd_sbuf b = {0};
         compose_mistral_tools(tools, n_tools, &b);
-        if (b.oom) free(b.data);
-        c->tools_block = b.oom ? NULL : b.data;
+        if (b.oom) free(b.p);
+        c->tools_block = b.oom ? NULL : b.p;
         c->oom |= b.oom;
     } else if (n_tools > 0) {
         /* The block joins the first system message, or makes one. */
-        chat_buf b = {0};
+        pd_sbuf b = {0};
         compose_system(f, n_lead_sys > 0 ? msgs[0].content : NULL, tools, n_tools, &b);
         conv_push_built(c, "system", ROLE_SYSTEM, &b, true);
         if (n_lead_sys > 0)
@@ -838,7 +808,7 @@ static void build_conv(pd_chat_family f, const pd_chat_message *msgs, const chat
             c->n_lead_sys = 1;
     }
     for (; i < n && !c->oom; i++) {
-        chat_buf b = {0};
+        pd_sbuf b = {0};
         if (roles[i] == ROLE_ASSISTANT && msgs[i].n_tool_calls > 0) {
             compose_assistant_calls(f, &msgs[i], &b);
             conv_push_built(c, msgs[i].role, ROLE_ASSISTANT, &b, true);
@@ -855,10 +825,10 @@ static void build_conv(pd_chat_family f, const pd_chat_message *msgs, const chat
             /* Consecutive results share one user turn, each in a
              * <tool_response> block (Qwen2.5/Qwen3). */
             for (size_t j = i; j < n && roles[j] == ROLE_TOOL; j++) {
-                if (j > i) buf_str(&b, "\n");
-                buf_str(&b, "<tool_response>\n");
-                buf_str(&b, msgs[j].content);
-                buf_str(&b, "\n</tool_response>");
+                if (j > i) pd_sbuf_puts(&b, "\n");
+                pd_sbuf_puts(&b, "<tool_response>\n");
+                pd_sbuf_puts(&b, msgs[j].content);
+                pd_sbuf_puts(&b, "\n</tool_response>");
                 i = j;
             }
             conv_push_built(c, "user", ROLE_USER, &b, false);
@@ -999,7 +969,7 @@ int pd_chat_render_tools(pd_chat_family f, const pd_chat_message *msgs, size_t n
     chat_conv c = {0};
     build_conv(f, msgs, roles, n, n_lead_sys, tools, n_tools, &c);
     free(roles);
-    chat_buf b = {0};
+    pd_sbuf b = {0};
     size_t sys_len = 0;
     if (!c.oom) {
         if (family_has_system_turn(f))
@@ -1009,14 +979,14 @@ int pd_chat_render_tools(pd_chat_family f, const pd_chat_message *msgs, size_t n
         else
             render_inst(f, c.msgs, c.roles, c.n, c.n_lead_sys, c.tools_block, &b, &sys_len);
     }
-    const bool oom = c.oom || b.oom || !b.data;
+    const bool oom = c.oom || b.oom || !b.p;
     conv_free(&c);
     if (oom) {
-        free(b.data);
+        free(b.p);
         return pd_errorf(err, PD_ENOMEM, "chat: out of memory rendering %zu messages (%s template)", n,
                          pd_chat_family_name(f));
     }
-    *out = b.data;
+    *out = b.p;
     if (len) *len = b.len;
     if (system_len) *system_len = sys_len;
     return PD_OK;

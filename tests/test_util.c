@@ -132,3 +132,34 @@ Test(util, strbuf_appends_counts_and_truncates) {
     cr_assert_eq(b.len, 14);
     cr_assert_str_eq(buf, "abc1234");
 }
+
+/* The growable string against what snprintf writes, across its small and
+ * large printf paths and many appends. */
+Test(util, sbuf_appends_like_snprintf) {
+    pd_sbuf b = {0};
+    cr_assert_str_eq(pd_sbuf_str(&b), "");
+    char want[8192];
+    size_t off = 0;
+    for (int i = 0; i < 200; i++) {
+        pd_sbuf_printf(&b, "%d:%s;", i, i % 50 == 0 ? "a long piece of text to pass the 256-byte path of printf ..........."
+                                                        "..............................................................."
+                                                        "..............................................................."
+                                                        "..............................................................."
+                                                      : "x");
+        off += (size_t)snprintf(want + off, sizeof want - off, "%d:%s;", i,
+                                i % 50 == 0 ? "a long piece of text to pass the 256-byte path of printf ..........."
+                                              "..............................................................."
+                                              "..............................................................."
+                                              "..............................................................."
+                                            : "x");
+        pd_sbuf_putn(&b, "ab", 1);
+        want[off++] = 'a';
+        want[off] = '\0';
+    }
+    pd_sbuf_puts(&b, "end");
+    memcpy(want + off, "end", 4);
+    cr_assert_not(b.oom);
+    cr_assert_eq(b.len, strlen(want));
+    cr_assert_str_eq(pd_sbuf_str(&b), want);
+    free(b.p);
+}

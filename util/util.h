@@ -80,6 +80,20 @@ void pd_unmap_file(pd_mapped_file *m);
 int pd_read_stream(void *file /* FILE* */, char **out, size_t *len, pd_error *err);
 int pd_read_file(const char *path, char **out, size_t *len, pd_error *err);
 
+/* A growable string: appends never fail one by one; on allocation failure
+ * it stays failed (oom) and the caller reports PD_ENOMEM once at the end.
+ * p is NUL-terminated once anything was appended; free(p) when done. */
+typedef struct pd_sbuf {
+    char *p;
+    size_t len, cap;
+    bool oom;
+} pd_sbuf;
+void pd_sbuf_putn(pd_sbuf *b, const char *s, size_t n);
+void pd_sbuf_puts(pd_sbuf *b, const char *s);
+__attribute__((format(printf, 2, 3))) void pd_sbuf_printf(pd_sbuf *b, const char *fmt, ...);
+/* The text so far (never NULL). */
+const char *pd_sbuf_str(const pd_sbuf *b);
+
 /* snprintf-style appending to a fixed buffer: len counts everything
  * written (as snprintf's return value would), buf holds what fits and is
  * always NUL-terminated when cap > 0. */
