@@ -684,7 +684,7 @@ static int build(nfa *a, int32_t id, int32_t from, int32_t *end) {
         uint32_t *r = malloc((size_t)(nr + 1) * 2 * sizeof *r);
         if (!r) return PD_ENOMEM;
         if (nr) memcpy(r, n->ranges, (size_t)nr * 2 * sizeof *r);
-        qsort(r, (size_t)nr, 2 * sizeof *r, cmp_u32_pair);
+        if ((size_t)nr > 1) qsort(r, (size_t)nr, 2 * sizeof *r, cmp_u32_pair);
         int m = 0;
         for (int i = 0; i < nr; i++) {
             if (m > 0 && r[2 * i] <= r[2 * (m - 1) + 1] + 1) {
@@ -841,7 +841,7 @@ static int closure(dfa_builder *d, const int32_t *seeds, size_t n, ivec *out) {
             if (ivec_push(&d->stack, ed->to)) return PD_ENOMEM;
         }
     }
-    qsort(out->v, out->n, sizeof *out->v, cmp_i32);
+    if (out->n > 1) qsort(out->v, out->n, sizeof *out->v, cmp_i32);
     return PD_OK;
 }
 
@@ -928,7 +928,7 @@ static int cmp_sym_target(const void *x, const void *y) {
 /* Symbol edges (refs or tokens) of one DFA state: grouped by symbol. */
 static int add_sym_edges(dfa_builder *d, sym_target *st, size_t n, ivec *tmp, ivec *closed, bool refs) {
     int rc = PD_OK;
-    qsort(st, n, sizeof *st, cmp_sym_target);
+    if (n > 1) qsort(st, n, sizeof *st, cmp_sym_target);
     for (size_t i = 0; i < n;) {
         size_t j = i;
         tmp->n = 0;
@@ -983,7 +983,7 @@ static int determinize(nfa *a, int32_t start, int32_t final, pd_grule *out) {
         }
         /* byte edges: one target set per interval between boundary points */
         size_t byte_off = d.n_bytes;
-        qsort(points.v, points.n, sizeof *points.v, cmp_i32);
+        if (points.n > 1) qsort(points.v, points.n, sizeof *points.v, cmp_i32);
         for (size_t i = 0; i + 1 < points.n; i++) {
             int32_t lo = points.v[i], hi = points.v[i + 1] - 1;
             if (hi < lo) continue;

@@ -289,7 +289,7 @@ static int entry_build(const pd_grammar *g, const pd_grammar_vocab *v, int32_t r
     if ((rc = walk_subtree(&w, 0, 0, 1))) goto out;
     rc = PD_ENOMEM;
     /* a token may be found twice (two ways through the frame): keep its cheapest */
-    qsort(w.found, w.n_found, sizeof *w.found, cmp_tok_cost);
+    if (w.n_found > 1) qsort(w.found, w.n_found, sizeof *w.found, cmp_tok_cost);
     size_t words = ((size_t)v->n_vocab + 63) / 64;
     e->vocab_id = v->id;
     e->rule = rule;

@@ -79,7 +79,7 @@ static int range_cmp(const void *a, const void *b) {
 /* Sort and merge overlapping or adjacent ranges. */
 static void set_normalize(cp_set *s) {
     if (s->n == 0) return;
-    qsort(s->r, s->n, sizeof *s->r, range_cmp);
+    if (s->n > 1) qsort(s->r, s->n, sizeof *s->r, range_cmp);
     size_t w = 0;
     for (size_t i = 1; i < s->n; i++) {
         if (s->r[i].lo <= s->r[w].hi + 1) {
