@@ -1,6 +1,6 @@
 /* Constrained output: the grammar a request's answer must follow
- * (response_format, tools with tool_choice), the vocabulary the grammar
- * masks, and the tool calls read back out of a finished answer. */
+ * (response_format, tools with tool_choice) and the vocabulary the grammar
+ * masks. The calls are read back in toolcalls.c. */
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -177,9 +177,10 @@ int pd_api_constraint_build(const pd_api_request *r, pd_chat_family family, cons
         json_decref(schema);
         if (rc) goto fail;
         /* {"name": "NAME", "ARGS": {...}} with the JSON spacing a model writes */
-        pd_sbuf_printf(&b, "tc-call%zu ::= \"{\" tc-ws \"\\\"name\\\"\" tc-ws \":\" tc-ws \"\\\"%s\\\"\" tc-ws \",\" tc-ws "
-                 "\"\\\"%s\\\"\" tc-ws \":\" tc-ws %s tc-ws \"}\"\n",
-             i, r->tools[i].name, syn.args_key, prefix);
+        pd_sbuf_printf(&b,
+                       "tc-call%zu ::= \"{\" tc-ws \"\\\"name\\\"\" tc-ws \":\" tc-ws \"\\\"%s\\\"\" tc-ws \",\" "
+                       "tc-ws \"\\\"%s\\\"\" tc-ws \":\" tc-ws %s tc-ws \"}\"\n",
+                       i, r->tools[i].name, syn.args_key, prefix);
     }
     const bool many = syn.parallel && r->parallel_tool_calls && r->tool_choice != PD_API_TOOLS_NAMED;
     pd_sbuf_puts(&b, "tc-calls ::= ");
