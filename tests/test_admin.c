@@ -464,8 +464,10 @@ Test(admin, automatic_spans_and_kept_phrases) {
     pd_tokenizer_free(tok);
 }
 
-/* A generated model carrying the phi-3 vocabulary and chat template. */
-Test(admin, chat_messages_register_the_system_prompt) {
+/* The daemon on a generated model carrying the phi-3 vocabulary and chat
+ * template, with a context that holds a system prompt and its tool list
+ * (~200 tokens). */
+static void start_daemon_phi3(void) {
     TH_REQUIRE_SHARED();
     char vpath[1024], mpath[1200];
     cr_assert_not_null(th_shared_file("vocab/ggml-vocab-phi-3.gguf", vpath, sizeof vpath));
@@ -474,9 +476,14 @@ Test(admin, chat_messages_register_the_system_prompt) {
     cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
     o.vocab_from = vpath;
     o.wtype = PD_TYPE_Q8_0;
+    o.n_ctx = 1024;
     snprintf(mpath, sizeof mpath, "%s/phi3.gguf", tmpdir);
     cr_assert_eq(pd_testmodel_write(&o, mpath, NULL, &err), PD_OK, "%s", err.msg);
     start_daemon_on(mpath, "--set admin.token=" TOKEN);
+}
+
+Test(admin, chat_messages_register_the_system_prompt) {
+    start_daemon_phi3();
     const char *sys = "You are a friendly storyteller. Tell short, happy stories about animals for children.";
     char body[2048], *out = NULL;
     snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"system\",\"content\":\"%s\"}],\"policy\":\"knorm\","
@@ -519,18 +526,7 @@ Test(admin, chat_messages_register_the_system_prompt) {
  * the same tools, chat requests that offer them use it, and the calls come
  * back as tool_calls; a repeated tool request hits the automatic cache. */
 Test(admin, a_system_prompt_with_tools_is_a_prefix_and_calls_come_back) {
-    TH_REQUIRE_SHARED();
-    char vpath[1024], mpath[1200];
-    cr_assert_not_null(th_shared_file("vocab/ggml-vocab-phi-3.gguf", vpath, sizeof vpath));
-    pd_testmodel_opts o;
-    pd_error err = {0};
-    cr_assert_eq(pd_testmodel_preset("tiny", &o, &err), PD_OK, "%s", err.msg);
-    o.vocab_from = vpath;
-    o.wtype = PD_TYPE_Q8_0;
-    o.n_ctx = 1024; /* a system prompt with its tool list is ~200 tokens */
-    snprintf(mpath, sizeof mpath, "%s/phi3.gguf", tmpdir);
-    cr_assert_eq(pd_testmodel_write(&o, mpath, NULL, &err), PD_OK, "%s", err.msg);
-    start_daemon_on(mpath, "--set admin.token=" TOKEN);
+    start_daemon_phi3();
     const char *tools = "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"description\":\"The weather "
                         "in a city\",\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\","
                         "\"maxLength\":12}},\"required\":[\"city\"],\"additionalProperties\":false}}}]";
