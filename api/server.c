@@ -579,9 +579,10 @@ static enum MHD_Result answer_generation(pd_server *s, struct MHD_Connection *c,
 }
 
 /* The compiled grammar for text (a new reference: pd_grammar_free it) and
- * the vocabulary it masks, from the cache or compiled now. */
+ * the vocabulary it masks, from the cache or compiled now. A grammar too
+ * large to build is a 400 naming param. */
 static int server_grammar(pd_server *s, const pd_tokenizer *tok, const char *text, pd_grammar **g,
-                          const pd_grammar_vocab **vocab, pd_api_error *e) {
+                          const pd_grammar_vocab **vocab, const char *param, pd_api_error *e) {
     pd_error err = {0};
     int rc = PD_OK;
     *g = NULL;
@@ -616,7 +617,7 @@ static int server_grammar(pd_server *s, const pd_tokenizer *tok, const char *tex
     *g = pd_grammar_retain(fresh);
 done:
     pthread_mutex_unlock(&s->grammar_mu);
-    if (rc) pd_api_error_from(e, &err, NULL);
+    if (rc) pd_api_error_from(e, &err, rc == PD_ENOMEM ? NULL : param);
     return rc;
 }
 
@@ -653,7 +654,12 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
     pd_api_constraint con = {0};
     pd_grammar *grammar = NULL;
     if (!rc) rc = pd_api_constraint_build(&r->areq, b.family, tok, &con, &e);
-    if (!rc && con.grammar) rc = server_grammar(s, tok, con.grammar, &grammar, &sp.grammar_vocab, &e);
+    if (!rc && con.grammar)
+        rc = server_grammar(s, tok, con.grammar, &grammar, &sp.grammar_vocab,
+                            r->areq.format == PD_API_FORMAT_JSON_SCHEMA ? "response_format.json_schema.schema"
+                            : con.tool_calls                             ? "tools"
+                                                                         : "response_format",
+                            &e);
     sp.grammar = grammar;
     /* a call syntax may start with a control token ([TOOL_CALLS]): its text
      * must reach the answer for the calls to be read back */

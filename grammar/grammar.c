@@ -587,7 +587,9 @@ typedef struct nfa {
     const bool *inline_rule; /* references to these rules are expanded in place */
 } nfa;
 
-#define NFA_MAX_STATES 4000000
+/* Limits on what one request can make the server build: about 100 bytes
+ * per NFA state, so a hostile schema costs at most ~100 MB for a moment. */
+#define NFA_MAX_STATES 1000000
 
 static int32_t nfa_state(nfa *a) {
     if (a->n_states >= NFA_MAX_STATES) return -1;
@@ -872,7 +874,7 @@ static int table_rehash(dfa_builder *d) {
     return PD_OK;
 }
 
-#define DFA_MAX_STATES 500000
+#define DFA_MAX_STATES 200000
 
 /* The DFA state for a closed, sorted NFA set (added if new). */
 static int dfa_state_of(dfa_builder *d, const ivec *set, int32_t *id) {

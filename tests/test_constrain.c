@@ -311,3 +311,25 @@ Test(constrain, tool_turns_parse_into_messages) {
     cr_assert_null(r.tools[1].parameters);
     pd_api_request_free(&r);
 }
+
+/* A schema whose grammar would be huge (a request can ask for one) is
+ * refused with a message that says what to shrink, instead of being built. */
+Test(constrain, a_schema_too_large_to_build_is_refused) {
+    pd_tokenizer *tok = load_vocab("vocab/ggml-vocab-phi-3.gguf");
+    pd_api_request r;
+    parse_chat("{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":"
+               "\"json_schema\",\"json_schema\":{\"name\":\"big\",\"schema\":{\"type\":\"array\",\"items\":{\"type\":"
+               "\"string\",\"maxLength\":10000},\"maxItems\":10000}}}}",
+               &r);
+    pd_api_constraint con;
+    pd_api_error e;
+    cr_assert_eq(pd_api_constraint_build(&r, PD_CHAT_PHI3, tok, &con, &e), PD_OK, "%s", e.message);
+    pd_grammar *g = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_grammar_compile(con.grammar, strlen(con.grammar), &g, &err), PD_EINVAL);
+    cr_assert_null(g);
+    cr_assert(strstr(err.msg, "automaton states") && strstr(err.msg, "repetition"), "%s", err.msg);
+    pd_api_constraint_free(&con);
+    pd_api_request_free(&r);
+    pd_tokenizer_free(tok);
+}
