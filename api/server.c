@@ -20,6 +20,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 #include <arpa/inet.h>
@@ -66,6 +67,13 @@ struct pd_server {
     pd_grammar_vocab *gvocab;
     grammar_slot grammars[GRAMMAR_CACHE_SLOTS];
     uint64_t grammar_clock;
+    /* new grammars waiting for the warmer thread (under grammar_mu) */
+    pd_grammar *warm_queue[GRAMMAR_CACHE_SLOTS];
+    int n_warm;
+    pthread_cond_t warm_cv;
+    atomic_bool warm_stop;
+    pthread_t warmer;
+    bool warmer_started;
     /* Requests between their first callback and on_completed: the drain
      * waits for them so that final events reach their clients. */
     pthread_mutex_t active_mu;
@@ -615,10 +623,39 @@ static int server_grammar(pd_server *s, const pd_tokenizer *tok, const char *tex
     victim->g = fresh;
     victim->used = ++s->grammar_clock;
     *g = pd_grammar_retain(fresh);
+    if (s->warmer_started && s->n_warm < GRAMMAR_CACHE_SLOTS) {
+        s->warm_queue[s->n_warm++] = pd_grammar_retain(fresh);
+        pthread_cond_signal(&s->warm_cv);
+    }
 done:
     pthread_mutex_unlock(&s->grammar_mu);
     if (rc) pd_api_error_from(e, &err, rc == PD_ENOMEM ? NULL : param);
     return rc;
+}
+
+/* Computes each new grammar's token sets ahead of the engine thread, at a
+ * low priority, so that a schema seen for the first time stalls the
+ * running sequences as little as possible: the engine thread computes what
+ * it reaches before the warmer does, and the cache keeps whichever is
+ * first. */
+static void *warm_grammars(void *arg) {
+    pd_server *s = arg;
+    setpriority(PRIO_PROCESS, (id_t)gettid(), 10); /* this thread only (Linux) */
+    pthread_mutex_lock(&s->grammar_mu);
+    for (;;) {
+        while (!s->n_warm && !atomic_load(&s->warm_stop)) pthread_cond_wait(&s->warm_cv, &s->grammar_mu);
+        if (atomic_load(&s->warm_stop)) break;
+        pd_grammar *g = s->warm_queue[--s->n_warm];
+        const pd_grammar_vocab *v = s->gvocab;
+        pthread_mutex_unlock(&s->grammar_mu);
+        pd_error err = {0};
+        if (pd_grammar_warm(g, v, &s->warm_stop, &err))
+            pd_log(s->opts.logger, PD_LOG_WARN, "grammar warm-up stopped: %s", err.msg);
+        pd_grammar_free(g);
+        pthread_mutex_lock(&s->grammar_mu);
+    }
+    pthread_mutex_unlock(&s->grammar_mu);
+    return NULL;
 }
 
 static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, http_req *r, pd_api_kind kind,
@@ -1306,6 +1343,12 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
     const int wrc = pthread_create(&s->watcher, NULL, watch_parked, s);
     if (wrc) rc = pd_errorf(err, PD_EIO, "cannot start the HTTP server's watcher thread: %s", strerror(wrc));
     s->watcher_started = wrc == 0;
+    pthread_cond_init(&s->warm_cv, NULL);
+    if (!rc) {
+        const int grc = pthread_create(&s->warmer, NULL, warm_grammars, s);
+        if (grc) rc = pd_errorf(err, PD_EIO, "cannot start the HTTP server's grammar thread: %s", strerror(grc));
+        s->warmer_started = grc == 0;
+    }
     if (metrics) {
         /* prefixd_http_requests_total{route,status} and the request
          * durations are registered per route as requests end (count_request). */
@@ -1435,6 +1478,13 @@ void pd_server_stop(pd_server *s) {
     if (s->admin_mhd) MHD_stop_daemon(s->admin_mhd);
     if (s->mhd) MHD_stop_daemon(s->mhd);
     pthread_rwlock_destroy(&s->lock);
+    pthread_mutex_lock(&s->grammar_mu);
+    atomic_store(&s->warm_stop, true);
+    pthread_cond_broadcast(&s->warm_cv);
+    pthread_mutex_unlock(&s->grammar_mu);
+    if (s->warmer_started) pthread_join(s->warmer, NULL);
+    for (int i = 0; i < s->n_warm; i++) pd_grammar_free(s->warm_queue[i]);
+    pthread_cond_destroy(&s->warm_cv);
     for (int i = 0; i < GRAMMAR_CACHE_SLOTS; i++) {
         free(s->grammars[i].text);
         pd_grammar_free(s->grammars[i].g);

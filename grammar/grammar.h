@@ -11,6 +11,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 #include <jansson.h>
@@ -114,6 +115,13 @@ int pd_grammar_matcher_accept(pd_grammar_matcher *m, int32_t token, pd_error *er
 bool pd_grammar_matcher_complete(const pd_grammar_matcher *m);
 /* The shortest completion of the text so far, in bytes (0 when complete). */
 int64_t pd_grammar_matcher_min_bytes(const pd_grammar_matcher *m);
+
+/* Compute the token sets of every state a matcher can stop at, ahead of
+ * use, so that masks do not walk the vocabulary on the caller's hot path
+ * (the server does it on a low-priority thread for each new grammar).
+ * Stops early when *stop (may be NULL) becomes true, or when the cache is
+ * half full. PD_ENOMEM only. */
+int pd_grammar_warm(const pd_grammar *g, const pd_grammar_vocab *v, const atomic_bool *stop, pd_error *err);
 
 typedef struct pd_grammar_stats {
     int64_t states_cached;   /* (rule, state) token sets computed */

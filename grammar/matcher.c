@@ -368,6 +368,43 @@ static int cache_get(const pd_grammar *g, const pd_grammar_vocab *v, int32_t rul
     return PD_OK;
 }
 
+int pd_grammar_warm(const pd_grammar *g, const pd_grammar_vocab *v, const atomic_bool *stop, pd_error *err) {
+    /* frames only ever hold the root and rules some state references
+     * (the others were expanded in place), and stop where bytes or tokens
+     * go on */
+    bool *framed = calloc((size_t)g->n_rules, sizeof *framed);
+    if (!framed) return pd_errorf(err, PD_ENOMEM, "grammar warm-up: out of memory");
+    framed[g->root] = true;
+    for (int32_t r = 0; r < g->n_rules; r++) {
+        const pd_grule *rule = &g->rules[r];
+        for (int32_t st = 0; st < rule->n_states; st++)
+            for (uint32_t i = 0; i < rule->states[st].n_ref; i++) framed[rule->refs[rule->states[st].ref_off + i].sym] = true;
+    }
+    int rc = PD_OK;
+    for (int32_t r = 0; r < g->n_rules && !rc; r++) {
+        if (!framed[r]) continue;
+        for (int32_t st = 0; st < g->rules[r].n_states && !rc; st++) {
+            const pd_gstate *state = &g->rules[r].states[st];
+            if (!state->n_byte && !state->n_tok) continue;
+            if (stop && atomic_load(stop)) goto out;
+            /* past half the cap, warming would evict what it warmed */
+            pthread_mutex_lock(&g->cache->lock);
+            const bool full = g->cache->bytes > g->cache->cap_bytes / 2;
+            pthread_mutex_unlock(&g->cache->lock);
+            if (full) goto out;
+            gentry *e = NULL;
+            if ((rc = cache_get(g, v, r, st, &e))) {
+                rc = pd_errorf(err, rc, "grammar warm-up: out of memory");
+                break;
+            }
+            pd_gcache_release(g->cache, e);
+        }
+    }
+out:
+    free(framed);
+    return rc;
+}
+
 void pd_grammar_stats_get(const pd_grammar *g, pd_grammar_stats *out) {
     pd_gcache *c = g->cache;
     pthread_mutex_lock(&c->lock);

@@ -333,3 +333,40 @@ Test(constrain, a_schema_too_large_to_build_is_refused) {
     pd_api_request_free(&r);
     pd_tokenizer_free(tok);
 }
+
+/* Warmed ahead, a grammar serves every mask from its cache: random walks
+ * after pd_grammar_warm compute nothing more. */
+Test(constrain, a_warmed_grammar_masks_from_its_cache) {
+    pd_tokenizer *tok = load_vocab("vocab/ggml-vocab-phi-3.gguf");
+    pd_grammar_vocab *v = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_api_grammar_vocab(tok, &v, &err), PD_OK, "%s", err.msg);
+    pd_api_request r;
+    parse_chat("{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]," WEATHER_TOOLS
+               ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"p\",\"schema\":"
+               PERSON_SCHEMA "}}}",
+               &r);
+    pd_api_constraint con;
+    pd_grammar *g = compile_constraint(&r, PD_CHAT_CHATML, tok, &con);
+    atomic_bool stop = true;
+    cr_assert_eq(pd_grammar_warm(g, v, &stop, &err), PD_OK);
+    pd_grammar_stats st;
+    pd_grammar_stats_get(g, &st);
+    cr_assert_eq(st.states_cached, 0, "a stop request is honoured before any work");
+    cr_assert_eq(pd_grammar_warm(g, v, NULL, &err), PD_OK, "%s", err.msg);
+    pd_grammar_stats_get(g, &st);
+    const int64_t warmed = st.states_cached;
+    cr_assert_gt(warmed, 10);
+    for (uint64_t seed = 1; seed <= 20; seed++) {
+        bool ended = false;
+        free(walk(g, v, tok, 120, seed, &ended));
+        cr_assert(ended);
+    }
+    pd_grammar_stats_get(g, &st);
+    cr_assert_eq(st.states_cached, warmed, "walks computed %lld more states", (long long)(st.states_cached - warmed));
+    pd_grammar_free(g);
+    pd_api_constraint_free(&con);
+    pd_api_request_free(&r);
+    pd_grammar_vocab_free(v);
+    pd_tokenizer_free(tok);
+}
