@@ -1087,11 +1087,12 @@ static bool relax_rule(pd_grammar *g, pd_grule *r) {
 }
 
 static int check_left_recursion(pd_grammar *g, parser *p) {
-    int32_t n = g->n_rules;
+    const int32_t n = g->n_rules;
+    if (n < 1) return PD_OK;
     int rc = PD_ENOMEM;
     /* left[left_off[r] .. left_off[r + 1]) = rules r calls before consuming anything */
     ivec left = {0};
-    int32_t *left_off = malloc((size_t)(n + 1) * sizeof *left_off);
+    int32_t *left_off = malloc(((size_t)n + 1) * sizeof *left_off);
     uint32_t *listed = calloc((size_t)n, sizeof *listed);
     uint8_t *seen = NULL;
     int32_t *stack = NULL, *color = NULL, *path = NULL, *iter = NULL;
