@@ -251,28 +251,36 @@ static bool is_uuid(const char *s, size_t n) {
     return true;
 }
 
+/* The format's name is a string and one of those supported. */
+static int format_known(vctx *c, const json_t *format) {
+    static const char *const names[] = {"date", "time", "date-time", "uuid"};
+    const char *f = json_string_value(format);
+    if (!f) return bad_schema(c, "JSON Schema keyword \"format\" at %s must be a string", pd_sbuf_str(&c->schema_path));
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++)
+        if (strcmp(f, names[i]) == 0) return PD_OK;
+    size_t mark = c->schema_path.len;
+    pd_schema_path_push(&c->schema_path, "format");
+    int rc = pd_errorf(c->err, PD_EUNSUPPORTED,
+                       "unsupported JSON Schema keyword \"format\" \"%s\" at %s (supported formats: date, time, "
+                       "date-time, uuid)",
+                       f, pd_sbuf_str(&c->schema_path));
+    pd_schema_path_pop(&c->schema_path, mark);
+    c->bad_schema = true;
+    return rc;
+}
+
 static int check_format(vctx *c, const json_t *format, const json_t *doc) {
     const char *s = json_string_value(doc);
     size_t n = json_string_length(doc);
     const char *f = json_string_value(format);
-    if (!f) return bad_schema(c, "JSON Schema keyword \"format\" at %s must be a string", pd_sbuf_str(&c->schema_path));
+    int rc = format_known(c, format);
+    if (rc != PD_OK) return rc;
     bool ok;
     if (strcmp(f, "date") == 0) ok = is_date(s, n);
     else if (strcmp(f, "time") == 0) ok = is_time(s, n);
     else if (strcmp(f, "date-time") == 0) ok = n > 11 && (s[10] == 'T' || s[10] == 't') && is_date(s, 10) &&
                                                 is_time(s + 11, n - 11);
-    else if (strcmp(f, "uuid") == 0) ok = is_uuid(s, n);
-    else {
-        size_t mark = c->schema_path.len;
-        pd_schema_path_push(&c->schema_path, "format");
-        int rc = pd_errorf(c->err, PD_EUNSUPPORTED,
-                           "unsupported JSON Schema keyword \"format\" \"%s\" at %s (supported formats: date, time, "
-                           "date-time, uuid)",
-                           f, pd_sbuf_str(&c->schema_path));
-        pd_schema_path_pop(&c->schema_path, mark);
-        c->bad_schema = true;
-        return rc;
-    }
+    else ok = is_uuid(s, n);
     return ok ? PD_OK : fail(c, "is not of format ", f);
 }
 
@@ -482,8 +490,10 @@ static int validate(vctx *c, const json_t *schema, const json_t *doc, bool skip_
             /* checked once below, for objects */
         } else if (strcmp(key, "items") == 0 || strcmp(key, "minItems") == 0 || strcmp(key, "maxItems") == 0 ||
                    strcmp(key, "prefixItems") == 0) {
-        } else if (strcmp(key, "minLength") == 0 || strcmp(key, "maxLength") == 0 || strcmp(key, "pattern") == 0 ||
-                   strcmp(key, "format") == 0) {
+        } else if (strcmp(key, "format") == 0) {
+            /* refused whatever the document is, as the generator does */
+            if ((rc = format_known(c, v)) != PD_OK) goto done;
+        } else if (strcmp(key, "minLength") == 0 || strcmp(key, "maxLength") == 0 || strcmp(key, "pattern") == 0) {
         } else if (strcmp(key, "minimum") == 0 || strcmp(key, "maximum") == 0 ||
                    strcmp(key, "exclusiveMinimum") == 0 || strcmp(key, "exclusiveMaximum") == 0) {
         } else if (strcmp(key, "uniqueItems") == 0 && json_is_false(v)) {

@@ -1031,6 +1031,26 @@ Test(schema, refused_constructs) {
         {"{\"type\":\"string\",\"pattern\":\"(a\"}", PD_EINVAL, "closing )"},
         {"{\"properties\":{\"p\":{\"pattern\":\"x(?=y)\"}}}", PD_EUNSUPPORTED,
          "\"pattern\" at #/properties/p/pattern"},
+        {"{\"allOf\":[{\"type\":\"integer\"},{\"minimum\":1}]}", PD_EUNSUPPORTED, "\"allOf\" with 2 subschemas at #/allOf"},
+        {"{\"allOf\":[{\"type\":\"integer\"}],\"minimum\":1}", PD_EUNSUPPORTED, "\"allOf\" together with \"minimum\""},
+        {"{\"allOf\":[]}", PD_EINVAL, "\"allOf\" at # must be a non-empty array"},
+        {"{\"properties\":{\"e\":{\"type\":\"string\",\"format\":\"email\"}}}", PD_EUNSUPPORTED,
+         "\"format\" \"email\" at #/properties/e/format"},
+        {"{\"type\":\"string\",\"format\":\"date\",\"maxLength\":10}", PD_EUNSUPPORTED, "\"format\" at #/format together"},
+        {"{\"type\":\"number\",\"minimum\":0.5}", PD_EUNSUPPORTED, "\"minimum\" at #/minimum with a fraction"},
+        {"{\"type\":\"number\",\"exclusiveMaximum\":1.5}", PD_EUNSUPPORTED, "\"exclusiveMaximum\" at #/exclusiveMaximum"},
+        {"{\"type\":\"integer\",\"minimum\":0,\"exclusiveMinimum\":true}", PD_EUNSUPPORTED,
+         "\"exclusiveMinimum\" as a boolean (draft 4) at #/exclusiveMinimum"},
+        {"{\"type\":\"integer\",\"minimum\":\"1\"}", PD_EINVAL, "\"minimum\" at # must be a number"},
+        {"{\"type\":\"integer\",\"minimum\":5,\"exclusiveMaximum\":5}", PD_EINVAL, "no 64-bit integer"},
+        {"{\"type\":\"integer\",\"minimum\":0.2,\"maximum\":0.8}", PD_EINVAL, "no 64-bit integer"},
+        {"{\"type\":\"number\",\"exclusiveMinimum\":3,\"maximum\":3}", PD_EINVAL, "no number meets"},
+        {"{\"type\":\"array\",\"uniqueItems\":true}", PD_EUNSUPPORTED, "\"uniqueItems\" at #/uniqueItems"},
+        {"{\"type\":\"array\",\"prefixItems\":[{}],\"items\":false,\"minItems\":2}", PD_EINVAL,
+         "minItems 2 is more than the 1 items allowed"},
+        {"{\"type\":\"array\",\"prefixItems\":[]}", PD_EINVAL, "\"prefixItems\" at # must be a non-empty array"},
+        {"{\"$defs\":{\"a\":{\"allOf\":[{\"$ref\":\"#/$defs/a\"}]}},\"$ref\":\"#/$defs/a\"}", PD_EUNSUPPORTED,
+         "refers to itself"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         pd_error err = {0};
@@ -1093,6 +1113,23 @@ Test(schema, validator_keywords) {
         {"{\"properties\":{\"a\":{\"items\":{\"required\":[\"z\"]}}}}", "{\"a\":[{},{\"z\":1}]}", false, "#/a/0"},
         {"true", "[1]", true, NULL},
         {"false", "1", false, "#"},
+        {"{\"minimum\":3}", "3", true, NULL},
+        {"{\"minimum\":3}", "2.999", false, "#"},
+        {"{\"minimum\":3}", "\"x\"", true, NULL},
+        {"{\"exclusiveMinimum\":3}", "3.0", false, "#"},
+        {"{\"exclusiveMinimum\":3}", "3.0001", true, NULL},
+        {"{\"maximum\":9007199254740993}", "9007199254740993", true, NULL},
+        {"{\"maximum\":9007199254740992}", "9007199254740993", false, "#"},
+        {"{\"exclusiveMaximum\":0.5}", "0.5", false, "#"},
+        {"{\"properties\":{\"n\":{\"type\":\"integer\",\"maximum\":-1}}}", "{\"n\":0}", false, "#/n"},
+        {"{\"format\":\"date\"}", "\"2023-02-29\"", false, "#"},
+        {"{\"format\":\"date-time\"}", "\"2024-02-29T12:00:00+01:00\"", true, NULL},
+        {"{\"allOf\":[{\"type\":\"string\"}]}", "1", false, "#"},
+        {"{\"prefixItems\":[{\"type\":\"string\"}],\"items\":false}", "[\"a\",1]", false, "#/1"},
+        {"{\"prefixItems\":[{\"type\":\"string\"}],\"items\":{\"type\":\"integer\"}}", "[\"a\",1,\"b\"]", false,
+         "#/2"},
+        {"{\"prefixItems\":[{\"type\":\"string\"}]}", "[1]", false, "#/0"},
+        {"{\"uniqueItems\":false}", "[1,1]", true, NULL},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         pd_error err = {0};
@@ -1117,6 +1154,21 @@ Test(schema, validator_bad_schemas) {
     /* a $ref loop that never reaches a smaller part of the document */
     cr_expect_eq(validate_text("{\"$ref\":\"#\"}", "1", &err), PD_EINVAL);
     cr_expect(strstr(err.msg, "too deep"), "%s", err.msg);
+    /* what the generator refuses, the validator refuses too */
+    static const struct {
+        const char *schema, *doc, *needle;
+    } refused[] = {
+        {"{\"format\":\"email\"}", "\"a@b.c\"", "\"format\" \"email\" at #/format"},
+        {"{\"allOf\":[{},{}]}", "1", "\"allOf\" with 2 subschemas at #/allOf"},
+        {"{\"exclusiveMinimum\":true,\"minimum\":1}", "2", "\"exclusiveMinimum\" as a boolean"},
+        {"{\"uniqueItems\":true}", "[1]", "\"uniqueItems\" at #/uniqueItems"},
+        {"{\"anyOf\":[{\"type\":\"integer\"},{\"format\":\"hostname\"}]}", "\"x\"", "\"hostname\""},
+        {"{\"format\":\"hostname\"}", "5", "\"hostname\" at #/format"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
+        cr_expect_eq(validate_text(refused[i].schema, refused[i].doc, &err), PD_EUNSUPPORTED, "%s", refused[i].schema);
+        cr_expect(strstr(err.msg, refused[i].needle), "%s: %s", refused[i].schema, err.msg);
+    }
 }
 
 /* ======================================================================
