@@ -476,8 +476,8 @@ static int gen_number_range(gen *g, const num_bound *lo, const num_bound *hi, pd
     for (int k = 0; k < 2; k++)
         if (nb[k]->set && !nb[k]->integral)
             return pd_errorf(g->err, PD_EUNSUPPORTED,
-                             "unsupported JSON Schema keyword \"%s\" at %s/%s with a fraction on a number: only whole "
-                             "bounds are supported for \"type\": \"number\" (any bound for \"integer\")",
+                             "unsupported JSON Schema keyword \"%s\" at %s/%s on a number: only whole bounds "
+                             "within 64 bits are supported for \"type\": \"number\" (any bound for \"integer\")",
                              nb[k]->key, path_of(g), nb[k]->key);
     int n = 0;
     /* negative values: "-" and a magnitude w, the value being -w */

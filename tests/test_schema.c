@@ -1037,7 +1037,7 @@ Test(schema, refused_constructs) {
         {"{\"properties\":{\"e\":{\"type\":\"string\",\"format\":\"email\"}}}", PD_EUNSUPPORTED,
          "\"format\" \"email\" at #/properties/e/format"},
         {"{\"type\":\"string\",\"format\":\"date\",\"maxLength\":10}", PD_EUNSUPPORTED, "\"format\" at #/format together"},
-        {"{\"type\":\"number\",\"minimum\":0.5}", PD_EUNSUPPORTED, "\"minimum\" at #/minimum with a fraction"},
+        {"{\"type\":\"number\",\"minimum\":0.5}", PD_EUNSUPPORTED, "\"minimum\" at #/minimum on a number: only whole"},
         {"{\"type\":\"number\",\"exclusiveMaximum\":1.5}", PD_EUNSUPPORTED, "\"exclusiveMaximum\" at #/exclusiveMaximum"},
         {"{\"type\":\"integer\",\"minimum\":0,\"exclusiveMinimum\":true}", PD_EUNSUPPORTED,
          "\"exclusiveMinimum\" as a boolean (draft 4) at #/exclusiveMinimum"},
