@@ -137,15 +137,18 @@ void pd_grammar_stats_get(const pd_grammar *g, pd_grammar_stats *out);
  * number, integer, boolean, null), enum, const, properties, required,
  * additionalProperties (absent or true: other keys allowed, false: none, a
  * schema: other keys with values of it), items, minItems, maxItems,
- * minLength, maxLength, anyOf, oneOf (generated as anyOf), $ref to
- * "#/$defs/NAME" or "#/definitions/NAME" (recursion allowed), pattern (a
- * regular expression subset: literals, ., classes, \d \w \s, groups, |,
- * * + ? {m,n}, ^ and $), and the annotations that constrain nothing
+ * minLength, maxLength, anyOf, oneOf (generated as anyOf), allOf of one
+ * schema, $ref to "#/$defs/NAME" or "#/definitions/NAME" (recursion
+ * allowed), pattern (a regular expression subset: literals, ., classes,
+ * \d \w \s, groups, |, * + ? {m,n}, ^ and $), prefixItems, minimum,
+ * maximum, exclusiveMinimum, exclusiveMaximum (exact on integers; whole
+ * bounds on numbers), format date, time, date-time, uuid, uniqueItems
+ * false, and the annotations that constrain nothing
  * (title, description, default, examples, $schema, $id, $comment,
  * deprecated, readOnly, writeOnly). `true` and {} are any JSON value.
  * Properties are generated in the order the schema lists them.
  * Anything else is refused (PD_EUNSUPPORTED) with the keyword and where it
- * is ("minimum" at #/properties/age), never ignored.
+ * is ("multipleOf" at #/properties/age), never ignored.
  *
  * The text is JSON as json.dumps writes it or compact; whitespace between
  * tokens is at most one space, or a newline and up to 20 spaces or tabs.

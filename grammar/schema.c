@@ -17,6 +17,8 @@
  * a name's next character); after it, anything goes. */
 #include "schema_internal.h"
 
+#include <math.h>
+
 typedef struct def_entry {
     const json_t *schema; /* the definition ($defs/NAME, or the root for "#") */
     const char *ref;      /* "#/$defs/NAME" */
@@ -44,6 +46,9 @@ enum {
     USE_BOOLEAN = 1u << 5,
     USE_NULL = 1u << 6,
     USE_VALUE = 1u << 7,
+    USE_DATE = 1u << 8,
+    USE_TIME = 1u << 9,
+    USE_UUID = 1u << 10,
 };
 
 #define MAX_NESTING 64
@@ -130,13 +135,58 @@ static void put_repeat(pd_sbuf *b, long m, long n) {
 
 /* ---- strings ------------------------------------------------------------- */
 
+/* format: the shapes of RFC 3339 (date, time, date-time) and RFC 4122
+ * (uuid), spelled without escapes. date knows month lengths and leap
+ * years; time leaves out the leap second 60 (the validator admits it). */
+static int gen_format(gen *g, const json_t *format, bool with_other, char **expr) {
+    static const char *const names[] = {"date", "time", "date-time", "uuid"};
+    size_t mark = g->path.len;
+    pd_schema_path_push(&g->path, "format");
+    int rc = PD_OK;
+    size_t k = 0;
+    if (!json_is_string(format)) {
+        rc = pd_errorf(g->err, PD_EINVAL, "JSON Schema keyword \"format\" at %s must be a string", path_of(g));
+        goto done;
+    }
+    while (k < 4 && strcmp(json_string_value(format), names[k]) != 0) k++;
+    if (k == 4) {
+        rc = pd_errorf(g->err, PD_EUNSUPPORTED,
+                       "unsupported JSON Schema keyword \"format\" \"%s\" at %s (supported formats: date, time, "
+                       "date-time, uuid)",
+                       json_string_value(format), path_of(g));
+        goto done;
+    }
+    if (with_other) {
+        rc = pd_errorf(g->err, PD_EUNSUPPORTED,
+                       "JSON Schema keyword \"format\" at %s together with \"pattern\", \"minLength\" or "
+                       "\"maxLength\" is not supported; the format fixes the shape",
+                       path_of(g));
+        goto done;
+    }
+    pd_sbuf b = {0}, p1 = {0}, p2 = {0};
+    if (k == 0) pd_sbuf_printf(&b, "\"\\\"\" %s \"\\\"\"", prim(g, USE_DATE, "date", &p1));
+    else if (k == 1) pd_sbuf_printf(&b, "\"\\\"\" %s \"\\\"\"", prim(g, USE_TIME, "time", &p1));
+    else if (k == 2)
+        pd_sbuf_printf(&b, "\"\\\"\" %s \"T\" %s \"\\\"\"", prim(g, USE_DATE, "date", &p1),
+                       prim(g, USE_TIME, "time", &p2));
+    else pd_sbuf_printf(&b, "\"\\\"\" %s \"\\\"\"", prim(g, USE_UUID, "uuid", &p1));
+    if (!(*expr = take(&b))) rc = oom(g);
+    pd_sbuf_free(&p1);
+    pd_sbuf_free(&p2);
+done:
+    pd_schema_path_pop(&g->path, mark);
+    return rc;
+}
+
 static int gen_string(gen *g, const json_t *s, char **expr) {
     long lo, hi;
     int rc;
     if ((rc = get_count(g, s, "minLength", &lo)) != PD_OK || (rc = get_count(g, s, "maxLength", &hi)) != PD_OK)
         return rc;
     const json_t *pattern = json_object_get(s, "pattern");
+    const json_t *format = json_object_get(s, "format");
     pd_sbuf b = {0}, name = {0};
+    if (format) return gen_format(g, format, pattern || lo >= 0 || hi >= 0, expr);
     if (pattern) {
         if (!json_is_string(pattern))
             return pd_errorf(g->err, PD_EINVAL, "JSON Schema keyword \"pattern\" at %s must be a string", path_of(g));
@@ -182,7 +232,343 @@ static int gen_string(gen *g, const json_t *s, char **expr) {
     return rc;
 }
 
+/* ---- numbers: minimum, maximum, exclusiveMinimum, exclusiveMaximum ------- *
+ *
+ * An integer range becomes a digit-wise expression: per digit count, the
+ * common prefix of the two ends, then "the lower end's digit and at least
+ * its rest | a digit strictly between and any rest | the upper end's digit
+ * and at most its rest", so the text grows with the digits, not the range.
+ * No leading zeros, no "-0". A number range is a sign, an integer part in
+ * such a range and a fraction chosen so that the double the document parses
+ * to keeps its side of the bound: fractions (at most 6 digits) only on
+ * integer parts below 10^9, where a double's error is far below 10^-6. */
+
+#define INT_CAP 999999999999999999ULL /* 18 digits, as the integer primitive */
+#define FRACTION_LIMIT 1000000000ULL  /* integer parts that may take a fraction */
+
+static void put_digit_class(pd_sbuf *b, char lo, char hi) {
+    if (lo == hi) pd_sbuf_printf(b, " \"%c\"", lo);
+    else if (lo == '0' && hi == '9') pd_sbuf_puts(b, " [0-9]");
+    else pd_sbuf_printf(b, " [%c-%c]", lo, hi);
+}
+
+static void put_any_digits(pd_sbuf *b, size_t n) {
+    if (n == 1) pd_sbuf_puts(b, " [0-9]");
+    else if (n > 1) pd_sbuf_printf(b, " [0-9]{%zu}", n);
+}
+
+static bool all_digit(const char *s, size_t n, char d) {
+    for (size_t i = 0; i < n; i++)
+        if (s[i] != d) return false;
+    return true;
+}
+
+/* n-digit strings (leading zeros allowed) >= s (at_least) or <= s. */
+static void put_digits_bound(pd_sbuf *b, const char *s, size_t n, bool at_least) {
+    if (n == 0) return;
+    if (all_digit(s, n, at_least ? '0' : '9')) {
+        put_any_digits(b, n);
+        return;
+    }
+    if (n == 1) {
+        put_digit_class(b, at_least ? s[0] : '0', at_least ? '9' : s[0]);
+        return;
+    }
+    pd_sbuf_printf(b, " ( \"%c\"", s[0]);
+    put_digits_bound(b, s + 1, n - 1, at_least);
+    if (at_least ? s[0] < '9' : s[0] > '0') {
+        pd_sbuf_puts(b, " |");
+        put_digit_class(b, at_least ? (char)(s[0] + 1) : '0', at_least ? '9' : (char)(s[0] - 1));
+        put_any_digits(b, n - 1);
+    }
+    pd_sbuf_puts(b, " )");
+}
+
+/* n-digit strings from x to y (x <= y, the same length). */
+static void put_digits_range(pd_sbuf *b, const char *x, const char *y, size_t n) {
+    size_t k = 0;
+    while (k < n && x[k] == y[k]) k++;
+    if (k) pd_sbuf_printf(b, " \"%.*s\"", (int)k, x);
+    if (k == n) return;
+    size_t rest = n - k - 1;
+    if (all_digit(x + k + 1, rest, '0') && all_digit(y + k + 1, rest, '9')) {
+        put_digit_class(b, x[k], y[k]);
+        put_any_digits(b, rest);
+        return;
+    }
+    /* an end whose rest is all 0s (lower) or all 9s (upper) joins the
+     * digits in between */
+    bool x_whole = all_digit(x + k + 1, rest, '0'), y_whole = all_digit(y + k + 1, rest, '9');
+    char mid_lo = x_whole ? x[k] : (char)(x[k] + 1), mid_hi = y_whole ? y[k] : (char)(y[k] - 1);
+    pd_sbuf_puts(b, " (");
+    if (!x_whole) {
+        pd_sbuf_printf(b, " \"%c\"", x[k]);
+        put_digits_bound(b, x + k + 1, rest, true);
+    }
+    if (mid_lo <= mid_hi) {
+        pd_sbuf_puts(b, x_whole ? "" : " |");
+        put_digit_class(b, mid_lo, mid_hi);
+        put_any_digits(b, rest);
+    }
+    if (!y_whole) {
+        pd_sbuf_printf(b, " | \"%c\"", y[k]);
+        put_digits_bound(b, y + k + 1, rest, false);
+    }
+    pd_sbuf_puts(b, " )");
+}
+
+static uint64_t pow10u(int n) {
+    uint64_t p = 1;
+    while (n-- > 0) p *= 10;
+    return p;
+}
+
+/* Alternatives (each starting " |" but the first) for the decimal spelling
+ * of every integer in [a, b]; *n counts them. */
+static void put_uint_range(pd_sbuf *b, uint64_t lo, uint64_t hi, int *n) {
+    if (lo > hi) return;
+    if (lo == 0) {
+        pd_sbuf_printf(b, "%s \"0\"", (*n)++ ? " |" : "");
+        if (hi == 0) return;
+        lo = 1;
+    }
+    char x[24], y[24];
+    int la = snprintf(x, sizeof x, "%llu", (unsigned long long)lo);
+    int lb = snprintf(y, sizeof y, "%llu", (unsigned long long)hi);
+    if (la == lb) {
+        pd_sbuf_puts(b, (*n)++ ? " |" : "");
+        put_digits_range(b, x, y, (size_t)la);
+        return;
+    }
+    char top[24], bottom[24];
+    snprintf(top, sizeof top, "%llu", (unsigned long long)(pow10u(la) - 1));
+    snprintf(bottom, sizeof bottom, "%llu", (unsigned long long)pow10u(lb - 1));
+    pd_sbuf_puts(b, (*n)++ ? " |" : "");
+    put_digits_range(b, x, top, (size_t)la);
+    if (lb - la >= 2) {
+        pd_sbuf_printf(b, " | [1-9]");
+        if (lb - la == 2) put_any_digits(b, (size_t)la);
+        else pd_sbuf_printf(b, " [0-9]{%d,%d}", la, lb - 2);
+        (*n)++;
+    }
+    pd_sbuf_puts(b, " |");
+    put_digits_range(b, bottom, y, (size_t)lb);
+    (*n)++;
+}
+
+/* One bound as read from the schema. */
+typedef struct num_bound {
+    bool set, strict, integral; /* integral: an int64 value, in i */
+    int64_t i;
+    long double v;
+    const char *key;
+} num_bound;
+
+/* Read minimum/exclusiveMinimum (lower) or maximum/exclusiveMaximum,
+ * keeping the tighter of the two. */
+static int read_bound(gen *g, const json_t *s, bool lower, num_bound *out) {
+    const char *keys[2] = {lower ? "minimum" : "maximum", lower ? "exclusiveMinimum" : "exclusiveMaximum"};
+    *out = (num_bound){0};
+    for (int k = 0; k < 2; k++) {
+        const json_t *v = json_object_get(s, keys[k]);
+        if (!v) continue;
+        if (json_is_boolean(v))
+            return pd_errorf(g->err, PD_EUNSUPPORTED,
+                             "unsupported JSON Schema keyword \"%s\" as a boolean (draft 4) at %s/%s; give the bound "
+                             "itself: \"%s\": N",
+                             keys[k], path_of(g), keys[k], keys[k]);
+        if (!json_is_number(v))
+            return pd_errorf(g->err, PD_EINVAL, "JSON Schema keyword \"%s\" at %s must be a number", keys[k],
+                             path_of(g));
+        num_bound b = {.set = true, .strict = k == 1, .key = keys[k]};
+        if (json_is_integer(v)) {
+            b.integral = true;
+            b.i = json_integer_value(v);
+            b.v = (long double)b.i;
+        } else {
+            b.v = json_real_value(v);
+            b.integral = b.v == floorl(b.v) && b.v >= -9.2e18L && b.v <= 9.2e18L;
+            if (b.integral) b.i = (int64_t)b.v;
+        }
+        bool tighter = !out->set || (lower ? b.v > out->v : b.v < out->v) || (b.v == out->v && b.strict);
+        if (tighter) *out = b;
+    }
+    return PD_OK;
+}
+
+static bool has_bounds(const json_t *s) {
+    return json_object_get(s, "minimum") || json_object_get(s, "maximum") || json_object_get(s, "exclusiveMinimum") ||
+           json_object_get(s, "exclusiveMaximum");
+}
+
+static int gen_integer_range(gen *g, const num_bound *lo_b, const num_bound *hi_b, pd_sbuf *b) {
+    /* inclusive int64 ends; unbounded ends stop at 18 digits */
+    long double lo = -(long double)INT_CAP, hi = (long double)INT_CAP;
+    bool lo_set = lo_b->set, hi_set = hi_b->set;
+    if (lo_set) lo = lo_b->strict ? floorl(lo_b->v) + 1 : ceill(lo_b->v);
+    if (hi_set) hi = hi_b->strict ? ceill(hi_b->v) - 1 : floorl(hi_b->v);
+    if (lo_set && lo_b->integral) lo = lo_b->strict ? (long double)lo_b->i + 1 : (long double)lo_b->i;
+    if (hi_set && hi_b->integral) hi = hi_b->strict ? (long double)hi_b->i - 1 : (long double)hi_b->i;
+    if (!hi_set && lo > hi) hi = (long double)INT64_MAX;
+    if (!lo_set && hi < lo) lo = (long double)INT64_MIN;
+    if (lo < (long double)INT64_MIN) lo = (long double)INT64_MIN;
+    if (hi > (long double)INT64_MAX) hi = (long double)INT64_MAX;
+    if (lo > hi)
+        return pd_errorf(g->err, PD_EINVAL, "JSON Schema at %s: no 64-bit integer meets its bounds", path_of(g));
+    int64_t l = (int64_t)lo, h = (int64_t)hi;
+    int n = 0;
+    pd_sbuf alts = {0};
+    if (l < 0) {
+        uint64_t mag_lo = h < 0 ? (uint64_t)0 - (uint64_t)h : 1, mag_hi = (uint64_t)0 - (uint64_t)l;
+        pd_sbuf neg = {0};
+        int k = 0;
+        put_uint_range(&neg, mag_lo, mag_hi, &k);
+        pd_sbuf_printf(&alts, " \"-\" %s%s%s", k > 1 ? "(" : "", pd_sbuf_str(&neg), k > 1 ? " )" : "");
+        alts.oom = alts.oom || neg.oom;
+        pd_sbuf_free(&neg);
+        n++;
+    }
+    if (h >= 0) {
+        put_uint_range(&alts, l > 0 ? (uint64_t)l : 0, (uint64_t)h, &n);
+    }
+    pd_sbuf_printf(b, "%s", pd_sbuf_str(&alts));
+    b->oom = b->oom || alts.oom;
+    pd_sbuf_free(&alts);
+    return PD_OK;
+}
+
+/* Non-negative decimals (no sign) v with a <(=) v (<= b), as alternatives. */
+static void put_magnitude(pd_sbuf *b, uint64_t a, bool a_strict, bool has_hi, uint64_t hi, bool hi_strict,
+                          int *n) {
+    if (!has_hi && a == 0) {
+        /* a sign alone: any mantissa (not zero when strict) and exponent */
+        pd_sbuf_printf(b, "%s ( %s ) ( [eE] [-+]? [0-9]{1,2} )?", (*n)++ ? " |" : "",
+                       a_strict ? "[1-9] [0-9]{0,17} ( \".\" [0-9]+ )? | \"0.\" \"0\"{0,99} [1-9] [0-9]*"
+                                : "( \"0\" | [1-9] [0-9]{0,17} ) ( \".\" [0-9]+ )?");
+        return;
+    }
+    uint64_t first = a_strict ? a + 1 : a; /* integer parts with any fraction */
+    uint64_t last = has_hi ? (hi == 0 ? 0 : hi - 1) : (first > INT_CAP ? (uint64_t)INT64_MAX : INT_CAP);
+    bool any_part = has_hi ? hi > 0 && first <= hi - 1 : first <= last;
+    if (any_part && first < FRACTION_LIMIT) {
+        pd_sbuf part = {0};
+        int k = 0;
+        put_uint_range(&part, first, last < FRACTION_LIMIT - 1 ? last : FRACTION_LIMIT - 1, &k);
+        pd_sbuf_printf(b, "%s %s%s%s ( \".\" [0-9]{1,6} )?", (*n)++ ? " |" : "", k > 1 ? "(" : "",
+                       pd_sbuf_str(&part), k > 1 ? " )" : "");
+        b->oom = b->oom || part.oom;
+        pd_sbuf_free(&part);
+    }
+    if (any_part && last >= FRACTION_LIMIT) {
+        put_uint_range(b, first > FRACTION_LIMIT ? first : FRACTION_LIMIT, last, n);
+    }
+    if (a_strict && a < FRACTION_LIMIT && (!has_hi || a < hi))
+        pd_sbuf_printf(b, "%s \"%llu.\" [0-9]{0,5} [1-9]", (*n)++ ? " |" : "", (unsigned long long)a);
+    if (has_hi && !hi_strict && hi >= first) {
+        if (hi < FRACTION_LIMIT) pd_sbuf_printf(b, "%s \"%llu\" ( \".\" \"0\"{1,6} )?", (*n)++ ? " |" : "",
+                                                (unsigned long long)hi);
+        else pd_sbuf_printf(b, "%s \"%llu\"", (*n)++ ? " |" : "", (unsigned long long)hi);
+    }
+}
+
+static int gen_number_range(gen *g, const num_bound *lo, const num_bound *hi, pd_sbuf *b) {
+    const num_bound *nb[2] = {lo, hi};
+    for (int k = 0; k < 2; k++)
+        if (nb[k]->set && !nb[k]->integral)
+            return pd_errorf(g->err, PD_EUNSUPPORTED,
+                             "unsupported JSON Schema keyword \"%s\" at %s/%s on a number: only whole bounds "
+                             "within 64 bits are supported for \"type\": \"number\" (any bound for \"integer\")",
+                             nb[k]->key, path_of(g), nb[k]->key);
+    int n = 0;
+    /* negative values: "-" and a magnitude w, the value being -w */
+    if (!lo->set || lo->i < 0) {
+        pd_sbuf neg = {0};
+        int k = 0;
+        bool below_zero = hi->set && hi->i < 0;
+        put_magnitude(&neg, below_zero ? (uint64_t)0 - (uint64_t)hi->i : 0, below_zero ? hi->strict : true, lo->set,
+                      lo->set ? (uint64_t)0 - (uint64_t)lo->i : 0, lo->strict, &k);
+        if (k) pd_sbuf_printf(b, " \"-\" %s%s%s", k > 1 ? "(" : "", pd_sbuf_str(&neg), k > 1 ? " )" : "");
+        b->oom = b->oom || neg.oom;
+        pd_sbuf_free(&neg);
+        n += k > 0;
+    }
+    if (!hi->set || hi->i > 0 || (hi->i == 0 && !hi->strict)) {
+        bool above_zero = lo->set && lo->i >= 0;
+        put_magnitude(b, above_zero ? (uint64_t)lo->i : 0, above_zero && lo->strict, hi->set,
+                      hi->set ? (uint64_t)hi->i : 0, hi->strict, &n);
+    }
+    if (n == 0) return pd_errorf(g->err, PD_EINVAL, "JSON Schema at %s: no number meets its bounds", path_of(g));
+    return PD_OK;
+}
+
+/* An integer or number with bounds: a rule of its own. */
+static int gen_bounded(gen *g, const json_t *s, bool integer, char **expr) {
+    num_bound lo, hi;
+    int rc;
+    if ((rc = read_bound(g, s, true, &lo)) != PD_OK || (rc = read_bound(g, s, false, &hi)) != PD_OK) return rc;
+    pd_sbuf b = {0};
+    rc = integer ? gen_integer_range(g, &lo, &hi, &b) : gen_number_range(g, &lo, &hi, &b);
+    if (rc == PD_OK) rc = b.oom ? oom(g) : add_rule(g, b.p + 1, expr);
+    pd_sbuf_free(&b);
+    return rc;
+}
+
 /* ---- arrays -------------------------------------------------------------- */
+
+/* prefixItems: item i (i below the prefix's length) has its own schema;
+ * the ones after it are items (a schema), anything (absent) or none
+ * (false). Nested optional groups from minItems on keep commas right. */
+static int gen_tuple(gen *g, const json_t *prefix, const json_t *items, long lo, long hi, char **expr) {
+    long n_prefix = (long)json_array_size(prefix);
+    if (n_prefix > PD_SCHEMA_MAX_COUNT)
+        return pd_errorf(g->err, PD_EUNSUPPORTED, "JSON Schema keyword \"prefixItems\" at %s has more than %d schemas",
+                         path_of(g), PD_SCHEMA_MAX_COUNT);
+    bool more = !json_is_false(items);
+    if (!more) hi = hi < 0 || hi > n_prefix ? n_prefix : hi;
+    if (hi >= 0 && hi < lo)
+        return pd_errorf(g->err, PD_EINVAL, "JSON Schema at %s: minItems %ld is more than the %ld items allowed "
+                         "(prefixItems and items false)", path_of(g), lo, hi);
+    long n_pos = hi >= 0 && hi < n_prefix ? hi : n_prefix;
+    pd_sbuf ws = {0}, next = {0};
+    const char *w = prim(g, USE_WS, "ws", &ws);
+    char *e = NULL;
+    int rc = PD_OK;
+    if (more && n_pos == n_prefix && (hi < 0 || hi > n_prefix)) {
+        if (items) rc = gen_sub(g, items, "items", NULL, &e);
+        else {
+            pd_sbuf v = {0};
+            if (!(e = take((prim(g, USE_VALUE, "value", &v), &v)))) rc = oom(g);
+        }
+        if (rc != PD_OK) goto done;
+        pd_sbuf_printf(&next, "( \",\" %s %s %s )", w, e, w);
+        put_repeat(&next, lo > n_prefix ? lo - n_prefix : 0, hi < 0 ? -1 : hi - n_prefix);
+        free(e);
+        e = NULL;
+    }
+    for (long i = n_pos - 1; i >= 0; i--) {
+        char index[24];
+        snprintf(index, sizeof index, "%ld", i);
+        if ((rc = gen_sub(g, json_array_get(prefix, (size_t)i), "prefixItems", index, &e)) != PD_OK) goto done;
+        pd_sbuf cur = {0};
+        if (i >= lo) pd_sbuf_puts(&cur, "( ");
+        if (i) pd_sbuf_printf(&cur, "\",\" %s ", w);
+        pd_sbuf_printf(&cur, "%s %s%s%s", e, w, next.len ? " " : "", pd_sbuf_str(&next));
+        if (i >= lo) pd_sbuf_puts(&cur, " )?");
+        free(e);
+        e = NULL;
+        pd_sbuf_free(&next);
+        next = cur;
+    }
+    pd_sbuf b = {0};
+    pd_sbuf_printf(&b, "\"[\" %s %s%s\"]\"", w, pd_sbuf_str(&next), next.len ? " " : "");
+    rc = b.oom || next.oom ? oom(g) : add_rule(g, b.p, expr);
+    pd_sbuf_free(&b);
+done:
+    free(e);
+    pd_sbuf_free(&ws);
+    pd_sbuf_free(&next);
+    return rc;
+}
 
 static int gen_array(gen *g, const json_t *s, char **expr) {
     long lo, hi;
@@ -202,6 +588,16 @@ static int gen_array(gen *g, const json_t *s, char **expr) {
                        "schema for every item",
                        path_of(g));
         pd_schema_path_pop(&g->path, mark);
+        return rc;
+    }
+    const json_t *prefix = json_object_get(s, "prefixItems");
+    if (prefix && (!json_is_array(prefix) || json_array_size(prefix) == 0))
+        return pd_errorf(g->err, PD_EINVAL, "JSON Schema keyword \"prefixItems\" at %s must be a non-empty array of "
+                         "schemas", path_of(g));
+    if (prefix || json_is_false(items)) {
+        json_t *none = prefix ? NULL : json_array();
+        rc = none || prefix ? gen_tuple(g, prefix ? prefix : none, items, lo, hi, expr) : oom(g);
+        json_decref(none);
         return rc;
     }
     char *item = NULL;
@@ -655,8 +1051,9 @@ static bool has_any(const json_t *s, const char *const *keys) {
 static int gen_types(gen *g, const json_t *s, char **expr) {
     static const char *const type_names[] = {"object", "array", "string", "number", "integer", "boolean", "null"};
     static const char *const object_keys[] = {"properties", "required", "additionalProperties", NULL};
-    static const char *const array_keys[] = {"items", "minItems", "maxItems", NULL};
-    static const char *const string_keys[] = {"minLength", "maxLength", "pattern", NULL};
+    static const char *const array_keys[] = {"items", "prefixItems", "minItems", "maxItems", NULL};
+    static const char *const string_keys[] = {"minLength", "maxLength", "pattern", "format", NULL};
+    static const char *const number_keys[] = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", NULL};
     bool want[7] = {0};
     const json_t *type = json_object_get(s, "type");
     size_t n_types = sizeof type_names / sizeof type_names[0];
@@ -679,7 +1076,8 @@ static int gen_types(gen *g, const json_t *s, char **expr) {
         want[0] = has_any(s, object_keys);
         want[1] = has_any(s, array_keys);
         want[2] = has_any(s, string_keys);
-        if (!want[0] && !want[1] && !want[2]) {
+        want[3] = has_any(s, number_keys);
+        if (!want[0] && !want[1] && !want[2] && !want[3]) {
             pd_sbuf v = {0};
             prim(g, USE_VALUE, "value", &v);
             return (*expr = take(&v)) ? PD_OK : oom(g);
@@ -696,8 +1094,12 @@ static int gen_types(gen *g, const json_t *s, char **expr) {
         case 0: rc = gen_object(g, s, &e); break;
         case 1: rc = gen_array(g, s, &e); break;
         case 2: rc = gen_string(g, s, &e); break;
-        case 3: e = take((prim(g, USE_NUMBER, "number", &p), &p)); break;
-        case 4: e = take((prim(g, USE_INTEGER, "integer", &p), &p)); break;
+        case 3:
+        case 4:
+            if (has_bounds(s)) rc = gen_bounded(g, s, k == 4, &e);
+            else if (k == 3) e = take((prim(g, USE_NUMBER, "number", &p), &p));
+            else e = take((prim(g, USE_INTEGER, "integer", &p), &p));
+            break;
         case 5: e = take((prim(g, USE_BOOLEAN, "boolean", &p), &p)); break;
         default: e = take((prim(g, USE_NULL, "null", &p), &p)); break;
         }
@@ -730,12 +1132,16 @@ static int gen_schema(gen *g, const json_t *s, char **expr) {
     static const char *const known[] = {"type",      "enum",      "const",    "properties", "required",
                                         "additionalProperties",   "items",    "minItems",   "maxItems",
                                         "minLength", "maxLength", "pattern",  "anyOf",      "oneOf",
-                                        "$ref",      NULL};
+                                        "$ref",      "allOf",     "minimum",  "maximum",    "exclusiveMinimum",
+                                        "exclusiveMaximum",       "format",   "prefixItems", "uniqueItems",
+                                        NULL};
     const char *key;
     const json_t *v;
     json_object_foreach((json_t *)s, key, v) {
         bool ok = pd_schema_is_annotation(key);
         for (const char *const *k = known; !ok && *k; k++) ok = strcmp(key, *k) == 0;
+        /* uniqueItems: false constrains nothing; true a grammar cannot express */
+        if (strcmp(key, "uniqueItems") == 0) ok = json_is_false(v);
         if (!ok) {
             size_t mark = g->path.len;
             pd_schema_path_push(&g->path, key);
@@ -750,9 +1156,9 @@ static int gen_schema(gen *g, const json_t *s, char **expr) {
                          path_of(g));
     }
     int rc;
-    const char *alone[] = {"$ref", "anyOf", "oneOf"};
+    const char *alone[] = {"$ref", "anyOf", "oneOf", "allOf"};
     const char *which = NULL;
-    for (size_t i = 0; i < 3; i++)
+    for (size_t i = 0; i < 4; i++)
         if (json_object_get(s, alone[i])) which = alone[i];
     if (which) {
         const char *other = other_constraint(s, which);
@@ -763,6 +1169,18 @@ static int gen_schema(gen *g, const json_t *s, char **expr) {
                            which, other, path_of(g), other);
         } else if (strcmp(which, "$ref") == 0) {
             rc = gen_ref(g, json_object_get(s, which), expr);
+        } else if (strcmp(which, "allOf") == 0) {
+            /* one subschema (pydantic v1 wraps a $ref so): that schema */
+            const json_t *all = json_object_get(s, which);
+            if (!json_is_array(all) || json_array_size(all) == 0)
+                rc = pd_errorf(g->err, PD_EINVAL, "JSON Schema keyword \"allOf\" at %s must be a non-empty array of "
+                               "schemas", path_of(g));
+            else if (json_array_size(all) > 1)
+                rc = pd_errorf(g->err, PD_EUNSUPPORTED,
+                               "unsupported JSON Schema keyword \"allOf\" with %zu subschemas at %s/allOf (only one "
+                               "is supported: a grammar cannot intersect); merge them into one schema",
+                               json_array_size(all), path_of(g));
+            else rc = gen_sub(g, json_array_get(all, 0), "allOf", "0", expr);
         } else {
             rc = gen_any_of(g, which, json_object_get(s, which), expr);
         }
@@ -791,8 +1209,8 @@ static const json_t *head_cycle(gen *g, const json_t *s, const json_t **stack, i
         stack[depth] = target;
         return head_cycle(g, target, stack, depth + 1);
     }
-    const char *keys[] = {"anyOf", "oneOf"};
-    for (size_t k = 0; k < 2; k++) {
+    const char *keys[] = {"anyOf", "oneOf", "allOf"};
+    for (size_t k = 0; k < 3; k++) {
         const json_t *branches = json_object_get(s, keys[k]), *b;
         size_t i;
         json_array_foreach(branches, i, b) {
@@ -835,6 +1253,23 @@ static void emit_primitives(gen *g, pd_sbuf *b) {
                        "[0-9]{1,2} )?\n",
                        p);
     if (u & USE_INTEGER) pd_sbuf_printf(b, "%s-integer ::= \"-\"? ( \"0\" | [1-9] [0-9]{0,17} )\n", p);
+    if (u & USE_DATE)
+        pd_sbuf_printf(b,
+                       "%s-date ::= [0-9]{4} \"-\" ( ( \"0\" [13578] | \"1\" [02] ) \"-\" ( \"0\" [1-9] | [12] [0-9] | "
+                       "\"3\" [01] ) | ( \"0\" [469] | \"11\" ) \"-\" ( \"0\" [1-9] | [12] [0-9] | \"30\" ) | \"02-\" ( "
+                       "\"0\" [1-9] | \"1\" [0-9] | \"2\" [0-8] ) ) | ( [0-9]{2} ( \"0\" [48] | [2468] [048] | "
+                       "[13579] [26] ) | ( [02468] [048] | [13579] [26] ) \"00\" ) \"-02-29\"\n",
+                       p);
+    if (u & USE_TIME)
+        pd_sbuf_printf(b,
+                       "%s-time ::= ( [01] [0-9] | \"2\" [0-3] ) \":\" [0-5] [0-9] \":\" [0-5] [0-9] ( \".\" "
+                       "[0-9]{1,9} )? ( \"Z\" | [-+] ( [01] [0-9] | \"2\" [0-3] ) \":\" [0-5] [0-9] )\n",
+                       p);
+    if (u & USE_UUID)
+        pd_sbuf_printf(b,
+                       "%s-uuid ::= [0-9a-fA-F]{8} \"-\" [0-9a-fA-F]{4} \"-\" [0-9a-fA-F]{4} \"-\" [0-9a-fA-F]{4} "
+                       "\"-\" [0-9a-fA-F]{12}\n",
+                       p);
     if (u & USE_BOOLEAN) pd_sbuf_printf(b, "%s-boolean ::= \"true\" | \"false\"\n", p);
     if (u & USE_NULL) pd_sbuf_printf(b, "%s-null ::= \"null\"\n", p);
     if (u & USE_WS) pd_sbuf_printf(b, "%s-ws ::= ( \" \" | \"\\n\" [ \\t]{0,20} )?\n", p);

@@ -22,8 +22,9 @@ typedef struct vctx {
 int pd_schema_unsupported_keyword(pd_error *err, const char *key, const char *path) {
     return pd_errorf(err, PD_EUNSUPPORTED,
                      "unsupported JSON Schema keyword \"%s\" at %s (supported: type, enum, const, properties, "
-                     "required, additionalProperties, items, minItems, maxItems, minLength, maxLength, pattern, "
-                     "anyOf, oneOf, $ref to #/$defs, and annotations)",
+                     "required, additionalProperties, items, prefixItems, minItems, maxItems, minLength, maxLength, "
+                     "pattern, format (date, time, date-time, uuid), minimum, maximum, exclusiveMinimum, "
+                     "exclusiveMaximum, anyOf, oneOf, allOf of one schema, $ref to #/$defs, and annotations)",
                      key, path);
 }
 
@@ -146,6 +147,143 @@ done:
 
 static int validate(vctx *c, const json_t *schema, const json_t *doc, bool skip_enum);
 
+/* ---- numbers --------------------------------------------------------- */
+
+/* doc compared with a bound: <0, 0, >0. Integers exactly, otherwise as
+ * long doubles (exact for every int64 and every double). */
+static int compare_number(const json_t *doc, const json_t *bound) {
+    if (json_is_integer(doc) && json_is_integer(bound)) {
+        json_int_t a = json_integer_value(doc), b = json_integer_value(bound);
+        return (a > b) - (a < b);
+    }
+    long double a = json_is_integer(doc) ? (long double)json_integer_value(doc) : (long double)json_real_value(doc);
+    long double b = json_is_integer(bound) ? (long double)json_integer_value(bound) : (long double)json_real_value(bound);
+    return (a > b) - (a < b);
+}
+
+static int validate_number(vctx *c, const json_t *schema, const json_t *doc) {
+    static const struct {
+        const char *key;
+        int sign; /* the comparison that fails */
+        bool strict;
+        const char *what;
+    } bounds[] = {{"minimum", -1, false, "is below minimum "},
+                  {"exclusiveMinimum", -1, true, "is not above exclusiveMinimum "},
+                  {"maximum", 1, false, "is above maximum "},
+                  {"exclusiveMaximum", 1, true, "is not below exclusiveMaximum "}};
+    for (size_t i = 0; i < 4; i++) {
+        const json_t *v = json_object_get(schema, bounds[i].key);
+        if (!v) continue;
+        if (json_is_boolean(v)) {
+            size_t mark = c->schema_path.len;
+            pd_schema_path_push(&c->schema_path, bounds[i].key);
+            int rc = pd_errorf(c->err, PD_EUNSUPPORTED,
+                               "unsupported JSON Schema keyword \"%s\" as a boolean (draft 4) at %s; give the bound "
+                               "itself",
+                               bounds[i].key, pd_sbuf_str(&c->schema_path));
+            pd_schema_path_pop(&c->schema_path, mark);
+            c->bad_schema = true;
+            return rc;
+        }
+        if (!json_is_number(v))
+            return bad_schema(c, "JSON Schema keyword \"%s\" at %s must be a number", bounds[i].key,
+                              pd_sbuf_str(&c->schema_path));
+        int cmp = compare_number(doc, v);
+        if (cmp == bounds[i].sign || (bounds[i].strict && cmp == 0)) {
+            char *want = json_dumps(v, JSON_ENCODE_ANY);
+            int rc = fail(c, bounds[i].what, want);
+            free(want);
+            return rc;
+        }
+    }
+    return PD_OK;
+}
+
+/* ---- formats (RFC 3339 dates and times, RFC 4122 uuids) --------------- */
+
+static bool digits_at(const char *s, size_t n, int *out) {
+    int v = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9') return false;
+        v = v * 10 + (s[i] - '0');
+    }
+    *out = v;
+    return true;
+}
+
+static bool is_date(const char *s, size_t n) {
+    int y, m, d;
+    if (n != 10 || s[4] != '-' || s[7] != '-' || !digits_at(s, 4, &y) || !digits_at(s + 5, 2, &m) ||
+        !digits_at(s + 8, 2, &d))
+        return false;
+    static const int days[] = {31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+    if (m < 1 || m > 12 || d < 1) return false;
+    bool leap = y % 4 == 0 && (y % 100 != 0 || y % 400 == 0);
+    return d <= days[m - 1] + (m == 2 && leap);
+}
+
+/* partial-time and offset: HH:MM:SS[.frac](Z|+HH:MM|-HH:MM) */
+static bool is_time(const char *s, size_t n) {
+    int h, m, sec;
+    if (n < 9 || s[2] != ':' || s[5] != ':' || !digits_at(s, 2, &h) || !digits_at(s + 3, 2, &m) ||
+        !digits_at(s + 6, 2, &sec) || h > 23 || m > 59 || sec > 60)
+        return false;
+    size_t i = 8;
+    if (s[i] == '.') {
+        size_t start = ++i;
+        while (i < n && s[i] >= '0' && s[i] <= '9') i++;
+        if (i == start) return false;
+    }
+    if (i < n && (s[i] == 'Z' || s[i] == 'z')) return i + 1 == n;
+    int oh, om;
+    return i + 6 == n && (s[i] == '+' || s[i] == '-') && s[i + 3] == ':' && digits_at(s + i + 1, 2, &oh) &&
+           digits_at(s + i + 4, 2, &om) && oh <= 23 && om <= 59;
+}
+
+static bool is_uuid(const char *s, size_t n) {
+    if (n != 36) return false;
+    for (size_t i = 0; i < n; i++) {
+        bool dash = i == 8 || i == 13 || i == 18 || i == 23;
+        char ch = s[i];
+        bool hex = (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f') || (ch >= 'A' && ch <= 'F');
+        if (dash ? ch != '-' : !hex) return false;
+    }
+    return true;
+}
+
+/* The format's name is a string and one of those supported. */
+static int format_known(vctx *c, const json_t *format) {
+    static const char *const names[] = {"date", "time", "date-time", "uuid"};
+    const char *f = json_string_value(format);
+    if (!f) return bad_schema(c, "JSON Schema keyword \"format\" at %s must be a string", pd_sbuf_str(&c->schema_path));
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++)
+        if (strcmp(f, names[i]) == 0) return PD_OK;
+    size_t mark = c->schema_path.len;
+    pd_schema_path_push(&c->schema_path, "format");
+    int rc = pd_errorf(c->err, PD_EUNSUPPORTED,
+                       "unsupported JSON Schema keyword \"format\" \"%s\" at %s (supported formats: date, time, "
+                       "date-time, uuid)",
+                       f, pd_sbuf_str(&c->schema_path));
+    pd_schema_path_pop(&c->schema_path, mark);
+    c->bad_schema = true;
+    return rc;
+}
+
+static int check_format(vctx *c, const json_t *format, const json_t *doc) {
+    const char *s = json_string_value(doc);
+    size_t n = json_string_length(doc);
+    const char *f = json_string_value(format);
+    int rc = format_known(c, format);
+    if (rc != PD_OK) return rc;
+    bool ok;
+    if (strcmp(f, "date") == 0) ok = is_date(s, n);
+    else if (strcmp(f, "time") == 0) ok = is_time(s, n);
+    else if (strcmp(f, "date-time") == 0) ok = n > 11 && (s[10] == 'T' || s[10] == 't') && is_date(s, 10) &&
+                                                is_time(s + 11, n - 11);
+    else ok = is_uuid(s, n);
+    return ok ? PD_OK : fail(c, "is not of format ", f);
+}
+
 /* validate under schema[key] (or schema[key][index] when index >= 0), with
  * the schema path extended accordingly. */
 static int validate_sub(vctx *c, const json_t *sub, const char *key, const char *key2, const json_t *doc) {
@@ -201,7 +339,7 @@ static int validate_array(vctx *c, const json_t *schema, const json_t *doc) {
     const json_t *items = json_object_get(schema, "items");
     const json_t *v;
     size_t n = json_array_size(doc), bound;
-    int rc;
+    int rc = PD_OK;
     if ((v = json_object_get(schema, "minItems"))) {
         if ((rc = check_count(c, v, "minItems", &bound)) != PD_OK) return rc;
         if (n < bound) return fail(c, "has fewer items than minItems", NULL);
@@ -210,17 +348,24 @@ static int validate_array(vctx *c, const json_t *schema, const json_t *doc) {
         if ((rc = check_count(c, v, "maxItems", &bound)) != PD_OK) return rc;
         if (n > bound) return fail(c, "has more items than maxItems", NULL);
     }
-    if (!items) return PD_OK;
     if (json_is_array(items)) {
         pd_schema_path_push(&c->schema_path, "items");
+        c->bad_schema = true;
         return pd_schema_unsupported_keyword(c->err, "items (an array: tuple validation)", pd_sbuf_str(&c->schema_path));
     }
+    const json_t *prefix = json_object_get(schema, "prefixItems");
+    if (prefix && !json_is_array(prefix))
+        return bad_schema(c, "JSON Schema keyword \"prefixItems\" at %s must be an array of schemas",
+                          pd_sbuf_str(&c->schema_path));
+    size_t n_prefix = json_array_size(prefix);
     for (size_t i = 0; i < n; i++) {
         char index[24];
         snprintf(index, sizeof index, "%zu", i);
         size_t mark = c->doc_path.len;
         pd_schema_path_push(&c->doc_path, index);
-        if ((rc = validate_sub(c, items, "items", NULL, json_array_get(doc, i))) != PD_OK) return rc;
+        if (i < n_prefix) rc = validate_sub(c, json_array_get(prefix, i), "prefixItems", index, json_array_get(doc, i));
+        else if (items) rc = validate_sub(c, items, "items", NULL, json_array_get(doc, i));
+        if (rc != PD_OK) return rc;
         pd_schema_path_pop(&c->doc_path, mark);
     }
     return PD_OK;
@@ -244,6 +389,7 @@ static int validate_string(vctx *c, const json_t *schema, const json_t *doc) {
                              pd_sbuf_str(&c->schema_path));
         if ((rc = check_pattern(c, json_string_value(v), doc)) != PD_OK) return rc;
     }
+    if ((v = json_object_get(schema, "format")) && (rc = check_format(c, v, doc)) != PD_OK) return rc;
     return PD_OK;
 }
 
@@ -342,8 +488,34 @@ static int validate(vctx *c, const json_t *schema, const json_t *doc, bool skip_
         } else if (strcmp(key, "properties") == 0 || strcmp(key, "required") == 0 ||
                    strcmp(key, "additionalProperties") == 0) {
             /* checked once below, for objects */
-        } else if (strcmp(key, "items") == 0 || strcmp(key, "minItems") == 0 || strcmp(key, "maxItems") == 0) {
+        } else if (strcmp(key, "items") == 0 || strcmp(key, "minItems") == 0 || strcmp(key, "maxItems") == 0 ||
+                   strcmp(key, "prefixItems") == 0) {
+        } else if (strcmp(key, "format") == 0) {
+            /* refused whatever the document is, as the generator does */
+            if ((rc = format_known(c, v)) != PD_OK) goto done;
         } else if (strcmp(key, "minLength") == 0 || strcmp(key, "maxLength") == 0 || strcmp(key, "pattern") == 0) {
+        } else if (strcmp(key, "minimum") == 0 || strcmp(key, "maximum") == 0 ||
+                   strcmp(key, "exclusiveMinimum") == 0 || strcmp(key, "exclusiveMaximum") == 0) {
+        } else if (strcmp(key, "uniqueItems") == 0 && json_is_false(v)) {
+            /* constrains nothing; true is refused below */
+        } else if (strcmp(key, "allOf") == 0) {
+            if (!json_is_array(v) || json_array_size(v) == 0) {
+                rc = bad_schema(c, "JSON Schema keyword \"allOf\" at %s must be a non-empty array of schemas",
+                                pd_sbuf_str(&c->schema_path));
+                goto done;
+            }
+            if (json_array_size(v) > 1) {
+                size_t mark = c->schema_path.len;
+                pd_schema_path_push(&c->schema_path, key);
+                rc = pd_errorf(c->err, PD_EUNSUPPORTED,
+                               "unsupported JSON Schema keyword \"allOf\" with %zu subschemas at %s (only one is "
+                               "supported)",
+                               json_array_size(v), pd_sbuf_str(&c->schema_path));
+                pd_schema_path_pop(&c->schema_path, mark);
+                c->bad_schema = true;
+                goto done;
+            }
+            if ((rc = validate_sub(c, json_array_get(v, 0), "allOf", "0", doc)) != PD_OK) goto done;
         } else {
             size_t mark = c->schema_path.len;
             pd_schema_path_push(&c->schema_path, key);
@@ -355,6 +527,7 @@ static int validate(vctx *c, const json_t *schema, const json_t *doc, bool skip_
     if (json_is_object(doc)) rc = validate_object(c, schema, doc);
     else if (json_is_array(doc)) rc = validate_array(c, schema, doc);
     else if (json_is_string(doc)) rc = validate_string(c, schema, doc);
+    else if (json_is_number(doc)) rc = validate_number(c, schema, doc);
 done:
     c->depth--;
     if (c->doc_path.oom || c->schema_path.oom) rc = pd_errorf(c->err, PD_ENOMEM, "out of memory");

@@ -262,8 +262,8 @@ Test(constrain, bad_constraints_are_400s_that_name_the_field) {
 #define CHAT(rest) "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]," rest "}"
     expect_400(PD_API_CHAT,
                CHAT("\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"n\",\"schema\":"
-                    "{\"type\":\"object\",\"properties\":{\"age\":{\"type\":\"integer\",\"minimum\":3}}}}}"),
-               "response_format.json_schema.schema", "minimum");
+                    "{\"type\":\"object\",\"properties\":{\"age\":{\"type\":\"integer\",\"multipleOf\":3}}}}}"),
+               "response_format.json_schema.schema", "multipleOf");
     expect_400(PD_API_CHAT,
                CHAT("\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":"
                     "\"object\",\"properties\":{\"s\":{\"type\":\"string\",\"format\":\"email\"}}}}}]"),

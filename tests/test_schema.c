@@ -480,7 +480,39 @@ static void gen_value(dgen *d, const json_t *s, int depth);
 static void gen_typed(dgen *d, const json_t *s, const char *type, int depth) {
     if (strcmp(type, "null") == 0) put(d, "null");
     else if (strcmp(type, "boolean") == 0) put(d, rnd(d, 2) ? "true" : "false");
-    else if (strcmp(type, "integer") == 0) {
+    else if ((strcmp(type, "integer") == 0 || strcmp(type, "number") == 0) &&
+             (json_object_get(s, "minimum") || json_object_get(s, "maximum") ||
+              json_object_get(s, "exclusiveMinimum") || json_object_get(s, "exclusiveMaximum"))) {
+        /* near a bound (the validator filters what falls outside) */
+        static const char *const keys[] = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"};
+        const json_t *b = NULL;
+        for (int tries = 0; !b && tries < 16; tries++) b = json_object_get(s, keys[rnd(d, 4)]);
+        long long base = json_is_integer(b) ? (long long)json_integer_value(b) : (long long)json_number_value(b);
+        static const long long deltas[] = {0, 1, -1, 2, -2, 9, -9, 10, -10, 99, -99, 1000, -1000, 123456};
+        long long v = base + deltas[rnd(d, 14)];
+        char text[64];
+        if (strcmp(type, "number") == 0 && rnd(d, 2)) {
+            static const char *const fractions[] = {".5", ".000001", ".0", ".999999", ".25", ".000"};
+            snprintf(text, sizeof text, "%lld%s", v, fractions[rnd(d, 6)]);
+        } else {
+            snprintf(text, sizeof text, "%lld", v);
+        }
+        put(d, text);
+    } else if (strcmp(type, "string") == 0 && json_object_get(s, "format")) {
+        /* per format: mostly valid, some not */
+        static const char *const dates[] = {"\"2024-02-29\"", "\"2023-02-29\"", "\"1999-12-31\"", "\"2021-04-31\""};
+        static const char *const times[] = {"\"23:59:59Z\"", "\"00:00:00.123+05:30\"", "\"24:00:00Z\"", "\"12:30:00\""};
+        static const char *const date_times[] = {"\"2024-01-15T08:30:00Z\"", "\"2024-01-15T08:30:00.5-07:00\"",
+                                                 "\"2000-02-29T00:00:00+00:00\"", "\"2024-13-15T08:30:00Z\""};
+        static const char *const uuids[] = {"\"123e4567-e89b-12d3-a456-426614174000\"",
+                                            "\"123E4567-E89B-12D3-A456-426614174000\"",
+                                            "\"00000000-0000-0000-0000-000000000000\"",
+                                            "\"123e4567e89b12d3a456426614174000\""};
+        const char *f = json_string_value(json_object_get(s, "format"));
+        const char *const *pool = strcmp(f, "date") == 0 ? dates : strcmp(f, "time") == 0 ? times
+                                 : strcmp(f, "date-time") == 0 ? date_times : uuids;
+        put(d, pool[rnd(d, 4)]);
+    } else if (strcmp(type, "integer") == 0) {
         static const char *const v[] = {"0", "7", "-42", "123456789012345678", "-1"};
         put(d, v[rnd(d, 5)]);
     } else if (strcmp(type, "number") == 0) {
@@ -505,7 +537,8 @@ static void gen_typed(dgen *d, const json_t *s, const char *type, int depth) {
         int min = lo ? (int)json_integer_value(lo) : 0, max = hi ? (int)json_integer_value(hi) : min + 3;
         if (depth > 4) max = min;
         int n = min + (int)rnd(d, (uint32_t)(max - min + 1));
-        const json_t *items = json_object_get(s, "items");
+        const json_t *items = json_object_get(s, "items"), *prefix = json_object_get(s, "prefixItems");
+        if (prefix && !hi) n = (int)rnd(d, (uint32_t)json_array_size(prefix) + 3);
         put(d, "[");
         put_ws(d);
         for (int i = 0; i < n; i++) {
@@ -513,7 +546,9 @@ static void gen_typed(dgen *d, const json_t *s, const char *type, int depth) {
                 put(d, ",");
                 put_ws(d);
             }
-            if (items) gen_value(d, items, depth + 1);
+            if (prefix && (size_t)i < json_array_size(prefix)) gen_value(d, json_array_get(prefix, (size_t)i), depth + 1);
+            else if (json_is_false(items)) gen_any(d, depth + 1);
+            else if (items) gen_value(d, items, depth + 1);
             else gen_any(d, depth + 1);
             put_ws(d);
         }
@@ -608,6 +643,10 @@ static void gen_value(dgen *d, const json_t *s, int depth) {
         gen_value(d, target, depth + 1);
         return;
     }
+    if ((v = json_object_get(s, "allOf"))) {
+        gen_value(d, json_array_get(v, 0), depth + 1);
+        return;
+    }
     if ((v = json_object_get(s, "anyOf")) || (v = json_object_get(s, "oneOf"))) {
         /* deep down, the last branch (the tests put the leaf there) */
         size_t n = json_array_size(v);
@@ -629,10 +668,15 @@ static void gen_value(dgen *d, const json_t *s, int depth) {
         gen_typed(d, s, json_string_value(json_array_get(type, rnd(d, (uint32_t)json_array_size(type)))), depth);
     } else if (json_object_get(s, "properties") || json_object_get(s, "additionalProperties")) {
         gen_typed(d, s, "object", depth);
-    } else if (json_object_get(s, "items") || json_object_get(s, "minItems") || json_object_get(s, "maxItems")) {
+    } else if (json_object_get(s, "items") || json_object_get(s, "minItems") || json_object_get(s, "maxItems") ||
+               json_object_get(s, "prefixItems")) {
         gen_typed(d, s, "array", depth);
-    } else if (json_object_get(s, "pattern") || json_object_get(s, "minLength") || json_object_get(s, "maxLength")) {
+    } else if (json_object_get(s, "pattern") || json_object_get(s, "minLength") || json_object_get(s, "maxLength") ||
+               json_object_get(s, "format")) {
         gen_typed(d, s, "string", depth);
+    } else if (json_object_get(s, "minimum") || json_object_get(s, "maximum") ||
+               json_object_get(s, "exclusiveMinimum") || json_object_get(s, "exclusiveMaximum")) {
+        gen_typed(d, s, "number", depth);
     } else {
         gen_any(d, depth);
     }
@@ -923,9 +967,9 @@ Test(schema, quote) {
 
 Test(schema, unsupported_keywords_name_keyword_and_path) {
     static const char *const keywords[] = {
-        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "format", "patternProperties",
-        "propertyNames", "minProperties", "maxProperties", "dependentRequired", "dependentSchemas", "allOf", "not",
-        "if", "then", "else", "prefixItems", "contains", "minContains", "uniqueItems", "unevaluatedProperties",
+        "multipleOf", "patternProperties",
+        "propertyNames", "minProperties", "maxProperties", "dependentRequired", "dependentSchemas", "not",
+        "if", "then", "else", "contains", "minContains", "uniqueItems", "unevaluatedProperties",
         "unevaluatedItems", "$anchor", "$dynamicRef", "contentEncoding", "dependencies", "additionalItems"};
     for (size_t i = 0; i < sizeof keywords / sizeof *keywords; i++) {
         char schema[256], want[128];
@@ -987,6 +1031,26 @@ Test(schema, refused_constructs) {
         {"{\"type\":\"string\",\"pattern\":\"(a\"}", PD_EINVAL, "closing )"},
         {"{\"properties\":{\"p\":{\"pattern\":\"x(?=y)\"}}}", PD_EUNSUPPORTED,
          "\"pattern\" at #/properties/p/pattern"},
+        {"{\"allOf\":[{\"type\":\"integer\"},{\"minimum\":1}]}", PD_EUNSUPPORTED, "\"allOf\" with 2 subschemas at #/allOf"},
+        {"{\"allOf\":[{\"type\":\"integer\"}],\"minimum\":1}", PD_EUNSUPPORTED, "\"allOf\" together with \"minimum\""},
+        {"{\"allOf\":[]}", PD_EINVAL, "\"allOf\" at # must be a non-empty array"},
+        {"{\"properties\":{\"e\":{\"type\":\"string\",\"format\":\"email\"}}}", PD_EUNSUPPORTED,
+         "\"format\" \"email\" at #/properties/e/format"},
+        {"{\"type\":\"string\",\"format\":\"date\",\"maxLength\":10}", PD_EUNSUPPORTED, "\"format\" at #/format together"},
+        {"{\"type\":\"number\",\"minimum\":0.5}", PD_EUNSUPPORTED, "\"minimum\" at #/minimum on a number: only whole"},
+        {"{\"type\":\"number\",\"exclusiveMaximum\":1.5}", PD_EUNSUPPORTED, "\"exclusiveMaximum\" at #/exclusiveMaximum"},
+        {"{\"type\":\"integer\",\"minimum\":0,\"exclusiveMinimum\":true}", PD_EUNSUPPORTED,
+         "\"exclusiveMinimum\" as a boolean (draft 4) at #/exclusiveMinimum"},
+        {"{\"type\":\"integer\",\"minimum\":\"1\"}", PD_EINVAL, "\"minimum\" at # must be a number"},
+        {"{\"type\":\"integer\",\"minimum\":5,\"exclusiveMaximum\":5}", PD_EINVAL, "no 64-bit integer"},
+        {"{\"type\":\"integer\",\"minimum\":0.2,\"maximum\":0.8}", PD_EINVAL, "no 64-bit integer"},
+        {"{\"type\":\"number\",\"exclusiveMinimum\":3,\"maximum\":3}", PD_EINVAL, "no number meets"},
+        {"{\"type\":\"array\",\"uniqueItems\":true}", PD_EUNSUPPORTED, "\"uniqueItems\" at #/uniqueItems"},
+        {"{\"type\":\"array\",\"prefixItems\":[{}],\"items\":false,\"minItems\":2}", PD_EINVAL,
+         "minItems 2 is more than the 1 items allowed"},
+        {"{\"type\":\"array\",\"prefixItems\":[]}", PD_EINVAL, "\"prefixItems\" at # must be a non-empty array"},
+        {"{\"$defs\":{\"a\":{\"allOf\":[{\"$ref\":\"#/$defs/a\"}]}},\"$ref\":\"#/$defs/a\"}", PD_EUNSUPPORTED,
+         "refers to itself"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         pd_error err = {0};
@@ -1049,6 +1113,23 @@ Test(schema, validator_keywords) {
         {"{\"properties\":{\"a\":{\"items\":{\"required\":[\"z\"]}}}}", "{\"a\":[{},{\"z\":1}]}", false, "#/a/0"},
         {"true", "[1]", true, NULL},
         {"false", "1", false, "#"},
+        {"{\"minimum\":3}", "3", true, NULL},
+        {"{\"minimum\":3}", "2.999", false, "#"},
+        {"{\"minimum\":3}", "\"x\"", true, NULL},
+        {"{\"exclusiveMinimum\":3}", "3.0", false, "#"},
+        {"{\"exclusiveMinimum\":3}", "3.0001", true, NULL},
+        {"{\"maximum\":9007199254740993}", "9007199254740993", true, NULL},
+        {"{\"maximum\":9007199254740992}", "9007199254740993", false, "#"},
+        {"{\"exclusiveMaximum\":0.5}", "0.5", false, "#"},
+        {"{\"properties\":{\"n\":{\"type\":\"integer\",\"maximum\":-1}}}", "{\"n\":0}", false, "#/n"},
+        {"{\"format\":\"date\"}", "\"2023-02-29\"", false, "#"},
+        {"{\"format\":\"date-time\"}", "\"2024-02-29T12:00:00+01:00\"", true, NULL},
+        {"{\"allOf\":[{\"type\":\"string\"}]}", "1", false, "#"},
+        {"{\"prefixItems\":[{\"type\":\"string\"}],\"items\":false}", "[\"a\",1]", false, "#/1"},
+        {"{\"prefixItems\":[{\"type\":\"string\"}],\"items\":{\"type\":\"integer\"}}", "[\"a\",1,\"b\"]", false,
+         "#/2"},
+        {"{\"prefixItems\":[{\"type\":\"string\"}]}", "[1]", false, "#/0"},
+        {"{\"uniqueItems\":false}", "[1,1]", true, NULL},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         pd_error err = {0};
@@ -1073,4 +1154,434 @@ Test(schema, validator_bad_schemas) {
     /* a $ref loop that never reaches a smaller part of the document */
     cr_expect_eq(validate_text("{\"$ref\":\"#\"}", "1", &err), PD_EINVAL);
     cr_expect(strstr(err.msg, "too deep"), "%s", err.msg);
+    /* what the generator refuses, the validator refuses too */
+    static const struct {
+        const char *schema, *doc, *needle;
+    } refused[] = {
+        {"{\"format\":\"email\"}", "\"a@b.c\"", "\"format\" \"email\" at #/format"},
+        {"{\"allOf\":[{},{}]}", "1", "\"allOf\" with 2 subschemas at #/allOf"},
+        {"{\"exclusiveMinimum\":true,\"minimum\":1}", "2", "\"exclusiveMinimum\" as a boolean"},
+        {"{\"uniqueItems\":true}", "[1]", "\"uniqueItems\" at #/uniqueItems"},
+        {"{\"anyOf\":[{\"type\":\"integer\"},{\"format\":\"hostname\"}]}", "\"x\"", "\"hostname\""},
+        {"{\"format\":\"hostname\"}", "5", "\"hostname\" at #/format"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
+        cr_expect_eq(validate_text(refused[i].schema, refused[i].doc, &err), PD_EUNSUPPORTED, "%s", refused[i].schema);
+        cr_expect(strstr(err.msg, refused[i].needle), "%s: %s", refused[i].schema, err.msg);
+    }
+}
+
+/* ======================================================================
+ * Numbers, formats, tuples, allOf (and the schemas pydantic emits)
+ * ====================================================================== */
+
+/* Whether the recognizer and the validator agree on text. */
+static void expect_agree(const json_t *schema, const rgram *g, const char *schema_text, const char *text, bool exact) {
+    bool rec = recognize(g, "t", text, strlen(text)), val = valid_doc(schema, text, strlen(text));
+    if (rec) cr_assert(val, "%s: the grammar accepts %s, which is not valid", schema_text, text);
+    if (exact) cr_assert_eq(rec, val, "%s: %s is valid but the grammar rejects it", schema_text, text);
+}
+
+static int count_digits(const char *s) {
+    int n = 0;
+    for (; *s && *s != '.'; s++) n += *s >= '0' && *s <= '9';
+    return n;
+}
+
+/* Integer ranges are exact: every integer (up to 18 digits, or inside
+ * explicit 64-bit bounds) near each bound and each power of ten. */
+Test(schema, integer_ranges_are_exact) {
+    static const char *const schemas[] = {
+        "{\"type\":\"integer\",\"minimum\":17,\"maximum\":12345}",
+        "{\"type\":\"integer\",\"minimum\":0}",
+        "{\"type\":\"integer\",\"maximum\":-5}",
+        "{\"type\":\"integer\",\"minimum\":17}",
+        "{\"type\":\"integer\",\"exclusiveMinimum\":-1000,\"exclusiveMaximum\":99}",
+        "{\"type\":\"integer\",\"minimum\":-1,\"maximum\":1}",
+        "{\"type\":\"integer\",\"minimum\":0.5,\"maximum\":9.5}",
+        "{\"type\":\"integer\",\"minimum\":100,\"exclusiveMinimum\":150,\"maximum\":1e6}",
+        "{\"type\":\"integer\",\"minimum\":-7200,\"maximum\":-7100}",
+        "{\"type\":\"integer\",\"minimum\":907,\"maximum\":3000000}",
+        "{\"type\":[\"integer\",\"null\"],\"minimum\":999999999999999990}",
+        "{\"type\":\"integer\",\"minimum\":-9223372036854775808,\"maximum\":9223372036854775807}",
+        "{\"type\":\"integer\",\"minimum\":5,\"maximum\":5}",
+    };
+    for (size_t i = 0; i < sizeof schemas / sizeof *schemas; i++) {
+        json_t *schema = J(schemas[i]);
+        char *text = grammar_of(schemas[i], "t");
+        rgram *g = rgram_parse(text);
+        bool full = strstr(schemas[i], "9223372036854775807") != NULL;
+        long long centers[64];
+        int n_centers = 0;
+        static const char *const keys[] = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"};
+        for (int k = 0; k < 4; k++) {
+            const json_t *b = json_object_get(schema, keys[k]);
+            if (b) centers[n_centers++] = json_is_integer(b) ? (long long)json_integer_value(b) : (long long)json_number_value(b);
+        }
+        long long p = 1;
+        for (int e = 0; e <= 18; e++, p *= 10) {
+            if (e == 18) p = 999999999999999999LL;
+            centers[n_centers++] = p;
+            centers[n_centers++] = -p;
+        }
+        centers[n_centers++] = 0;
+        int n_valid = 0;
+        for (int c = 0; c < n_centers; c++) {
+            for (long long delta = -120; delta <= 120; delta++) {
+                long long v = centers[c];
+                if ((delta > 0 && v > INT64_MAX - delta) || (delta < 0 && v < INT64_MIN - delta)) continue;
+                v += delta;
+                char doc[32];
+                snprintf(doc, sizeof doc, "%lld", v);
+                if (!full && count_digits(doc) > 18) continue;
+                expect_agree(schema, g, schemas[i], doc, true);
+                n_valid += valid_doc(schema, doc, strlen(doc));
+            }
+        }
+        /* no leading zeros, no -0, no fraction, and past int64 */
+        const char *bad[] = {"-0", "007", "0.0", "1e2", "9223372036854775808", "-9223372036854775809", "+5", NULL};
+        for (const char *const *b = bad; *b; b++) cr_expect(!recognize(g, "t", *b, strlen(*b)), "%s: %s", schemas[i], *b);
+        cr_expect_gt(n_valid, 0, "%s", schemas[i]);
+        /* compact: O(digits), not O(range) */
+        cr_expect_lt(strlen(text), 3000u, "%s:\n%s", schemas[i], text);
+        rgram_free(g);
+        free(text);
+        json_decref(schema);
+    }
+}
+
+/* Numbers: whatever the grammar admits validates (as the double it
+ * parses to), and every plain decimal with an integer part below 10^9 and
+ * at most 6 fraction digits that validates is admitted (-0 aside). */
+Test(schema, number_ranges_are_sound_and_cover_plain_decimals) {
+    static const char *const schemas[] = {
+        "{\"type\":\"number\",\"minimum\":0}",
+        "{\"type\":\"number\",\"exclusiveMinimum\":0}",
+        "{\"type\":\"number\",\"maximum\":0}",
+        "{\"type\":\"number\",\"exclusiveMaximum\":0}",
+        "{\"type\":\"number\",\"minimum\":-90,\"maximum\":90}",
+        "{\"type\":\"number\",\"exclusiveMinimum\":2,\"exclusiveMaximum\":5}",
+        "{\"type\":\"number\",\"minimum\":1}",
+        "{\"type\":\"number\",\"exclusiveMaximum\":-3}",
+        "{\"type\":\"number\",\"minimum\":-1.0,\"exclusiveMaximum\":1000000001}",
+        "{\"minimum\":10,\"maximum\":10}",
+    };
+    static const char *const fractions[] = {"", ".0", ".5", ".000001", ".999999", ".000000", ".25", ".1000000",
+                                            ".0000001", "e1", "e-2", "E+2", ".5e-1"};
+    for (size_t i = 0; i < sizeof schemas / sizeof *schemas; i++) {
+        json_t *schema = J(schemas[i]);
+        char *text = grammar_of(schemas[i], "t");
+        rgram *g = rgram_parse(text);
+        static const long long centers[] = {0, 1, 2, 3, 5, 10, 90, 1000, 999999999, 1000000000, 1000000001,
+                                            999999999999999999LL};
+        int n_rec = 0;
+        for (size_t c = 0; c < sizeof centers / sizeof *centers; c++)
+            for (int sign = -1; sign <= 1; sign += 2)
+                for (long long delta = -3; delta <= 3; delta++) {
+                    long long v = sign * centers[c] + delta;
+                    for (size_t f = 0; f < sizeof fractions / sizeof *fractions; f++) {
+                        char doc[64];
+                        bool negative = v < 0 || (v == 0 && sign < 0 && delta == 0);
+                        unsigned long long mag = v < 0 ? (unsigned long long)-v : (unsigned long long)v;
+                        snprintf(doc, sizeof doc, "%s%llu%s", negative ? "-" : "", mag, fractions[f]);
+                        const char *fr = fractions[f];
+                        bool plain = !strpbrk(fr, "eE") && strlen(fr) <= 7 && mag < 1000000000ULL &&
+                                     !(negative && mag == 0 && strspn(fr, ".0") == strlen(fr));
+                        expect_agree(schema, g, schemas[i], doc, plain);
+                        n_rec += recognize(g, "t", doc, strlen(doc));
+                    }
+                }
+        cr_expect_gt(n_rec, 0, "%s", schemas[i]);
+        rgram_free(g);
+        free(text);
+        json_decref(schema);
+    }
+}
+
+/* date is exact against the calendar, both ways. */
+Test(schema, date_format_is_exact) {
+    json_t *schema = J("{\"type\":\"string\",\"format\":\"date\"}");
+    char *text = grammar_of("{\"type\":\"string\",\"format\":\"date\"}", "t");
+    rgram *g = rgram_parse(text);
+    static const int years[] = {0, 4, 100, 1600, 1900, 1999, 2000, 2023, 2024, 2100, 2400, 9999, 9996};
+    int n_valid = 0;
+    for (size_t y = 0; y < sizeof years / sizeof *years; y++)
+        for (int m = 0; m <= 13; m++)
+            for (int d = 0; d <= 32; d++) {
+                char doc[32];
+                snprintf(doc, sizeof doc, "\"%04d-%02d-%02d\"", years[y], m, d);
+                expect_agree(schema, g, "date", doc, true);
+                n_valid += valid_doc(schema, doc, strlen(doc));
+            }
+    /* 13 years: 365 or 366 days each (0, 4, 1600, 2000, 2024, 2400, 9996 are leap) */
+    cr_expect_eq(n_valid, 13 * 365 + 7);
+    const char *bad[] = {"\"2024-1-01\"", "\"20240101\"", "\"2024-01-01T00:00:00Z\"", "\" 2024-01-01\"", NULL};
+    for (const char *const *b = bad; *b; b++) expect_agree(schema, g, "date", *b, true);
+    rgram_free(g);
+    free(text);
+    json_decref(schema);
+}
+
+Test(schema, time_date_time_uuid_formats) {
+    const struct {
+        const char *format;
+        const char *const *yes, *const *no;
+        const char *const *validator_only; /* valid, not generated */
+    } cases[] = {
+        {"time", LIST("\"00:00:00Z\"", "\"23:59:59.999999999+14:00\"", "\"12:30:05-08:00\"", "\"01:02:03.5Z\""),
+         LIST("\"24:00:00Z\"", "\"12:60:00Z\"", "\"12:00:00\"", "\"12:00Z\"", "\"12:00:00+5:00\"", "\"12:00:00.Z\"",
+              "\"12:00:00+24:00\""),
+         LIST("\"23:59:60Z\"", "\"12:00:00z\"", "\"12:00:00.1234567890Z\"")},
+        {"date-time",
+         LIST("\"2024-02-29T08:30:00Z\"", "\"1999-12-31T23:59:59.5+01:00\""),
+         LIST("\"2023-02-29T08:30:00Z\"", "\"2024-02-29 08:30:00Z\"", "\"2024-02-29T08:30Z\"", "\"2024-02-29\""),
+         LIST("\"2024-02-29t08:30:00z\"")},
+        {"uuid", LIST("\"123e4567-e89b-12d3-a456-426614174000\"", "\"ABCDEF00-0000-0000-0000-000000000000\""),
+         LIST("\"123e4567e89b12d3a456426614174000\"", "\"123e4567-e89b-12d3-a456-42661417400\"",
+              "\"g23e4567-e89b-12d3-a456-426614174000\"", "\"{123e4567-e89b-12d3-a456-426614174000}\""),
+         NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char schema_text[96];
+        snprintf(schema_text, sizeof schema_text, "{\"type\":\"string\",\"format\":\"%s\"}", cases[i].format);
+        json_t *schema = J(schema_text);
+        char *text = grammar_of(schema_text, "t");
+        rgram *g = rgram_parse(text);
+        for (const char *const *y = cases[i].yes; *y; y++) {
+            cr_expect(valid_doc(schema, *y, strlen(*y)), "%s: %s", cases[i].format, *y);
+            cr_expect(recognize(g, "t", *y, strlen(*y)), "%s: %s", cases[i].format, *y);
+        }
+        for (const char *const *n = cases[i].no; *n; n++) expect_agree(schema, g, schema_text, *n, true);
+        for (const char *const *v = cases[i].validator_only; v && *v; v++) {
+            cr_expect(valid_doc(schema, *v, strlen(*v)), "%s: %s", cases[i].format, *v);
+            cr_expect(!recognize(g, "t", *v, strlen(*v)), "%s: %s", cases[i].format, *v);
+        }
+        /* format applies to strings only */
+        cr_expect(valid_doc(schema, "5", 1) == false);
+        json_t *untyped = J("{\"format\":\"uuid\"}");
+        cr_expect(valid_doc(untyped, "5", 1));
+        json_decref(untyped);
+        rgram_free(g);
+        free(text);
+        json_decref(schema);
+    }
+}
+
+/* pydantic v2 (model_json_schema) for a model with an enum field with a
+ * default, a nested model, an Optional field, a list default, a uuid, a
+ * datetime, a tuple and bounded numbers: verbatim. */
+#define PYDANTIC_V2_SCHEMA                                                                                             \
+    "{\"$defs\": {\"Address\": {\"properties\": {\"street\": {\"title\": \"Street\", \"type\": \"string\"}, \"zip\": " \
+    "{\"pattern\": \"^\\\\d{5}$\", \"title\": \"Zip\", \"type\": \"string\"}}, \"required\": [\"street\", \"zip\"], " \
+    "\"title\": \"Address\", \"type\": \"object\"}, \"Color\": {\"enum\": [\"red\", \"green\"], \"title\": "          \
+    "\"Color\", \"type\": \"string\"}}, \"properties\": {\"id\": {\"format\": \"uuid\", \"title\": \"Id\", "          \
+    "\"type\": \"string\"}, \"name\": {\"description\": \"Full name\", \"maxLength\": 40, \"title\": \"Name\", "      \
+    "\"type\": \"string\"}, \"age\": {\"maximum\": 150, \"minimum\": 0, \"title\": \"Age\", \"type\": \"integer\"}, " \
+    "\"score\": {\"exclusiveMinimum\": 0, \"title\": \"Score\", \"type\": \"number\"}, \"color\": {\"$ref\": "        \
+    "\"#/$defs/Color\", \"default\": \"red\"}, \"address\": {\"$ref\": \"#/$defs/Address\"}, \"nickname\": "          \
+    "{\"anyOf\": [{\"type\": \"string\"}, {\"type\": \"null\"}], \"default\": null, \"title\": \"Nickname\"}, "       \
+    "\"tags\": {\"default\": [], \"items\": {\"type\": \"string\"}, \"title\": \"Tags\", \"type\": \"array\"}, "      \
+    "\"created\": {\"format\": \"date-time\", \"title\": \"Created\", \"type\": \"string\"}, \"point\": "             \
+    "{\"maxItems\": 2, \"minItems\": 2, \"prefixItems\": [{\"type\": \"integer\"}, {\"type\": \"integer\"}], "         \
+    "\"title\": \"Point\", \"type\": \"array\"}}, \"required\": [\"id\", \"name\", \"age\", \"score\", \"address\", " \
+    "\"created\", \"point\"], \"title\": \"User\", \"type\": \"object\"}"
+
+/* pydantic v1 (.schema()): a $ref with a default is wrapped in allOf. */
+#define PYDANTIC_V1_SCHEMA                                                                                             \
+    "{\"title\": \"User\", \"type\": \"object\", \"properties\": {\"color\": {\"default\": \"red\", \"allOf\": "       \
+    "[{\"$ref\": \"#/definitions/Color\"}]}, \"age\": {\"title\": \"Age\", \"minimum\": 0, \"maximum\": 150, "         \
+    "\"type\": \"integer\"}, \"score\": {\"title\": \"Score\", \"exclusiveMinimum\": 0, \"type\": \"number\"}, "       \
+    "\"nickname\": {\"title\": \"Nickname\", \"type\": \"string\"}, \"id\": {\"title\": \"Id\", \"type\": "           \
+    "\"string\", \"format\": \"uuid\"}}, \"required\": [\"age\", \"id\"], \"definitions\": {\"Color\": {\"title\": "  \
+    "\"Color\", \"description\": \"An enumeration.\", \"enum\": [\"red\", \"green\"], \"type\": \"string\"}}}"
+
+/* zod-to-json-schema output with exclusiveMinimum and a date. */
+#define ZOD_SCHEMA                                                                                                     \
+    "{\"type\":\"object\",\"properties\":{\"count\":{\"type\":\"integer\",\"exclusiveMinimum\":0},\"when\":{\"type\":" \
+    "\"string\",\"format\":\"date\"},\"price\":{\"type\":\"number\",\"minimum\":0,\"maximum\":1000}},\"required\":["   \
+    "\"count\",\"when\",\"price\"],\"additionalProperties\":false,\"$schema\":\"http://json-schema.org/draft-07/"    \
+    "schema#\"}"
+
+static const char *const widened_schemas[] = {
+    PYDANTIC_V2_SCHEMA,
+    PYDANTIC_V1_SCHEMA,
+    ZOD_SCHEMA,
+    "{\"type\":\"array\",\"prefixItems\":[{\"type\":\"string\",\"format\":\"date\"},{\"enum\":[1,2]},{\"type\":"
+    "\"boolean\"}],\"items\":false,\"minItems\":1}",
+    "{\"type\":\"array\",\"prefixItems\":[{\"type\":\"integer\",\"minimum\":1,\"maximum\":9}],\"items\":{\"type\":"
+    "\"null\"},\"maxItems\":3,\"uniqueItems\":false}",
+    "{\"type\":\"array\",\"prefixItems\":[{\"const\":\"a\"},{\"const\":\"b\"}],\"minItems\":3}",
+    "{\"type\":\"object\",\"properties\":{\"lat\":{\"type\":\"number\",\"minimum\":-90,\"maximum\":90},\"lon\":{"
+    "\"type\":\"number\",\"minimum\":-180,\"maximum\":180},\"floor\":{\"type\":\"integer\",\"minimum\":-5,"
+    "\"exclusiveMaximum\":200},\"at\":{\"type\":\"string\",\"format\":\"time\"}},\"required\":[\"lat\",\"lon\"]}",
+    NULL};
+
+Test(schema, cross_check_widened_subset) {
+    const xcase cases[] = {
+        {.schema = PYDANTIC_V2_SCHEMA,
+         .valid = LIST("{\"id\":\"123e4567-e89b-12d3-a456-426614174000\",\"name\":\"Ann\",\"age\":30,\"score\":0.5,"
+                       "\"address\":{\"street\":\"Main\",\"zip\":\"12345\"},\"created\":\"2024-01-15T08:30:00Z\","
+                       "\"point\":[1,-2]}",
+                       "{\"id\": \"123e4567-e89b-12d3-a456-426614174000\", \"name\": \"Ann\", \"age\": 150, "
+                       "\"score\": 1e3, \"color\": \"green\", \"address\": {\"street\": \"\", \"zip\": \"00000\"}, "
+                       "\"nickname\": null, \"tags\": [\"a\"], \"created\": \"2024-02-29T23:59:59.5+01:00\", "
+                       "\"point\": [0, 0]}"),
+         .invalid = LIST("{\"id\":\"123e4567-e89b-12d3-a456-426614174000\",\"name\":\"Ann\",\"age\":151,\"score\":0.5,"
+                         "\"address\":{\"street\":\"Main\",\"zip\":\"12345\"},\"created\":\"2024-01-15T08:30:00Z\","
+                         "\"point\":[1,2]}",
+                         "{\"id\":\"123e4567-e89b-12d3-a456-426614174000\",\"name\":\"Ann\",\"age\":1,\"score\":0,"
+                         "\"address\":{\"street\":\"Main\",\"zip\":\"12345\"},\"created\":\"2024-01-15T08:30:00Z\","
+                         "\"point\":[1,2]}",
+                         "{\"id\":\"123e4567-e89b-12d3-a456-426614174000\",\"name\":\"Ann\",\"age\":1,\"score\":1,"
+                         "\"address\":{\"street\":\"Main\",\"zip\":\"12345\"},\"created\":\"2023-02-29T08:30:00Z\","
+                         "\"point\":[1,2]}",
+                         "{\"id\":\"123e4567-e89b-12d3-a456-426614174000\",\"name\":\"Ann\",\"age\":1,\"score\":1,"
+                         "\"address\":{\"street\":\"Main\",\"zip\":\"12345\"},\"created\":\"2024-01-15T08:30:00Z\","
+                         "\"point\":[1,2,3]}",
+                         "{\"id\":\"123e4567-e89b-12d3-a456-426614174000\",\"name\":\"Ann\",\"age\":1,\"score\":1,"
+                         "\"color\":\"blue\",\"address\":{\"street\":\"Main\",\"zip\":\"12345\"},\"created\":"
+                         "\"2024-01-15T08:30:00Z\",\"point\":[1,2]}"),
+         .samples = LIST("12345", "00000", "1234")},
+        {.schema = PYDANTIC_V1_SCHEMA,
+         .valid = LIST("{\"age\":0,\"id\":\"00000000-0000-0000-0000-000000000000\"}",
+                       "{\"color\":\"red\",\"age\":7,\"score\":2.5,\"id\":\"00000000-0000-0000-0000-000000000000\"}"),
+         .invalid = LIST("{\"color\":\"blue\",\"age\":7,\"id\":\"00000000-0000-0000-0000-000000000000\"}",
+                         "{\"age\":-1,\"id\":\"00000000-0000-0000-0000-000000000000\"}",
+                         "{\"age\":1,\"score\":-0.5,\"id\":\"00000000-0000-0000-0000-000000000000\"}")},
+        {.schema = ZOD_SCHEMA,
+         .valid = LIST("{\"count\":1,\"when\":\"2024-06-01\",\"price\":999.99}",
+                       "{\"count\":12,\"when\":\"2000-02-29\",\"price\":1000}"),
+         .invalid = LIST("{\"count\":0,\"when\":\"2024-06-01\",\"price\":1}",
+                         "{\"count\":1,\"when\":\"2024-06-31\",\"price\":1}",
+                         "{\"count\":1,\"when\":\"2024-06-01\",\"price\":1000.5}",
+                         "{\"count\":1,\"when\":\"2024-06-01\",\"price\":-1}")},
+        {.schema = widened_schemas[3],
+         .valid = LIST("[\"2024-01-01\"]", "[\"2024-01-01\", 2, true]", "[\"2024-01-01\",1]"),
+         .invalid = LIST("[]", "[\"2024-01-01\",3]", "[\"2024-01-01\",1,true,null]", "[1]")},
+        {.schema = widened_schemas[4],
+         .valid = LIST("[]", "[9]", "[1,null,null]"),
+         .invalid = LIST("[0]", "[1,2]", "[1,null,null,null]", "[null]")},
+        {.schema = widened_schemas[5],
+         .valid = LIST("[\"a\",\"b\",1]", "[\"a\",\"b\",{},[]]"),
+         .invalid = LIST("[\"a\",\"b\"]", "[\"b\",\"a\",1]")},
+        {.schema = widened_schemas[6],
+         .valid = LIST("{\"lat\":-90,\"lon\":180.000}", "{\"lat\":45.5,\"lon\":-0.25,\"floor\":199,\"at\":\"10:00:00Z\"}"),
+         .invalid = LIST("{\"lat\":-90.5,\"lon\":0}", "{\"lat\":0,\"lon\":0,\"floor\":200}",
+                         "{\"lat\":0,\"lon\":180.1}")},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        xcase c = cases[i];
+        if (!c.samples) c.samples = pattern_samples;
+        cr_expect_gt(cross_check(&c, 300), 0, "%s: no valid documents were made", c.schema);
+    }
+}
+
+/* ---- random walks through the real compiler and matcher ------------- */
+
+/* A small vocabulary: every printable ASCII byte, \n, \t, a two-byte
+ * character, a few multi-byte tokens, and an end token (id 0). */
+static pd_grammar_vocab *walk_vocab(void) {
+    static const char *const multi[] = {"{\"", "\":", "\",", "\": \"", ", ", "true", "false", "null", "00", "12",
+                                        "2024-", "-0", ".5", "e+", "\xc3\xa9", "\n  ", "]}", "abc", "-1", "99"};
+    const size_t n_multi = sizeof multi / sizeof *multi;
+    int32_t n = (int32_t)(1 + 95 + 2 + n_multi);
+    const char **pieces = calloc((size_t)n, sizeof *pieces);
+    uint32_t *lens = calloc((size_t)n, sizeof *lens);
+    uint8_t *kinds = calloc((size_t)n, sizeof *kinds);
+    static char bytes[97][2];
+    int32_t t = 0;
+    pieces[t] = "";
+    kinds[t++] = PD_GTOK_EOG;
+    for (int c = 0x20; c < 0x7F; c++) {
+        bytes[c - 0x20][0] = (char)c;
+        pieces[t] = bytes[c - 0x20];
+        lens[t++] = 1;
+    }
+    pieces[t] = "\n", lens[t++] = 1;
+    pieces[t] = "\t", lens[t++] = 1;
+    for (size_t i = 0; i < n_multi; i++) pieces[t] = multi[i], lens[t++] = (uint32_t)strlen(multi[i]);
+    pd_grammar_vocab *v = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_grammar_vocab_create(n, pieces, lens, kinds, &v, &err), PD_OK, "%s", err.msg);
+    free(pieces);
+    free(lens);
+    free(kinds);
+    return v;
+}
+
+Test(schema, random_walks_through_the_matcher_validate) {
+    pd_grammar_vocab *v = walk_vocab();
+    int32_t n = pd_grammar_vocab_size(v);
+    float *logits = malloc(sizeof(float) * (size_t)n);
+    const char *extra[] = {"{\"type\":\"integer\",\"minimum\":-7200,\"maximum\":3000000}",
+                           "{\"type\":\"integer\",\"exclusiveMaximum\":-5}",
+                           "{\"type\":\"number\",\"exclusiveMinimum\":0}",
+                           "{\"type\":\"number\",\"exclusiveMinimum\":2,\"exclusiveMaximum\":5}",
+                           "{\"type\":\"string\",\"format\":\"date-time\"}",
+                           "{\"type\":\"string\",\"format\":\"uuid\"}",
+                           "{\"allOf\":[{\"type\":\"integer\",\"minimum\":17}],\"description\":\"d\"}",
+                           NULL};
+    for (int set = 0; set < 2; set++)
+        for (const char *const *st = set ? extra : widened_schemas; *st; st++) {
+            json_t *schema = J(*st);
+            char *text = grammar_of(*st, "root");
+            pd_grammar *g = NULL;
+            pd_error err = {0};
+            cr_assert_eq(pd_grammar_compile(text, strlen(text), &g, &err), PD_OK, "%s\n%s", err.msg, text);
+            uint64_t rng = 0x1234567ULL + (uint64_t)(st - (set ? extra : widened_schemas));
+            for (int walk = 0; walk < 30; walk++) {
+                pd_grammar_matcher *m = NULL;
+                cr_assert_eq(pd_grammar_matcher_create(g, v, &m, &err), PD_OK, "%s", err.msg);
+                char out[4096];
+                size_t len = 0;
+                bool ended = false;
+                const int32_t budget = 600;
+                for (int32_t i = 0; i < budget && !ended; i++) {
+                    for (int32_t k = 0; k < n; k++) {
+                        rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+                        logits[k] = (float)(rng >> 40);
+                    }
+                    cr_assert_eq(pd_grammar_matcher_mask(m, logits, budget - i, &err), PD_OK, "%s", err.msg);
+                    int32_t best = -1;
+                    for (int32_t k = 0; k < n; k++)
+                        if (logits[k] > -1e30f && (best < 0 || logits[k] > logits[best])) best = k;
+                    cr_assert_geq(best, 0);
+                    if (best == 0) {
+                        cr_assert(pd_grammar_matcher_complete(m));
+                        ended = true;
+                        break;
+                    }
+                    cr_assert_eq(pd_grammar_matcher_accept(m, best, &err), PD_OK, "%s", err.msg);
+                    char one[2] = {0};
+                    const char *p;
+                    if (best >= 1 && best <= 95) one[0] = (char)(0x1F + best), p = one;
+                    else if (best == 96) p = "\n";
+                    else if (best == 97) p = "\t";
+                    else {
+                        static const char *const multi[] = {"{\"", "\":", "\",", "\": \"", ", ", "true", "false",
+                                                            "null", "00", "12", "2024-", "-0", ".5", "e+", "\xc3\xa9",
+                                                            "\n  ", "]}", "abc", "-1", "99"};
+                        p = multi[best - 98];
+                    }
+                    size_t pl = strlen(p);
+                    cr_assert_lt(len + pl, sizeof out);
+                    memcpy(out + len, p, pl);
+                    len += pl;
+                }
+                out[len] = '\0';
+                cr_assert(ended, "%s: the walk did not end: %s", *st, out);
+                json_error_t je;
+                json_t *doc = json_loads(out, JSON_DECODE_ANY, &je);
+                cr_assert_not_null(doc, "%s: not JSON (%s): %s", *st, je.text, out);
+                cr_assert_eq(pd_json_schema_validate(schema, doc, &err), PD_OK, "%s: %s\n%s", *st, err.msg, out);
+                if (walk == 0) cr_log_info("walk: %s", out);
+                json_decref(doc);
+                pd_grammar_matcher_free(m);
+            }
+            pd_grammar_free(g);
+            free(text);
+            json_decref(schema);
+        }
+    free(logits);
+    pd_grammar_vocab_free(v);
 }

@@ -169,11 +169,11 @@ for (let seed = 0; seed < 12; seed++) {
 let schemaErr = null;
 try {
   await client.chat.completions.create({ model, messages, max_tokens: 8, response_format: { type: 'json_schema',
-    json_schema: { name: 'n', schema: { type: 'integer', minimum: 3 } } } });
+    json_schema: { name: 'n', schema: { type: 'integer', multipleOf: 3 } } } });
 } catch (e) {
   schemaErr = e;
 }
-check(schemaErr instanceof OpenAI.BadRequestError && /minimum/.test(schemaErr.message), `unsupported keyword: ${schemaErr}`);
+check(schemaErr instanceof OpenAI.BadRequestError && /multipleOf/.test(schemaErr.message), `unsupported keyword: ${schemaErr}`);
 
 // ---- Tool calls, for each tool_choice, plain and streamed.
 const tools = [
