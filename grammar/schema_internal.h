@@ -22,11 +22,13 @@ static inline void pd_sbuf_free(pd_sbuf *b) {
     *b = (pd_sbuf){0};
 }
 
-/* Keywords that constrain nothing and are accepted and ignored. */
+/* Keywords that constrain nothing and are accepted and ignored.
+ * "discriminator" is OpenAPI's hint beside a oneOf (pydantic v2 writes it
+ * for tagged unions): the branches themselves already decide. */
 static inline bool pd_schema_is_annotation(const char *key) {
     static const char *const names[] = {"title",     "description", "default",  "examples", "$schema",
                                         "$id",       "$comment",    "deprecated", "readOnly", "writeOnly",
-                                        "$defs",     "definitions"};
+                                        "$defs",     "definitions", "discriminator"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (strcmp(key, names[i]) == 0) return true;
     return false;

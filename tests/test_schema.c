@@ -1402,6 +1402,17 @@ Test(schema, time_date_time_uuid_formats) {
     "\"count\",\"when\",\"price\"],\"additionalProperties\":false,\"$schema\":\"http://json-schema.org/draft-07/"    \
     "schema#\"}"
 
+/* pydantic v2: a discriminated union (oneOf with OpenAPI's discriminator). */
+#define PYDANTIC_V2_UNION_SCHEMA                                                                                       \
+    "{\"$defs\": {\"Cat\": {\"properties\": {\"kind\": {\"const\": \"cat\", \"title\": \"Kind\"}, \"meow\": "  \
+    "{\"title\": \"Meow\", \"type\": \"boolean\"}}, \"required\": [\"kind\", \"meow\"], \"title\": \"Cat\", "     \
+    "\"type\": \"object\"}, \"Dog\": {\"properties\": {\"kind\": {\"const\": \"dog\", \"title\": \"Kind\"}, "     \
+    "\"bark\": {\"title\": \"Bark\", \"type\": \"integer\"}}, \"required\": [\"kind\", \"bark\"], \"title\": "    \
+    "\"Dog\", \"type\": \"object\"}}, \"properties\": {\"pet\": {\"discriminator\": {\"mapping\": {\"cat\": "      \
+    "\"#/$defs/Cat\", \"dog\": \"#/$defs/Dog\"}, \"propertyName\": \"kind\"}, \"oneOf\": [{\"$ref\": "             \
+    "\"#/$defs/Cat\"}, {\"$ref\": \"#/$defs/Dog\"}], \"title\": \"Pet\"}}, \"required\": [\"pet\"], \"title\": "    \
+    "\"Owner\", \"type\": \"object\"}"
+
 static const char *const widened_schemas[] = {
     PYDANTIC_V2_SCHEMA,
     PYDANTIC_V1_SCHEMA,
@@ -1414,6 +1425,7 @@ static const char *const widened_schemas[] = {
     "{\"type\":\"object\",\"properties\":{\"lat\":{\"type\":\"number\",\"minimum\":-90,\"maximum\":90},\"lon\":{"
     "\"type\":\"number\",\"minimum\":-180,\"maximum\":180},\"floor\":{\"type\":\"integer\",\"minimum\":-5,"
     "\"exclusiveMaximum\":200},\"at\":{\"type\":\"string\",\"format\":\"time\"}},\"required\":[\"lat\",\"lon\"]}",
+    PYDANTIC_V2_UNION_SCHEMA,
     NULL};
 
 Test(schema, cross_check_widened_subset) {
@@ -1442,6 +1454,10 @@ Test(schema, cross_check_widened_subset) {
                          "\"color\":\"blue\",\"address\":{\"street\":\"Main\",\"zip\":\"12345\"},\"created\":"
                          "\"2024-01-15T08:30:00Z\",\"point\":[1,2]}"),
          .samples = LIST("12345", "00000", "1234")},
+        {.schema = PYDANTIC_V2_UNION_SCHEMA,
+         .valid = LIST("{\"pet\":{\"kind\":\"cat\",\"meow\":true}}", "{\"pet\": {\"kind\": \"dog\", \"bark\": 3}}"),
+         .invalid = LIST("{\"pet\":{\"kind\":\"cat\",\"bark\":1}}", "{\"pet\":{\"kind\":\"cow\",\"meow\":true}}",
+                         "{}")},
         {.schema = PYDANTIC_V1_SCHEMA,
          .valid = LIST("{\"age\":0,\"id\":\"00000000-0000-0000-0000-000000000000\"}",
                        "{\"color\":\"red\",\"age\":7,\"score\":2.5,\"id\":\"00000000-0000-0000-0000-000000000000\"}"),
