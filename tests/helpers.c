@@ -1,5 +1,6 @@
 #include "helpers.h"
 #include "helpers_json.h"
+#include "engine/engine.h"
 
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
@@ -249,4 +250,16 @@ int th_flip_in_file(const char *path, const void *pat, size_t len, size_t at) {
     fclose(f);
     free(buf);
     return hits;
+}
+
+pd_tokenizer *th_shared_tokenizer(const char *rel) {
+    char path[1024];
+    if (!th_shared_file(rel, path, sizeof path)) cr_skip_test("%s is absent (../shared/models); skipping", rel);
+    pd_gguf *g = NULL;
+    pd_tokenizer *t = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_gguf_open(path, &g, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_tokenizer_load(g, &t, &err), PD_OK, "%s", err.msg);
+    pd_gguf_close(g);
+    return t;
 }

@@ -30,6 +30,11 @@ __attribute__((format(printf, 2, 3))) int th_runf(char **out, const char *fmt, .
  * the running test when the binary is absent or this CPU cannot run it (it
  * is built for AVX-512); fails it when llama-quantize reports an error. */
 void th_llama_quantize(const char *src, const char *dst, const char *ftype);
+/* The tokenizer of a GGUF under ../shared/models (rel, e.g.
+ * "vocab/ggml-vocab-phi-3.gguf"); skips the running test when it is absent.
+ * pd_tokenizer_free it. */
+struct pd_tokenizer;
+struct pd_tokenizer *th_shared_tokenizer(const char *rel);
 /* Skip the running test with a message when the shared models are absent. */
 #define TH_REQUIRE_SHARED()                                                                   \
     do {                                                                                      \

@@ -502,18 +502,6 @@ Test(chat, long_message) {
 
 /* ---- tokenization of rendered text ------------------------------------------ */
 
-static pd_tokenizer *load_vocab(const char *rel) {
-    char path[1024];
-    cr_assert_not_null(th_shared_file(rel, path, sizeof path), "%s missing", rel);
-    pd_gguf *g = NULL;
-    pd_tokenizer *t = NULL;
-    pd_error err = {0};
-    cr_assert_eq(pd_gguf_open(path, &g, &err), PD_OK, "%s", err.msg);
-    cr_assert_eq(pd_tokenizer_load(g, &t, &err), PD_OK, "%s", err.msg);
-    pd_gguf_close(g);
-    return t;
-}
-
 static size_t count_id(const pd_token *ids, size_t n, pd_token id) {
     size_t c = 0;
     for (size_t i = 0; i < n; i++) c += ids[i] == id;
@@ -546,7 +534,7 @@ static pd_token find_tok(const pd_tokenizer *t, const char *text) {
  * control token; BOS comes from add_special, not from the text. */
 Test(chat, phi3_markers_are_single_tokens) {
     TH_REQUIRE_SHARED();
-    pd_tokenizer *t = load_vocab("vocab/ggml-vocab-phi-3.gguf");
+    pd_tokenizer *t = th_shared_tokenizer("vocab/ggml-vocab-phi-3.gguf");
     size_t len = 0, sys_len = 0;
     char *text = render(PD_CHAT_PHI3, conv4, 4, true, &len, &sys_len);
     expect_prefix_tokens(t, text, len, sys_len, "phi3");
@@ -582,7 +570,7 @@ Test(chat, phi3_markers_are_single_tokens) {
  * here too.) */
 Test(chat, llama2_bos_eos_in_history) {
     TH_REQUIRE_SHARED();
-    pd_tokenizer *t = load_vocab("vocab/ggml-vocab-llama-spm.gguf");
+    pd_tokenizer *t = th_shared_tokenizer("vocab/ggml-vocab-llama-spm.gguf");
     size_t len = 0, sys_len = 0;
     char *text = render(PD_CHAT_LLAMA2, conv4, 4, true, &len, &sys_len);
     expect_prefix_tokens(t, text, len, sys_len, "llama2");
@@ -983,7 +971,7 @@ Test(chat, gemma_qwen3_models_markers_and_stop_tokens) {
 /* Phi-3 stops at <|end|> (its turn end) as well as at EOS <|endoftext|>. */
 Test(chat, phi3_stop_tokens) {
     TH_REQUIRE_SHARED();
-    pd_tokenizer *t = load_vocab("vocab/ggml-vocab-phi-3.gguf");
+    pd_tokenizer *t = th_shared_tokenizer("vocab/ggml-vocab-phi-3.gguf");
     cr_expect(pd_tokenizer_is_eog(t, find_tok(t, "<|end|>")));
     cr_expect(pd_tokenizer_is_eog(t, find_tok(t, "<|endoftext|>")));
     cr_expect_eq(pd_tokenizer_eos(t), find_tok(t, "<|endoftext|>"));

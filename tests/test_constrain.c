@@ -12,18 +12,6 @@
 #include "api/api.h"
 #include "helpers.h"
 
-static pd_tokenizer *load_vocab(const char *rel) {
-    char path[1024];
-    if (!th_shared_file(rel, path, sizeof path)) cr_skip_test("%s is absent", rel);
-    pd_gguf *g = NULL;
-    pd_tokenizer *t = NULL;
-    pd_error err = {0};
-    cr_assert_eq(pd_gguf_open(path, &g, &err), PD_OK, "%s", err.msg);
-    cr_assert_eq(pd_tokenizer_load(g, &t, &err), PD_OK, "%s", err.msg);
-    pd_gguf_close(g);
-    return t;
-}
-
 static uint64_t rng_next(uint64_t *s) {
     *s ^= *s << 13;
     *s ^= *s >> 7;
@@ -96,7 +84,7 @@ static pd_grammar *compile_constraint(const pd_api_request *r, pd_chat_family f,
     "[\"name\",\"age\",\"tags\",\"ok\"],\"additionalProperties\":false}"
 
 Test(constrain, json_schema_answers_always_parse_and_validate) {
-    pd_tokenizer *tok = load_vocab("vocab/ggml-vocab-phi-3.gguf");
+    pd_tokenizer *tok = th_shared_tokenizer("vocab/ggml-vocab-phi-3.gguf");
     pd_grammar_vocab *v = NULL;
     pd_error err = {0};
     cr_assert_eq(pd_api_grammar_vocab(tok, &v, &err), PD_OK, "%s", err.msg);
@@ -145,7 +133,7 @@ Test(constrain, json_schema_answers_always_parse_and_validate) {
  * back with valid arguments; auto gives calls or text that does not start
  * like calls. */
 Test(constrain, tool_calls_read_back_in_every_family_syntax) {
-    pd_tokenizer *tok = load_vocab("vocab/ggml-vocab-llama-spm.gguf");
+    pd_tokenizer *tok = th_shared_tokenizer("vocab/ggml-vocab-llama-spm.gguf");
     pd_grammar_vocab *v = NULL;
     pd_error err = {0};
     cr_assert_eq(pd_api_grammar_vocab(tok, &v, &err), PD_OK, "%s", err.msg);
@@ -246,7 +234,7 @@ static void expect_400(pd_api_kind kind, const char *body, const char *param, co
     pd_api_error e;
     int rc = pd_api_parse_request(kind, body, strlen(body), NULL, &r, &e);
     if (rc == PD_OK) {
-        pd_tokenizer *tok = load_vocab("vocab/ggml-vocab-phi-3.gguf");
+        pd_tokenizer *tok = th_shared_tokenizer("vocab/ggml-vocab-phi-3.gguf");
         pd_api_constraint con;
         rc = pd_api_constraint_build(&r, PD_CHAT_PHI3, tok, &con, &e);
         pd_api_request_free(&r);
@@ -315,7 +303,7 @@ Test(constrain, tool_turns_parse_into_messages) {
 /* A schema whose grammar would be huge (a request can ask for one) is
  * refused with a message that says what to shrink, instead of being built. */
 Test(constrain, a_schema_too_large_to_build_is_refused) {
-    pd_tokenizer *tok = load_vocab("vocab/ggml-vocab-phi-3.gguf");
+    pd_tokenizer *tok = th_shared_tokenizer("vocab/ggml-vocab-phi-3.gguf");
     pd_api_request r;
     parse_chat("{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"response_format\":{\"type\":"
                "\"json_schema\",\"json_schema\":{\"name\":\"big\",\"schema\":{\"type\":\"array\",\"items\":{\"type\":"
@@ -337,7 +325,7 @@ Test(constrain, a_schema_too_large_to_build_is_refused) {
 /* Warmed ahead, a grammar serves every mask from its cache: random walks
  * after pd_grammar_warm compute nothing more. */
 Test(constrain, a_warmed_grammar_masks_from_its_cache) {
-    pd_tokenizer *tok = load_vocab("vocab/ggml-vocab-phi-3.gguf");
+    pd_tokenizer *tok = th_shared_tokenizer("vocab/ggml-vocab-phi-3.gguf");
     pd_grammar_vocab *v = NULL;
     pd_error err = {0};
     cr_assert_eq(pd_api_grammar_vocab(tok, &v, &err), PD_OK, "%s", err.msg);

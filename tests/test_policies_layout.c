@@ -13,20 +13,7 @@
 
 TestSuite(layout_text);
 
-static pd_tokenizer *load_tokenizer(const char *rel) {
-    TH_REQUIRE_SHARED();
-    char path[1024];
-    if (!th_shared_file(rel, path, sizeof path)) cr_skip_test("%s is absent; skipping", rel);
-    pd_gguf *g = NULL;
-    pd_tokenizer *t = NULL;
-    pd_error err = {0};
-    cr_assert_eq(pd_gguf_open(path, &g, &err), PD_OK, "%s", err.msg);
-    cr_assert_eq(pd_tokenizer_load(g, &t, &err), PD_OK, "%s", err.msg);
-    pd_gguf_close(g);
-    return t;
-}
-
-static pd_tokenizer *stories(void) { return load_tokenizer("tinystories/stories260K.gguf"); }
+static pd_tokenizer *stories(void) { return th_shared_tokenizer("tinystories/stories260K.gguf"); }
 
 static pd_token *tokens_of(const pd_tokenizer *t, const char *text, bool parse_special, int64_t *n) {
     pd_token *ids = NULL;
@@ -104,7 +91,7 @@ Test(layout_text, boundaries_are_where_the_text_says) {
 
 /* Control tokens that end a turn (phi-3's <|end|>) divide turns. */
 Test(layout_text, turns_end_at_end_of_turn_tokens) {
-    pd_tokenizer *t = load_tokenizer("vocab/ggml-vocab-phi-3.gguf");
+    pd_tokenizer *t = th_shared_tokenizer("vocab/ggml-vocab-phi-3.gguf");
     const char *text = "<|system|>\nYou are kind. Be brief.<|end|>\n<|user|>\nHello there.<|end|>\n<|assistant|>\n";
     const pd_token end = pd_tokenizer_find(t, "<|end|>", 7);
     cr_assert_neq(end, PD_TOKEN_NULL);
