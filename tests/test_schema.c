@@ -1219,10 +1219,11 @@ Test(schema, integer_ranges_are_exact) {
             if (b) centers[n_centers++] = json_is_integer(b) ? (long long)json_integer_value(b) : (long long)json_number_value(b);
         }
         long long p = 1;
-        for (int e = 0; e <= 18; e++, p *= 10) {
-            if (e == 18) p = 999999999999999999LL;
+        for (int e = 0; e <= 18; e++) {
+            if (e == 18) p = 999999999999999999LL; /* 10^18 - 1: the last power would overflow below */
             centers[n_centers++] = p;
             centers[n_centers++] = -p;
+            if (e < 18) p *= 10;
         }
         centers[n_centers++] = 0;
         int n_valid = 0;
