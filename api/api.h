@@ -137,6 +137,8 @@ typedef struct pd_api_request {
     pd_api_format format;
     json_t *schema;              /* FORMAT_JSON_SCHEMA: the schema (a reference we own) */
     char *schema_name;           /* response_format.json_schema.name */
+    char *grammar;               /* "grammar" (llama.cpp's extension): GBNF text the answer must match;
+                                    not together with response_format or tools */
     pd_chat_tool *tools;
     size_t n_tools;
     pd_api_tool_choice tool_choice;

@@ -131,6 +131,10 @@ int pd_api_constraint_build(const pd_api_request *r, pd_chat_family family, cons
                             pd_api_constraint *out, pd_api_error *e) {
     memset(out, 0, sizeof *out);
     const bool tools = r->kind == PD_API_CHAT && r->n_tools > 0 && r->tool_choice != PD_API_TOOLS_NONE;
+    if (r->grammar) { /* the client's own grammar, as it is (its rules, its root) */
+        out->grammar = strdup(r->grammar);
+        return out->grammar ? PD_OK : OOM(e);
+    }
     if (!tools && r->format == PD_API_FORMAT_TEXT) return PD_OK;
     pd_sbuf b = {0};
     int rc = PD_OK;

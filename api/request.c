@@ -644,7 +644,18 @@ static int parse_root(json_t *root, pd_api_request *r, const pd_api_limits *lim,
     if ((rc = parse_logit_bias(root, r, e))) return rc;
     if ((rc = parse_logprobs(root, r, e))) return rc;
     if ((rc = parse_response_format(root, r, e))) return rc;
+    json_t *grammar = field(root, "grammar");
+    if (grammar) {
+        if (!json_is_string(grammar) || json_string_length(grammar) == 0)
+            return BAD(e, "grammar", "'grammar' must be non-empty GBNF text (docs/structured-output.md)");
+        if (r->format != PD_API_FORMAT_TEXT)
+            return BAD(e, "grammar", "'grammar' and 'response_format' each constrain the answer: send one of them");
+        if (!(r->grammar = dup_json_string(grammar))) return OOM(e);
+    }
     if ((rc = parse_tools(root, r, e))) return rc;
+    if (r->grammar && r->n_tools && r->tool_choice != PD_API_TOOLS_NONE)
+        return BAD(e, "grammar", "'grammar' and 'tools' each constrain the answer: send one of them (or tool_choice "
+                   "\"none\")");
 
     if ((rc = get_bool(root, "stream", &r->stream, e))) return rc;
     json_t *so = field(root, "stream_options");
@@ -788,6 +799,7 @@ void pd_api_request_free(pd_api_request *r) {
     free(r->messages);
     json_decref(r->schema);
     free(r->schema_name);
+    free(r->grammar);
     for (size_t i = 0; i < r->n_tools; i++) {
         free((char *)r->tools[i].name);
         free((char *)r->tools[i].description);

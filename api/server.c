@@ -693,7 +693,8 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
     if (!rc) rc = pd_api_constraint_build(&r->areq, b.family, tok, &con, &e);
     if (!rc && con.grammar)
         rc = server_grammar(s, tok, con.grammar, &grammar, &sp.grammar_vocab,
-                            r->areq.format == PD_API_FORMAT_JSON_SCHEMA ? "response_format.json_schema.schema"
+                            r->areq.grammar                              ? "grammar"
+                            : r->areq.format == PD_API_FORMAT_JSON_SCHEMA ? "response_format.json_schema.schema"
                             : con.tool_calls                             ? "tools"
                                                                          : "response_format",
                             &e);

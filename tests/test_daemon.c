@@ -880,6 +880,41 @@ Test(daemon, metrics_expose_the_scheduler_series_after_a_request) {
     free(out);
 }
 
+/* llama.cpp's "grammar" extension: a completion follows the client's GBNF
+ * (stories260K, a real model, would otherwise write a story), and a grammar
+ * that does not compile is a 400 naming the field and the line. */
+Test(daemon, a_gbnf_grammar_constrains_the_completion) {
+    start_daemon(NULL);
+    for (int seed = 0; seed < 8; seed++) {
+        char body[512], *out = NULL;
+        snprintf(body, sizeof body, "{\"model\":\"test\",\"prompt\":\"Once upon a time\",\"max_tokens\":12,"
+                 "\"temperature\":1,\"seed\":%d,\"grammar\":\"root ::= (\\\"yes\\\" | \\\"no\\\") \\\" \\\" "
+                 "[0-9]{1,3}\"}", seed);
+        cr_assert_eq(post("/v1/completions", body, NULL, &out), 200, "%s", out);
+        json_t *j = th_json_parse(out);
+        char *text = choice_text(j);
+        const char *digits = strncmp(text, "yes ", 4) == 0 ? text + 4 : strncmp(text, "no ", 3) == 0 ? text + 3 : NULL;
+        size_t n = digits ? strspn(digits, "0123456789") : 0;
+        cr_assert(digits && n >= 1 && n <= 3 && digits[n] == '\0', "seed %d: %s", seed, text);
+        free(text);
+        json_decref(j);
+        free(out);
+    }
+    char *out = NULL;
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"test\",\"prompt\":\"Hi\",\"grammar\":\"root ::= \\\"a\\\" b\"}",
+                      NULL, &out), 400, "%s", out);
+    json_t *j = th_json_parse(out);
+    json_t *err = json_object_get(j, "error");
+    cr_assert_str_eq(json_string_value(json_object_get(err, "param")), "grammar", "%s", out);
+    cr_assert(strstr(json_string_value(json_object_get(err, "message")), "line 1"), "%s", out);
+    json_decref(j);
+    free(out);
+    cr_assert_eq(post("/v1/completions", "{\"model\":\"test\",\"prompt\":\"Hi\",\"grammar\":\"root ::= \\\"a\\\"\","
+                      "\"response_format\":{\"type\":\"json_object\"}}", NULL, &out), 400, "%s", out);
+    cr_assert(strstr(out, "\"param\":\"grammar\""), "%s", out);
+    free(out);
+}
+
 /* ---- the official openai client ------------------------------------------------ */
 
 /* tests/openai/check.mjs with the `openai` npm package, unmodified: models,
