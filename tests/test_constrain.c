@@ -274,6 +274,11 @@ Test(constrain, bad_constraints_are_400s_that_name_the_field) {
                "{\"model\":\"m\",\"messages\":[{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c\","
                "\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"[1]\"}}]}]}",
                "messages[0].tool_calls[0]", "arguments");
+    expect_400(PD_API_CHAT,
+               CHAT("\"grammar\":\"root ::= \\\"a\\\"\",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":"
+                    "\"f\"}}]"),
+               "grammar", "tools");
+    expect_400(PD_API_CHAT, CHAT("\"grammar\":\"\""), "grammar", "GBNF");
 #undef CHAT
 }
 
