@@ -62,6 +62,21 @@ static void put_literal(pd_sbuf *b, const char *bytes, size_t n) {
     free(q);
 }
 
+/* The control token of the vocabulary written at text[i] ("[TOOL_CALLS]",
+ * "<|tool_call|>"): its id, with *end just past it; else PD_TOKEN_NULL. */
+static pd_token control_token_at(const pd_tokenizer *tok, const char *text, size_t i, size_t n, size_t *end) {
+    if (text[i] != '[' && text[i] != '<') return PD_TOKEN_NULL;
+    for (size_t j = i + 1; j < n && j - i < 32; j++) {
+        if (text[j] != ']' && text[j] != '>') continue;
+        pd_token t = pd_tokenizer_find(tok, text + i, j - i + 1);
+        if (t != PD_TOKEN_NULL && pd_tokenizer_token_type(tok, t) == PD_TOKEN_TYPE_CONTROL) {
+            *end = j + 1;
+            return t;
+        }
+    }
+    return PD_TOKEN_NULL;
+}
+
 /* Text of a tool syntax as grammar elements: a control token of the
  * vocabulary written in it ("[TOOL_CALLS]" of Mistral's) becomes <[id]>,
  * since the model emits it as that one token; the rest are literals. */
@@ -72,20 +87,16 @@ static void put_syntax_text(pd_sbuf *b, const pd_tokenizer *tok, const char *tex
         return;
     }
     for (size_t i = 0; i < n; i++) {
-        if (text[i] != '[' && text[i] != '<') continue;
-        for (size_t j = i + 1; j < n && j - i < 32; j++) {
-            if (text[j] != ']' && text[j] != '>') continue;
-            pd_token t = pd_tokenizer_find(tok, text + i, j - i + 1);
-            if (t == PD_TOKEN_NULL || pd_tokenizer_token_type(tok, t) != PD_TOKEN_TYPE_CONTROL) continue;
-            if (i > lit) {
-                put_literal(b, text + lit, i - lit);
-                pd_sbuf_puts(b, " ");
-            }
-            pd_sbuf_printf(b, "<[%d]> ", (int)t);
-            lit = j + 1;
-            i = j;
-            break;
+        size_t end;
+        pd_token t = control_token_at(tok, text, i, n, &end);
+        if (t == PD_TOKEN_NULL) continue;
+        if (i > lit) {
+            put_literal(b, text + lit, i - lit);
+            pd_sbuf_puts(b, " ");
         }
+        pd_sbuf_printf(b, "<[%d]> ", (int)t);
+        lit = end;
+        i = end - 1;
     }
     if (lit < n) put_literal(b, text + lit, n - lit);
 }
@@ -93,13 +104,8 @@ static void put_syntax_text(pd_sbuf *b, const pd_tokenizer *tok, const char *tex
 /* Whether the syntax text starts with a control token (then plain text can
  * never begin a call: the model has no bytes that make that token). */
 static bool starts_with_control(const pd_tokenizer *tok, const char *text) {
-    size_t n = strlen(text);
-    for (size_t j = 1; j < n && j < 32; j++) {
-        if (text[j] != ']' && text[j] != '>') continue;
-        pd_token t = pd_tokenizer_find(tok, text, j + 1);
-        if (t != PD_TOKEN_NULL && pd_tokenizer_token_type(tok, t) == PD_TOKEN_TYPE_CONTROL) return true;
-    }
-    return false;
+    size_t end;
+    return text[0] && control_token_at(tok, text, 0, strlen(text), &end) != PD_TOKEN_NULL;
 }
 
 /* Rules of one schema under a prefix, appended. schema_param names the
