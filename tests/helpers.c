@@ -255,6 +255,10 @@ int th_flip_in_file(const char *path, const void *pat, size_t len, size_t at) {
 pd_tokenizer *th_shared_tokenizer(const char *rel) {
     char path[1024];
     if (!th_shared_file(rel, path, sizeof path)) cr_skip_test("%s is absent (../shared/models); skipping", rel);
+    return th_tokenizer(path);
+}
+
+pd_tokenizer *th_tokenizer(const char *path) {
     pd_gguf *g = NULL;
     pd_tokenizer *t = NULL;
     pd_error err = {0};

@@ -35,6 +35,8 @@ void th_llama_quantize(const char *src, const char *dst, const char *ftype);
  * pd_tokenizer_free it. */
 struct pd_tokenizer;
 struct pd_tokenizer *th_shared_tokenizer(const char *rel);
+/* The tokenizer of the GGUF at path (failing the test if it cannot load). */
+struct pd_tokenizer *th_tokenizer(const char *path);
 /* Skip the running test with a message when the shared models are absent. */
 #define TH_REQUIRE_SHARED()                                                                   \
     do {                                                                                      \

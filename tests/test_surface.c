@@ -199,16 +199,6 @@ Test(surface, role_developer_is_rendered_as_system) {
 
 /* ---- /tokenize and /detokenize -------------------------------------------------- */
 
-static pd_tokenizer *load_tokenizer(const char *path) {
-    pd_gguf *g = NULL;
-    pd_tokenizer *t = NULL;
-    pd_error err = {0};
-    cr_assert_eq(pd_gguf_open(path, &g, &err), PD_OK, "%s", err.msg);
-    cr_assert_eq(pd_tokenizer_load(g, &t, &err), PD_OK, "%s", err.msg);
-    pd_gguf_close(g);
-    return t;
-}
-
 /* POST /tokenize {"content": text, ...opts}: the ids (malloc'd). */
 static pd_token *tokenize_http(const char *text, const char *opts, size_t *n) {
     json_t *body = json_pack("{s:s}", "content", text);
@@ -268,7 +258,7 @@ Test(surface, tokenize_matches_the_tokenizer_and_detokenize_inverts_it) {
     char path[1200];
     phi3_model(path, sizeof path);
     start_daemon_model(path, NULL);
-    pd_tokenizer *tok = load_tokenizer(path);
+    pd_tokenizer *tok = th_tokenizer(path);
     const char *texts[] = {"Once upon a time", "", "  two  spaces\nand a line", "caf\xc3\xa9 \xe5\xaa\xbd \xf0\x9f\xa4\x97",
                            "<|user|>\nHi<|end|>\n<|assistant|>"};
     for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
