@@ -271,14 +271,14 @@ typedef struct pd_api_response_opts {
     int32_t n_logprobs;
     bool include_usage;  /* streaming: usage: null in chunks, then a usage chunk */
     const pd_tokenizer *tok;
-    /* Tool calls (chat): a choice whose text starts with `trigger` is read
-     * back as calls (message.tool_calls, finish_reason "tool_calls"); in a
-     * stream its text is held from the first byte that may start the
-     * trigger and the calls are sent whole, one delta.tool_calls entry
-     * each, with the finish reason. */
+    /* Tool calls (chat): a choice whose text starts with the syntax's
+     * trigger (pd_api_tool_trigger) is read back as calls
+     * (message.tool_calls, finish_reason "tool_calls"); in a stream its
+     * text is held from the first byte that may start the trigger and the
+     * calls are sent whole, one delta.tool_calls entry each, with the
+     * finish reason. */
     bool tool_calls;
     pd_chat_tool_syntax syntax;
-    char trigger[32];
 } pd_api_response_opts;
 
 /* The options a parsed request implies. */

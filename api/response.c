@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <time.h>
 
 #include "api/api.h"
@@ -40,6 +39,7 @@ struct pd_api_response {
     choice_acc *ch;
     bool has_usage;
     pd_sched_usage usage;
+    char trigger[32]; /* o.tool_calls: what starts calls in o.syntax */
 };
 
 /* ---------------------------------------------------------------- UTF-8 */
@@ -133,8 +133,8 @@ void pd_api_response_opts_from(const pd_api_request *r, const pd_tokenizer *tok,
  * for good (the text only grows). */
 static bool may_be_calls(const pd_api_response *r, choice_acc *c) {
     if (!r->o.tool_calls || c->text_decided) return false;
-    const size_t n = strlen(r->o.trigger), m = c->len < n ? c->len : n;
-    if (m > 0 && memcmp(c->text, r->o.trigger, m) != 0) {
+    const size_t n = strlen(r->trigger), m = c->len < n ? c->len : n;
+    if (m > 0 && memcmp(c->text, r->trigger, m) != 0) {
         c->text_decided = true;
         return false;
     }
@@ -164,25 +164,6 @@ static json_t *tool_calls_json(const pd_api_response *r, const choice_acc *c, bo
     return arr;
 }
 
-static void random_id(char *out, size_t cap, const char *prefix) {
-    static const char alphabet[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
-    unsigned char raw[24];
-    if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw) {
-        /* No entropy: ids only need to be unique enough to tell responses apart. */
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        uint64_t x = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 20) ^ (uint64_t)(uintptr_t)out;
-        for (size_t i = 0; i < sizeof raw; i++) {
-            x = x * 6364136223846793005ull + 1442695040888963407ull;
-            raw[i] = (unsigned char)(x >> 56);
-        }
-    }
-    char suffix[sizeof raw + 1];
-    for (size_t i = 0; i < sizeof raw; i++) suffix[i] = alphabet[raw[i] % (sizeof alphabet - 1)];
-    suffix[sizeof raw] = '\0';
-    snprintf(out, cap, "%s%s", prefix, suffix);
-}
-
 int pd_api_response_create(const pd_api_response_opts *o, pd_api_response **out, pd_error *err) {
     *out = NULL;
     if (!o || o->n_choices < 1 || o->n_choices > 4096)
@@ -206,9 +187,10 @@ int pd_api_response_create(const pd_api_response_opts *o, pd_api_response **out,
         }
         snprintf(r->id, sizeof r->id, "%s", o->id);
     } else {
-        random_id(r->id, sizeof r->id, o->kind == PD_API_CHAT ? "chatcmpl-" : "cmpl-");
+        pd_random_id(r->id, sizeof r->id, o->kind == PD_API_CHAT ? "chatcmpl-" : "cmpl-");
     }
     if (r->o.created == 0) r->o.created = (int64_t)time(NULL);
+    if (r->o.tool_calls) pd_api_tool_trigger(&r->o.syntax, r->trigger, sizeof r->trigger);
     *out = r;
     return PD_OK;
 }

@@ -586,6 +586,19 @@ static enum MHD_Result answer_generation(pd_server *s, struct MHD_Connection *c,
     return send_json(c, MHD_HTTP_OK, body, len);
 }
 
+/* The cached grammar for text, a new reference (under grammar_mu); NULL
+ * when it is not cached. */
+static pd_grammar *cached_grammar(pd_server *s, const char *text) {
+    for (int i = 0; i < GRAMMAR_CACHE_SLOTS; i++) {
+        grammar_slot *slot = &s->grammars[i];
+        if (slot->text && strcmp(slot->text, text) == 0) {
+            slot->used = ++s->grammar_clock;
+            return pd_grammar_retain(slot->g);
+        }
+    }
+    return NULL;
+}
+
 /* The compiled grammar for text (a new reference: pd_grammar_free it) and
  * the vocabulary it masks, from the cache or compiled now. A grammar too
  * large to build is a 400 naming param. */
@@ -595,40 +608,42 @@ static int server_grammar(pd_server *s, const pd_tokenizer *tok, const char *tex
     int rc = PD_OK;
     *g = NULL;
     pthread_mutex_lock(&s->grammar_mu);
-    if (!s->gvocab && (rc = pd_api_grammar_vocab(tok, &s->gvocab, &err))) goto done;
+    if (!s->gvocab) rc = pd_api_grammar_vocab(tok, &s->gvocab, &err);
     *vocab = s->gvocab;
-    grammar_slot *victim = &s->grammars[0];
-    for (int i = 0; i < GRAMMAR_CACHE_SLOTS; i++) {
-        grammar_slot *slot = &s->grammars[i];
-        if (slot->text && strcmp(slot->text, text) == 0) {
-            slot->used = ++s->grammar_clock;
-            *g = pd_grammar_retain(slot->g);
-            goto done;
-        }
-        if (slot->used < victim->used) victim = slot;
-    }
+    *g = rc ? NULL : cached_grammar(s, text);
+    pthread_mutex_unlock(&s->grammar_mu);
+    if (rc || *g) goto done;
+    /* compiled unlocked: a large grammar takes up to a second, and cache
+     * hits of other requests must not wait for it */
     pd_grammar *fresh = NULL;
     char *copy = strdup(text);
-    if (!copy) {
-        rc = pd_errorf(&err, PD_ENOMEM, "out of memory for a grammar");
-        goto done;
-    }
-    if ((rc = pd_grammar_compile(text, strlen(text), &fresh, &err))) {
+    if (!copy) rc = pd_errorf(&err, PD_ENOMEM, "out of memory for a grammar");
+    else rc = pd_grammar_compile(text, strlen(text), &fresh, &err);
+    if (rc) {
         free(copy);
         goto done;
     }
-    free(victim->text);
-    pd_grammar_free(victim->g);
-    victim->text = copy;
-    victim->g = fresh;
-    victim->used = ++s->grammar_clock;
-    *g = pd_grammar_retain(fresh);
-    if (s->warmer_started && s->n_warm < GRAMMAR_CACHE_SLOTS) {
-        s->warm_queue[s->n_warm++] = pd_grammar_retain(fresh);
-        pthread_cond_signal(&s->warm_cv);
+    pthread_mutex_lock(&s->grammar_mu);
+    if ((*g = cached_grammar(s, text))) { /* another request compiled it meanwhile */
+        free(copy);
+        pd_grammar_free(fresh);
+    } else {
+        grammar_slot *victim = &s->grammars[0];
+        for (int i = 1; i < GRAMMAR_CACHE_SLOTS; i++)
+            if (s->grammars[i].used < victim->used) victim = &s->grammars[i];
+        free(victim->text);
+        pd_grammar_free(victim->g);
+        victim->text = copy;
+        victim->g = fresh;
+        victim->used = ++s->grammar_clock;
+        *g = pd_grammar_retain(fresh);
+        if (s->warmer_started && s->n_warm < GRAMMAR_CACHE_SLOTS) {
+            s->warm_queue[s->n_warm++] = pd_grammar_retain(fresh);
+            pthread_cond_signal(&s->warm_cv);
+        }
     }
-done:
     pthread_mutex_unlock(&s->grammar_mu);
+done:
     if (rc) pd_api_error_from(e, &err, rc == PD_ENOMEM ? NULL : param);
     return rc;
 }
@@ -707,7 +722,6 @@ static enum MHD_Result handle_generate(pd_server *s, struct MHD_Connection *c, h
     ro.model = b.model_id;
     ro.tool_calls = con.tool_calls;
     ro.syntax = con.syntax;
-    memcpy(ro.trigger, con.trigger, sizeof ro.trigger);
     pd_error err = {0};
     if (!rc && pd_api_response_create(&ro, &r->resp, &err)) rc = pd_api_error_from(&e, &err, NULL);
     r->stream = r->areq.stream;

@@ -4,7 +4,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 
 #include "api/api.h"
 
@@ -44,19 +43,6 @@ static json_t *load_value(const char *t, size_t len, size_t *p) {
     return v;
 }
 
-static void call_id(char *out, size_t cap) {
-    static const char alphabet[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
-    unsigned char raw[24] = {0};
-    if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw) {
-        /* ids only need to tell calls apart within a conversation */
-        for (size_t i = 0; i < sizeof raw; i++) raw[i] = (unsigned char)(i * 37 + (uintptr_t)out);
-    }
-    char s[sizeof raw + 1];
-    for (size_t i = 0; i < sizeof raw; i++) s[i] = alphabet[raw[i] % (sizeof alphabet - 1)];
-    s[sizeof raw] = '\0';
-    snprintf(out, cap, "call_%s", s);
-}
-
 static int add_call(const pd_chat_tool_syntax *syn, json_t *obj, pd_api_tool_call **calls, size_t *n) {
     json_t *name = json_object_get(obj, "name"), *args = json_object_get(obj, syn->args_key);
     if (!json_is_object(obj) || !json_is_string(name) || !json_is_object(args)) return PD_EFORMAT;
@@ -67,7 +53,7 @@ static int add_call(const pd_chat_tool_syntax *syn, json_t *obj, pd_api_tool_cal
     memset(c, 0, sizeof *c);
     c->name = strdup(json_string_value(name));
     c->arguments = json_dumps(args, JSON_COMPACT | JSON_PRESERVE_ORDER);
-    call_id(c->id, sizeof c->id);
+    pd_random_id(c->id, sizeof c->id, "call_");
     (*n)++;
     return c->name && c->arguments ? PD_OK : PD_ENOMEM;
 }

@@ -80,6 +80,10 @@ void pd_unmap_file(pd_mapped_file *m);
 int pd_read_stream(void *file /* FILE* */, char **out, size_t *len, pd_error *err);
 int pd_read_file(const char *path, char **out, size_t *len, pd_error *err);
 
+/* prefix + 24 random characters of [A-Za-z0-9] (getrandom; a clock-seeded
+ * sequence when the kernel has no entropy yet: ids need only tell apart). */
+void pd_random_id(char *out, size_t cap, const char *prefix);
+
 /* A growable string: appends never fail one by one; on allocation failure
  * it stays failed (oom) and the caller reports PD_ENOMEM once at the end.
  * p is NUL-terminated once anything was appended; free(p) when done. */
