@@ -59,7 +59,6 @@ struct pd_sched_request {
     pd_token *prompt;
     int64_t n_prompt;
     int n_choices;
-    int32_t max_tokens;
     pd_cache_mode cache;
     char ns[PD_PREFIX_NS_MAX];
     char *spec;             /* NULL = any */
@@ -482,7 +481,6 @@ static int copy_params(pd_scheduler *s, pd_sched_request *r, const pd_sched_para
     memcpy(r->prompt, p->prompt, sizeof(pd_token) * (size_t)p->n_prompt);
     r->n_prompt = p->n_prompt;
     r->n_choices = p->n_choices;
-    r->max_tokens = p->gen.max_tokens;
     r->cache = p->cache;
     snprintf(r->ns, sizeof r->ns, "%s", p->ns ? p->ns : "");
     if (p->spec && !(r->spec = strdup(p->spec))) return pd_errorf(err, PD_ENOMEM, "out of memory");
@@ -738,7 +736,7 @@ static int take_token(pd_scheduler *s, pd_sched_request *r, int ci, float *logit
     if (c->gm) {
         /* the logits are this step's scratch: masking them in place is
          * what makes sampling and logprobs see the constrained distribution */
-        const int32_t budget = r->max_tokens - pd_generation_n_tokens(c->gen);
+        const int32_t budget = pd_generation_tokens_left(c->gen);
         const double t0 = pd_now_seconds();
         rc = pd_grammar_matcher_mask(c->gm, logits, budget, err);
         m_observe(s->m_mask, pd_now_seconds() - t0);

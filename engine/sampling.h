@@ -251,6 +251,8 @@ int pd_generation_push(pd_generation *g, pd_token token, pd_generation_step *out
  * reason becomes `reason` (normally PD_FINISH_LENGTH) unless already set. */
 void pd_generation_finish(pd_generation *g, pd_finish_reason reason, pd_generation_step *out);
 int32_t pd_generation_n_tokens(const pd_generation *g);
+/* max_tokens minus the tokens pushed so far. */
+int32_t pd_generation_tokens_left(const pd_generation *g);
 pd_finish_reason pd_generation_finish_reason(const pd_generation *g);
 
 #ifdef __cplusplus

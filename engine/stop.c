@@ -344,4 +344,5 @@ void pd_generation_finish(pd_generation *g, pd_finish_reason reason, pd_generati
 }
 
 int32_t pd_generation_n_tokens(const pd_generation *g) { return g->n_tokens; }
+int32_t pd_generation_tokens_left(const pd_generation *g) { return g->max_tokens - g->n_tokens; }
 pd_finish_reason pd_generation_finish_reason(const pd_generation *g) { return g->finish; }

@@ -1272,6 +1272,7 @@ static pd_finish_reason run_gen(const pd_generation_params *p, const pd_token *i
     text[len] = 0;
     if (stop_index) *stop_index = st.stop_index;
     if (pushed) *pushed = (size_t)pd_generation_n_tokens(g);
+    cr_expect_eq(pd_generation_tokens_left(g), p->max_tokens - pd_generation_n_tokens(g));
     pd_finish_reason fr = pd_generation_finish_reason(g);
     cr_expect_eq(fr, st.finish);
     pd_generation_free(g);
