@@ -16,37 +16,35 @@
 int pd_api_grammar_vocab(const pd_tokenizer *tok, pd_grammar_vocab **out, pd_error *err) {
     *out = NULL;
     const int32_t n = pd_tokenizer_n_vocab(tok);
-    char **pieces = calloc((size_t)n, sizeof *pieces);
+    const char **pieces = calloc((size_t)n, sizeof *pieces);
     uint32_t *lens = calloc((size_t)n, sizeof *lens);
     uint8_t *kinds = calloc((size_t)n, 1);
+    size_t *offs = calloc((size_t)n, sizeof *offs);
+    pd_sbuf bytes = {0}; /* every piece, back to back */
     int rc = PD_OK;
-    if (!pieces || !lens || !kinds) {
-        rc = pd_errorf(err, PD_ENOMEM, "out of memory for the grammar vocabulary (%d tokens)", n);
-        goto done;
-    }
     char buf[256];
-    for (int32_t i = 0; i < n; i++) {
+    for (int32_t i = 0; pieces && lens && kinds && offs && i < n; i++) {
         if (pd_tokenizer_is_eog(tok, i)) kinds[i] = PD_GTOK_EOG;
         else if (pd_tokenizer_token_type(tok, i) == PD_TOKEN_TYPE_CONTROL) kinds[i] = PD_GTOK_SPECIAL;
         else kinds[i] = PD_GTOK_BYTES;
         int len = kinds[i] == PD_GTOK_BYTES ? pd_token_to_piece(tok, i, false, buf, sizeof buf) : 0;
-        if (len < 0) len = 0;
-        if ((size_t)len > sizeof buf) len = 0; /* a piece longer than any real token: never allowed */
-        pieces[i] = malloc((size_t)len + 1);
-        if (!pieces[i]) {
-            rc = pd_errorf(err, PD_ENOMEM, "out of memory for the grammar vocabulary");
-            goto done;
-        }
-        memcpy(pieces[i], buf, (size_t)len);
+        if (len < 0 || (size_t)len > sizeof buf) len = 0; /* longer than any real token: never allowed */
+        offs[i] = bytes.len;
         lens[i] = (uint32_t)len;
+        pd_sbuf_putn(&bytes, buf, (size_t)len);
     }
-    rc = pd_grammar_vocab_create(n, (const char *const *)pieces, lens, kinds, out, err);
+    if (!pieces || !lens || !kinds || !offs || bytes.oom) {
+        rc = pd_errorf(err, PD_ENOMEM, "out of memory for the grammar vocabulary (%d tokens)", n);
+        goto done;
+    }
+    for (int32_t i = 0; i < n; i++) pieces[i] = pd_sbuf_str(&bytes) + offs[i];
+    rc = pd_grammar_vocab_create(n, pieces, lens, kinds, out, err);
 done:
-    if (pieces)
-        for (int32_t i = 0; i < n; i++) free(pieces[i]);
     free(pieces);
     free(lens);
     free(kinds);
+    free(offs);
+    free(bytes.p);
     return rc;
 }
 
