@@ -495,20 +495,16 @@ static int parse_tools(json_t *root, pd_api_request *r, pd_api_error *e) {
     r->tool_choice = n ? PD_API_TOOLS_AUTO : PD_API_TOOLS_NONE;
     if (!choice) return PD_OK;
     if (!n) return BAD(e, "tool_choice", "'tool_choice' needs 'tools'");
-    if (json_is_string(choice)) {
-        const char *c = json_string_value(choice);
-        if (strcmp(c, "auto") == 0) r->tool_choice = PD_API_TOOLS_AUTO;
-        else if (strcmp(c, "none") == 0) r->tool_choice = PD_API_TOOLS_NONE;
-        else if (strcmp(c, "required") == 0) r->tool_choice = PD_API_TOOLS_REQUIRED;
-        else return BAD(e, "tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or "
-                        "{\"type\":\"function\",\"function\":{\"name\":...}}");
-        return PD_OK;
-    }
     json_t *fn = json_is_object(choice) ? field(choice, "function") : NULL;
     json_t *name = json_is_object(fn) ? field(fn, "name") : NULL;
-    if (!json_is_string(name))
+    const char *c = json_is_string(choice) ? json_string_value(choice) : "";
+    if (strcmp(c, "auto") == 0) r->tool_choice = PD_API_TOOLS_AUTO;
+    else if (strcmp(c, "none") == 0) r->tool_choice = PD_API_TOOLS_NONE;
+    else if (strcmp(c, "required") == 0) r->tool_choice = PD_API_TOOLS_REQUIRED;
+    else if (!json_is_string(name))
         return BAD(e, "tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" or "
                    "{\"type\":\"function\",\"function\":{\"name\":...}}");
+    if (json_is_string(choice)) return PD_OK;
     for (size_t j = 0; j < n; j++)
         if (strcmp(r->tools[j].name, json_string_value(name)) == 0) {
             r->tool_choice = PD_API_TOOLS_NAMED;

@@ -259,6 +259,13 @@ Test(constrain, bad_constraints_are_400s_that_name_the_field) {
     expect_400(PD_API_CHAT, CHAT("\"response_format\":{\"type\":\"yaml\"}"), "response_format.type", "json_schema");
     expect_400(PD_API_CHAT, CHAT("\"tool_choice\":\"auto\""), "tool_choice", "tools");
     expect_400(PD_API_CHAT,
+               CHAT("\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"always\""),
+               "tool_choice", "\"required\"");
+    expect_400(PD_API_CHAT,
+               CHAT("\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":{\"type\":"
+                    "\"function\"}"),
+               "tool_choice", "\"required\"");
+    expect_400(PD_API_CHAT,
                CHAT("\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],\"tool_choice\":{\"type\":"
                     "\"function\",\"function\":{\"name\":\"g\"}}"),
                "tool_choice", "\"g\"");
