@@ -95,7 +95,8 @@ export function calibrationChart(cal) {
   const height = 320;
   const pad = { left: 56, right: 20, top: 16, bottom: 44 };
   const points = cal.points || [];
-  const xMin = Math.min(0.05, ...points.map((p) => p.retention), cal.chosen ?? 1);
+  // from 0: the curve rises steeply towards it, and the smallest retentions stay in view
+  const xMin = 0;
   const xMax = 1;
   const interesting = [cal.tau, ...points.map((p) => p.nll_ratio), cal.measured, curveAt(cal.a, cal.b, cal.chosen || 1)]
     .filter((v) => Number.isFinite(v));
@@ -123,10 +124,13 @@ export function calibrationChart(cal) {
     transform: `rotate(-90 14 ${(pad.top + height - pad.bottom) / 2})` }, 'NLL ratio'));
 
   const plot = svg('g', { 'clip-path': `url(#${clipId})` });
-  const steps = 160;
+  // log-spaced samples: f grows without bound towards 0, where it bends most
+  // (the clip path cuts what is above the chart)
+  const steps = 240;
+  const rhoMin = 0.002;
   let d = '';
   for (let i = 0; i <= steps; i++) {
-    const rho = xMin + ((xMax - xMin) * i) / steps;
+    const rho = rhoMin * (xMax / rhoMin) ** (i / steps);
     d += `${i ? 'L' : 'M'}${sx(rho).toFixed(1)},${sy(curveAt(cal.a, cal.b, rho)).toFixed(1)}`;
   }
   plot.append(svg('path', { d, class: 'curve' }));

@@ -24,8 +24,12 @@ function qualityTable(prefix) {
     ['Created', formatTime(prefix.created_at)],
     ['Last used', formatTime(prefix.last_used)],
   ];
+  // two label/value pairs a row, so that the card stays short
+  const pairs = [];
+  for (let i = 0; i < rows.length; i += 2) pairs.push(rows.slice(i, i + 2));
   return el('table', { id: 'prefix-quality', class: 'data kv' },
-    el('tbody', {}, rows.map(([k, v]) => el('tr', {}, el('th', { scope: 'row' }, k), el('td', { class: 'num' }, String(v))))));
+    el('tbody', {}, pairs.map((pair) => el('tr', {},
+      pair.map(([k, v]) => [el('th', { scope: 'row' }, k), el('td', { class: 'num' }, String(v))])))));
 }
 
 function spanTable(kept) {
