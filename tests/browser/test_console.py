@@ -224,18 +224,22 @@ min_prefix_tokens = 32
         raise Failed(f"prefixd could not bind its ports:\n{self.log()}")
 
     def stop(self):
-        if self.proc is None or self.proc.poll() is not None:
-            return
+        """SIGTERM, then SIGKILL if it does not drain in time; returns the
+        exit status (None when it never started)."""
+        if self.proc is None:
+            return None
         for sig, wait_s in ((signal.SIGTERM, 20 * SCALE), (signal.SIGKILL, 10)):
+            if self.proc.poll() is not None:
+                break
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
-                return
+                break
             try:
                 self.proc.wait(timeout=wait_s)
-                return
             except subprocess.TimeoutExpired:
                 continue
+        return self.proc.poll()
 
 
 # ---- the test ----------------------------------------------------------------------
@@ -637,7 +641,12 @@ def main():
     finally:
         if browser is not None:
             browser.close()
-        daemon.stop()
+        rc = daemon.stop()
+        if ok and rc != 0:
+            # A clean drain exits 0; anything else (an ASan/UBSan report at
+            # exit, a crash on shutdown) fails the run.
+            ok = False
+            print(f"FAIL: prefixd exited with {rc} after SIGTERM:\n{daemon.log(6000)}", flush=True)
         shutil.rmtree(work, ignore_errors=True)
         if own_shots and ok:
             shutil.rmtree(shots, ignore_errors=True)
