@@ -14,6 +14,7 @@
 #define ADMIN_MAX_KEEP_TEXT 64
 #define JOBS_URL "/admin/v1/jobs/"
 #define PREFIXES_URL "/admin/v1/prefixes"
+#define POLICIES_URL "/admin/v1/policies"
 
 #define BAD(e, param, ...) pd_api_errorf((e), 400, PD_API_ERR_INVALID, (param), NULL, __VA_ARGS__)
 
@@ -23,9 +24,25 @@ static json_t *num_or_null(double v) {
     return isfinite(v) ? json_real(v) : json_null();
 }
 
+/* The curve calibration chose the retention from, its measured points and
+ * what it chose; null without one. NULL when out of memory. */
+static json_t *calibration_json(const pd_prefix_quality *q) {
+    if (!q->has_curve) return json_null();
+    json_t *points = json_array();
+    for (int32_t i = 0; points && i < q->n_points; i++)
+        if (json_array_append_new(points, json_pack("{s:f,s:f}", "retention", q->point_retention[i], "nll_ratio",
+                                                     q->point_ratio[i]))) {
+            json_decref(points);
+            points = NULL;
+        }
+    if (!points) return NULL;
+    return json_pack("{s:f,s:f,s:o,s:o,s:o,s:o}", "a", q->curve_a, "b", q->curve_b, "points", points, "chosen",
+                     num_or_null(q->retention), "measured", num_or_null(q->nll_ratio), "tau", num_or_null(q->tau));
+}
+
 /* The JSON object for a stored prefix (id, tokens, kept_rows, kept_fraction,
- * policy, namespace, pinned, dtype, bytes, quality, created_at, last_used);
- * NULL when out of memory. */
+ * policy, namespace, pinned, dtype, bytes, hits, quality, calibration,
+ * created_at, last_used); NULL when out of memory. */
 static json_t *prefix_json(const pd_prefix_info *info) {
     char hex[PD_PREFIX_ID_HEX];
     pd_prefix_id_hex(&info->id, hex);
@@ -35,11 +52,17 @@ static json_t *prefix_json(const pd_prefix_info *info) {
                           num_or_null(info->quality.tau), "nll_full", num_or_null(info->quality.nll_full),
                           "nll_ratio", num_or_null(info->quality.nll_ratio));
     if (!q) return NULL;
-    return json_pack("{s:s,s:s,s:I,s:I,s:f,s:s,s:s,s:b,s:s,s:I,s:o,s:I,s:I}", "id", hex, "object", "prefix",
+    json_t *calib = calibration_json(&info->quality);
+    if (!calib) {
+        json_decref(q);
+        return NULL;
+    }
+    return json_pack("{s:s,s:s,s:I,s:I,s:f,s:s,s:s,s:b,s:s,s:I,s:I,s:o,s:o,s:I,s:I}", "id", hex, "object", "prefix",
                      "tokens", (json_int_t)info->n_tokens, "kept_rows", (json_int_t)info->kept_rows, "kept_fraction",
                      full > 0 ? (double)info->kept_rows / full : 0.0, "policy", info->spec, "namespace", info->ns,
                      "pinned", (int)info->pinned, "dtype", pd_kv_dtype_name(info->dtype), "bytes",
-                     (json_int_t)info->bytes, "quality", q, "created_at", (json_int_t)info->created_at, "last_used",
+                     (json_int_t)info->bytes, "hits", (json_int_t)(info->hits > INT64_MAX ? INT64_MAX : info->hits),
+                     "quality", q, "calibration", calib, "created_at", (json_int_t)info->created_at, "last_used",
                      (json_int_t)info->last_used);
 }
 
@@ -531,12 +554,133 @@ static int handle_list(const pd_admin_ctx *ctx, const char *ns, pd_admin_reply *
     return reply(json_pack("{s:s,s:o}", "object", "list", "data", l.data), 200, out, e);
 }
 
-static int handle_prefix(const pd_admin_ctx *ctx, const char *method, const char *hex, pd_admin_reply *out,
-                         pd_api_error *e) {
-    pd_prefix_id id;
-    int rc = parse_id(hex, &id, e);
+/* PATCH {"pinned": bool}: the only mutable part of a stored prefix. */
+static int handle_patch(const pd_admin_ctx *ctx, const pd_prefix_id *id, const char *body, size_t len,
+                        pd_admin_reply *out, pd_api_error *e) {
+    json_error_t jerr;
+    json_t *root = json_loadb(body ? body : "", len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root || !json_is_object(root)) {
+        json_decref(root);
+        return BAD(e, NULL, "the body must be a JSON object such as {\"pinned\": true}");
+    }
+    json_t *pinned = json_object_get(root, "pinned");
+    const char *key;
+    json_t *v;
+    int rc = PD_OK;
+    json_object_foreach(root, key, v) {
+        if (strcmp(key, "pinned") != 0) {
+            rc = BAD(e, key, "'%.60s' cannot be changed; only \"pinned\" can (delete and register again for the rest)",
+                     key);
+            break;
+        }
+    }
+    if (!rc && !json_is_boolean(pinned)) rc = BAD(e, "pinned", "\"pinned\" must be true or false");
+    const bool pin = json_is_true(pinned);
+    json_decref(root);
     if (rc) return rc;
     pd_error err = {0};
+    pd_prefix_info info;
+    if (pd_store_pin(ctx->b.store, id, pin, &err) || pd_store_info(ctx->b.store, id, &info, &err))
+        return pd_api_error_from(e, &err, NULL);
+    return reply(prefix_json(&info), 200, out, e);
+}
+
+/* The spans of a stored prefix's layout (the key's text after '|'), with
+ * the rows each kept; an empty array without one. */
+static json_t *spans_json(const char *key, const pd_kv_prefix *kv, json_t **keep, pd_error *err) {
+    *keep = json_array();
+    json_t *spans = json_array();
+    const char *bar = strchr(key, '|');
+    pd_layout lay = {0};
+    if (!spans || !*keep || (bar && pd_layout_parse(bar + 1, &lay, err))) goto fail;
+    int32_t n_layer, n_head;
+    pd_kv_prefix_shape(kv, &n_layer, &n_head, NULL);
+    for (int i = 0; i < lay.n_whitelist; i++)
+        if (json_array_append_new(*keep, json_pack("[I,I]", (json_int_t)lay.whitelist[i].start,
+                                                   (json_int_t)lay.whitelist[i].end)))
+            goto fail;
+    for (int i = 0; i < lay.n_spans; i++) {
+        const pd_span *sp = &lay.spans[i];
+        int64_t kept = 0;
+        for (int l = 0; l < n_layer; l++)
+            for (int h = 0; h < n_head; h++) {
+                const int32_t *pos;
+                const int64_t n = pd_kv_prefix_stream(kv, l, h, &pos, NULL, NULL);
+                for (int64_t r = 0; r < n; r++) kept += pos[r] >= sp->start && pos[r] < sp->end;
+            }
+        const int64_t rows = (sp->end - sp->start) * (int64_t)n_layer * n_head;
+        if (json_array_append_new(spans, json_pack("{s:s,s:I,s:I,s:b,s:I,s:I,s:f}", "name", sp->name, "start",
+                                                   (json_int_t)sp->start, "end", (json_int_t)sp->end, "whitelisted",
+                                                   (int)sp->whitelist, "rows", (json_int_t)rows, "kept_rows",
+                                                   (json_int_t)kept, "kept_fraction",
+                                                   rows > 0 ? (double)kept / (double)rows : 0.0)))
+            goto fail;
+    }
+    pd_layout_free(&lay);
+    return spans;
+fail:
+    pd_layout_free(&lay);
+    json_decref(spans);
+    json_decref(*keep);
+    *keep = NULL;
+    return NULL;
+}
+
+/* GET .../{id}/kept: kept rows per (layer, kv head) and per span. Read
+ * with pd_store_peek (every page verified; looking is not a use). */
+static int handle_kept(const pd_admin_ctx *ctx, const pd_prefix_id *id, pd_admin_reply *out, pd_api_error *e) {
+    pd_error err = {0};
+    pd_prefix_ref *ref = NULL;
+    if (pd_store_peek(ctx->b.store, id, &ref, &err)) return pd_api_error_from(e, &err, NULL);
+    const pd_prefix_info *info = pd_prefix_ref_info(ref);
+    const pd_kv_prefix *kv = pd_prefix_ref_kv(ref);
+    json_t *kept = json_array(), *keep = NULL, *spans = NULL;
+    for (int l = 0; kept && l < info->n_layer; l++) {
+        json_t *row = json_array();
+        for (int h = 0; row && h < info->n_head_kv; h++)
+            if (json_array_append_new(row, json_integer((json_int_t)pd_kv_prefix_stream(kv, l, h, NULL, NULL, NULL)))) {
+                json_decref(row);
+                row = NULL;
+            }
+        if (!row || json_array_append_new(kept, row)) {
+            json_decref(kept);
+            kept = NULL;
+        }
+    }
+    if (kept) spans = spans_json(info->spec, kv, &keep, &err);
+    char hex[PD_PREFIX_ID_HEX];
+    pd_prefix_id_hex(id, hex);
+    json_t *j = NULL;
+    if (kept && spans)
+        j = json_pack("{s:s,s:s,s:I,s:I,s:I,s:o,s:o,s:o}", "object", "prefix.kept", "id", hex, "tokens",
+                      (json_int_t)info->n_tokens, "n_layer", (json_int_t)info->n_layer, "n_head_kv",
+                      (json_int_t)info->n_head_kv, "kept", kept, "spans", spans, "keep", keep);
+    else
+        json_decref(kept);
+    pd_prefix_ref_release(ref);
+    if (!j && err.code) return pd_api_error_from(e, &err, NULL);
+    return reply(j, 200, out, e);
+}
+
+static int handle_prefix(const pd_admin_ctx *ctx, const char *method, const char *path, const char *body,
+                         size_t len, pd_admin_reply *out, pd_api_error *e) {
+    /* {id} or {id}/kept */
+    char hex[PD_PREFIX_ID_HEX];
+    const char *slash = strchr(path, '/');
+    const size_t idlen = slash ? (size_t)(slash - path) : strlen(path);
+    snprintf(hex, sizeof hex, "%.*s", (int)(idlen < sizeof hex ? idlen : 0), path);
+    pd_prefix_id id;
+    int rc = parse_id(idlen == 2 * PD_PREFIX_ID_LEN ? hex : path, &id, e);
+    if (rc) return rc;
+    if (slash) {
+        if (strcmp(slash, "/kept") != 0)
+            return pd_api_errorf(e, 404, PD_API_ERR_NOT_FOUND, NULL, NULL, "no such admin route: %.200s", slash);
+        if (strcmp(method, "GET") != 0)
+            return pd_api_errorf(e, 405, PD_API_ERR_INVALID, NULL, "method_not_allowed", "use GET on %s/kept", hex);
+        return handle_kept(ctx, &id, out, e);
+    }
+    pd_error err = {0};
+    if (strcmp(method, "PATCH") == 0) return handle_patch(ctx, &id, body, len, out, e);
     if (strcmp(method, "GET") == 0) {
         pd_prefix_info info;
         if (pd_store_info(ctx->b.store, &id, &info, &err)) return pd_api_error_from(e, &err, NULL);
@@ -549,7 +693,50 @@ static int handle_prefix(const pd_admin_ctx *ctx, const char *method, const char
         out->status = 204;
         return PD_OK;
     }
-    return pd_api_errorf(e, 405, PD_API_ERR_INVALID, NULL, "method_not_allowed", "use GET or DELETE on a prefix");
+    return pd_api_errorf(e, 405, PD_API_ERR_INVALID, NULL, "method_not_allowed",
+                         "use GET, PATCH or DELETE on a prefix");
+}
+
+/* GET /admin/v1/policies: every policy with its keys' defaults, and the
+ * daemon's default spec, for pickers. */
+static int handle_policies(const pd_admin_ctx *ctx, pd_admin_reply *out, pd_api_error *e) {
+    json_t *data = json_array();
+    for (int k = 0; data && k < PD_POLICY_COUNT; k++) {
+        pd_policy_spec spec;
+        pd_policy_spec_default((pd_policy_kind)k, &spec);
+        char text[PD_POLICY_SPEC_MAX];
+        pd_policy_spec_print(&spec, text, sizeof text);
+        json_t *keys = json_array();
+        /* The canonical text is "name:key=value,...", every key with its default. */
+        const char *p = strchr(text, ':');
+        while (keys && p && *p) {
+            p++;
+            const char *eq = strchr(p, '='), *end = strchr(p, ',');
+            if (!end) end = p + strlen(p);
+            if (!eq || eq > end) break;
+            if (json_array_append_new(keys, json_pack("{s:s%,s:s%}", "name", p, (size_t)(eq - p), "default", eq + 1,
+                                                      (size_t)(end - eq - 1)))) {
+                json_decref(keys);
+                keys = NULL;
+            }
+            p = end;
+        }
+        if (!keys || json_array_append_new(data, json_pack("{s:s,s:s,s:s,s:o}", "name",
+                                                           pd_policy_kind_name((pd_policy_kind)k), "summary",
+                                                           pd_policy_kind_summary((pd_policy_kind)k), "spec", text,
+                                                           "keys", keys))) {
+            json_decref(data);
+            data = NULL;
+        }
+    }
+    if (!data) return reply(NULL, 0, out, e);
+    /* The default as jobs would run it (canonical, so the picker can match it). */
+    char def[PD_POLICY_SPEC_MAX] = "";
+    pd_policy_spec spec;
+    pd_error err = {0};
+    if (pd_policy_spec_parse(ctx->b.default_policy ? ctx->b.default_policy : "compactor", &spec, &err) == PD_OK)
+        pd_policy_spec_print(&spec, def, sizeof def);
+    return reply(json_pack("{s:s,s:s,s:o}", "object", "list", "default", def, "data", data), 200, out, e);
 }
 
 static int handle_job(const pd_admin_ctx *ctx, const char *idtext, pd_admin_reply *out, pd_api_error *e) {
@@ -581,7 +768,12 @@ int pd_admin_handle(const pd_admin_ctx *ctx, const char *method, const char *url
                              "use POST (register) or GET (list) on " PREFIXES_URL);
     }
     if (strncmp(url, PREFIXES_URL "/", strlen(PREFIXES_URL "/")) == 0)
-        return handle_prefix(ctx, method, url + strlen(PREFIXES_URL "/"), out, e);
+        return handle_prefix(ctx, method, url + strlen(PREFIXES_URL "/"), body, len, out, e);
+    if (strcmp(url, POLICIES_URL) == 0) {
+        if (strcmp(method, "GET") != 0)
+            return pd_api_errorf(e, 405, PD_API_ERR_INVALID, NULL, "method_not_allowed", "use GET on " POLICIES_URL);
+        return handle_policies(ctx, out, e);
+    }
     if (strncmp(url, JOBS_URL, strlen(JOBS_URL)) == 0) {
         if (strcmp(method, "GET") != 0)
             return pd_api_errorf(e, 405, PD_API_ERR_INVALID, NULL, "method_not_allowed", "use GET on a job");

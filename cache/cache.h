@@ -61,12 +61,22 @@ typedef enum pd_kv_dtype {
 const char *pd_kv_dtype_name(pd_kv_dtype t);
 bool pd_kv_dtype_from_name(const char *name, pd_kv_dtype *out);
 
+#define PD_PREFIX_CALIB_POINTS 8
+
 /* Quality numbers measured when the prefix was compressed; NaN = unknown. */
 typedef struct pd_prefix_quality {
     double retention;      /* the policy's retention (calibrated or asked for) */
     double tau;            /* quality budget asked for; NaN = none */
     double nll_full;       /* probe NLL under the full prefix */
     double nll_ratio;      /* probe NLL ratio compressed / full */
+    /* The curve the retention was chosen from, NLL ratio f(rho) =
+     * 1 + a (rho^-b - 1) (policies.h), and the (retention, ratio) points
+     * calibration measured to fit it; a curve given at registration
+     * (zero-shot) has none. Kept beside the record (docs/store.md). */
+    bool has_curve;
+    double curve_a, curve_b;
+    int32_t n_points;      /* 0..PD_PREFIX_CALIB_POINTS */
+    double point_retention[PD_PREFIX_CALIB_POINTS], point_ratio[PD_PREFIX_CALIB_POINTS];
 } pd_prefix_quality;
 
 /* What a record says about itself (the decoded header plus bookkeeping). */
@@ -84,6 +94,7 @@ typedef struct pd_prefix_info {
     int64_t last_used;         /* unix seconds (approximate: see pd_store_get) */
     uint64_t bytes;            /* stored bytes of header + streams */
     bool pinned;               /* never evicted by the store's size limit */
+    uint64_t hits;             /* requests served from it (pd_store_note_use) */
 } pd_prefix_info;
 
 /* ------------------------------------------------------------------------
@@ -132,7 +143,18 @@ typedef struct pd_prefix_ref pd_prefix_ref;
  * record and page; corrupt data is never returned. The access is recorded
  * for LRU in memory and written with the next write transaction. */
 int pd_store_get(pd_store *s, const pd_prefix_id *id, pd_prefix_ref **out, pd_error *err);
+/* pd_store_get for looking, not serving: the LRU order is left alone. */
+int pd_store_peek(pd_store *s, const pd_prefix_id *id, pd_prefix_ref **out, pd_error *err);
 const pd_prefix_info *pd_prefix_ref_info(const pd_prefix_ref *r);
+/* A request was served from this prefix: one more hit, and its last use
+ * (the LRU order) is now. Kept in memory and written with the next write
+ * transaction (or when enough accumulate, or at close), like the accesses
+ * of pd_store_get; a crash loses only those not yet written. */
+void pd_store_note_use(pd_store *s, const pd_prefix_id *id);
+/* Whether uses (pd_store_note_use, pd_store_get) wait to be written, and
+ * write them now in one write transaction (the scheduler does when idle). */
+bool pd_store_uses_pending(pd_store *s);
+int pd_store_flush_uses(pd_store *s, pd_error *err);
 const pd_token *pd_prefix_ref_tokens(const pd_prefix_ref *r);
 const pd_kv_prefix *pd_prefix_ref_kv(const pd_prefix_ref *r);
 /* Whether its kv borrows rows from the map (the handle then holds a read

@@ -130,6 +130,7 @@ static inline void cache_stream_key(uint8_t key[CACHE_STREAM_KEY_LEN], const pd_
 typedef struct cache_access {
     pd_prefix_id id;
     uint64_t stamp;
+    uint32_t hits; /* requests served since the last flush */
 } cache_access;
 
 struct pd_store {
@@ -137,6 +138,8 @@ struct pd_store {
     MDB_dbi records, streams, index, lru, meta;
     MDB_dbi autob;           /* automatic blocks (auto_store.c) */
     bool has_auto;           /* false: read-only on a store that never had them */
+    MDB_dbi calib;           /* calibration curves (pd_prefix_quality.has_curve) */
+    bool has_calib;          /* false: read-only on a store that never had them */
     pd_store_opts opts;
     char *dir;
     pthread_mutex_t mu;      /* guards everything below */
@@ -166,12 +169,20 @@ typedef struct cache_record_meta {
     uint64_t stamp; /* last use, microseconds since the epoch */
     uint64_t bytes;
     bool pinned;
+    uint32_t hits;  /* requests served from it, saturating */
     uint8_t index_key[PD_SHA256_LEN];
 } cache_record_meta;
 
 /* PD_ENOTFOUND when absent, PD_EFORMAT when its checksum fails. */
 int cache_meta_get(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, cache_record_meta *m, pd_error *err);
 int cache_meta_put(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, const cache_record_meta *m, pd_error *err);
+/* A record's calibration curve (calib[id], docs/store.md): get fills the
+ * curve fields of q (has_curve false when there is none; PD_EFORMAT when
+ * its checksum fails), put writes them when q->has_curve, del removes
+ * them (absent is fine). */
+int cache_calib_get(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, pd_prefix_quality *q, pd_error *err);
+int cache_calib_put(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, const pd_prefix_quality *q, pd_error *err);
+int cache_calib_del(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, pd_error *err);
 /* The last-use stamp (microseconds) of a record; 0 when unknown. */
 uint64_t cache_meta_stamp(pd_store *s, MDB_txn *txn, const pd_prefix_id *id);
 

@@ -125,8 +125,9 @@ static uint64_t next_stamp(pd_store *s) {
     return t;
 }
 
-/* Returns the number of pending accesses after recording this one. */
-static size_t record_access(pd_store *s, const pd_prefix_id *id) {
+/* Returns the number of pending accesses after recording this one (with
+ * `hits` more requests served from it). */
+static size_t record_access(pd_store *s, const pd_prefix_id *id, uint32_t hits) {
     pthread_mutex_lock(&s->mu);
     uint64_t stamp = next_stamp_locked(s);
     size_t i = 0;
@@ -143,21 +144,23 @@ static size_t record_access(pd_store *s, const pd_prefix_id *id) {
             s->pending = p;
             s->cap_pending = cap;
         }
-        s->pending[s->n_pending++].id = *id;
+        s->pending[s->n_pending++] = (cache_access){.id = *id};
     }
     s->pending[i].stamp = stamp;
+    s->pending[i].hits = s->pending[i].hits > UINT32_MAX - hits ? UINT32_MAX : s->pending[i].hits + hits;
     size_t n = s->n_pending;
     pthread_mutex_unlock(&s->mu);
     return n;
 }
 
-static uint64_t pending_stamp(pd_store *s, const pd_prefix_id *id) {
-    uint64_t t = 0;
+/* The access of id not yet written (zero when none). */
+static cache_access pending_access(pd_store *s, const pd_prefix_id *id) {
+    cache_access a = {.id = *id};
     pthread_mutex_lock(&s->mu);
     for (size_t i = 0; i < s->n_pending; i++)
-        if (memcmp(s->pending[i].id.b, id->b, PD_PREFIX_ID_LEN) == 0) t = s->pending[i].stamp;
+        if (memcmp(s->pending[i].id.b, id->b, PD_PREFIX_ID_LEN) == 0) a = s->pending[i];
     pthread_mutex_unlock(&s->mu);
-    return t;
+    return a;
 }
 
 /* Move the in-memory accesses into meta and lru inside txn. If txn is later
@@ -180,10 +183,13 @@ static int flush_accesses(pd_store *s, MDB_txn *txn, pd_error *err) {
             rc = mrc;
             break;
         }
-        if (acc[i].stamp <= m.stamp) continue;
-        if ((rc = lru_del(s, txn, m.stamp, &acc[i].id, err))) break;
-        m.stamp = acc[i].stamp;
-        if ((rc = lru_put(s, txn, m.stamp, &acc[i].id, err))) break;
+        if (acc[i].stamp <= m.stamp && !acc[i].hits) continue;
+        if (acc[i].stamp > m.stamp) {
+            if ((rc = lru_del(s, txn, m.stamp, &acc[i].id, err))) break;
+            m.stamp = acc[i].stamp;
+            if ((rc = lru_put(s, txn, m.stamp, &acc[i].id, err))) break;
+        }
+        m.hits = m.hits > UINT32_MAX - acc[i].hits ? UINT32_MAX : m.hits + acc[i].hits;
         rc = cache_meta_put(s, txn, &acc[i].id, &m, err);
     }
     free(acc);
@@ -271,6 +277,13 @@ static int open_dbs(pd_store *s, pd_error *err) {
      * before them has no such database, which read-only is just empty. */
     rc = mdb_dbi_open(txn, "auto", ro ? 0 : MDB_CREATE, &s->autob);
     s->has_auto = rc == 0;
+    if (rc && rc != MDB_NOTFOUND) {
+        mdb_txn_abort(txn);
+        return cache_lmdb_error(s, rc, "opening the prefix store's databases", err);
+    }
+    /* So did calibration curves. */
+    rc = mdb_dbi_open(txn, "calib", ro ? 0 : MDB_CREATE, &s->calib);
+    s->has_calib = rc == 0;
     if (rc && rc != MDB_NOTFOUND) {
         mdb_txn_abort(txn);
         return cache_lmdb_error(s, rc, "opening the prefix store's databases", err);
@@ -613,6 +626,7 @@ static int remove_record(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, stor
         rc = mdb_del(txn, s->meta, &k, NULL);
         if (rc && rc != MDB_NOTFOUND) return cache_lmdb_error(s, rc, "deleting a prefix's bookkeeping", err);
     }
+    if ((rc = cache_calib_del(s, txn, id, err))) return rc;
     if (t) {
         if (t->prefixes) t->prefixes--;
         t->bytes = t->bytes > freed ? t->bytes - freed : 0;
@@ -673,9 +687,11 @@ static int info_from_record(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, c
                             pd_prefix_info *info, pd_error *err) {
     cache_header_to_info(h, info);
     info->id = *id;
+    int rc = cache_calib_get(s, txn, id, &info->quality, err);
+    if (rc) return rc;
     cache_record_meta m;
     pd_error e2;
-    int rc = cache_meta_get(s, txn, id, &m, &e2);
+    rc = cache_meta_get(s, txn, id, &m, &e2);
     if (rc && rc != PD_ENOTFOUND && rc != PD_EFORMAT) {
         *err = e2;
         return rc;
@@ -684,13 +700,16 @@ static int info_from_record(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, c
         info->bytes = m.bytes;
         info->pinned = m.pinned;
         info->last_used = (int64_t)(m.stamp / 1000000u);
+        info->hits = m.hits;
     } else { /* lost bookkeeping: verify repairs it; report what we can */
         info->bytes = h->size;
         info->pinned = false;
         info->last_used = h->created_at;
+        info->hits = 0;
     }
-    uint64_t p = pending_stamp(s, id);
-    if (p / 1000000u > (uint64_t)info->last_used) info->last_used = (int64_t)(p / 1000000u);
+    const cache_access p = pending_access(s, id);
+    if (p.stamp / 1000000u > (uint64_t)info->last_used) info->last_used = (int64_t)(p.stamp / 1000000u);
+    info->hits += p.hits;
     return PD_OK;
 }
 
@@ -796,7 +815,7 @@ int pd_store_put(pd_store *s, pd_prefix_info *info, const pd_token *tokens, int6
     cache_record_meta m = {.stamp = next_stamp(s), .bytes = total, .pinned = info->pinned};
     memcpy(m.index_key, ikey, sizeof ikey);
     if ((rc = cache_meta_put(s, txn, &id, &m, err)) || (rc = lru_put(s, txn, m.stamp, &id, err)) ||
-        (rc = cache_index_add(s, txn, ikey, &id, err)))
+        (rc = cache_index_add(s, txn, ikey, &id, err)) || (rc = cache_calib_put(s, txn, &id, &info->quality, err)))
         goto fail;
     t.prefixes++;
     t.bytes += total;
@@ -819,6 +838,7 @@ int pd_store_put(pd_store *s, pd_prefix_info *info, const pd_token *tokens, int6
     info->created_at = h.created_at;
     info->last_used = (int64_t)(m.stamp / 1000000u);
     info->bytes = total;
+    info->hits = 0;
     return PD_OK;
 fail:
     mdb_txn_abort(txn);
@@ -964,7 +984,16 @@ static int load_streams(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, const
     return rc;
 }
 
-int pd_store_get(pd_store *s, const pd_prefix_id *id, pd_prefix_ref **out, pd_error *err) {
+/* Record an access, writing the pending ones when enough accumulated. */
+static void note_access(pd_store *s, const pd_prefix_id *id, uint32_t hits) {
+    if (record_access(s, id, hits) >= PENDING_FLUSH && !s->opts.read_only) {
+        MDB_txn *w;
+        pd_error e2;
+        if (write_begin(s, &w, &e2) == PD_OK) (void)write_commit(s, w, &e2);
+    }
+}
+
+static int get_ref(pd_store *s, const pd_prefix_id *id, bool use, pd_prefix_ref **out, pd_error *err) {
     pd_error local;
     if (!err) err = &local; /* internal code always has somewhere to write */
     *out = NULL;
@@ -996,16 +1025,38 @@ int pd_store_get(pd_store *s, const pd_prefix_id *id, pd_prefix_ref **out, pd_er
         mdb_txn_abort(r->txn);
         r->txn = NULL;
     }
-    if (record_access(s, id) >= PENDING_FLUSH && !s->opts.read_only) {
-        MDB_txn *w;
-        pd_error e2;
-        if (write_begin(s, &w, &e2) == PD_OK) (void)write_commit(s, w, &e2);
-    }
+    if (use) note_access(s, id, 0);
     *out = r;
     return PD_OK;
 fail:
     pd_prefix_ref_release(r);
     return rc;
+}
+
+int pd_store_get(pd_store *s, const pd_prefix_id *id, pd_prefix_ref **out, pd_error *err) {
+    return get_ref(s, id, true, out, err);
+}
+
+int pd_store_peek(pd_store *s, const pd_prefix_id *id, pd_prefix_ref **out, pd_error *err) {
+    return get_ref(s, id, false, out, err);
+}
+
+void pd_store_note_use(pd_store *s, const pd_prefix_id *id) {
+    note_access(s, id, 1);
+}
+
+bool pd_store_uses_pending(pd_store *s) {
+    pthread_mutex_lock(&s->mu);
+    const bool any = s->n_pending > 0;
+    pthread_mutex_unlock(&s->mu);
+    return any && !s->opts.read_only;
+}
+
+int pd_store_flush_uses(pd_store *s, pd_error *err) {
+    if (!pd_store_uses_pending(s)) return PD_OK;
+    MDB_txn *w;
+    int rc = write_begin(s, &w, err);
+    return rc ? rc : write_commit(s, w, err);
 }
 
 int pd_store_info(pd_store *s, const pd_prefix_id *id, pd_prefix_info *out, pd_error *err) {
@@ -1239,6 +1290,11 @@ static int check_record(pd_store *s, MDB_txn *txn, const MDB_val *k, const MDB_v
     if (m->bytes != bytes)
         return pd_errorf(why, PD_EFORMAT, "its bookkeeping says %" PRIu64 " bytes but %" PRIu64 " are stored", m->bytes,
                          bytes);
+    pd_prefix_quality q;
+    if ((rc = cache_calib_get(s, txn, &id, &q, &e2))) {
+        *why = e2;
+        return rc;
+    }
     return PD_OK;
 }
 

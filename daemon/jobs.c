@@ -219,6 +219,9 @@ static int run_job(pd_jobs *j, job *jb, pd_prefix_info *info, bool *existed, dou
         pd_calib_opts_default(&co);
         pd_policy_spec_set_retention(&spec, pd_curve_choose(jb->curve, jb->quality, co.min_retention));
         q.tau = jb->quality;
+        q.has_curve = true;
+        q.curve_a = jb->curve.a;
+        q.curve_b = jb->curve.b;
     } else if (jb->quality > 1) {
         if (!enter_phase(j, jb, "calibrating", 0)) return abandoned(err);
         pd_calib_opts co;
@@ -234,6 +237,15 @@ static int run_job(pd_jobs *j, job *jb, pd_prefix_info *info, bool *existed, dou
         q.tau = jb->quality;
         q.nll_full = cr.nll_full;
         q.nll_ratio = cr.measured;
+        _Static_assert(PD_PREFIX_CALIB_POINTS >= PD_CALIB_MAX_POINTS, "every calibration point fits the record");
+        q.has_curve = true;
+        q.curve_a = cr.curve.a;
+        q.curve_b = cr.curve.b;
+        q.n_points = cr.n_points;
+        for (int i = 0; i < cr.n_points; i++) {
+            q.point_retention[i] = cr.retention[i];
+            q.point_ratio[i] = cr.ratio[i];
+        }
         base = CALIB_SHARE;
     }
     q.retention = spec.retention;

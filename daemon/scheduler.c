@@ -417,6 +417,7 @@ static int prefix_acquire(pd_scheduler *s, pd_sched_request *r, const pd_prefix_
     r->prefix_len = info->n_tokens;
     r->usage.prefix_used = true;
     r->usage.prefix_kind = PD_PREFIX_REGISTERED;
+    if (s->o.store) pd_store_note_use(s->o.store, id);
     r->usage.prefix_id = *id;
     r->usage.cached_tokens = info->n_tokens;
     r->usage.prefix_kept_rows = info->kept_rows;
@@ -894,6 +895,14 @@ static void *engine_main(void *arg) {
             if (s->autoc && pd_autocache_persist_pending(s->autoc)) { /* idle: write what is pending */
                 pthread_mutex_unlock(&s->mu);
                 persist_auto(s, AUTO_PERSIST_CHUNK_BYTES);
+                pthread_mutex_lock(&s->mu);
+                continue;
+            }
+            if (s->o.store && pd_store_uses_pending(s->o.store)) { /* idle: write prefix hits and last uses */
+                pthread_mutex_unlock(&s->mu);
+                pd_error err = {0};
+                if (pd_store_flush_uses(s->o.store, &err))
+                    pd_log(s->o.logger, PD_LOG_WARN, "recording prefix uses: %s", err.msg);
                 pthread_mutex_lock(&s->mu);
                 continue;
             }

@@ -167,6 +167,8 @@ void pd_policy_spec_for_span(const pd_policy_spec *spec, int n_spans, pd_policy_
 /* Set the retention (used by calibration); keeps everything else. */
 void pd_policy_spec_set_retention(pd_policy_spec *spec, double retention);
 const char *pd_policy_kind_name(pd_policy_kind kind);
+/* One line on what the policy keeps (for listings such as the admin API). */
+const char *pd_policy_kind_summary(pd_policy_kind kind);
 /* "compactor" -> PD_POLICY_COMPACTOR; false if unknown. */
 bool pd_policy_kind_from_name(const char *name, pd_policy_kind *out);
 /* One line per policy with its keys and defaults (for --help and docs). */

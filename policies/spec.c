@@ -298,6 +298,25 @@ const char *pd_policy_kind_name(pd_policy_kind kind) {
     return kind_ok((int)kind) ? kind_names[kind] : "unknown";
 }
 
+const char *pd_policy_kind_summary(pd_policy_kind kind) {
+    static const char *const summaries[PD_POLICY_COUNT] = {
+        "Compactor: approximate leverage scores of the keys plus non-causal attention (the default)",
+        "Compactor's leverage half alone: keys that span the key space",
+        "Compactor's attention half alone: attention from every query, not just earlier ones",
+        "Uniformly random scores, seeded (a baseline)",
+        "K-norm: keep the keys with the smallest L2 norm",
+        "StreamingLLM: attention sinks plus the most recent tokens",
+        "SnapKV: attention of an observation window of the last queries, pooled",
+        "H2O: heavy hitters by accumulated attention",
+        "TOVA: attention of the last token",
+        "PyramidKV: a scorer (SnapKV) with layer budgets falling linearly",
+        "ChunkKV: a scorer (SnapKV) selecting whole chunks, indices reused across layers",
+        "OBCache: output-perturbation saliency of values, keys or both",
+        "LASER-KV: anchors and recent tokens, exact attention, then LSH recall",
+    };
+    return kind_ok((int)kind) ? summaries[kind] : "unknown";
+}
+
 bool pd_policy_kind_from_name(const char *name, pd_policy_kind *out) {
     for (int i = 0; i < PD_POLICY_COUNT; i++) {
         if (strcmp(name, kind_names[i]) == 0) {

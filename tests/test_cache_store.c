@@ -1402,3 +1402,144 @@ Test(store, empty_or_foreign_data_file_is_refused) {
     cr_assert_eq(pd_store_salvage(store_dir(), &d, NULL, NULL, &rep, &err), PD_EFORMAT,
                  "nothing to read: the salvage says so");
 }
+
+/* ---- hits and calibration curves -------------------------------------------------------- */
+
+static uint64_t hits_of(pd_store *s, const pd_prefix_id *id) {
+    pd_prefix_info info;
+    pd_error err = {0};
+    cr_assert_eq(pd_store_info(s, id, &info, &err), PD_OK, "%s", err.msg);
+    return info.hits;
+}
+
+Test(store, hits_are_counted_written_when_idle_and_survive_a_reopen) {
+    pd_token t[40];
+    for (int i = 0; i < 40; i++) t[i] = 7 * i + 1;
+    pd_store *s = open_store(0, 0);
+    pd_prefix_id id = put_small(s, 1, "s", "", t, 40, 5);
+    pd_error err = {0};
+    cr_assert_eq(hits_of(s, &id), 0);
+    cr_assert_not(pd_store_uses_pending(s), "a put leaves nothing pending");
+    for (int i = 0; i < 3; i++) pd_store_note_use(s, &id);
+    cr_assert(pd_store_uses_pending(s));
+    cr_assert_eq(hits_of(s, &id), 3, "pending hits count before they are written");
+    cr_assert_eq(pd_store_flush_uses(s, &err), PD_OK, "%s", err.msg);
+    cr_assert_not(pd_store_uses_pending(s));
+    cr_assert_eq(hits_of(s, &id), 3, "written once, not twice");
+
+    /* Looking is not a use; loading for a request stamps the LRU order but is no hit. */
+    pd_prefix_ref *r = NULL;
+    cr_assert_eq(pd_store_peek(s, &id, &r, &err), PD_OK, "%s", err.msg);
+    pd_prefix_ref_release(r);
+    cr_assert_not(pd_store_uses_pending(s), "peek records nothing");
+    cr_assert_eq(pd_store_get(s, &id, &r, &err), PD_OK, "%s", err.msg);
+    pd_prefix_ref_release(r);
+    cr_assert(pd_store_uses_pending(s));
+    cr_assert_eq(hits_of(s, &id), 3);
+
+    /* Pinning rewrites the bookkeeping and keeps the count; close writes the rest. */
+    pd_store_note_use(s, &id);
+    cr_assert_eq(pd_store_pin(s, &id, true, &err), PD_OK, "%s", err.msg);
+    pd_store_note_use(s, &id);
+    pd_store_close(s);
+    s = open_store(0, 0);
+    cr_assert_eq(hits_of(s, &id), 5);
+    pd_prefix_info info;
+    cr_assert_eq(pd_store_info(s, &id, &info, &err), PD_OK);
+    cr_assert(info.pinned);
+    pd_store_close(s);
+}
+
+static void set_curve(pd_prefix_info *info, double a, double b, int n) {
+    info->quality.has_curve = true;
+    info->quality.curve_a = a;
+    info->quality.curve_b = b;
+    info->quality.n_points = n;
+    for (int i = 0; i < n; i++) {
+        info->quality.point_retention[i] = 0.5 / (1 << i);
+        info->quality.point_ratio[i] = 1 + a * (pow(info->quality.point_retention[i], -b) - 1) + 0.01 * i;
+    }
+}
+
+static void assert_curve(const pd_prefix_info *got, const pd_prefix_info *want) {
+    cr_assert(got->quality.has_curve);
+    cr_assert_eq(got->quality.curve_a, want->quality.curve_a);
+    cr_assert_eq(got->quality.curve_b, want->quality.curve_b);
+    cr_assert_eq(got->quality.n_points, want->quality.n_points);
+    for (int i = 0; i < want->quality.n_points; i++) {
+        cr_assert_eq(got->quality.point_retention[i], want->quality.point_retention[i]);
+        cr_assert_eq(got->quality.point_ratio[i], want->quality.point_ratio[i]);
+    }
+}
+
+static int count_visits(void *ctx, const pd_prefix_id *id, const pd_prefix_info *info, const char *why) {
+    (void)id, (void)why;
+    int *n = ctx;
+    n[info ? 0 : 1]++;
+    return 0;
+}
+
+Test(store, a_calibration_curve_is_kept_beside_its_record) {
+    pd_token t[40];
+    for (int i = 0; i < 40; i++) t[i] = 3 * i + 2;
+    uint64_t rng = 11;
+    pd_kv_prefix *kv = random_kv(&rng, 2, 2, 4, 40, 9);
+    pd_store *s = open_store(0, 0);
+    pd_error err = {0};
+
+    pd_prefix_info want = base_info(1, "c", "", PD_KV_F32);
+    set_curve(&want, 0.3, 1.25, 4);
+    pd_prefix_info in = want;
+    pd_prefix_id id = put_ok(s, &in, t, 40, kv);
+    pd_prefix_info got;
+    cr_assert_eq(pd_store_info(s, &id, &got, &err), PD_OK, "%s", err.msg);
+    assert_curve(&got, &want);
+    /* Without one: none. A zero-shot curve: no points. */
+    pd_prefix_info plain = base_info(1, "c", "plain", PD_KV_F32);
+    pd_prefix_id pid = put_ok(s, &plain, t, 40, kv);
+    cr_assert_eq(pd_store_info(s, &pid, &got, &err), PD_OK);
+    cr_assert_not(got.quality.has_curve);
+    pd_prefix_info zero = base_info(1, "c", "zero", PD_KV_F32);
+    set_curve(&zero, 0.2, 0.8, 0);
+    pd_prefix_id zid = put_ok(s, &zero, t, 40, kv);
+    pd_store_close(s);
+
+    s = open_store(0, 0);
+    cr_assert_eq(pd_store_info(s, &id, &got, &err), PD_OK);
+    assert_curve(&got, &want);
+    cr_assert_eq(pd_store_info(s, &zid, &got, &err), PD_OK);
+    assert_curve(&got, &zero);
+    /* A delete takes the curve along: the same id stored again without one has none. */
+    cr_assert_eq(pd_store_delete(s, &id, &err), PD_OK, "%s", err.msg);
+    pd_prefix_info again = base_info(1, "c", "", PD_KV_F32);
+    const pd_prefix_id id2 = put_ok(s, &again, t, 40, kv);
+    cr_assert(memcmp(id2.b, id.b, PD_PREFIX_ID_LEN) == 0);
+    cr_assert_eq(pd_store_info(s, &id, &got, &err), PD_OK);
+    cr_assert_not(got.quality.has_curve, "the deleted record's curve went with it");
+    /* An impossible curve is refused, and nothing is stored. */
+    pd_prefix_info bad = base_info(1, "c", "bad", PD_KV_F32);
+    set_curve(&bad, -1, 1, 2);
+    bool existed;
+    cr_assert_eq(pd_store_put(s, &bad, t, 40, kv, &existed, &err), PD_EINVAL);
+    pd_store_stats st;
+    cr_assert_eq(pd_store_stats_get(s, &st, &err), PD_OK);
+    cr_assert_eq(st.prefixes, 3);
+    pd_store_close(s);
+
+    /* A damaged curve makes its record corrupt: reads refuse it, verify reports it. */
+    cr_assert_geq(flip_in_data_file(store_dir(), "PDKVCAL1", 8, 7), 1);
+    s = open_store(0, 0);
+    cr_assert_eq(pd_store_info(s, &zid, &got, &err), PD_EFORMAT);
+    cr_assert(strstr(err.msg, "calibration"), "%s", err.msg);
+    int visits[2] = {0, 0};
+    cr_assert_eq(pd_store_list(s, count_visits, visits, &err), PD_OK);
+    cr_assert_eq(visits[0], 2);
+    cr_assert_eq(visits[1], 1, "the damaged one is listed as corrupt");
+    pd_store_verify_report rep;
+    cr_assert_eq(pd_store_verify(s, true, NULL, NULL, &rep, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(rep.corrupt, 1);
+    cr_assert_eq(pd_store_info(s, &zid, &got, &err), PD_ENOTFOUND, "repaired by deleting it");
+    cr_assert_eq(pd_store_info(s, &pid, &got, &err), PD_OK);
+    pd_store_close(s);
+    pd_kv_prefix_free(kv);
+}
