@@ -379,6 +379,11 @@ class ConsoleTest:
             raise Failed(f"the registration job failed: #job-error says {self.b.text('#job-error')!r}")
         check(all(a <= b + 1e-9 for a, b in zip(seen, seen[1:])), f"#job-progress went back: {seen}")
         check(seen and abs(seen[-1] - 1.0) < 1e-6, f"#job-progress did not end at 1 when done: {seen}")
+        # These jobs take well under a second on stories260K and the page
+        # polls every 250-500 ms, so the page may show no step in between;
+        # it must show the job unfinished before it shows it done.
+        check(seen[0] < 1.0 and states[0] in ("queued", "running"),
+              f"#job-status showed the job done without showing it queued/running first: states {states}, progress {seen}")
         step(f"job states {states}, progress {[round(v, 3) for v in seen]}")
         href = self.b.wait_for("document.querySelector('a#job-prefix-link')?.getAttribute('href')",
                                what="a#job-prefix-link when the job is done")
@@ -571,13 +576,11 @@ class ConsoleTest:
     def run(self):
         self.static_files()
         self.login()
-        a_id, a_progress = self.register(text=STORY_A, policy="knorm", retention=0.5)
+        a_id, _ = self.register(text=STORY_A, policy="knorm", retention=0.5)
         a = self.prefixes_row(a_id)
         check(abs(a["quality"]["retention"] - 0.5) < 1e-6, f"prefix A's retention is {a['quality']['retention']}, not 0.5")
         self.detail(a_id, expect_chart=False)
-        b_id, b_progress = self.register(text=STORY_B, quality=1.5, screenshot="register")
-        check(len(set(a_progress + b_progress)) >= 3,
-              f"#job-progress never showed the job between start and end: {a_progress} then {b_progress}")
+        b_id, _ = self.register(text=STORY_B, quality=1.5, screenshot="register")
         self.b.click("a#job-prefix-link")
         self.page_ready("prefix")
         self.prefixes_row(b_id)
