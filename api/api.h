@@ -468,6 +468,17 @@ int64_t pd_server_wait_idle(pd_server *s, double seconds);
 /* Close every connection (releasing their scheduler requests) and free. */
 void pd_server_stop(pd_server *s);
 
+/* The operator console's static files (api/console/, embedded at build time
+ * by api/console/embed.py), served under /admin/ui/. */
+typedef struct pd_api_asset {
+    const char *path;         /* the file's name: "index.html", "app.js" */
+    const char *content_type;
+    const unsigned char *data;
+    size_t len;
+} pd_api_asset;
+/* The asset named path, or NULL. */
+const pd_api_asset *pd_api_console_asset(const char *path);
+
 /* ------------------------------------------------------------------------
  * Admin API (api/admin.c): prefix registration, jobs, the stored prefixes.
  * The server authenticates (Authorization: Bearer admin.token) and routes

@@ -828,10 +828,44 @@ static enum MHD_Result answer_preflight(struct MHD_Connection *c) {
     return ret;
 }
 
+/* The Prometheus text of the registry (GET /metrics and GET
+ * /admin/v1/metrics), the store and hot-tier gauges refreshed first. */
+static enum MHD_Result answer_metrics(pd_server *s, struct MHD_Connection *c) {
+    pd_server_backend b;
+    const bool ready = get_backend(s, &b);
+    pd_error err = {0};
+    if (ready && b.store) {
+        pd_store_stats st;
+        if (pd_store_stats_get(b.store, &st, &err) == PD_OK) {
+            pd_gauge_set(s->store_bytes, (double)st.bytes);
+            pd_gauge_set(s->store_prefixes, (double)st.prefixes);
+        }
+    }
+    if (ready && b.hot) {
+        pd_hot_stats hs;
+        pd_hot_stats_get(b.hot, &hs);
+        pd_gauge_set(s->hot_bytes, (double)hs.bytes);
+    }
+    char *text = NULL;
+    size_t len = 0;
+    if (pd_metrics_render(s->metrics, &text, &len, &err)) return MHD_NO;
+    return send_body(c, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", text, len);
+}
+
+/* The model list (GET /v1/models and GET /admin/v1/models). */
+static enum MHD_Result answer_models(pd_server *s, struct MHD_Connection *c) {
+    pd_server_backend b;
+    if (!get_backend(s, &b)) return send_errorf(s, c, 503, PD_API_ERR_OVERLOADED, "loading", "the model is still loading");
+    char *body = NULL;
+    size_t len = 0;
+    pd_error err = {0};
+    if (pd_api_models_json(b.model_id, b.created, &body, &len, &err)) return MHD_NO;
+    return send_json(c, MHD_HTTP_OK, body, len);
+}
+
 static enum MHD_Result handle_get(pd_server *s, struct MHD_Connection *c, const char *url) {
     pd_server_backend b;
     bool ready = get_backend(s, &b);
-    pd_error err = {0};
     if (strcmp(url, "/health") == 0) {
         pthread_rwlock_rdlock(&s->lock);
         bool draining = s->draining;
@@ -847,36 +881,94 @@ static enum MHD_Result handle_get(pd_server *s, struct MHD_Connection *c, const 
         if (s->opts.metrics_auth && !authorized(s, c))
             return send_errorf(s, c, 401, PD_API_ERR_AUTH, "invalid_api_key",
                                "missing or wrong API key (send Authorization: Bearer KEY; server.metrics_auth is on)");
-        if (ready && b.store) {
-            pd_store_stats st;
-            if (pd_store_stats_get(b.store, &st, &err) == PD_OK) {
-                pd_gauge_set(s->store_bytes, (double)st.bytes);
-                pd_gauge_set(s->store_prefixes, (double)st.prefixes);
-            }
-        }
-        if (ready && b.hot) {
-            pd_hot_stats hs;
-            pd_hot_stats_get(b.hot, &hs);
-            pd_gauge_set(s->hot_bytes, (double)hs.bytes);
-        }
-        char *text = NULL;
-        size_t len = 0;
-        if (pd_metrics_render(s->metrics, &text, &len, &err)) return MHD_NO;
-        return send_body(c, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", text, len);
+        return answer_metrics(s, c);
     }
     if (strcmp(url, "/v1/models") == 0) {
         if (!authorized(s, c))
             return send_errorf(s, c, 401, PD_API_ERR_AUTH, "invalid_api_key", "missing or wrong API key "
                                "(send Authorization: Bearer KEY)");
-        if (!ready)
-            return send_errorf(s, c, 503, PD_API_ERR_OVERLOADED, "loading", "the model is still loading");
-        char *body = NULL;
-        size_t len = 0;
-        if (pd_api_models_json(b.model_id, b.created, &body, &len, &err)) return MHD_NO;
-        return send_json(c, MHD_HTTP_OK, body, len);
+        return answer_models(s, c);
     }
     if (strncmp(url, MODEL_ROUTE, strlen(MODEL_ROUTE)) == 0) return answer_model(s, c, url + strlen(MODEL_ROUTE));
     return send_errorf(s, c, 404, PD_API_ERR_NOT_FOUND, NULL, "no such route");
+}
+
+/* ---- the operator console and the admin listener's own routes --------------- */
+
+/* The console's static files (api/console/, embedded): public, since they
+ * hold no data; every data call of the page sends the admin token. The
+ * page loads nothing from elsewhere and runs no inline code, so the policy
+ * allows only this origin. */
+#define CONSOLE_ROUTE "/admin/ui"
+#define CONSOLE_CSP                                                                                          \
+    "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; connect-src 'self'; " \
+    "frame-ancestors 'none'"
+
+static enum MHD_Result answer_console(pd_server *s, struct MHD_Connection *c, const char *url, const char *method) {
+    if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
+        return send_errorf(s, c, 405, PD_API_ERR_INVALID, NULL, "the console's files answer GET only");
+    struct MHD_Response *resp;
+    unsigned status;
+    if (strcmp(url, CONSOLE_ROUTE) == 0) { /* relative links in the page need the slash */
+        resp = MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT);
+        if (!resp) return MHD_NO;
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_LOCATION, CONSOLE_ROUTE "/");
+        status = MHD_HTTP_PERMANENT_REDIRECT;
+    } else {
+        const char *name = url + strlen(CONSOLE_ROUTE "/");
+        const pd_api_asset *a = pd_api_console_asset(*name ? name : "index.html");
+        if (!a) return send_errorf(s, c, 404, PD_API_ERR_NOT_FOUND, NULL, "no such file of the console");
+        resp = MHD_create_response_from_buffer(a->len, (void *)a->data, MHD_RESPMEM_PERSISTENT);
+        if (!resp) return MHD_NO;
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, a->content_type);
+        status = MHD_HTTP_OK;
+    }
+    MHD_add_response_header(resp, "Content-Security-Policy", CONSOLE_CSP);
+    MHD_add_response_header(resp, "X-Content-Type-Options", "nosniff");
+    MHD_add_response_header(resp, "Referrer-Policy", "no-referrer");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    enum MHD_Result ret = queue_response(c, status, resp);
+    MHD_destroy_response(resp);
+    return ret;
+}
+
+static enum MHD_Result send_admin_unauthorized(pd_server *s, struct MHD_Connection *c) {
+    return send_errorf(s, c, 401, PD_API_ERR_AUTH, "invalid_admin_token",
+                       "missing or wrong admin token (send Authorization: Bearer ADMIN_TOKEN, admin.token)");
+}
+
+/* The admin routes served here rather than by api/admin.c: the console,
+ * the metrics, the model list and the playground's completions (the public endpoints
+ * reached with the admin token, so that the console works from the admin
+ * listener alone, without CORS). *handled is false for every other URL. */
+static enum MHD_Result route_admin_local(pd_server *s, struct MHD_Connection *c, http_req *r, const char *url,
+                                         const char *method, bool *handled) {
+    *handled = true;
+    if (strcmp(url, CONSOLE_ROUTE) == 0 || strncmp(url, CONSOLE_ROUTE "/", strlen(CONSOLE_ROUTE "/")) == 0)
+        return answer_console(s, c, url, method);
+    const bool metrics = strcmp(url, "/admin/v1/metrics") == 0, models = strcmp(url, "/admin/v1/models") == 0;
+    const bool chat = strcmp(url, "/admin/v1/chat/completions") == 0;
+    const bool completion = strcmp(url, "/admin/v1/completions") == 0;
+    if (!metrics && !models && !chat && !completion) {
+        *handled = false;
+        return MHD_YES;
+    }
+    if (!admin_authorized(s, c)) return send_admin_unauthorized(s, c);
+    if (models) {
+        if (strcmp(method, MHD_HTTP_METHOD_GET) != 0)
+            return send_errorf(s, c, 405, PD_API_ERR_INVALID, NULL, "use GET");
+        return answer_models(s, c);
+    }
+    if (metrics) {
+        if (strcmp(method, MHD_HTTP_METHOD_GET) != 0)
+            return send_errorf(s, c, 405, PD_API_ERR_INVALID, NULL, "use GET");
+        if (!s->metrics)
+            return send_errorf(s, c, 404, PD_API_ERR_NOT_FOUND, NULL, "this server keeps no metrics");
+        return answer_metrics(s, c);
+    }
+    if (strcmp(method, MHD_HTTP_METHOD_POST) != 0) return send_errorf(s, c, 405, PD_API_ERR_INVALID, NULL, "use POST");
+    const char *ns = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "namespace");
+    return handle_generate(s, c, r, chat ? PD_API_CHAT : PD_API_COMPLETION, ns ? ns : "");
 }
 
 /* An admin call on its own thread: a registration may wait for its job
@@ -932,9 +1024,7 @@ static enum MHD_Result answer_admin(pd_server *s, struct MHD_Connection *c, http
  * the server (cmd/prefixd/main.c frees them after it). */
 static enum MHD_Result handle_admin(pd_server *s, struct MHD_Connection *c, http_req *r, const char *url,
                                     const char *method) {
-    if (!admin_authorized(s, c))
-        return send_errorf(s, c, 401, PD_API_ERR_AUTH, "invalid_admin_token",
-                           "missing or wrong admin token (send Authorization: Bearer ADMIN_TOKEN, admin.token)");
+    if (!admin_authorized(s, c)) return send_admin_unauthorized(s, c);
     pd_server_backend b;
     if (!get_backend(s, &b)) return send_not_ready(s, c, server_stopping(s));
     r->admin_ctx = (pd_admin_ctx){.b = b, .limits = s->opts.limits,
@@ -1006,14 +1096,23 @@ static void new_request_id(char *out, size_t cap) {
  * the metrics' label values stay bounded whatever clients send. */
 static const char *route_of(const char *url, bool admin_listener) {
     static const char *const exact[] = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
-                                        "/detokenize", "/health", "/metrics", "/admin/v1/prefixes"};
+                                        "/detokenize", "/health", "/metrics", "/admin/v1/prefixes",
+                                        "/admin/v1/policies", "/admin/v1/metrics", "/admin/v1/models", "/admin/v1/completions",
+                                        "/admin/v1/chat/completions", "/admin/ui"};
     for (size_t i = 0; i < sizeof exact / sizeof exact[0]; i++)
         if (strcmp(url, exact[i]) == 0) return exact[i];
     static const struct {
         const char *prefix, *route;
     } templated[] = {{"/v1/models/", "/v1/models/{id}"},
                      {"/admin/v1/prefixes/", "/admin/v1/prefixes/{id}"},
-                     {"/admin/v1/jobs/", "/admin/v1/jobs/{id}"}};
+                     {"/admin/v1/jobs/", "/admin/v1/jobs/{id}"},
+                     {"/admin/ui/", "/admin/ui/{file}"}};
+    /* a prefix's kept rows: the one route below a prefix */
+    static const char prefix_route[] = "/admin/v1/prefixes/", kept[] = "/kept";
+    const size_t n = strlen(url);
+    if (strncmp(url, prefix_route, strlen(prefix_route)) == 0 && n > strlen(prefix_route) + strlen(kept) &&
+        strcmp(url + n - strlen(kept), kept) == 0)
+        return "/admin/v1/prefixes/{id}/kept";
     for (size_t i = 0; i < sizeof templated / sizeof templated[0]; i++)
         if (strncmp(url, templated[i].prefix, strlen(templated[i].prefix)) == 0) return templated[i].route;
     return admin_listener || strncmp(url, PD_ADMIN_PREFIX, strlen(PD_ADMIN_PREFIX)) == 0 ? "/admin/other" : "other";
@@ -1189,7 +1288,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
                      strcmp(url, "/admin") == 0;
     bool admin_here = s->admin_token[0] && (li->admin || !s->admin_mhd);
     if (!li->admin && strcmp(method, MHD_HTTP_METHOD_OPTIONS) == 0 && cors_origins(c)) return answer_preflight(c);
-    if (admin_url && admin_here) return handle_admin(s, c, r, url, method);
+    if (admin_url && admin_here) {
+        bool handled;
+        const enum MHD_Result ret = route_admin_local(s, c, r, url, method, &handled);
+        return handled ? ret : handle_admin(s, c, r, url, method);
+    }
     if (li->admin || admin_url) return send_errorf(s, c, 404, PD_API_ERR_NOT_FOUND, NULL, "no such route");
     if (strcmp(method, "GET") == 0) return handle_get(s, c, url);
     if (strcmp(method, "POST") != 0)
