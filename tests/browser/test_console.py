@@ -255,7 +255,19 @@ class ConsoleTest:
     def admin(self, method, path, body=None):
         return http(method, self.d.admin_port, path, body, token=TOKEN)
 
-    def shot(self, name):
+    def shot(self, name, show=None):
+        """A screenshot of the page scrolled to the top, or to `show`'s
+        element at the bottom of the view. The page must fit the 1280 px
+        width: a horizontal scroll bar is a layout bug an operator sees."""
+        overflow = self.b.evaluate("(() => { const d = document.documentElement;"
+                                   " return d.scrollWidth > d.clientWidth ? d.scrollWidth : 0; })()")
+        check(not overflow, f"the {name} page is {overflow} px wide: wider than the {self.b.width} px window "
+                            f"(a horizontal scroll bar)")
+        if show:
+            self.b.call("s => document.querySelector(s).scrollIntoView({block: 'end'})", show)
+        else:
+            self.b.evaluate("window.scrollTo(0, 0)")
+        self.b.pump(0.1)
         path = self.b.screenshot(os.path.join(self.shots, f"{name}.png"))
         step(f"screenshot {path}")
 
@@ -390,7 +402,7 @@ class ConsoleTest:
         m = re.fullmatch(r"#/prefix/([0-9a-f]{64})", href)
         check(m, f"a#job-prefix-link href is {href!r}, not #/prefix/<64 hex>")
         if screenshot:
-            self.shot(screenshot)
+            self.shot(screenshot, show="#job-status")
         self.no_errors(f"registering with {policy}")
         return m.group(1), seen
 
