@@ -68,6 +68,7 @@ except ImportError:
     except ImportError:
         missing_dependency("python3-websocket (websocket-client) is not importable")
 
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, HERE)
 import cdp  # noqa: E402
 
