@@ -593,8 +593,8 @@ static json_t *spans_json(const char *key, const pd_kv_prefix *kv, json_t **keep
     const char *bar = strchr(key, '|');
     pd_layout lay = {0};
     if (!spans || !*keep || (bar && pd_layout_parse(bar + 1, &lay, err))) goto fail;
-    int32_t n_layer, n_head;
-    pd_kv_prefix_shape(kv, &n_layer, &n_head, NULL);
+    int32_t n_layer, n_head, head_dim;
+    pd_kv_prefix_shape(kv, &n_layer, &n_head, &head_dim);
     for (int i = 0; i < lay.n_whitelist; i++)
         if (json_array_append_new(*keep, json_pack("[I,I]", (json_int_t)lay.whitelist[i].start,
                                                    (json_int_t)lay.whitelist[i].end)))

@@ -145,6 +145,9 @@ struct pd_store {
     pthread_mutex_t mu;      /* guards everything below */
     cache_access *pending;   /* accesses not yet written to meta/lru */
     size_t n_pending, cap_pending;
+    cache_access *flushing;  /* accesses the write transaction flushing_txn writes */
+    size_t n_flushing;
+    size_t flushing_txn;
     uint64_t last_stamp;     /* keeps access stamps strictly increasing */
     int64_t evicted;
 };

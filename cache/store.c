@@ -153,22 +153,34 @@ static size_t record_access(pd_store *s, const pd_prefix_id *id, uint32_t hits) 
     return n;
 }
 
-/* The access of id not yet written (zero when none). */
-static cache_access pending_access(pd_store *s, const pd_prefix_id *id) {
+/* The uses of id that a reader of txn's snapshot does not see in meta: the
+ * pending ones, and those being written by a write transaction newer than
+ * the snapshot (so a count never dips while they are written). */
+static cache_access pending_access(pd_store *s, MDB_txn *txn, const pd_prefix_id *id) {
     cache_access a = {.id = *id};
     pthread_mutex_lock(&s->mu);
     for (size_t i = 0; i < s->n_pending; i++)
         if (memcmp(s->pending[i].id.b, id->b, PD_PREFIX_ID_LEN) == 0) a = s->pending[i];
+    if (mdb_txn_id(txn) < s->flushing_txn)
+        for (size_t i = 0; i < s->n_flushing; i++)
+            if (memcmp(s->flushing[i].id.b, id->b, PD_PREFIX_ID_LEN) == 0) {
+                if (s->flushing[i].stamp > a.stamp) a.stamp = s->flushing[i].stamp;
+                a.hits = a.hits > UINT32_MAX - s->flushing[i].hits ? UINT32_MAX : a.hits + s->flushing[i].hits;
+            }
     pthread_mutex_unlock(&s->mu);
     return a;
 }
 
 /* Move the in-memory accesses into meta and lru inside txn. If txn is later
- * aborted they are lost, which only makes the LRU order approximate. */
+ * aborted they are lost, which only makes the LRU order and the hit counts
+ * approximate. They stay readable (pending_access) until the next write
+ * begins: by then this one has committed or is gone. */
 static int flush_accesses(pd_store *s, MDB_txn *txn, pd_error *err) {
     pthread_mutex_lock(&s->mu);
-    cache_access *acc = s->pending;
-    size_t n = s->n_pending;
+    free(s->flushing);
+    cache_access *acc = s->flushing = s->pending;
+    size_t n = s->n_flushing = s->n_pending;
+    s->flushing_txn = mdb_txn_id(txn);
     s->pending = NULL;
     s->n_pending = s->cap_pending = 0;
     pthread_mutex_unlock(&s->mu);
@@ -192,7 +204,6 @@ static int flush_accesses(pd_store *s, MDB_txn *txn, pd_error *err) {
         m.hits = m.hits > UINT32_MAX - acc[i].hits ? UINT32_MAX : m.hits + acc[i].hits;
         rc = cache_meta_put(s, txn, &acc[i].id, &m, err);
     }
-    free(acc);
     return rc;
 }
 
@@ -506,6 +517,7 @@ void pd_store_close(pd_store *s) {
     mdb_env_close(s->env);
     pthread_mutex_destroy(&s->mu);
     free(s->pending);
+    free(s->flushing);
     free(s->dir);
     free(s);
 }
@@ -707,7 +719,7 @@ static int info_from_record(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, c
         info->last_used = h->created_at;
         info->hits = 0;
     }
-    const cache_access p = pending_access(s, id);
+    const cache_access p = pending_access(s, txn, id);
     if (p.stamp / 1000000u > (uint64_t)info->last_used) info->last_used = (int64_t)(p.stamp / 1000000u);
     info->hits += p.hits;
     return PD_OK;

@@ -870,3 +870,212 @@ Test(admin, a_waiting_registration_is_answered_202_at_shutdown) {
     free(text);
     free(body);
 }
+
+/* ---- what the operator console reads ------------------------------------------------------ */
+
+static json_t *get_json(const char *path, int want) {
+    char *out = NULL;
+    cr_assert_eq(req("GET", path, NULL, TOKEN, &out), want, "GET %s: %s", path, out);
+    json_t *j = th_json_parse(out);
+    free(out);
+    return j;
+}
+
+static json_int_t prefix_hits(const char *id) {
+    char path[200];
+    snprintf(path, sizeof path, "/admin/v1/prefixes/%s", id);
+    json_t *j = get_json(path, 200);
+    json_int_t h = th_json_int(j, "hits", NULL);
+    json_decref(j);
+    return h;
+}
+
+Test(admin, hits_kept_rows_pinning_and_the_policy_list) {
+    start_daemon("--set admin.token=" TOKEN " --set compression.policy=knorm:retention=0.25");
+    json_t *job = register_story(NULL);
+    char id[80], path[200];
+    snprintf(id, sizeof id, "%s", json_string_value(json_object_get(json_object_get(job, "prefix"), "id")));
+    cr_assert_eq(th_json_int(json_object_get(job, "prefix"), "hits", NULL), 0);
+    cr_assert(json_is_null(json_object_get(json_object_get(job, "prefix"), "calibration")), "no calibration asked");
+    json_int_t kept_rows = th_json_int(json_object_get(job, "prefix"), "kept_rows", NULL);
+    json_decref(job);
+    cr_assert_eq(prefix_hits(id), 0);
+    json_int_t n = story_tokens();
+    cr_assert_eq(prefix_hits(id), 0, "a request that does not use it is no hit");
+    cr_assert_eq(story_cached(), n);
+    cr_assert_eq(story_cached(), n);
+    cr_assert_eq(prefix_hits(id), 2, "each request served from it is a hit");
+
+    /* Kept rows per (layer, kv head): stories260K has 5 layers x 4 kv heads. */
+    snprintf(path, sizeof path, "/admin/v1/prefixes/%s/kept", id);
+    json_t *k = get_json(path, 200);
+    cr_assert_str_eq(json_string_value(json_object_get(k, "object")), "prefix.kept");
+    cr_assert_eq(th_json_int(k, "n_layer", NULL), 5);
+    cr_assert_eq(th_json_int(k, "n_head_kv", NULL), 4);
+    cr_assert_eq(th_json_int(k, "tokens", NULL), n);
+    json_t *kept = json_object_get(k, "kept");
+    cr_assert_eq(json_array_size(kept), 5);
+    json_int_t sum = 0;
+    for (size_t l = 0; l < 5; l++) {
+        cr_assert_eq(json_array_size(json_array_get(kept, l)), 4);
+        for (size_t h = 0; h < 4; h++) {
+            json_int_t c = json_integer_value(json_array_get(json_array_get(kept, l), h));
+            cr_assert(c > 0 && c < n, "knorm at 0.5 keeps part of every head: %lld", (long long)c);
+            sum += c;
+        }
+    }
+    cr_assert_eq(sum, kept_rows, "the cells add up to kept_rows");
+    cr_assert_eq(json_array_size(json_object_get(k, "spans")), 0, "no layout, no spans");
+    json_decref(k);
+    cr_assert_eq(prefix_hits(id), 2, "looking at it is no use");
+
+    /* Pinning: PATCH {"pinned"} only. */
+    char *out = NULL;
+    snprintf(path, sizeof path, "/admin/v1/prefixes/%s", id);
+    cr_assert_eq(req("PATCH", path, "{\"pinned\":true}", TOKEN, &out), 200, "%s", out);
+    json_t *p = th_json_parse(out);
+    free(out);
+    cr_assert(json_is_true(json_object_get(p, "pinned")));
+    cr_assert_eq(th_json_int(p, "hits", NULL), 2, "pinning keeps the count");
+    json_decref(p);
+    cr_assert_eq(req("PATCH", path, "{\"pinned\":1}", TOKEN, &out), 400, "%s", out);
+    cr_assert(strstr(out, "true or false"), "%s", out);
+    free(out);
+    cr_assert_eq(req("PATCH", path, "{\"namespace\":\"x\"}", TOKEN, &out), 400, "%s", out);
+    cr_assert(strstr(out, "\"param\":\"namespace\"") || strstr(out, "\"param\": \"namespace\""), "%s", out);
+    free(out);
+    cr_assert_eq(req("PATCH", path, "[]", TOKEN, &out), 400, "%s", out);
+    free(out);
+    cr_assert_eq(req("PATCH", "/admin/v1/prefixes/00000000000000000000000000000000000000000000000000000000000000ff",
+                     "{\"pinned\":false}", TOKEN, &out), 404, "%s", out);
+    free(out);
+    cr_assert_eq(req("PUT", path, "{}", TOKEN, &out), 405, "%s", out);
+    free(out);
+    snprintf(path, sizeof path, "/admin/v1/prefixes/%s/other", id);
+    cr_assert_eq(req("GET", path, NULL, TOKEN, &out), 404, "%s", out);
+    free(out);
+    cr_assert_eq(req("GET", "/admin/v1/prefixes/abc/kept", NULL, TOKEN, &out), 404, "%s", out);
+    free(out);
+
+    /* Every policy with its keys' defaults; the default is the configured one, canonical. */
+    json_t *pl = get_json("/admin/v1/policies", 200);
+    json_t *data = json_object_get(pl, "data");
+    cr_assert_eq(json_array_size(data), PD_POLICY_COUNT);
+    pd_policy_spec want;
+    pd_error err = {0};
+    cr_assert_eq(pd_policy_spec_parse("knorm:retention=0.25", &want, &err), PD_OK);
+    char canon[PD_POLICY_SPEC_MAX];
+    pd_policy_spec_print(&want, canon, sizeof canon);
+    cr_assert_str_eq(json_string_value(json_object_get(pl, "default")), canon);
+    bool saw_compactor = false;
+    for (size_t i = 0; i < json_array_size(data); i++) {
+        json_t *e = json_array_get(data, i);
+        const char *name = json_string_value(json_object_get(e, "name"));
+        pd_policy_spec d;
+        cr_assert_eq(pd_policy_spec_parse(json_string_value(json_object_get(e, "spec")), &d, &err), PD_OK,
+                     "%s: %s", name, err.msg);
+        cr_assert(strlen(json_string_value(json_object_get(e, "summary"))) > 10);
+        /* The keys are exactly the canonical spec's, so name=default pairs rebuild it. */
+        char rebuilt[PD_POLICY_SPEC_MAX];
+        int w = snprintf(rebuilt, sizeof rebuilt, "%s", name);
+        json_t *keys = json_object_get(e, "keys");
+        for (size_t j = 0; j < json_array_size(keys); j++)
+            w += snprintf(rebuilt + w, sizeof rebuilt - (size_t)w, "%c%s=%s", j ? ',' : ':',
+                          json_string_value(json_object_get(json_array_get(keys, j), "name")),
+                          json_string_value(json_object_get(json_array_get(keys, j), "default")));
+        cr_assert_str_eq(rebuilt, json_string_value(json_object_get(e, "spec")));
+        if (strcmp(name, "compactor") == 0) {
+            saw_compactor = true;
+            cr_assert(strstr(rebuilt, "retention="), "%s", rebuilt);
+        }
+    }
+    cr_assert(saw_compactor);
+    json_decref(pl);
+
+    /* Hits are written when the engine is idle: they survive a restart. */
+    kill(daemon_pid, SIGTERM);
+    int st;
+    cr_assert_eq(waitpid(daemon_pid, &st, 0), daemon_pid);
+    daemon_pid = 0;
+    start_daemon("--set admin.token=" TOKEN);
+    cr_assert_eq(prefix_hits(id), 2);
+}
+
+Test(admin, spans_report_their_keep_rates_and_calibration_its_curve) {
+    start_daemon("--set admin.token=" TOKEN);
+    const char *cut = strstr(story, " there");
+    char body[2048], *out = NULL, path[200];
+    snprintf(body, sizeof body, "{\"segments\":[{\"name\":\"intro\",\"text\":\"%.*s\",\"keep\":true},"
+             "{\"name\":\"rest\",\"text\":\"%s\"}],\"policy\":\"knorm\",\"retention\":0.5,\"wait\":true}",
+             (int)(cut - story), story, cut);
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 201, "%s", out);
+    json_t *j = th_json_parse(out);
+    free(out);
+    json_t *p = json_object_get(j, "prefix");
+    snprintf(path, sizeof path, "/admin/v1/prefixes/%s/kept", json_string_value(json_object_get(p, "id")));
+    json_int_t kept_rows = th_json_int(p, "kept_rows", NULL);
+    json_decref(j);
+    json_t *k = get_json(path, 200);
+    json_t *spans = json_object_get(k, "spans");
+    cr_assert_eq(json_array_size(spans), 2);
+    json_t *intro = json_array_get(spans, 0), *rest = json_array_get(spans, 1);
+    cr_assert_str_eq(json_string_value(json_object_get(intro, "name")), "intro");
+    cr_assert(json_is_true(json_object_get(intro, "whitelisted")));
+    cr_assert_float_eq(json_real_value(json_object_get(intro, "kept_fraction")), 1.0, 1e-12,
+                       "a kept span keeps every row");
+    cr_assert_eq(th_json_int(intro, "rows", NULL),
+                 (th_json_int(intro, "end", NULL) - th_json_int(intro, "start", NULL)) * 5 * 4);
+    cr_assert_eq(th_json_int(rest, "start", NULL), th_json_int(intro, "end", NULL));
+    double rf = json_real_value(json_object_get(rest, "kept_fraction"));
+    cr_assert(rf > 0 && rf < 0.6, "the rest pays for the kept intro: %.3f", rf);
+    cr_assert_eq(th_json_int(intro, "kept_rows", NULL) + th_json_int(rest, "kept_rows", NULL), kept_rows,
+                 "spans cover the prefix");
+    json_decref(k);
+
+    /* A quality budget: the curve calibration fitted, with its measured points. */
+    /* (twice the story: calibration holds out a probe of at least 16 tokens) */
+    snprintf(body, sizeof body, "{\"text\":\"%s %s\",\"policy\":\"knorm\",\"quality\":1.5,\"wait\":true}", story,
+             story);
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 201, "%s", out);
+    j = th_json_parse(out);
+    free(out);
+    p = json_object_get(j, "prefix");
+    json_t *c = json_object_get(p, "calibration");
+    cr_assert(json_is_object(c), "calibrated prefixes keep their curve");
+    cr_assert(json_real_value(json_object_get(c, "a")) > 0 && json_real_value(json_object_get(c, "b")) > 0);
+    json_t *pts = json_object_get(c, "points");
+    cr_assert_geq(json_array_size(pts), 4, "the default four retentions at least");
+    for (size_t i = 0; i < json_array_size(pts); i++) {
+        double r = json_real_value(json_object_get(json_array_get(pts, i), "retention"));
+        double x = json_real_value(json_object_get(json_array_get(pts, i), "nll_ratio"));
+        cr_assert(r > 0 && r <= 1 && x > 0, "point %zu: %g %g", i, r, x);
+    }
+    json_t *q = json_object_get(p, "quality");
+    cr_assert_float_eq(json_real_value(json_object_get(c, "chosen")), json_real_value(json_object_get(q, "retention")),
+                       1e-12);
+    cr_assert_float_eq(json_real_value(json_object_get(c, "tau")), 1.5, 1e-12);
+    cr_assert(json_real_value(json_object_get(c, "measured")) <= 1.5);
+    snprintf(path, sizeof path, "/admin/v1/prefixes/%s", json_string_value(json_object_get(p, "id")));
+    json_t *again = get_json(path, 200);
+    cr_assert(json_equal(json_object_get(again, "calibration"), c), "the curve reads back as it was stored");
+    json_decref(again);
+    json_decref(j);
+
+    /* A zero-shot curve is stored as given, without points. */
+    pd_policy_spec spec;
+    pd_error err = {0};
+    cr_assert_eq(pd_policy_spec_parse("knorm", &spec, &err), PD_OK);
+    char cp[PD_POLICY_SPEC_MAX];
+    pd_curve_policy_print(&spec, cp, sizeof cp);
+    snprintf(body, sizeof body, "{\"text\":\"%s\",\"policy\":\"knorm\",\"quality\":1.2,\"namespace\":\"zs\","
+             "\"curve\":{\"a\":0.25,\"b\":1.5,\"policy\":\"%s\"},\"wait\":true}", story, cp);
+    cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 201, "%s", out);
+    j = th_json_parse(out);
+    free(out);
+    c = json_object_get(json_object_get(j, "prefix"), "calibration");
+    cr_assert_float_eq(json_real_value(json_object_get(c, "a")), 0.25, 1e-12);
+    cr_assert_float_eq(json_real_value(json_object_get(c, "b")), 1.5, 1e-12);
+    cr_assert_eq(json_array_size(json_object_get(c, "points")), 0);
+    cr_assert(json_is_null(json_object_get(c, "measured")), "nothing was measured");
+    json_decref(j);
+}
