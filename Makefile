@@ -48,9 +48,11 @@ test-asan: deps $(ASAN_BUILD)/build.ninja
 # Chromium against the real daemon) saves one of each page. CI=true: fail,
 # not skip, when chromium or python3-websocket is missing. optipng shrinks
 # them when it is installed (not a dependency).
-screenshots: build
+# Only prefixd is built: `meson test --no-rebuild` skips the other targets.
+screenshots: deps $(BUILD)/build.ninja
+	meson compile -C $(BUILD) prefixd
 	rm -f docs/console/failure.png
-	CI=true PREFIXD_SCREENSHOTS=$(CURDIR)/docs/console meson test -C $(BUILD) --suite browser --print-errorlogs
+	CI=true PREFIXD_SCREENSHOTS=$(CURDIR)/docs/console meson test -C $(BUILD) --no-rebuild --suite browser --print-errorlogs
 	@if command -v optipng >/dev/null 2>&1; then optipng -quiet -o2 docs/console/*.png; fi
 	@ls -l docs/console/*.png
 
