@@ -19,9 +19,10 @@ export function heatStrip(kept) {
   const heads = kept.n_head_kv;
   const left = 44;
   const top = 8;
-  const width = 900;
-  const cell = Math.max(4, Math.min(36, Math.floor((width - left - 10) / Math.max(1, layers))));
-  const rowHeight = Math.max(8, Math.min(22, Math.floor(200 / Math.max(1, heads))));
+  const maxWidth = 1140;
+  const cell = Math.max(4, Math.min(120, Math.floor((maxWidth - left - 10) / Math.max(1, layers))));
+  const rowHeight = Math.max(8, Math.min(26, Math.floor(220 / Math.max(1, heads))));
+  const width = Math.max(left + layers * cell + 10, left + 230);
   const gridHeight = rowHeight * heads;
   const legendTop = top + gridHeight + 34;
   const height = legendTop + 30;
@@ -29,16 +30,24 @@ export function heatStrip(kept) {
     id: 'heat-strip', class: 'chart heat', viewBox: `0 0 ${width} ${height}`, width, height,
     role: 'img', 'aria-label': `Kept fraction for ${layers} layers by ${heads} kv heads`,
   });
+  const labelled = cell >= 40 && rowHeight >= 16; // room for the percentage in each cell
   for (let l = 0; l < layers; l++) {
     for (let h = 0; h < heads; h++) {
-      const fraction = kept.tokens ? (kept.kept[l]?.[h] ?? 0) / kept.tokens : 0;
+      const count = kept.kept[l]?.[h] ?? 0;
+      const fraction = kept.tokens ? count / kept.tokens : 0;
       chart.append(svg('rect', {
         x: left + l * cell, y: top + h * rowHeight, width: cell - 1, height: rowHeight - 1,
         fill: heatColor(fraction), 'data-layer': l, 'data-head': h, 'data-fraction': fraction.toFixed(4),
-      }, svg('title', {}, `layer ${l}, kv head ${h}: ${(fraction * 100).toFixed(1)}% kept (${kept.kept[l]?.[h] ?? 0} of ${kept.tokens})`)));
+      }, svg('title', {}, `layer ${l}, kv head ${h}: ${(fraction * 100).toFixed(1)}% kept (${count} of ${kept.tokens})`)));
+      if (labelled) {
+        chart.append(svg('text', {
+          x: left + l * cell + cell / 2, y: top + h * rowHeight + rowHeight / 2 + 4, 'text-anchor': 'middle',
+          class: fraction > 0.55 ? 'cell-label dark' : 'cell-label', 'pointer-events': 'none',
+        }, `${Math.round(fraction * 100)}%`));
+      }
     }
   }
-  const labelEvery = Math.ceil(layers / Math.floor((width - left) / 28));
+  const labelEvery = Math.ceil(layers / Math.max(1, Math.floor((width - left) / 28)));
   for (let l = 0; l < layers; l += labelEvery) {
     chart.append(svg('text', { x: left + l * cell + cell / 2, y: top + gridHeight + 14, class: 'axis-label', 'text-anchor': 'middle' }, String(l)));
   }
@@ -146,7 +155,7 @@ export function calibrationChart(cal) {
 
 // A small line of the recent values (at most `keep` of them).
 export function sparkline(values, width = 160, height = 32) {
-  const chart = svg('svg', { class: 'spark', viewBox: `0 0 ${width} ${height}`, width, height, 'aria-hidden': 'true' });
+  const chart = svg('svg', { class: 'spark', viewBox: `0 0 ${width} ${height}`, width, height, preserveAspectRatio: 'none', 'aria-hidden': 'true' });
   const finite = values.filter((v) => Number.isFinite(v));
   if (finite.length < 2) return chart;
   const max = Math.max(...finite);

@@ -49,8 +49,8 @@ function requestBody(controls, model) {
 export async function renderPlayground(page) {
   const { main } = page;
   const endpoint = el('select', { id: 'play-endpoint' },
-    el('option', { value: 'completions' }, 'Completion (/v1/completions)'),
-    el('option', { value: 'chat' }, 'Chat (/v1/chat/completions)'));
+    el('option', { value: 'completions' }, 'Completion'),
+    el('option', { value: 'chat' }, 'Chat'));
   const model = el('select', { id: 'play-model' });
   const prompt = el('textarea', { id: 'play-prompt', rows: 8, spellcheck: 'false', placeholder: 'A prompt that starts with a registered prefix shows cached tokens.' });
   const namespace = el('input', { id: 'play-namespace', type: 'text', placeholder: '(default namespace)' });

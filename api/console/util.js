@@ -83,7 +83,7 @@ export function formatAgo(unixSeconds) {
 }
 
 export function shortId(id) {
-  return id && id.length > 12 ? `${id.slice(0, 12)}…` : id || '';
+  return id && id.length > 10 ? `${id.slice(0, 10)}…` : id || '';
 }
 
 // The policy's name: the spec up to ':' (and before a layout's '|').
