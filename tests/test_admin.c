@@ -623,6 +623,17 @@ Test(admin, prefixctl_prefix_end_to_end) {
     cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s job 1", ctl, url, TOKEN), 0, "%s", out);
     cr_assert(strstr(out, "\"done\""), "%s", out);
     free(out);
+    for (int pin = 1; pin >= 0; pin--) {
+        cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s %s %s", ctl, url, TOKEN, pin ? "pin" : "unpin", id), 0,
+                     "%s", out);
+        j = th_json_parse(out);
+        cr_assert_eq(json_is_true(json_object_get(j, "pinned")), pin, "%s", out);
+        cr_assert_eq(th_json_int(j, "hits", NULL), 1, "%s", out);
+        json_decref(j);
+        free(out);
+    }
+    cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s pin nothex 2>&1", ctl, url, TOKEN), 2, "%s", out);
+    free(out);
     cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s delete %s", ctl, url, TOKEN, id), 0, "%s", out);
     free(out);
     cr_assert_eq(th_runf(&out, "%s prefix --url %s --token %s show %s 2>&1", ctl, url, TOKEN, id), 1, "%s", out);

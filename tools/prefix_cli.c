@@ -41,6 +41,7 @@ static void usage(FILE *f) {
             "  list [--namespace NS]  the stored prefixes (JSON)\n"
             "  show ID        one prefix (JSON)\n"
             "  delete ID      delete a prefix\n"
+            "  pin ID, unpin ID  never evict it by the store's size limit, or again allow it (JSON)\n"
             "  job ID         a registration job's status (JSON)\n"
             "\n"
             "Options:\n"
@@ -457,14 +458,16 @@ static int cmd_simple(client *c, const char *cmd, const char *arg, const add_opt
         }
         curl_free(ns);
         free(list_path);
-    } else if (strcmp(cmd, "show") == 0 || strcmp(cmd, "delete") == 0) {
+    } else if (strcmp(cmd, "job") != 0) { /* show, delete, pin, unpin: one prefix */
         if (!is_prefix_id(arg)) {
             fprintf(stderr, PROG " %s: '%s' is not a prefix id (64 hex digits, see 'list')\n", cmd, arg);
             return 2;
         }
         snprintf(path, sizeof path, "/admin/v1/prefixes/%s", arg);
-        const bool del = strcmp(cmd, "delete") == 0;
-        if ((rc = call(c, del ? "DELETE" : "GET", path, NULL, &ans)) == 0 && del) {
+        const bool del = strcmp(cmd, "delete") == 0, pin = strcmp(cmd, "pin") == 0, unpin = strcmp(cmd, "unpin") == 0;
+        const char *method = del ? "DELETE" : pin || unpin ? "PATCH" : "GET";
+        const char *body = pin ? "{\"pinned\":true}" : unpin ? "{\"pinned\":false}" : NULL;
+        if ((rc = call(c, method, path, body, &ans)) == 0 && del) {
             free(ans);
             printf("deleted %s\n", arg);
             return fflush(stdout) == 0 ? 0 : 1;
@@ -559,14 +562,14 @@ int pd_prefix_cli(int argc, char **argv) {
     }
     const char *cmd = argv[optind];
     const char *arg = optind + 1 < argc ? argv[optind + 1] : NULL;
-    static const char *const known[] = {"add", "list", "show", "delete", "job"};
+    static const char *const known[] = {"add", "list", "show", "delete", "pin", "unpin", "job"};
     bool is_known = false;
     for (size_t i = 0; i < sizeof known / sizeof known[0]; i++) is_known = is_known || strcmp(cmd, known[i]) == 0;
     if (!is_known) {
         fprintf(stderr, PROG ": unknown command '%s'\nTry 'prefixctl prefix --help'.\n", cmd);
         return 2;
     }
-    int want_args = strcmp(cmd, "show") == 0 || strcmp(cmd, "delete") == 0 || strcmp(cmd, "job") == 0 ? 1 : 0;
+    int want_args = strcmp(cmd, "add") != 0 && strcmp(cmd, "list") != 0 ? 1 : 0;
     if (argc - optind - 1 != want_args) {
         fprintf(stderr, PROG " %s: %s\nTry 'prefixctl prefix --help'.\n", cmd,
                 want_args ? "give exactly one ID" : "takes no arguments");
