@@ -42,7 +42,8 @@ function spanTable(kept) {
     el('td', { class: 'num' }, formatNumber(s.kept_rows)),
     el('td', { class: 'num' }, el('span', { class: 'meter' }, el('meter', { min: 0, max: 1, value: s.kept_fraction })), ' ', formatPercent(s.kept_fraction))));
   return el('table', { id: 'span-rates', class: 'data' },
-    el('thead', {}, el('tr', {}, ['Span', 'Tokens', 'Whitelisted', 'Rows', 'Kept rows', 'Kept'].map((h) => el('th', {}, h)))),
+    el('thead', {}, el('tr', {}, el('th', {}, 'Span'), el('th', { class: 'num' }, 'Tokens'), el('th', {}, 'Whitelisted'),
+      ['Rows', 'Kept rows', 'Kept'].map((h) => el('th', { class: 'num' }, h)))),
     el('tbody', {}, rows));
 }
 

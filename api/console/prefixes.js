@@ -171,7 +171,7 @@ export async function renderPrefixes(page) {
       try {
         const updated = await api.setPinned(prefix.id, pinning);
         prefixes = prefixes.map((p) => (p.id === prefix.id ? { ...p, ...updated } : p));
-        say(`${pinning ? 'Pinned' : 'Unpinned'} ${shortId(prefix.id)}.`);
+        say(`${pinning ? 'Pinned' : 'Unpinned'} ${shortId(prefix.id)}`);
         draw();
       } catch (error) {
         say(`Could not ${pinning ? 'pin' : 'unpin'}: ${error.message}`, true);
@@ -184,7 +184,7 @@ export async function renderPrefixes(page) {
       try {
         await api.deletePrefix(prefix.id);
         prefixes = prefixes.filter((p) => p.id !== prefix.id);
-        say(`Deleted ${shortId(prefix.id)}.`);
+        say(`Deleted ${shortId(prefix.id)}`);
         draw();
       } catch (error) {
         say(`Could not delete: ${error.message}`, true);

@@ -1,7 +1,7 @@
 // Register: a text or a system message as a new prefix, with the daemon's
 // own policy list, then the job's progress until it is stored.
 import { api } from './api.js';
-import { el, markReady, policyName } from './util.js';
+import { el, markReady, policyKey, policyName } from './util.js';
 
 const POLL_MS = 300;
 
@@ -10,15 +10,25 @@ function field(label, control, hint) {
     el('label', { for: control.id }, label), control, hint ? el('div', { class: 'hint' }, hint) : null);
 }
 
-function keysTable(policy) {
+// The policy's keys and defaults; for the daemon's default policy also the
+// values compression.policy configures (what a registration without keys gets).
+function keysTable(policy, configuredSpec) {
   if (!policy) return el('p', { class: 'muted' }, 'The daemon did not list its policies.');
-  const rows = (policy.keys || []).map((key) => el('tr', {}, el('td', { class: 'mono' }, key.name), el('td', { class: 'mono' }, key.default)));
+  const configured = configuredSpec && policyName(configuredSpec) === policy.name;
+  const head = el('tr', {}, el('th', {}, 'Key'), el('th', {}, 'Default'), configured ? el('th', {}, 'Configured') : null);
+  const rows = (policy.keys || []).map((key) => {
+    const value = configured ? policyKey(configuredSpec, key.name) : null;
+    return el('tr', { class: value !== null && value !== key.default ? 'changed' : null },
+      el('td', { class: 'mono' }, key.name), el('td', { class: 'mono' }, key.default),
+      configured ? el('td', { class: 'mono' }, value ?? key.default) : null);
+  });
   return el('div', {},
     el('p', { class: 'policy-summary' }, policy.summary || ''),
+    configured ? el('p', { class: 'hint' }, 'The daemon\'s default policy: "Configured" is compression.policy, which a registration with this policy uses.') : null,
     rows.length
-      ? el('table', { class: 'data compact' }, el('thead', {}, el('tr', {}, el('th', {}, 'Key'), el('th', {}, 'Default'))), el('tbody', {}, rows))
+      ? el('table', { class: 'data compact' }, el('thead', {}, head), el('tbody', {}, rows))
       : el('p', { class: 'muted' }, 'This policy has no keys.'),
-    el('p', { class: 'hint mono', title: 'canonical spec' }, policy.spec || ''));
+    el('p', { class: 'hint mono', title: 'canonical spec' }, configured ? configuredSpec : policy.spec || ''));
 }
 
 // The request body from the form's controls, or throws an Error naming what to fix.
@@ -112,16 +122,18 @@ export async function renderRegister(page) {
       el('div', { class: 'field checkbox' }, pin, el('label', { for: 'register-pin' }, 'Pin (never evicted)'))),
     el('div', { class: 'form-actions' }, submit, formError));
   const jobArea = el('div', { class: 'job-area' });
-  main.append(el('div', { class: 'page-head' }, el('h1', {}, 'Register a prefix')),
-    el('div', { class: 'two-col' }, form, el('aside', { class: 'card' }, el('h2', {}, 'Policy'), keys)), jobArea);
+  main.append(el('div', { class: 'page-head' }, el('h1', {}, 'Register a prefix')), jobArea,
+    el('div', { class: 'two-col' }, form, el('aside', { class: 'card' }, el('h2', {}, 'Policy'), keys)));
 
   let policies = [];
   let defaultSpec = '';
   const showKeys = () => {
     const chosen = policies.find((p) => p.name === policy.value);
-    keys.replaceChildren(keysTable(chosen));
-    const fallback = chosen ? (chosen.keys || []).find((k) => k.name === 'retention') : null;
-    retention.placeholder = fallback ? `default ${fallback.default}` : 'policy default';
+    keys.replaceChildren(keysTable(chosen, defaultSpec));
+    const builtin = chosen ? (chosen.keys || []).find((k) => k.name === 'retention') : null;
+    const configured = chosen && policyName(defaultSpec) === chosen.name ? policyKey(defaultSpec, 'retention') : null;
+    const value = configured ?? (builtin ? builtin.default : null);
+    retention.placeholder = value ? `default ${value}` : 'policy default';
   };
   try {
     const list = await api.listPolicies();
