@@ -15,7 +15,7 @@ export PATH := $(PATH):/usr/local/cuda/bin
 
 DEFAULT_MODEL := $(if $(wildcard $(SHARED)/tinystories/stories260K.gguf),$(SHARED)/tinystories/stories260K.gguf,models/default.gguf)
 
-.PHONY: all deps build test test-asan test-cudaemu run bench bench-gpu bench-store eval fuzz clean bench-serve bench-peer bench-conn
+.PHONY: all deps build test test-asan test-cudaemu run bench bench-gpu bench-store eval fuzz clean bench-serve bench-peer bench-conn screenshots
 
 all: build
 
@@ -42,6 +42,19 @@ test-asan: deps $(ASAN_BUILD)/build.ninja
 	@rc=0; ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	  meson test -C $(ASAN_BUILD) --print-errorlogs --timeout-multiplier 4 || rc=$$?; \
 	  tools/test-summary.sh $(ASAN_BUILD); exit $$rc
+
+# The operator console's screenshots shown in the README (docs/console/*.png,
+# 1280x800): the browser test (tests/browser/test_console.py, headless
+# Chromium against the real daemon) saves one of each page. CI=true: fail,
+# not skip, when chromium or python3-websocket is missing. optipng shrinks
+# them when it is installed (not a dependency).
+# Only prefixd is built: `meson test --no-rebuild` skips the other targets.
+screenshots: deps $(BUILD)/build.ninja
+	meson compile -C $(BUILD) prefixd
+	rm -f docs/console/failure.png
+	CI=true PREFIXD_SCREENSHOTS=$(CURDIR)/docs/console meson test -C $(BUILD) --no-rebuild --suite browser --print-errorlogs
+	@if command -v optipng >/dev/null 2>&1; then optipng -quiet -o2 docs/console/*.png; fi
+	@ls -l docs/console/*.png
 
 # The CUDA backend without a GPU: its sources built for cudaemu
 # (tests/cudaemu, a CPU emulation of the CUDA runtime, cuBLAS and cuSOLVER),
