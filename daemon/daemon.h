@@ -101,6 +101,13 @@ typedef struct pd_scheduler_opts {
     pd_store *store;         /* optional: stored prefixes to look up (not owned) */
     pd_hot *hot;             /* optional: hot tier over `store` (not owned) */
     pd_metrics *metrics;     /* optional: the scheduler registers and updates its series */
+    /* optional: called once, on the engine thread, when the model's device
+     * fails for good (PD_EDEVICE, a sticky CUDA error). By then the error is
+     * logged, every running and queued request has failed with
+     * PD_EUNAVAILABLE and submits are refused the same way: the owner's part
+     * is to end the process so that the service manager restarts it. */
+    void (*on_device_failure)(void *ctx);
+    void *on_device_failure_ctx;
 } pd_scheduler_opts;
 
 void pd_scheduler_opts_default(pd_scheduler_opts *o);
@@ -214,6 +221,7 @@ typedef struct pd_scheduler_stats {
      * cache auto, no prefix_id and at least one whole block before its last
      * prompt token */
     int64_t auto_hits, auto_misses, auto_evictions, auto_entries, auto_bytes;
+    bool device_failed;          /* the device failed (PD_EDEVICE): nothing runs until a restart */
 } pd_scheduler_stats;
 
 void pd_scheduler_stats_get(pd_scheduler *s, pd_scheduler_stats *out);

@@ -126,6 +126,9 @@ struct pd_scheduler {
     pd_histogram *m_persist_time;
 };
 
+/* What every request gets once the device failed: retryable elsewhere. */
+#define DEVICE_FAILED_MSG "the server's GPU failed and the server is restarting; retry the request on another instance"
+
 /* New automatic blocks written to the store per transaction when idle: a
  * request that arrives meanwhile waits for at most one such commit. */
 #define AUTO_PERSIST_CHUNK_BYTES (4u << 20)
@@ -548,6 +551,8 @@ int pd_scheduler_submit(pd_scheduler *s, const pd_sched_params *p, pd_sched_sink
         pthread_mutex_lock(&s->mu);
         if (s->stopping) {
             rc = pd_errorf(err, PD_EUNAVAILABLE, "the server is shutting down; retry on another instance");
+        } else if (s->st.device_failed) {
+            rc = pd_errorf(err, PD_EUNAVAILABLE, "%s", DEVICE_FAILED_MSG);
         } else if (s->st.queued >= s->o.max_queue) {
             rc = pd_errorf(err, PD_EBUSY, "queue is full (%d requests waiting); retry later", s->o.max_queue);
         } else {
@@ -799,6 +804,30 @@ static void complete_finished(pd_scheduler *s) {
     }
 }
 
+/* A sticky device error (PD_EDEVICE): the model can compute nothing more in
+ * this process. Log it once (its message names the fix), fail every running
+ * and queued request with PD_EUNAVAILABLE, refuse new ones (submit checks
+ * device_failed), and tell the owner, which restarts the process. */
+static void device_failed(pd_scheduler *s, const pd_error *err) {
+    pthread_mutex_lock(&s->mu);
+    const int64_t queued = s->st.queued;
+    s->st.device_failed = true;
+    pd_sched_request *q = s->qhead;
+    s->qhead = s->qtail = NULL;
+    s->st.queued = 0;
+    publish_gauges_locked(s);
+    pthread_mutex_unlock(&s->mu);
+    pd_log(s->o.logger, PD_LOG_ERROR, "%s (failing %d running and %lld queued requests with 503; no new one starts)",
+           err->msg, s->n_run, (long long)queued);
+    while (s->n_run > 0) finish_request(s, s->n_run - 1, END_FAILED, PD_EUNAVAILABLE, DEVICE_FAILED_MSG);
+    while (q) {
+        pd_sched_request *nx = q->next;
+        end_unadmitted(s, q, END_FAILED, PD_EUNAVAILABLE, DEVICE_FAILED_MSG);
+        q = nx;
+    }
+    if (s->o.on_device_failure) s->o.on_device_failure(s->o.on_device_failure_ctx);
+}
+
 static void fail_request_err(pd_scheduler *s, pd_sched_request *r, const pd_error *err) {
     for (int i = 0; i < s->n_run; i++)
         if (s->run[i] == r) {
@@ -833,6 +862,10 @@ static void step(pd_scheduler *s) {
             }
             if (rc) failed = true;
         }
+        if (failed && err.code == PD_EDEVICE) {
+            device_failed(s, &err);
+            return;
+        }
         if (failed) {
             fail_request_err(s, r, &err);
             i--;
@@ -855,11 +888,15 @@ static void step(pd_scheduler *s) {
         }
     }
     if (n > 0) {
-        if (pd_decode(s->model, s->dseqs, s->dtoks, n, s->logits, &err) != PD_OK) {
+        pd_error derr = {0};
+        if (pd_decode(s->model, s->dseqs, s->dtoks, n, s->logits, &derr) != PD_OK && derr.code == PD_EDEVICE) {
+            device_failed(s, &derr);
+            return;
+        } else if (derr.code) {
             /* a batch failure (memory): every request in it fails */
             for (int j = 0; j < n; j++) {
                 if (j > 0 && s->dreq[j] == s->dreq[j - 1]) continue;
-                fail_request_err(s, s->dreq[j], &err);
+                fail_request_err(s, s->dreq[j], &derr);
             }
         } else {
             for (int j = 0; j < n; j++) {
@@ -968,7 +1005,12 @@ static void *engine_main(void *arg) {
             s->run_seqs += r->n_choices;
             r->n_seqs = r->n_choices;
             pd_error err = {0};
-            if (admit(s, r, &err) != PD_OK) finish_request(s, s->n_run - 1, END_FAILED, err.code, err.msg);
+            if (s->st.device_failed) { /* only this thread writes it: no lock to read it */
+                finish_request(s, s->n_run - 1, END_FAILED, PD_EUNAVAILABLE, DEVICE_FAILED_MSG);
+            } else if (admit(s, r, &err) != PD_OK) {
+                if (err.code == PD_EDEVICE) device_failed(s, &err);
+                else finish_request(s, s->n_run - 1, END_FAILED, err.code, err.msg);
+            }
             admitted = nx;
         }
         drop_cancelled(s);

@@ -84,7 +84,7 @@ static void usage(FILE *f) {
           "  prefix ACTION                 register and manage prefixes through a running prefixd's\n"
           "                                admin API (--help for actions)\n"
           "  gen-model [options] -o OUT    write a seeded random GGUF model (--help for options)\n"
-          "  cuda-info                     list CUDA devices (memory, bandwidth) and run a cuBLAS self-test\n",
+          "  cuda-info                     list CUDA devices (memory, bandwidth); cuBLAS and kernel self-tests\n",
           f);
 }
 
@@ -1013,6 +1013,56 @@ static int cmd_compress(int argc, char **argv) {
     return rc ? fail(&err) : 0;
 }
 
+/* One of our own kernels (RMSNorm) through the CUDA backend on device
+ * `index`, against the same formula on the CPU. The cuBLAS self-test runs
+ * NVIDIA's code; this one fails where our fatbinary has no code the GPU
+ * runs (cudaErrorNoKernelImageForDevice, whose message names the -Dgpu_sm
+ * fix) or where the GPU is broken. */
+static int cuda_kernel_selftest(int index, double *max_rel_err, pd_error *err) {
+    enum { ROWS = 4, DIM = 320 };
+    const float eps = 1e-5f;
+    float x[ROWS * DIM], w[DIM], got[ROWS * DIM];
+    for (int i = 0; i < ROWS * DIM; i++) x[i] = (float)((i * 37 % 101) - 50) / 25.0f;
+    for (int i = 0; i < DIM; i++) w[i] = 0.5f + (float)(i % 7) / 8.0f;
+    pd_backend *be = NULL;
+    float *dx = NULL, *dw = NULL, *dout = NULL;
+    int rc = pd_backend_cuda_create(index, &be, err);
+    if (!rc) {
+        dx = pd_backend_alloc(be, sizeof x, err);
+        dw = dx ? pd_backend_alloc(be, sizeof w, err) : NULL;
+        dout = dw ? pd_backend_alloc(be, sizeof got, err) : NULL;
+        if (!dout) rc = err->code ? err->code : PD_ENOMEM;
+    }
+    if (!rc) rc = pd_backend_upload(be, dx, x, sizeof x, err);
+    if (!rc) rc = pd_backend_upload(be, dw, w, sizeof w, err);
+    if (!rc) rc = pd_backend_rmsnorm(be, dx, dw, ROWS, DIM, eps, dout, err);
+    if (!rc) rc = pd_backend_download(be, got, dout, sizeof got, err);
+    if (!rc) rc = pd_backend_sync(be, err);
+    double worst = 0;
+    for (int r = 0; !rc && r < ROWS; r++) {
+        double ss = 0;
+        for (int i = 0; i < DIM; i++) ss += (double)x[r * DIM + i] * x[r * DIM + i];
+        const double scale = 1.0 / sqrt(ss / DIM + eps);
+        for (int i = 0; i < DIM; i++) {
+            const double want = x[r * DIM + i] * scale * w[i];
+            const double rel = fabs(got[r * DIM + i] - want) / (fabs(want) + 1e-3);
+            if (!(rel <= worst)) worst = rel; /* NaN counts as the worst */
+        }
+    }
+    if (!rc && !(worst < 1e-4))
+        rc = pd_errorf(err, PD_EIO, "RMSNorm on cuda:%d differs from the CPU by %.3g (relative): the GPU computes "
+                                    "wrongly; check it with nvidia-smi and NVIDIA's diagnostics (dcgmi diag)",
+                       index, worst);
+    *max_rel_err = worst;
+    if (be) {
+        pd_backend_release(be, dx);
+        pd_backend_release(be, dw);
+        pd_backend_release(be, dout);
+        pd_backend_free(be);
+    }
+    return rc;
+}
+
 static int cmd_cuda_info(void) {
     printf("CUDA backend compiled in: %s\n", pd_cuda_compiled() ? "yes" : "no");
     int n = pd_cuda_device_count();
@@ -1043,6 +1093,12 @@ static int cmd_cuda_info(void) {
         double max_err = 0;
         int rc = pd_cuda_selftest(i, &max_err, &err);
         printf("      cuBLAS SGEMM self-test: %s (max abs err %.3g)\n", rc ? err.msg : "ok", max_err);
+        if (rc) status = 1;
+        double kernel_err = 0;
+        pd_error kerr = {0};
+        rc = cuda_kernel_selftest(i, &kernel_err, &kerr);
+        if (rc) printf("      kernel self-test (RMSNorm): failed: %s\n", kerr.msg);
+        else printf("      kernel self-test (RMSNorm): ok (max rel err %.3g)\n", kernel_err);
         if (rc) status = 1;
     }
     return status;

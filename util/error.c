@@ -49,6 +49,7 @@ const char *pd_status_name(int code) {
     case PD_ENOTFOUND: return "not found";
     case PD_EUNSUPPORTED: return "unsupported";
     case PD_ERANGE: return "out of range";
+    case PD_EDEVICE: return "device failed";
     default: return "unknown error";
     }
 }

@@ -26,6 +26,7 @@ enum {
     PD_ERANGE = -7,       /* a value is outside its allowed range */
     PD_EUNAVAILABLE = -8, /* the service is stopping or not ready yet: retry later or elsewhere */
     PD_EBUSY = -9,        /* a queue is full: the same request may succeed shortly */
+    PD_EDEVICE = -10,     /* the GPU failed (a sticky CUDA error): nothing runs there until the process restarts */
 };
 
 /* Every fallible function takes one of these and, on failure, leaves a

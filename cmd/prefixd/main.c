@@ -26,8 +26,9 @@
 #include "util/util.h"
 #include "build_info.h"
 
-/* Exit statuses: 0 success, 1 runtime failure, 2 bad usage or config. */
-enum { EXIT_USAGE = 2 };
+/* Exit statuses: 0 success, 1 runtime failure, 2 bad usage or config, 3
+ * the GPU failed (a sticky CUDA error: only a new process can use it). */
+enum { EXIT_USAGE = 2, EXIT_DEVICE = 3 };
 
 static void print_usage(FILE *f) {
     fprintf(f,
@@ -43,7 +44,8 @@ static void print_usage(FILE *f) {
             "  -h, --help                   print this help and exit\n"
             "\n"
             "Every key and its default: docs/configuration.md, deploy/prefixd.conf.\n"
-            "Exit status: 0 ok, 1 runtime failure, 2 bad usage or configuration.\n");
+            "Exit status: 0 ok, 1 runtime failure, 2 bad usage or configuration,\n"
+            "3 the GPU failed (restart prefixd; systemd does).\n");
 }
 
 typedef struct options {
@@ -107,10 +109,19 @@ static void warn_exposed_secrets(const pd_logger *lg, const options *opt, const 
              opt->config_path);
 }
 
+/* The scheduler's device-failure hook (on its engine thread): wake
+ * wait_for_stop, which takes every signal of the process. */
+static void wake_on_device_failure(void *ctx) {
+    (void)ctx;
+    kill(getpid(), SIGUSR2);
+}
+
 /* Wait for SIGTERM/SIGINT (signals are blocked in every thread and taken
- * here), pinging the systemd watchdog meanwhile. SIGHUP is accepted and
- * logged: logs go to stderr (the journal), so there is nothing to reopen. */
-static void wait_for_stop(const pd_logger *lg, const sigset_t *set) {
+ * here), pinging the systemd watchdog meanwhile, or for SIGUSR2 from
+ * wake_on_device_failure; returns true for the latter. SIGHUP is accepted
+ * and logged: logs go to stderr (the journal), so there is nothing to
+ * reopen. */
+static bool wait_for_stop(const pd_logger *lg, const sigset_t *set, pd_scheduler *sched) {
     uint64_t wd_usec = 0;
     bool watchdog = sd_watchdog_enabled(0, &wd_usec) > 0 && wd_usec > 0;
     for (;;) {
@@ -127,8 +138,15 @@ static void wait_for_stop(const pd_logger *lg, const sigset_t *set) {
             pd_log(lg, PD_LOG_INFO, "SIGHUP: logs go to stderr, nothing to reopen");
             continue;
         }
+        if (sig == SIGUSR2) {
+            pd_scheduler_stats st;
+            pd_scheduler_stats_get(sched, &st);
+            if (st.device_failed) return true;
+            pd_log(lg, PD_LOG_INFO, "SIGUSR2 ignored (prefixd uses it only to report a failed GPU to itself)");
+            continue;
+        }
         pd_log(lg, PD_LOG_INFO, "%s: draining", sig == SIGTERM ? "SIGTERM" : "SIGINT");
-        return;
+        return false;
     }
 }
 
@@ -233,6 +251,7 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGHUP);
+    sigaddset(&set, SIGUSR2);
     /* Before any thread starts, so every thread inherits the mask. */
     pthread_sigmask(SIG_BLOCK, &set, NULL);
     signal(SIGPIPE, SIG_IGN);
@@ -308,6 +327,8 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
     sco.store = store;
     sco.hot = hot;
     sco.metrics = metrics;
+    sco.on_device_failure = wake_on_device_failure;
+    bool device_failed = false;
     if (!rc) rc = pd_scheduler_create(model, &sco, &sched, &err);
     /* Precompression jobs only serve the admin API: without a token there is
      * no way to submit one. The worker loads its own model lazily. */
@@ -343,11 +364,22 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
                 pd_model_hparams(model)->arch_name, pd_chat_family_name(b.family), pd_kv_cache_type_name(cfg->model.kv_type),
                 cfg->cache.path);
         sd_notify(0, "READY=1\nSTATUS=serving");
-        wait_for_stop(lg, &set);
-        sd_notify(0, "STOPPING=1\nSTATUS=draining");
-        pd_server_quiesce(server);
-        pd_server_drain(server);
-        drain(lg, sched, cfg->server.shutdown_grace_s);
+        device_failed = wait_for_stop(lg, &set, sched);
+        if (device_failed) {
+            /* The scheduler logged the error and failed every request;
+             * /health answers 503 and new requests too until the exit. */
+            pd_log(lg, PD_LOG_INFO, "the GPU failed: exiting with status %d so that the service manager restarts "
+                                    "prefixd (systemd: Restart=on-failure)",
+                   EXIT_DEVICE);
+            sd_notify(0, "STOPPING=1\nSTATUS=the GPU failed; restarting");
+            pd_server_drain(server);
+            pd_server_quiesce(server);
+        } else {
+            sd_notify(0, "STOPPING=1\nSTATUS=draining");
+            pd_server_quiesce(server);
+            pd_server_drain(server);
+            drain(lg, sched, cfg->server.shutdown_grace_s);
+        }
     }
     if (rc) pd_log(lg, PD_LOG_ERROR, "%s", err.msg);
     /* Cancel what is left (waiting clients get an error), then close the
@@ -366,6 +398,7 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
     /* After the model, which borrows it. */
     pd_backend_free(backend);
     pd_metrics_free(metrics);
+    if (device_failed || (rc && err.code == PD_EDEVICE)) return EXIT_DEVICE;
     return rc ? EXIT_FAILURE : EXIT_SUCCESS;
 }
 

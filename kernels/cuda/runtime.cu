@@ -14,16 +14,79 @@
  * errors
  * ------------------------------------------------------------------------ */
 
+// The errors the CUDA runtime documents as leaving the process's context
+// unusable ("any further CUDA work will return the same error ... the
+// process must be terminated and relaunched"), plus an uncorrectable ECC
+// error. Newer codes by value, so that older toolkits compile this.
+static bool cuda_error_is_sticky(cudaError_t e) {
+    switch ((int)e) {
+    case cudaErrorECCUncorrectable:
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case 226: // cudaErrorContained (CUDA 12.4)
+    case 721: // cudaErrorTensorMemoryLeak (CUDA 12.8)
+    case 810: // cudaErrorMpsClientTerminated
+    case 911: // cudaErrorExternalDevice
+        return true;
+    default:
+        return false;
+    }
+}
+
+static int cuda_fatal(pd_error *err, cudaError_t e, const char *what) {
+    return pd_errorf(err, PD_EDEVICE,
+                     "CUDA %s failed: %s (%s); the GPU context is unusable until the process restarts: restart "
+                     "prefixd (systemd does so on its own), and check the GPU with nvidia-smi and prefixctl "
+                     "cuda-info",
+                     what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+// The binary has no code this GPU runs: neither its SASS nor PTX it can
+// JIT (kernels/meson.build embeds PTX of the newest gpu_sm entry).
+static int cuda_no_kernel_image(pd_error *err, cudaError_t e, const char *what) {
+    int dev = 0;
+    cudaDeviceProp prop;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return pd_errorf(err, PD_EUNSUPPORTED,
+                         "CUDA %s failed: %s (%s); this build has no code for the GPU: rebuild with its "
+                         "architecture in -Dgpu_sm (see prefixctl cuda-info)",
+                         what, cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+    return pd_errorf(err, PD_EUNSUPPORTED,
+                     "CUDA %s failed: %s (%s); this build has no code for %s (compute capability %d.%d): rebuild "
+                     "with %d%d in -Dgpu_sm (meson setup --reconfigure -Dgpu_sm='80;90;%d%d')",
+                     what, cudaGetErrorString(e), cudaGetErrorName(e), prop.name, prop.major, prop.minor, prop.major,
+                     prop.minor, prop.major, prop.minor);
+}
+
 int cuda_fail(pd_error *err, cudaError_t e, const char *what) {
     // A failed runtime call also sets the thread's "last error"; clear it so
     // the next cuda_check_launch does not report this failure a second time
     // (sticky errors, which poison the context, stay whatever we do).
     (void)cudaGetLastError();
+    if (cuda_error_is_sticky(e)) return cuda_fatal(err, e, what);
+    if (e == cudaErrorNoKernelImageForDevice) return cuda_no_kernel_image(err, e, what);
     const int code = e == cudaErrorMemoryAllocation ? PD_ENOMEM : PD_EIO;
     return pd_errorf(err, code, "CUDA %s failed: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
+// A library call fails, not a runtime one: when a sticky error is behind it
+// (the library's own launches hit a dead context), report that error.
+static int library_fail_sticky(pd_error *err, const char *what) {
+    const cudaError_t e = cudaPeekAtLastError();
+    return cuda_error_is_sticky(e) ? cuda_fatal(err, e, what) : PD_OK;
+}
+
 int cublas_fail(pd_error *err, cublasStatus_t s, const char *what) {
+    if (library_fail_sticky(err, what)) return PD_EDEVICE;
     const int code = s == CUBLAS_STATUS_ALLOC_FAILED ? PD_ENOMEM : PD_EIO;
     return pd_errorf(err, code, "cuBLAS %s failed: %s (status %d)", what, cublasGetStatusString(s), (int)s);
 }
@@ -44,6 +107,7 @@ static const char *cusolver_status_name(cusolverStatus_t s) {
 }
 
 int cusolver_fail(pd_error *err, cusolverStatus_t s, const char *what) {
+    if (library_fail_sticky(err, what)) return PD_EDEVICE;
     const int code = s == CUSOLVER_STATUS_ALLOC_FAILED ? PD_ENOMEM : PD_EIO;
     return pd_errorf(err, code, "cuSOLVER %s failed: %s (status %d)", what, cusolver_status_name(s), (int)s);
 }

@@ -136,6 +136,92 @@ static cudaError_t fail(cudaError_t e, const char *fmt, ...) {
     return e;
 }
 
+/* ------------------------------------------------------------------------
+ * fault injection
+ *
+ * CUDAEMU_FAIL_LAUNCH=N makes the N-th kernel launch of the process (from 1)
+ * fail with CUDAEMU_FAIL_ERROR (a cudaError_t name, default
+ * cudaErrorIllegalAddress) instead of running, as if the GPU had faulted in
+ * it. An error the runtime documents as poisoning the context is then
+ * returned by every later call that touches the context, cudaGetLastError
+ * included (it stays), as on a GPU; any other is reported once, by the next
+ * cudaGetLastError.
+ * ------------------------------------------------------------------------ */
+
+static const cudaError_t emu_errors[] = {
+    cudaErrorInvalidValue,           cudaErrorMemoryAllocation,   cudaErrorInitializationError,
+    cudaErrorInvalidConfiguration,   cudaErrorInvalidDevicePointer, cudaErrorInvalidMemcpyDirection,
+    cudaErrorNoDevice,               cudaErrorInvalidDevice,      cudaErrorNoKernelImageForDevice,
+    cudaErrorECCUncorrectable,       cudaErrorInvalidResourceHandle, cudaErrorIllegalAddress,
+    cudaErrorLaunchTimeout,          cudaErrorAssert,             cudaErrorHardwareStackError,
+    cudaErrorIllegalInstruction,     cudaErrorMisalignedAddress,  cudaErrorInvalidAddressSpace,
+    cudaErrorInvalidPc,              cudaErrorLaunchFailure,
+};
+
+static bool emu_error_is_sticky(cudaError_t e) {
+    switch (e) {
+    case cudaErrorECCUncorrectable:
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure: return true;
+    default: return false;
+    }
+}
+
+namespace {
+struct fault_plan {
+    uint64_t launch; // 0: none
+    cudaError_t error;
+};
+
+const fault_plan &fault() {
+    static const fault_plan plan = [] {
+        fault_plan p = {0, cudaErrorIllegalAddress};
+        const char *n = getenv("CUDAEMU_FAIL_LAUNCH");
+        if (n && *n) p.launch = strtoull(n, nullptr, 10);
+        const char *name = getenv("CUDAEMU_FAIL_ERROR");
+        if (name && *name) {
+            bool known = false;
+            for (cudaError_t e : emu_errors)
+                if (strcmp(cudaGetErrorName(e), name) == 0) {
+                    p.error = e;
+                    known = true;
+                }
+            if (!known) {
+                fprintf(stderr, "cudaemu: CUDAEMU_FAIL_ERROR=%s is not an emulated cudaError_t name\n", name);
+                abort();
+            }
+        }
+        return p;
+    }();
+    return plan;
+}
+
+std::atomic<int> sticky_error{cudaSuccess};
+std::atomic<uint64_t> launches{0};
+} // namespace
+
+// The context's sticky error, or cudaSuccess.
+static cudaError_t sticky() { return (cudaError_t)sticky_error.load(std::memory_order_relaxed); }
+
+// Counts a launch; true when it is the one to fail (and fails it).
+static bool injected_launch_fault(const char *kernel) {
+    const fault_plan &p = fault();
+    const uint64_t n = launches.fetch_add(1) + 1;
+    if (!p.launch || n != p.launch) return false;
+    fprintf(stderr, "cudaemu: launch %llu (%s) fails with %s (CUDAEMU_FAIL_LAUNCH)\n", (unsigned long long)n, kernel,
+            cudaGetErrorName(p.error));
+    if (emu_error_is_sticky(p.error)) sticky_error.store(p.error);
+    else cudaemu_set_error(p.error, nullptr);
+    return true;
+}
+
 extern "C" {
 
 cudaError_t cudaGetDeviceCount(int *count) {
@@ -146,7 +232,7 @@ cudaError_t cudaGetDeviceCount(int *count) {
 cudaError_t cudaSetDevice(int device) {
     if (device < 0 || device >= emu_device_count()) return cudaErrorInvalidDevice;
     current_device = device;
-    return cudaSuccess;
+    return sticky();
 }
 
 cudaError_t cudaGetDevice(int *device) {
@@ -185,7 +271,7 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) 
 
 cudaError_t cudaDeviceSynchronize(void) {
     drain_all();
-    return cudaSuccess;
+    return sticky();
 }
 cudaError_t cudaDriverGetVersion(int *version) {
     *version = 12000;
@@ -207,6 +293,15 @@ struct registry {
     std::mutex mu;
     std::map<uintptr_t, size_t> device, pinned;
     size_t device_bytes = 0;
+    // At exit. A process whose context died cannot free its memory (the
+    // frees fail with the sticky error, and the driver reclaims it all):
+    // do that here so that a leak check reports only what a live context
+    // leaked.
+    ~registry() {
+        if (!sticky()) return;
+        for (auto &b : device) free((void *)b.first);
+        for (auto &b : pinned) free((void *)b.first);
+    }
 };
 registry &reg() {
     static registry r;
@@ -262,6 +357,7 @@ smem_limits &limits() {
 } // namespace
 
 cudaError_t cudaemu_func_set_smem(const void *kernel, int attr, int value) {
+    if (sticky()) return sticky();
     if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize)
         return fail(cudaErrorInvalidValue, "cudaFuncSetAttribute: attribute %d not emulated", attr);
     if (value < 0 || (size_t)value > EMU_SMEM_OPTIN)
@@ -284,6 +380,7 @@ extern "C" {
 
 cudaError_t cudaMalloc(void **p, size_t bytes) {
     *p = nullptr;
+    if (sticky()) return sticky();
     registry &r = reg();
     {
         std::lock_guard<std::mutex> g(r.mu);
@@ -311,11 +408,13 @@ cudaError_t cudaFree(void *p) {
         r.device.erase(it);
     }
     free(p);
-    return cudaSuccess;
+    return sticky(); // freed all the same, so that a test's leak check stays quiet
 }
 
 cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned int flags) {
     (void)flags;
+    *p = nullptr;
+    if (sticky()) return sticky();
     *p = malloc(bytes ? bytes : 1);
     if (!*p) return fail(cudaErrorMemoryAllocation, "cudaHostAlloc(%zu) failed", bytes);
     registry &r = reg();
@@ -337,7 +436,7 @@ cudaError_t cudaFreeHost(void *p) {
         r.pinned.erase(it);
     }
     free(p);
-    return cudaSuccess;
+    return sticky();
 }
 
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p) {
@@ -357,6 +456,7 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void
 }
 
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
+    if (sticky()) return sticky();
     registry &r = reg();
     std::lock_guard<std::mutex> g(r.mu);
     *free_bytes = EMU_TOTAL_MEM - r.device_bytes;
@@ -520,6 +620,7 @@ struct cudaemu_event {
 extern "C" {
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
+    if (sticky()) return sticky();
     bool dd, sd;
     const cudaError_t e = copy_sides(dst, src, bytes, kind, &dd, &sd);
     if (e != cudaSuccess) return e;
@@ -532,6 +633,7 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind 
 // returns (the caller may reuse it); to pageable memory the call returns
 // once the copy, and all work before it on the stream, is done.
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, cudaStream_t s) {
+    if (sticky()) return sticky();
     if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaMemcpyAsync: stream %p is not live", (void *)s);
     bool dd, sd;
     const cudaError_t e = copy_sides(dst, src, bytes, kind, &dd, &sd);
@@ -572,12 +674,14 @@ static cudaError_t check_memset(const char *fn, const void *p, size_t bytes) {
 }
 
 cudaError_t cudaMemset(void *p, int value, size_t bytes) {
+    if (sticky()) return sticky();
     const cudaError_t e = check_memset("cudaMemset", p, bytes);
     if (e == cudaSuccess && bytes) memset(p, value, bytes);
     return e;
 }
 
 cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s) {
+    if (sticky()) return sticky();
     if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaMemsetAsync: stream %p is not live", (void *)s);
     const cudaError_t e = check_memset("cudaMemsetAsync", p, bytes);
     if (e == cudaSuccess && bytes) cudaemu_enqueue(s, [p, value, bytes] { memset(p, value, bytes); });
@@ -586,6 +690,7 @@ cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s) {
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags) {
     (void)flags;
+    if (sticky()) return sticky();
     cudaemu_stream *st = new cudaemu_stream();
     stream_table &t = streams();
     {
@@ -614,16 +719,17 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
     }
     s->worker.join();
     delete s;
-    return cudaSuccess;
+    return sticky();
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize: stream %p is not live", (void *)s);
     if (s) stream_drain(s);
-    return cudaSuccess;
+    return sticky();
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) {
+    if (sticky()) return sticky();
     *e = new cudaemu_event{std::chrono::steady_clock::time_point(), nullptr, 0, false, flags};
     return cudaSuccess;
 }
@@ -633,9 +739,10 @@ cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e,
 cudaError_t cudaEventDestroy(cudaEvent_t e) {
     cudaEventSynchronize(e);
     delete e;
-    return cudaSuccess;
+    return sticky();
 }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+    if (sticky()) return sticky();
     if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: stream %p is not live", (void *)s);
     e->recorded = true;
     e->stream = s;
@@ -652,9 +759,10 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
         if (!stream_ok(e->stream)) return cudaSuccess; // destroyed: its work is done
         stream_wait(e->stream, e->seq);
     }
-    return cudaSuccess;
+    return sticky();
 }
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t stop) {
+    if (sticky()) return sticky();
     if (!start->recorded || !stop->recorded || (start->flags | stop->flags) & cudaEventDisableTiming)
         return fail(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime: event not recorded or without timing");
     cudaEventSynchronize(start);
@@ -664,11 +772,12 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t stop)
 }
 
 cudaError_t cudaGetLastError(void) {
+    if (sticky()) return sticky(); // it stays: the context is gone
     const cudaError_t e = last_error;
     last_error = cudaSuccess;
     return e;
 }
-cudaError_t cudaPeekAtLastError(void) { return last_error; }
+cudaError_t cudaPeekAtLastError(void) { return sticky() ? sticky() : last_error; }
 
 const char *cudaGetErrorName(cudaError_t e) {
     switch (e) {
@@ -682,6 +791,16 @@ const char *cudaGetErrorName(cudaError_t e) {
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNoKernelImageForDevice: return "cudaErrorNoKernelImageForDevice";
+    case cudaErrorECCUncorrectable: return "cudaErrorECCUncorrectable";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchTimeout: return "cudaErrorLaunchTimeout";
+    case cudaErrorAssert: return "cudaErrorAssert";
+    case cudaErrorHardwareStackError: return "cudaErrorHardwareStackError";
+    case cudaErrorIllegalInstruction: return "cudaErrorIllegalInstruction";
+    case cudaErrorMisalignedAddress: return "cudaErrorMisalignedAddress";
+    case cudaErrorInvalidAddressSpace: return "cudaErrorInvalidAddressSpace";
+    case cudaErrorInvalidPc: return "cudaErrorInvalidPc";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
     }
     return "cudaErrorUnknown";
@@ -695,6 +814,9 @@ const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorNoKernelImageForDevice: return "no kernel image is available for execution on the device";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
     default: return "emulated error";
     }
 }
@@ -1099,6 +1221,9 @@ void run_grid(const launch_cfg &c, const char *kernel, const void *fn, const std
         cudaemu_set_error(cudaErrorInvalidResourceHandle, "launch on a stream that is not live");
         return;
     }
+    // A dead context runs nothing (cudaGetLastError reports it); an
+    // injected fault takes the launch's place.
+    if (sticky() || injected_launch_fault(kernel)) return;
     // The launch runs later, in stream order; everything it needs is copied.
     cudaemu_enqueue(c.stream, [c, kernel, body, threads] {
         grid_work w;
