@@ -862,7 +862,7 @@ static void step(pd_scheduler *s) {
             }
             if (rc) failed = true;
         }
-        if (failed && err.code == PD_EDEVICE) {
+        if (failed && err.code == PD_EDEVICE) { /* the device, not this request */
             device_failed(s, &err);
             return;
         }
@@ -889,10 +889,11 @@ static void step(pd_scheduler *s) {
     }
     if (n > 0) {
         pd_error derr = {0};
-        if (pd_decode(s->model, s->dseqs, s->dtoks, n, s->logits, &derr) != PD_OK && derr.code == PD_EDEVICE) {
+        const int drc = pd_decode(s->model, s->dseqs, s->dtoks, n, s->logits, &derr);
+        if (drc == PD_EDEVICE) {
             device_failed(s, &derr);
             return;
-        } else if (derr.code) {
+        } else if (drc != PD_OK) {
             /* a batch failure (memory): every request in it fails */
             for (int j = 0; j < n; j++) {
                 if (j > 0 && s->dreq[j] == s->dreq[j - 1]) continue;

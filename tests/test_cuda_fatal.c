@@ -353,6 +353,26 @@ Test(cuda_fatal, prefixd_fails_requests_with_503_and_exits_3, .timeout = 400) {
     free(dir);
 }
 
+Test(cuda_fatal, prefixd_exits_3_when_the_gpu_fails_while_warming_up, .timeout = 120) {
+    require_cudaemu();
+    TH_REQUIRE_SHARED();
+    char model[1024];
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    char *dir = th_mkdtemp();
+    char *out = NULL;
+    /* launch 1 is the warm-up token's first kernel */
+    const int status = th_runf(&out,
+                               "CUDAEMU_FAIL_LAUNCH=1 '%s' --set model.path=%s --set cache.path=%s/store "
+                               "--set cache.map_size_mb=64 --set model.device=cuda:0 --set server.port=%d 2>&1",
+                               getenv("PD_PREFIXD"), model, dir, th_free_port());
+    cr_assert_eq(status, 3, "exit status %d (want 3, the GPU failed):\n%s", status, out);
+    cr_assert(contains(out, "warming up the model") && contains(out, "cudaErrorIllegalAddress"), "%s", out);
+    cr_assert(!contains(out, "serving "), "it never served:\n%s", out);
+    free(out);
+    th_rmtree(dir);
+    free(dir);
+}
+
 /* ---- prefixctl cuda-info ------------------------------------------------- */
 
 Test(cuda_fatal, cuda_info_runs_a_kernel_self_test, .timeout = 120) {
