@@ -42,9 +42,8 @@ static bool cuda_error_is_sticky(cudaError_t e) {
 
 static int cuda_fatal(pd_error *err, cudaError_t e, const char *what) {
     return pd_errorf(err, PD_EDEVICE,
-                     "CUDA %s failed: %s (%s); the GPU context is unusable until the process restarts: restart "
-                     "prefixd (systemd does so on its own), and check the GPU with nvidia-smi and prefixctl "
-                     "cuda-info",
+                     "CUDA %s failed: %s (%s); the GPU context is unusable until the process restarts (systemd "
+                     "restarts prefixd on its own); check the GPU with nvidia-smi and prefixctl cuda-info",
                      what, cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
