@@ -353,6 +353,11 @@ int pd_cuda_selftest(int index, double *max_abs_err, pd_error *err);
 /* Measured device-to-device copy bandwidth of device `index` (bytes/s),
  * copying `bytes` a few times; the bound decode speed is compared with. */
 int pd_cuda_copy_bandwidth(int index, size_t bytes, double *bytes_per_s, pd_error *err);
+/* Device bytes the CUDA backend holds for a rows x cols weight of type t:
+ * the file's bytes for the types with native kernels (docs/gpu.md), 2 per
+ * element for other quantized types (held as bf16), 0 for a type it cannot
+ * hold or a build without CUDA. */
+uint64_t pd_cuda_weight_bytes(pd_type t, int64_t rows, int64_t cols);
 
 #ifdef __cplusplus
 }

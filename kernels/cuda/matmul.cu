@@ -1,7 +1,8 @@
 // Weights on the device and the products with them: prepare_weight (the
-// one-time upload, quantized types dequantized to bf16 on the host),
-// matmul (a GEMV kernel for decode-sized batches, cuBLAS for larger ones)
-// and get_rows (embedding lookup).
+// one-time upload: quantized types with native kernels in their GGUF blocks,
+// other quantized types dequantized to bf16 on the host), matmul (a GEMV
+// kernel for decode-sized batches, cuBLAS for larger ones) and get_rows
+// (embedding lookup). The native quantized kernels are in quant.cu.
 #include "kernels/cuda/cuda_internal.h"
 
 #include <cuda_bf16.h>
@@ -19,9 +20,13 @@
 // x converted to 16-bit per GEMM call at most this many elements at a time,
 // which bounds the MATMUL scratch (64 MiB).
 #define GEMM_X_ELEMS ((int64_t)32 << 20)
-// Quantized weights are dequantized on the host this many bf16 elements
-// (8 MiB) at a time.
+// Quantized weights without native kernels are dequantized on the host this
+// many bf16 elements (8 MiB) at a time.
 #define DEQUANT_CHUNK_ELEMS ((int64_t)4 << 20)
+// A native quantized weight is multiplied by a prefill batch in chunks of
+// rows dequantized to bf16 on the device, at most this many elements
+// (64 MiB) at a time.
+#define GEMM_W_ELEMS ((int64_t)32 << 20)
 
 /* ------------------------------------------------------------------------
  * device weight types
@@ -75,6 +80,23 @@ struct w_f32 {
  * ------------------------------------------------------------------------ */
 
 static size_t dev_elem_size(pd_type t) { return t == PD_TYPE_F32 ? 4 : 2; }
+
+// The type a weight of type t is held as on the device (PD_TYPE_COUNT: it
+// cannot be).
+static pd_type dev_type_of(pd_type t) {
+    int64_t qk, qb;
+    if (t == PD_TYPE_F32 || t == PD_TYPE_F16 || t == PD_TYPE_BF16 || cuda_quant_block(t, &qk, &qb)) return t;
+    const pd_type_traits *tr = pd_type_get((uint32_t)t);
+    return tr && tr->can_dequantize ? PD_TYPE_BF16 : PD_TYPE_COUNT;
+}
+
+extern "C" uint64_t pd_cuda_weight_bytes(pd_type t, int64_t rows, int64_t cols) {
+    const pd_type dt = dev_type_of(t);
+    if (dt == PD_TYPE_COUNT || rows <= 0 || cols <= 0) return 0;
+    int64_t qk, qb;
+    if (cuda_quant_block(dt, &qk, &qb)) return (uint64_t)rows * (uint64_t)(cols / qk) * (uint64_t)qb;
+    return (uint64_t)rows * (uint64_t)cols * dev_elem_size(dt);
+}
 
 // One chunk of rows dequantized to bf16, split across the host pool.
 typedef struct dequant_job {
@@ -154,26 +176,35 @@ done:
 // Upload w as a new table entry.
 static int weight_upload(cuda_backend *cb, const pd_weight *w, const cuda_weight_entry **out, pd_error *err) {
     const pd_type_traits *tr = pd_type_get((uint32_t)w->type);
-    pd_type dev_type;
-    if (w->type == PD_TYPE_F32 || w->type == PD_TYPE_F16 || w->type == PD_TYPE_BF16)
-        dev_type = w->type;
-    else if (tr && tr->can_dequantize)
-        dev_type = PD_TYPE_BF16;
-    else
+    const pd_type dev_type = dev_type_of(w->type);
+    if (dev_type == PD_TYPE_COUNT)
         return pd_errorf(err, PD_EUNSUPPORTED, "cuda backend: weights of type %s are not supported",
                          tr ? tr->name : "(unknown)");
     // cuBLAS takes int dimensions.
     if (w->rows > INT_MAX || w->cols > INT_MAX)
         return pd_errorf(err, PD_ERANGE, "cuda backend: weight of %lld x %lld is too large", (long long)w->rows,
                          (long long)w->cols);
-    const size_t es = dev_elem_size(dev_type);
-    if (dev_type == w->type && w->row_bytes != (size_t)w->cols * es)
-        return pd_errorf(err, PD_EINVAL, "cuda backend: weight rows of %zu bytes, expected %lld x %zu", w->row_bytes,
-                         (long long)w->cols, es);
-    if ((uint64_t)w->rows > (uint64_t)PTRDIFF_MAX / ((uint64_t)w->cols * es))
+    // Bytes per row on the device: the file's rows for native types.
+    int64_t qk, qb;
+    const bool native_quant = cuda_quant_block(dev_type, &qk, &qb);
+    size_t dev_row_bytes;
+    if (native_quant) {
+        if (w->cols % qk != 0 || w->row_bytes != (size_t)(w->cols / qk * qb))
+            return pd_errorf(err, PD_EINVAL, "cuda backend: %s weight rows of %lld elements in %zu bytes, expected "
+                             "whole blocks of %lld elements in %lld bytes",
+                             tr->name, (long long)w->cols, w->row_bytes, (long long)qk, (long long)qb);
+        dev_row_bytes = w->row_bytes;
+    } else {
+        const size_t es = dev_elem_size(dev_type);
+        if (dev_type == w->type && w->row_bytes != (size_t)w->cols * es)
+            return pd_errorf(err, PD_EINVAL, "cuda backend: weight rows of %zu bytes, expected %lld x %zu",
+                             w->row_bytes, (long long)w->cols, es);
+        dev_row_bytes = (size_t)w->cols * es;
+    }
+    if ((uint64_t)w->rows > (uint64_t)PTRDIFF_MAX / (uint64_t)dev_row_bytes)
         return pd_errorf(err, PD_ERANGE, "cuda backend: weight of %lld x %lld overflows", (long long)w->rows,
                          (long long)w->cols);
-    const size_t bytes = (size_t)w->rows * (size_t)w->cols * es;
+    const size_t bytes = (size_t)w->rows * dev_row_bytes;
 
     void *dev = NULL;
     int rc = cuda_malloc(cb, &dev, bytes, "a weight", err);
@@ -190,6 +221,7 @@ static int weight_upload(cuda_backend *cb, const pd_weight *w, const cuda_weight
     e.cols = w->cols;
     e.dev = dev;
     e.dev_type = dev_type;
+    e.dev_bytes = bytes;
     const cuda_weight_entry *added = rc ? NULL : cuda_weight_add(cb, &e, err);
     if (!added) {
         if (!rc) rc = err ? err->code : PD_ENOMEM;
@@ -400,6 +432,44 @@ __global__ void unscale_rows_kernel(float *__restrict__ y, const float *__restri
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) y[i] *= scales[i / rows];
 }
 
+// A native quantized weight times n > 8 tokens: for each chunk of tokens,
+// x to bf16 once, then chunks of the weight's rows dequantized to bf16 in
+// scratch (GEMM_W_ELEMS at most, so no bf16 copy of the weight is kept)
+// and multiplied by cuBLAS into the matching rows of y (ldc = rows).
+static int gemm_quant(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y,
+                      pd_error *err) {
+    const int rows = (int)e->rows, cols = (int)e->cols;
+    const float alpha = 1.0f, beta = 0.0f;
+    int64_t chunk = GEMM_X_ELEMS / cols, wrows = GEMM_W_ELEMS / cols;
+    if (chunk < 1) chunk = 1;
+    if (wrows < 1) wrows = 1;
+    if (wrows > rows) wrows = rows;
+    const int64_t first = n < chunk ? n : chunk;
+    void *xs = cuda_scratch_get(cb, CUDA_SCRATCH_MATMUL, (size_t)(first * cols) * 2, err);
+    if (!xs) return err ? err->code : PD_ENOMEM;
+    void *ws = cuda_scratch_get(cb, CUDA_SCRATCH_WEIGHT, (size_t)(wrows * cols) * 2, err);
+    if (!ws) return err ? err->code : PD_ENOMEM;
+    for (int64_t t0 = 0; t0 < n; t0 += chunk) {
+        const int nn = (int)(n - t0 < chunk ? n - t0 : chunk);
+        const int64_t count = (int64_t)nn * cols;
+        f32_to_bf16_kernel<<<cuda_grid_blocks(cb, count, 256), 256, 0, cb->stream>>>(x + t0 * cols,
+                                                                                    (__nv_bfloat16 *)xs, count);
+        int rc = cuda_check_launch(err, "matmul (convert x)");
+        if (rc) return rc;
+        for (int64_t r0 = 0; r0 < rows; r0 += wrows) {
+            const int nr = (int)(rows - r0 < wrows ? rows - r0 : wrows);
+            rc = cuda_quant_dequantize(cb, e, NULL, r0, nr, true, ws, err);
+            if (rc) return rc;
+            const cublasStatus_t s =
+                cublasGemmEx(cb->cublas, CUBLAS_OP_T, CUBLAS_OP_N, nr, nn, cols, &alpha, ws, CUDA_R_16BF, cols, xs,
+                             CUDA_R_16BF, cols, &beta, y + t0 * rows + r0, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F,
+                             CUBLAS_GEMM_DEFAULT);
+            if (s != CUBLAS_STATUS_SUCCESS) return cublas_fail(err, s, "cublasGemmEx (quantized matmul)");
+        }
+    }
+    return PD_OK;
+}
+
 static int gemm(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y, pd_error *err) {
     const int rows = (int)e->rows, cols = (int)e->cols;
     const float alpha = 1.0f, beta = 0.0f;
@@ -464,6 +534,9 @@ int cuda_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, f
     const cuda_weight_entry *e;
     rc = weight_get(cb, w, &e, err);
     if (rc) return rc;
+    int64_t qk, qb;
+    if (cuda_quant_block(e->dev_type, &qk, &qb))
+        return n > GEMV_MAX_N ? gemm_quant(cb, e, x, n, y, err) : cuda_quant_gemv(cb, e, x, n, y, err);
     if (n > GEMV_MAX_N) return gemm(cb, e, x, n, y, err);
     switch (e->dev_type) {
     case PD_TYPE_BF16: return gemv_any<w_bf16>(cb, e, x, n, y, err);
@@ -509,6 +582,8 @@ int cuda_get_rows(pd_backend *be, const pd_weight *w, const int32_t *ids, int64_
     if (!ids_dev) return err ? err->code : PD_ENOMEM;
     rc = cuda_upload(cb, ids_dev, ids, (size_t)n * sizeof(int32_t), err);
     if (rc) return rc;
+    int64_t qk, qb;
+    if (cuda_quant_block(e->dev_type, &qk, &qb)) return cuda_quant_dequantize(cb, e, ids_dev, 0, n, false, out, err);
     const unsigned blocks = cuda_grid_blocks(cb, n * e->cols, 256);
     switch (e->dev_type) {
     case PD_TYPE_BF16:
