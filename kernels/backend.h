@@ -229,9 +229,11 @@ void pd_backend_forget_weight(pd_backend *be, const pd_weight *w);
  * 256 for the 256-element ones, scale amax/127 kept in float), so each
  * output is within sum_i |W[r,i]| * amax(block of i) / 254 (plus float
  * rounding) of the exact product; where a GEMM on dequantized weights
- * serves large n the error is only float rounding. Accuracy (CUDA):
- * weights in f16/bf16 (quantized ones dequantized to bf16 at upload), x
- * rounded to bf16 for tensor-core GEMMs, f32 accumulation. */
+ * serves large n the error is only float rounding. Accuracy (CUDA): up to
+ * 8 tokens, f32 x and f32 accumulation with the weights as stored (native
+ * quantized types dequantized exactly in registers, others held as bf16);
+ * larger n, weights and x rounded to bf16 (f16) for tensor-core GEMMs, f32
+ * accumulation. */
 int pd_backend_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y, pd_error *err);
 /* out[i][:] = dequantized row ids[i] of W (embedding lookup); ids is
  * host memory. */

@@ -4,10 +4,12 @@
 // to bf16 (prefill GEMM, a chunk of rows at a time) or to f32 (get_rows).
 //
 // Every block type is described by one trait: elements and bytes per block
-// and deq8(), which returns 8 consecutive elements ("a piece") of a block
-// with ggml's float operations in ggml's order (products and differences
-// rounded separately, no FMA contraction), so the values are bit-identical
-// to pd_dequantize_row's. Layouts: kernels/cpu/quant.c and quant_kq.c.
+// and piece(), which unpacks 8 consecutive elements ("a piece") of a block
+// as small integers q with a scale and a min (w = scale * q - min). The
+// dequantizer does ggml's float operations in ggml's order on them
+// (products and differences rounded separately, no FMA contraction), so its
+// values are bit-identical to pd_dequantize_row's. Layouts:
+// kernels/cpu/quant.c and quant_kq.c.
 //
 // Blocks are not always 4-byte aligned on the device (34, 18, 210, 110
 // bytes), so each trait reads its bytes with loads no wider than its block
@@ -61,142 +63,162 @@ static __device__ __forceinline__ void q_scale_min_k4(int j, const uint8_t *s, f
     }
 }
 
+// The float value of a small integer v = u - bias, u < 2^23: 2^23 + u is
+// built in the bits (one logic op and one exact subtraction, no
+// int-to-float conversion, which runs at a quarter of the FMA rate).
+static __device__ __forceinline__ float q_int_f(uint32_t u, float bias) {
+    return __uint_as_float(0x4b000000u | u) - (8388608.0f + bias);
+}
+
 /* ------------------------------------------------------------------------
- * block traits: QK elements in BYTES bytes; deq8(b, p, f) sets f[k] to
- * element 8p + k of block b (p < QK / 8)
+ * block traits: QK elements in BYTES bytes. piece(b, p, q, scale, min)
+ * gives elements 8p + k (p < QK / 8) of block b as
+ *     w[k] = scale * q[k] - min    (each operation rounded: ggml's order)
+ * with q[k] small integers held exactly in floats; HAS_MIN false means min
+ * is 0. deq8() turns a piece into its 8 values.
  * ------------------------------------------------------------------------ */
 
-struct q_q8_0 { // fp16 d; int8 qs[32]
+struct q_q8_0 { // fp16 d; int8 qs[32]: w = q * d
     static constexpr int QK = 32, BYTES = 34;
-    static __device__ __forceinline__ void deq8(const uint8_t *b, int p, float *f) {
-        const float d = q_half(b);
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void piece(const uint8_t *b, int p, float *q, float *scale, float *min) {
+        *scale = q_half(b), *min = 0.0f;
         uint32_t lo, hi;
         q_load8_a2(b + 2 + 8 * p, &lo, &hi);
 #pragma unroll
-        for (int k = 0; k < 8; k++) f[k] = __fmul_rn((float)(int8_t)q_byte(lo, hi, k), d);
+        for (int k = 0; k < 8; k++) q[k] = q_int_f(q_byte(lo, hi, k) ^ 0x80u, 128.0f); // int8 biased by 128
     }
 };
 
-struct q_q4_0 { // fp16 d; qs[16]: low nibble element j, high nibble j + 16
+struct q_q4_0 { // fp16 d; qs[16]: low nibble element j, high nibble j + 16; w = (q - 8) * d
     static constexpr int QK = 32, BYTES = 18;
-    static __device__ __forceinline__ void deq8(const uint8_t *b, int p, float *f) {
-        const float d = q_half(b);
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void piece(const uint8_t *b, int p, float *q, float *scale, float *min) {
+        *scale = q_half(b), *min = 0.0f;
         uint32_t lo, hi;
         q_load8_a2(b + 2 + 8 * (p & 1), &lo, &hi);
         const int shift = p < 2 ? 0 : 4;
 #pragma unroll
-        for (int k = 0; k < 8; k++) f[k] = __fmul_rn((float)((int)((q_byte(lo, hi, k) >> shift) & 15u) - 8), d);
+        for (int k = 0; k < 8; k++) q[k] = q_int_f((q_byte(lo, hi, k) >> shift) & 15u, 8.0f);
     }
 };
 
-struct q_q4_K { // fp16 d, dmin; scales[12]; qs[128]
+struct q_q4_K { // fp16 d, dmin; scales[12]; qs[128]: w = d*sc * q - dmin*m
     static constexpr int QK = 256, BYTES = 144;
-    static __device__ __forceinline__ void deq8(const uint8_t *b, int p, float *f) {
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ void piece(const uint8_t *b, int p, float *q, float *scale, float *min) {
         const int j = p >> 2, c = j >> 1; // sub-block of 32, chunk of 64
         float sc, m;
         q_scale_min_k4(j, b + 4, &sc, &m);
-        const float d1 = __fmul_rn(q_half(b), sc), m1 = __fmul_rn(q_half(b + 2), m);
+        *scale = __fmul_rn(q_half(b), sc), *min = __fmul_rn(q_half(b + 2), m);
         uint32_t lo, hi;
         q_load8_a8(b + 16 + 32 * c + 8 * (p & 3), &lo, &hi);
         const int shift = 4 * (j & 1);
 #pragma unroll
-        for (int k = 0; k < 8; k++) f[k] = q_mul_sub(d1, (float)((q_byte(lo, hi, k) >> shift) & 15u), m1);
+        for (int k = 0; k < 8; k++) q[k] = q_int_f((q_byte(lo, hi, k) >> shift) & 15u, 0.0f);
     }
 };
 
-struct q_q5_K { // fp16 d, dmin; scales[12]; qh[32]; qs[128]
+struct q_q5_K { // fp16 d, dmin; scales[12]; qh[32]; qs[128]: as q4_K, q with a fifth bit
     static constexpr int QK = 256, BYTES = 176;
-    static __device__ __forceinline__ void deq8(const uint8_t *b, int p, float *f) {
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ void piece(const uint8_t *b, int p, float *q, float *scale, float *min) {
         const int j = p >> 2, c = j >> 1, l0 = 8 * (p & 3);
         float sc, m;
         q_scale_min_k4(j, b + 4, &sc, &m);
-        const float d1 = __fmul_rn(q_half(b), sc), m1 = __fmul_rn(q_half(b + 2), m);
+        *scale = __fmul_rn(q_half(b), sc), *min = __fmul_rn(q_half(b + 2), m);
         uint32_t lo, hi, hlo, hhi;
         q_load8_a8(b + 48 + 32 * c + l0, &lo, &hi);
         q_load8_a8(b + 16 + l0, &hlo, &hhi);
         const int shift = 4 * (j & 1), hbit = j; // bit 2c (+1 for the high nibbles) of qh
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const uint32_t q = ((q_byte(lo, hi, k) >> shift) & 15u) + (((q_byte(hlo, hhi, k) >> hbit) & 1u) << 4);
-            f[k] = q_mul_sub(d1, (float)q, m1);
-        }
+        for (int k = 0; k < 8; k++)
+            q[k] = q_int_f(((q_byte(lo, hi, k) >> shift) & 15u) | (((q_byte(hlo, hhi, k) >> hbit) & 1u) << 4), 0.0f);
     }
 };
 
-struct q_q6_K { // ql[128]; qh[64]; int8 scales[16]; fp16 d
+struct q_q6_K { // ql[128]; qh[64]; int8 scales[16]; fp16 d: w = d*sc * (q - 32)
     static constexpr int QK = 256, BYTES = 210;
-    static __device__ __forceinline__ void deq8(const uint8_t *b, int p, float *f) {
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void piece(const uint8_t *b, int p, float *q, float *scale, float *min) {
         const int h = p >> 4, g = (p >> 2) & 3, l0 = 8 * (p & 3); // half of 128, quarter of 32
-        const float s = __fmul_rn(q_half(b + 208), (float)(int8_t)b[192 + 8 * h + (l0 >> 4) + 2 * g]);
+        *scale = __fmul_rn(q_half(b + 208), (float)(int8_t)b[192 + 8 * h + (l0 >> 4) + 2 * g]), *min = 0.0f;
         uint32_t lo, hi, hlo, hhi;
         q_load8_a2(b + 64 * h + 32 * (g & 1) + l0, &lo, &hi);
         q_load8_a2(b + 128 + 32 * h + l0, &hlo, &hhi);
         const int shift = 4 * (g >> 1);
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const int q = (int)(((q_byte(lo, hi, k) >> shift) & 15u) | (((q_byte(hlo, hhi, k) >> (2 * g)) & 3u) << 4));
-            f[k] = __fmul_rn(s, (float)(q - 32));
-        }
+        for (int k = 0; k < 8; k++)
+            q[k] = q_int_f(((q_byte(lo, hi, k) >> shift) & 15u) | (((q_byte(hlo, hhi, k) >> (2 * g)) & 3u) << 4), 32.0f);
     }
 };
 
 // q2_K and q3_K: element e = 128h + 32j + 16s + l (l < 16) has its 2 low
 // bits at bit 2j of qs[32h + 16s + l] and its scale at index 8h + 2j + s.
-struct q_q2_K { // scales[16]; qs[64]; fp16 d, dmin
+struct q_q2_K { // scales[16]; qs[64]; fp16 d, dmin: w = d*sc * q - dmin*m
     static constexpr int QK = 256, BYTES = 84;
-    static __device__ __forceinline__ void deq8(const uint8_t *b, int p, float *f) {
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ void piece(const uint8_t *b, int p, float *q, float *scale, float *min) {
         const int h = p >> 4, j = (p >> 2) & 3, s = (p >> 1) & 1, l0 = 8 * (p & 1);
         const uint32_t sb = b[8 * h + 2 * j + s];
-        const float dl = __fmul_rn(q_half(b + 80), (float)(sb & 15u));
-        const float ml = __fmul_rn(q_half(b + 82), (float)(sb >> 4));
-        const uint32_t *q = (const uint32_t *)(b + 16 + 32 * h + 16 * s + l0); // 4-byte aligned
-        const uint32_t lo = q[0], hi = q[1];
+        *scale = __fmul_rn(q_half(b + 80), (float)(sb & 15u));
+        *min = __fmul_rn(q_half(b + 82), (float)(sb >> 4));
+        const uint32_t *qs = (const uint32_t *)(b + 16 + 32 * h + 16 * s + l0); // 4-byte aligned
+        const uint32_t lo = qs[0], hi = qs[1];
 #pragma unroll
-        for (int k = 0; k < 8; k++) f[k] = q_mul_sub(dl, (float)((q_byte(lo, hi, k) >> (2 * j)) & 3u), ml);
+        for (int k = 0; k < 8; k++) q[k] = q_int_f((q_byte(lo, hi, k) >> (2 * j)) & 3u, 0.0f);
     }
 };
 
-struct q_q3_K { // hmask[32]; qs[64]; scales[12]; fp16 d
+struct q_q3_K { // hmask[32]; qs[64]; scales[12]; fp16 d: w = d*(s - 32) * (q - 4)
     static constexpr int QK = 256, BYTES = 110;
-    static __device__ __forceinline__ void deq8(const uint8_t *b, int p, float *f) {
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void piece(const uint8_t *b, int p, float *q, float *scale, float *min) {
         const int h = p >> 4, j = (p >> 2) & 3, s = (p >> 1) & 1, l0 = 8 * (p & 1);
         const int is = 8 * h + 2 * j + s;
         const uint8_t *sc = b + 96;
         const uint32_t low = is < 8 ? (sc[is] & 15u) : (uint32_t)(sc[is - 8] >> 4);
         const uint32_t high = (sc[8 + (is & 3)] >> (2 * (is >> 2))) & 3u;
-        const float dl = __fmul_rn(q_half(b + 108), (float)((int)(low | (high << 4)) - 32));
+        *scale = __fmul_rn(q_half(b + 108), (float)((int)(low | (high << 4)) - 32)), *min = 0.0f;
         uint32_t lo, hi, mlo, mhi;
         q_load8_a2(b + 32 + 32 * h + 16 * s + l0, &lo, &hi);
         q_load8_a2(b + 16 * s + l0, &mlo, &mhi);
         const int mbit = 4 * h + j;
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const int v = (int)((q_byte(lo, hi, k) >> (2 * j)) & 3u) - (((q_byte(mlo, mhi, k) >> mbit) & 1u) ? 0 : 4);
-            f[k] = __fmul_rn(dl, (float)v);
-        }
+        for (int k = 0; k < 8; k++) // 2 low bits, + 4 where the hmask bit is set, - 4
+            q[k] = q_int_f(((q_byte(lo, hi, k) >> (2 * j)) & 3u) | (((q_byte(mlo, mhi, k) >> mbit) & 1u) << 2), 4.0f);
     }
 };
 
-// IQ4_NL's 16 values (cpu_iq4nl_values), packed two words of int8.
-static __device__ __forceinline__ int q_iq4_value(uint32_t i) {
-    const uint64_t lo = 0xf6eaddcfbfad9881ull, hi = 0x7159453526190d01ull;
-    return (int)(int8_t)(((i < 8 ? lo : hi) >> (8 * (i & 7))) & 0xffu);
+// IQ4_NL's 16 values (cpu_iq4nl_values) plus 128, packed in two words.
+static __device__ __forceinline__ uint32_t q_iq4_biased(uint32_t i) {
+    const uint64_t lo = 0x766a5d4f3f2d1801ull, hi = 0xf1d9c5b5a6998d81ull;
+    return (uint32_t)((i < 8 ? lo : hi) >> (8 * (i & 7))) & 0xffu;
 }
 
-struct q_iq4_xs { // fp16 d; uint16 scales_h; scales_l[4]; qs[128]
+struct q_iq4_xs { // fp16 d; uint16 scales_h; scales_l[4]; qs[128]: w = d*(s - 32) * value
     static constexpr int QK = 256, BYTES = 136;
-    static __device__ __forceinline__ void deq8(const uint8_t *b, int p, float *f) {
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void piece(const uint8_t *b, int p, float *q, float *scale, float *min) {
         const int ib = p >> 2, part = p & 3;
         const uint32_t scales_h = *(const unsigned short *)(b + 2);
         const int ls = (int)(((b[4 + ib / 2] >> (4 * (ib & 1))) & 15u) | (((scales_h >> (2 * ib)) & 3u) << 4));
-        const float dl = __fmul_rn(q_half(b), (float)(ls - 32));
+        *scale = __fmul_rn(q_half(b), (float)(ls - 32)), *min = 0.0f;
         uint32_t lo, hi;
         q_load8_a8(b + 8 + 16 * ib + 8 * (part & 1), &lo, &hi);
         const int shift = part < 2 ? 0 : 4;
 #pragma unroll
-        for (int k = 0; k < 8; k++) f[k] = __fmul_rn(dl, (float)q_iq4_value((q_byte(lo, hi, k) >> shift) & 15u));
+        for (int k = 0; k < 8; k++) q[k] = q_int_f(q_iq4_biased((q_byte(lo, hi, k) >> shift) & 15u), 128.0f);
     }
 };
+
+// Elements 8p .. 8p + 7 of block b, bit-identical to pd_dequantize_row.
+template <class QT> static __device__ __forceinline__ void q_deq8(const uint8_t *b, int p, float *f) {
+    float q[8], scale, min;
+    QT::piece(b, p, q, &scale, &min);
+#pragma unroll
+    for (int k = 0; k < 8; k++) f[k] = QT::HAS_MIN ? q_mul_sub(scale, q[k], min) : __fmul_rn(scale, q[k]);
+}
 
 /* ------------------------------------------------------------------------
  * GEMV: n <= 8 tokens
@@ -204,11 +226,15 @@ struct q_iq4_xs { // fp16 d; uint16 scales_h; scales_l[4]; qs[128]
  * Block b computes rows [b*R, b*R + R) for all N tokens. A row is a run of
  * pieces (8 elements each, QK/8 per block); thread t takes pieces t,
  * t + THREADS, ..., so a warp reads a contiguous stretch of blocks, and
- * dequantizes each piece of its R rows in registers once for all N tokens:
+ * unpacks each piece of its R rows in registers once for all N tokens:
  * every weight byte is read once per call. x is read through the read-only
- * cache (8 floats per piece per token, shared by the R rows), weights with
- * evict-first loads. Partial sums: warp shuffles, then the block's warps in
- * shared memory in a fixed order (as the 16-bit GEMV).
+ * cache (8 floats per piece per token, shared by the R rows). A piece adds
+ * scale * dot(q, x) - min * sum(x) (sum(x) shared by the R rows), which is
+ * its exact dot product up to f32 rounding: per weight, one unpack and one
+ * FMA per token, where dequantizing first would add a multiply and a
+ * subtraction per weight. Partial sums: warp
+ * shuffles, then the block's warps in shared memory in a fixed order (as
+ * the 16-bit GEMV).
  * ------------------------------------------------------------------------ */
 
 template <bool XVEC>
@@ -239,23 +265,31 @@ __global__ void __launch_bounds__(QGEMV_THREADS)
     for (int64_t pc = threadIdx.x; pc < pieces; pc += QGEMV_THREADS) {
         const int64_t blk = pc / P;
         const int p = (int)(pc - blk * P);
-        float wf[R][8];
+        float q[R][8], scale[R], min[R];
 #pragma unroll
         for (int r = 0; r < R; r++) {
             // Rows past the end (last block) re-read the last row; their
             // sums are never stored.
             const int64_t row = row0 + r < rows ? row0 + r : rows - 1;
-            QT::deq8(w + row * row_bytes + blk * QT::BYTES, p, wf[r]);
+            QT::piece(w + row * row_bytes + blk * QT::BYTES, p, q[r], &scale[r], &min[r]);
         }
         const int64_t c0 = blk * QT::QK + 8 * p;
 #pragma unroll
         for (int t = 0; t < N; t++) {
             float xf[8];
             q_load_x8<XVEC>(x + t * cols + c0, xf);
+            float sx = 0.0f;
+            if (QT::HAS_MIN)
 #pragma unroll
-            for (int r = 0; r < R; r++)
+                for (int k = 0; k < 8; k++) sx += xf[k];
 #pragma unroll
-                for (int k = 0; k < 8; k++) acc[t][r] = fmaf(wf[r][k], xf[k], acc[t][r]);
+            for (int r = 0; r < R; r++) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 8; k++) dot = fmaf(q[r][k], xf[k], dot);
+                acc[t][r] = fmaf(scale[r], dot, acc[t][r]);
+                if (QT::HAS_MIN) acc[t][r] = fmaf(-min[r], sx, acc[t][r]);
+            }
         }
     }
 
@@ -334,7 +368,7 @@ __global__ void qdequant_kernel(const uint8_t *__restrict__ w, const int32_t *__
         const int p = (int)(pc - blk * P);
         const int64_t row = ids ? (int64_t)ids[orow] : r0 + orow;
         float f[8];
-        QT::deq8(w + row * row_bytes + blk * QT::BYTES, p, f);
+        q_deq8<QT>(w + row * row_bytes + blk * QT::BYTES, p, f);
         const int64_t o = orow * cols + blk * QT::QK + 8 * p; // a multiple of 8
         if (BF16) {
             uint4 v;
