@@ -34,7 +34,8 @@
                          pd_cuda_compiled() ? "yes" : "no");                                                   \
     } while (0)
 
-static const pd_type native_types[] = {PD_TYPE_Q8_0, PD_TYPE_Q4_0, PD_TYPE_Q2_K, PD_TYPE_Q3_K,
+static const pd_type native_types[] = {PD_TYPE_Q8_0, PD_TYPE_Q4_0, PD_TYPE_Q4_1, PD_TYPE_Q5_0,
+                                       PD_TYPE_Q5_1, PD_TYPE_IQ4_NL, PD_TYPE_Q2_K, PD_TYPE_Q3_K,
                                        PD_TYPE_Q4_K, PD_TYPE_Q5_K, PD_TYPE_Q6_K, PD_TYPE_IQ4_XS};
 #define N_NATIVE (sizeof native_types / sizeof native_types[0])
 
@@ -262,14 +263,15 @@ Test(cuda_quant, native_types_against_the_cpu) {
     for (int i = 0; i < n_keep; i++) free_qweight(&keep[i]);
 }
 
-Test(cuda_quant, other_types_are_held_as_bf16) {
-    /* No device needed: the accounting is a property of the build. Types
-     * without native kernels are dequantized to bf16 at upload. */
+Test(cuda_quant, device_bytes_per_type) {
+    /* No device needed: the accounting is a property of the build. */
     if (!pd_cuda_compiled()) {
         cr_assert_eq(pd_cuda_weight_bytes(PD_TYPE_Q4_K, 4, 256), 0);
         return;
     }
-    cr_assert_eq(pd_cuda_weight_bytes(PD_TYPE_Q5_1, 4, 256), 4 * 256 * 2);
+    /* A type the CPU cannot dequantize cannot be held either. */
+    cr_assert_eq(pd_cuda_weight_bytes(PD_TYPE_Q8_1, 4, 256), 0);
+    cr_assert_eq(pd_cuda_weight_bytes(PD_TYPE_Q5_1, 4, 256), 4 * 8 * 24);
     cr_assert_eq(pd_cuda_weight_bytes(PD_TYPE_BF16, 4, 256), 4 * 256 * 2);
     cr_assert_eq(pd_cuda_weight_bytes(PD_TYPE_F32, 4, 256), 4 * 256 * 4);
     cr_assert_eq(pd_cuda_weight_bytes(PD_TYPE_Q4_K, 4, 512), 4 * 2 * 144);

@@ -39,8 +39,8 @@
  *       (8 sequences sharing the prefix in one pd_decode call);
  *   (e) on CUDA, the memory-bandwidth bound of decode: bytes of weights read
  *       per step (every matrix as the device stores it, pd_cuda_weight_bytes:
- *       quantized types with native kernels as their file blocks, other
- *       quantized types as bf16, f32 4 bytes per element, f16/bf16 2; the
+ *       quantized types as their file blocks, f32 4 bytes per element,
+ *       f16/bf16 2; the
  *       embedding table counts only when it is also the output matrix)
  *       divided into the measured device copy bandwidth, and the batch-1
  *       measured / bound ratio. KV reads are left out of the bound.
@@ -310,8 +310,8 @@ static uint64_t device_weight_bytes(const pd_model *m) {
 
 /* Bytes of weights one decode step reads: every matrix (2-D or more) as
  * stored in the file (the CPU), or as the CUDA backend stores it
- * (as_device, pd_cuda_weight_bytes: native quantized types as their file
- * blocks, other quantized types as bf16, f32 4 bytes per element). The
+ * (as_device, pd_cuda_weight_bytes: quantized types as their file blocks,
+ * f32 4 bytes per element, f16/bf16 2). The
  * embedding table is read one row per token, so it counts only when it is
  * also the output matrix (no output.weight). */
 static uint64_t decode_weight_bytes(const pd_model *m, bool as_device) {
@@ -722,7 +722,7 @@ int main(int argc, char **argv) {
         printf("; TTFT = attach + %d-token suffix + first logits; decode after the suffix, %ld steps\n",
                SUFFIX_TOKENS, n_gen);
         if (on_cuda)
-            printf("device weights: %.3g GB (quantized types with native kernels in their file blocks)\n"
+            printf("device weights: %.3g GB (quantized types in their file blocks)\n"
                    "bound: %.3g GB of weights per decode step / %.1f GB/s measured copy bandwidth = %.1f tok/s\n",
                    (double)device_weight_bytes(m) / 1e9, (double)wbytes / 1e9, bandwidth / 1e9, bound_tps);
         printf("%7s %12s %11s %12s %9s %9s %6s %10s %9s %10s %10s %10s %8s\n", "prefix", "prefill t/s", "prefill ms",

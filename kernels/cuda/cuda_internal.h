@@ -22,9 +22,9 @@ typedef struct cuda_scratch {
 
 // The device copy of one weight (backend.cu keeps the table, matmul.cu fills
 // it): `rows` rows of `cols` elements of dev_type, row-major and contiguous,
-// made from the host tensor at `host`. dev_type is F32, F16 or BF16, or a
-// quantized type with native kernels (quant.cu), whose rows are the GGUF
-// tensor's blocks as they are; other quantized types are held as BF16.
+// made from the host tensor at `host`. dev_type is the host type: F32, F16,
+// BF16, or a quantized type whose rows are the GGUF tensor's blocks as they
+// are (kernels in quant.cu).
 typedef struct cuda_weight_entry {
     const void *host; // key: pd_weight.data
     pd_type type;     // the host tensor's type
@@ -52,9 +52,6 @@ typedef struct cuda_backend {
     // weight_slots a power of two kept at most half full.
     int64_t *weight_index;
     int64_t weight_slots;
-    // Host threads that dequantize quantized weights for upload (made on
-    // first need; NULL until then or if they could not be started).
-    pd_threadpool *host_pool;
     // A failure seen where it could not be returned (release), reported by
     // the next sync or download.
     cudaError_t deferred;

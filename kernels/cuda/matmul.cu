@@ -1,8 +1,7 @@
 // Weights on the device and the products with them: prepare_weight (the
-// one-time upload: quantized types with native kernels in their GGUF blocks,
-// other quantized types dequantized to bf16 on the host), matmul (a GEMV
-// kernel for decode-sized batches, cuBLAS for larger ones) and get_rows
-// (embedding lookup). The native quantized kernels are in quant.cu.
+// one-time upload; quantized types stay in their GGUF blocks), matmul (a
+// GEMV kernel for decode-sized batches, cuBLAS for larger ones) and
+// get_rows (embedding lookup). The quantized kernels are in quant.cu.
 #include "kernels/cuda/cuda_internal.h"
 
 #include <cuda_bf16.h>
@@ -20,10 +19,7 @@
 // x converted to 16-bit per GEMM call at most this many elements at a time,
 // which bounds the MATMUL scratch (64 MiB).
 #define GEMM_X_ELEMS ((int64_t)32 << 20)
-// Quantized weights without native kernels are dequantized on the host this
-// many bf16 elements (8 MiB) at a time.
-#define DEQUANT_CHUNK_ELEMS ((int64_t)4 << 20)
-// A native quantized weight is multiplied by a prefill batch in chunks of
+// A quantized weight is multiplied by a prefill batch in chunks of
 // rows dequantized to bf16 on the device, at most this many elements
 // (64 MiB) at a time.
 #define GEMM_W_ELEMS ((int64_t)32 << 20)
@@ -81,103 +77,26 @@ struct w_f32 {
 
 static size_t dev_elem_size(pd_type t) { return t == PD_TYPE_F32 ? 4 : 2; }
 
-// The type a weight of type t is held as on the device (PD_TYPE_COUNT: it
-// cannot be).
-static pd_type dev_type_of(pd_type t) {
+// Whether the device can hold weights of type t: float types as they are,
+// quantized types in their blocks (quant.cu has kernels for every type the
+// CPU can dequantize).
+static bool dev_type_ok(pd_type t) {
     int64_t qk, qb;
-    if (t == PD_TYPE_F32 || t == PD_TYPE_F16 || t == PD_TYPE_BF16 || cuda_quant_block(t, &qk, &qb)) return t;
-    const pd_type_traits *tr = pd_type_get((uint32_t)t);
-    return tr && tr->can_dequantize ? PD_TYPE_BF16 : PD_TYPE_COUNT;
+    return t == PD_TYPE_F32 || t == PD_TYPE_F16 || t == PD_TYPE_BF16 || cuda_quant_block(t, &qk, &qb);
 }
 
 extern "C" uint64_t pd_cuda_weight_bytes(pd_type t, int64_t rows, int64_t cols) {
-    const pd_type dt = dev_type_of(t);
-    if (dt == PD_TYPE_COUNT || rows <= 0 || cols <= 0) return 0;
+    if (!dev_type_ok(t) || rows <= 0 || cols <= 0) return 0;
     int64_t qk, qb;
-    if (cuda_quant_block(dt, &qk, &qb)) return (uint64_t)rows * (uint64_t)(cols / qk) * (uint64_t)qb;
-    return (uint64_t)rows * (uint64_t)cols * dev_elem_size(dt);
-}
-
-// One chunk of rows dequantized to bf16, split across the host pool.
-typedef struct dequant_job {
-    const pd_weight *w;
-    int64_t r0, nr;  // rows [r0, r0 + nr) of w
-    uint16_t *chunk; // [nr][cols] bf16
-    float *rows;     // [n_threads][cols] f32 work rows
-    int *rc;         // [n_threads] first failure of each thread
-    pd_error *errs;  // [n_threads]
-} dequant_job;
-
-static void dequant_worker(void *p, int ith, int nth) {
-    const dequant_job *j = (const dequant_job *)p;
-    const int64_t cols = j->w->cols;
-    float *row = j->rows + (int64_t)ith * cols;
-    for (int64_t r = j->nr * ith / nth; r < j->nr * (ith + 1) / nth; r++) {
-        const uint8_t *src = (const uint8_t *)j->w->data + (size_t)(j->r0 + r) * j->w->row_bytes;
-        const int rc = pd_dequantize_row(j->w->type, src, row, (uint64_t)cols, &j->errs[ith]);
-        if (rc) {
-            j->rc[ith] = rc;
-            return;
-        }
-        uint16_t *dst = j->chunk + r * cols;
-        for (int64_t c = 0; c < cols; c++) dst[c] = pd_fp32_to_bf16(row[c]);
-    }
-}
-
-// Dequantize a quantized weight to bf16 on the host, a bounded chunk of
-// rows at a time on all CPUs, and upload each chunk (upload stages through
-// pinned memory, so the host chunk is reusable as soon as it returns).
-static int upload_dequantized(cuda_backend *cb, const pd_weight *w, uint16_t *dev, pd_error *err) {
-    const int64_t cols = w->cols;
-    int64_t chunk_rows = DEQUANT_CHUNK_ELEMS / cols;
-    if (chunk_rows < 1) chunk_rows = 1;
-    if (chunk_rows > w->rows) chunk_rows = w->rows;
-    if (!cb->host_pool) {
-        pd_error ignored;
-        // Without the pool the rows are done on this thread.
-        if (pd_threadpool_create(0, &cb->host_pool, &ignored) != PD_OK) cb->host_pool = NULL;
-    }
-    const int nth = cb->host_pool ? pd_threadpool_size(cb->host_pool) : 1;
-    dequant_job j;
-    memset(&j, 0, sizeof j);
-    j.w = w;
-    j.rows = (float *)malloc((size_t)nth * (size_t)cols * sizeof(float));
-    j.chunk = (uint16_t *)malloc((size_t)(chunk_rows * cols) * sizeof(uint16_t));
-    j.rc = (int *)calloc((size_t)nth, sizeof(int));
-    j.errs = (pd_error *)calloc((size_t)nth, sizeof(pd_error));
-    int rc = PD_OK;
-    if (!j.rows || !j.chunk || !j.rc || !j.errs) {
-        rc = pd_errorf(err, PD_ENOMEM, "out of host memory dequantizing a weight");
-        goto done;
-    }
-    for (int64_t r0 = 0; r0 < w->rows && !rc; r0 += chunk_rows) {
-        j.r0 = r0;
-        j.nr = w->rows - r0 < chunk_rows ? w->rows - r0 : chunk_rows;
-        if (cb->host_pool)
-            pd_threadpool_run(cb->host_pool, dequant_worker, &j);
-        else
-            dequant_worker(&j, 0, 1);
-        for (int t = 0; t < nth; t++)
-            if (j.rc[t]) {
-                if (err) *err = j.errs[t];
-                rc = j.rc[t];
-                goto done;
-            }
-        rc = cuda_upload(cb, dev + r0 * cols, j.chunk, (size_t)(j.nr * cols) * sizeof(uint16_t), err);
-    }
-done:
-    free(j.rows);
-    free(j.chunk);
-    free(j.rc);
-    free(j.errs);
-    return rc;
+    if (cuda_quant_block(t, &qk, &qb)) return (uint64_t)rows * (uint64_t)(cols / qk) * (uint64_t)qb;
+    return (uint64_t)rows * (uint64_t)cols * dev_elem_size(t);
 }
 
 // Upload w as a new table entry.
 static int weight_upload(cuda_backend *cb, const pd_weight *w, const cuda_weight_entry **out, pd_error *err) {
     const pd_type_traits *tr = pd_type_get((uint32_t)w->type);
-    const pd_type dev_type = dev_type_of(w->type);
-    if (dev_type == PD_TYPE_COUNT)
+    const pd_type dev_type = w->type;
+    if (!dev_type_ok(dev_type))
         return pd_errorf(err, PD_EUNSUPPORTED, "cuda backend: weights of type %s are not supported",
                          tr ? tr->name : "(unknown)");
     // cuBLAS takes int dimensions.
@@ -196,7 +115,7 @@ static int weight_upload(cuda_backend *cb, const pd_weight *w, const cuda_weight
         dev_row_bytes = w->row_bytes;
     } else {
         const size_t es = dev_elem_size(dev_type);
-        if (dev_type == w->type && w->row_bytes != (size_t)w->cols * es)
+        if (w->row_bytes != (size_t)w->cols * es)
             return pd_errorf(err, PD_EINVAL, "cuda backend: weight rows of %zu bytes, expected %lld x %zu",
                              w->row_bytes, (long long)w->cols, es);
         dev_row_bytes = (size_t)w->cols * es;
@@ -209,10 +128,7 @@ static int weight_upload(cuda_backend *cb, const pd_weight *w, const cuda_weight
     void *dev = NULL;
     int rc = cuda_malloc(cb, &dev, bytes, "a weight", err);
     if (rc) return rc;
-    if (dev_type == w->type)
-        rc = cuda_upload(cb, dev, w->data, bytes, err);
-    else
-        rc = upload_dequantized(cb, w, (uint16_t *)dev, err);
+    rc = cuda_upload(cb, dev, w->data, bytes, err);
     cuda_weight_entry e;
     memset(&e, 0, sizeof e);
     e.host = w->data;

@@ -212,6 +212,69 @@ struct q_iq4_xs { // fp16 d; uint16 scales_h; scales_l[4]; qs[128]: w = d*(s - 3
     }
 };
 
+// The 32-element types of kernels/cpu/quant_q32.c: nibbles as q4_0 (piece
+// p < 2: low nibbles of qs[8p..], else high nibbles of qs[8(p-2)..]), the
+// fifth bit of element e (q5_0, q5_1) bit e of qh. An offset m is added
+// (q4_1, q5_1: w = q*d + m), which is the min -m exactly.
+static __device__ __forceinline__ uint32_t q_qh_bits(const uint8_t *qh) { // 2-byte aligned
+    const unsigned short *h = (const unsigned short *)qh;
+    return (uint32_t)h[0] | ((uint32_t)h[1] << 16);
+}
+
+struct q_q4_1 { // fp16 d; fp16 m; qs[16]
+    static constexpr int QK = 32, BYTES = 20;
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ void piece(const uint8_t *b, int p, float *q, float *scale, float *min) {
+        *scale = q_half(b), *min = -q_half(b + 2);
+        uint32_t lo, hi;
+        q_load8_a2(b + 4 + 8 * (p & 1), &lo, &hi);
+        const int shift = p < 2 ? 0 : 4;
+#pragma unroll
+        for (int k = 0; k < 8; k++) q[k] = q_int_f((q_byte(lo, hi, k) >> shift) & 15u, 0.0f);
+    }
+};
+
+struct q_q5_0 { // fp16 d; qh[4]; qs[16]: w = (q - 16) * d
+    static constexpr int QK = 32, BYTES = 22;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void piece(const uint8_t *b, int p, float *q, float *scale, float *min) {
+        *scale = q_half(b), *min = 0.0f;
+        const uint32_t qh = q_qh_bits(b + 2) >> (8 * p);
+        uint32_t lo, hi;
+        q_load8_a2(b + 6 + 8 * (p & 1), &lo, &hi);
+        const int shift = p < 2 ? 0 : 4;
+#pragma unroll
+        for (int k = 0; k < 8; k++) q[k] = q_int_f(((q_byte(lo, hi, k) >> shift) & 15u) | (((qh >> k) & 1u) << 4), 16.0f);
+    }
+};
+
+struct q_q5_1 { // fp16 d; fp16 m; qh[4]; qs[16]
+    static constexpr int QK = 32, BYTES = 24;
+    static constexpr bool HAS_MIN = true;
+    static __device__ __forceinline__ void piece(const uint8_t *b, int p, float *q, float *scale, float *min) {
+        *scale = q_half(b), *min = -q_half(b + 2);
+        const uint32_t qh = q_qh_bits(b + 4) >> (8 * p);
+        uint32_t lo, hi;
+        q_load8_a2(b + 8 + 8 * (p & 1), &lo, &hi);
+        const int shift = p < 2 ? 0 : 4;
+#pragma unroll
+        for (int k = 0; k < 8; k++) q[k] = q_int_f(((q_byte(lo, hi, k) >> shift) & 15u) | (((qh >> k) & 1u) << 4), 0.0f);
+    }
+};
+
+struct q_iq4_nl { // fp16 d; qs[16]: w = d * value
+    static constexpr int QK = 32, BYTES = 18;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void piece(const uint8_t *b, int p, float *q, float *scale, float *min) {
+        *scale = q_half(b), *min = 0.0f;
+        uint32_t lo, hi;
+        q_load8_a2(b + 2 + 8 * (p & 1), &lo, &hi);
+        const int shift = p < 2 ? 0 : 4;
+#pragma unroll
+        for (int k = 0; k < 8; k++) q[k] = q_int_f(q_iq4_biased((q_byte(lo, hi, k) >> shift) & 15u), 128.0f);
+    }
+};
+
 // Elements 8p .. 8p + 7 of block b, bit-identical to pd_dequantize_row.
 template <class QT> static __device__ __forceinline__ void q_deq8(const uint8_t *b, int p, float *f) {
     float q[8], scale, min;
@@ -406,6 +469,10 @@ static int qdequant_run(cuda_backend *cb, const cuda_weight_entry *e, const int3
 #define QUANT_TYPES(X)                                                                                                 \
     X(PD_TYPE_Q8_0, q_q8_0)                                                                                            \
     X(PD_TYPE_Q4_0, q_q4_0)                                                                                            \
+    X(PD_TYPE_Q4_1, q_q4_1)                                                                                            \
+    X(PD_TYPE_Q5_0, q_q5_0)                                                                                            \
+    X(PD_TYPE_Q5_1, q_q5_1)                                                                                            \
+    X(PD_TYPE_IQ4_NL, q_iq4_nl)                                                                                        \
     X(PD_TYPE_Q2_K, q_q2_K)                                                                                            \
     X(PD_TYPE_Q3_K, q_q3_K)                                                                                            \
     X(PD_TYPE_Q4_K, q_q4_K)                                                                                            \
