@@ -31,7 +31,6 @@ typedef struct cuda_weight_entry {
     int64_t rows, cols;
     void *dev;
     pd_type dev_type;
-    size_t dev_bytes; // the size of dev
 } cuda_weight_entry;
 
 typedef struct cuda_backend {
@@ -135,9 +134,10 @@ int cuda_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, f
 int cuda_get_rows(pd_backend *be, const pd_weight *w, const int32_t *ids, int64_t n, float *out,
                   pd_error *err);
 // quant.cu: quantized weights in their GGUF blocks.
-// 1 and the block's elements and bytes when t has native kernels, else 0.
+// 1 and the block's elements and bytes when t is a quantized type with
+// kernels here, else 0.
 int cuda_quant_block(pd_type t, int64_t *elems, int64_t *bytes);
-// y[n][rows] = x[n][cols] W^T for n in 1..8, e->dev_type native.
+// y[n][rows] = x[n][cols] W^T for n in 1..8, e->dev_type quantized.
 int cuda_quant_gemv(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y,
                     pd_error *err);
 // Rows ids[0..n_rows) (device ids) or, with ids NULL, rows [r0, r0 + n_rows)

@@ -103,11 +103,10 @@ static int weight_upload(cuda_backend *cb, const pd_weight *w, const cuda_weight
     if (w->rows > INT_MAX || w->cols > INT_MAX)
         return pd_errorf(err, PD_ERANGE, "cuda backend: weight of %lld x %lld is too large", (long long)w->rows,
                          (long long)w->cols);
-    // Bytes per row on the device: the file's rows for native types.
+    // Bytes per row on the device: the file's rows as they are.
     int64_t qk, qb;
-    const bool native_quant = cuda_quant_block(dev_type, &qk, &qb);
     size_t dev_row_bytes;
-    if (native_quant) {
+    if (cuda_quant_block(dev_type, &qk, &qb)) {
         if (w->cols % qk != 0 || w->row_bytes != (size_t)(w->cols / qk * qb))
             return pd_errorf(err, PD_EINVAL, "cuda backend: %s weight rows of %lld elements in %zu bytes, expected "
                              "whole blocks of %lld elements in %lld bytes",
@@ -137,7 +136,6 @@ static int weight_upload(cuda_backend *cb, const pd_weight *w, const cuda_weight
     e.cols = w->cols;
     e.dev = dev;
     e.dev_type = dev_type;
-    e.dev_bytes = bytes;
     const cuda_weight_entry *added = rc ? NULL : cuda_weight_add(cb, &e, err);
     if (!added) {
         if (!rc) rc = err ? err->code : PD_ENOMEM;
@@ -348,7 +346,7 @@ __global__ void unscale_rows_kernel(float *__restrict__ y, const float *__restri
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) y[i] *= scales[i / rows];
 }
 
-// A native quantized weight times n > 8 tokens: for each chunk of tokens,
+// A quantized weight times n > 8 tokens: for each chunk of tokens,
 // x to bf16 once, then chunks of the weight's rows dequantized to bf16 in
 // scratch (GEMM_W_ELEMS at most, so no bf16 copy of the weight is kept)
 // and multiplied by cuBLAS into the matching rows of y (ldc = rows).

@@ -465,7 +465,7 @@ static int qdequant_run(cuda_backend *cb, const cuda_weight_entry *e, const int3
  * entry points (cuda_internal.h)
  * ------------------------------------------------------------------------ */
 
-// One switch over the native types, so the list lives in one place.
+// One switch over the quantized types, so the list lives in one place.
 #define QUANT_TYPES(X)                                                                                                 \
     X(PD_TYPE_Q8_0, q_q8_0)                                                                                            \
     X(PD_TYPE_Q4_0, q_q4_0)                                                                                            \
