@@ -229,9 +229,11 @@ void pd_backend_forget_weight(pd_backend *be, const pd_weight *w);
  * 256 for the 256-element ones, scale amax/127 kept in float), so each
  * output is within sum_i |W[r,i]| * amax(block of i) / 254 (plus float
  * rounding) of the exact product; where a GEMM on dequantized weights
- * serves large n the error is only float rounding. Accuracy (CUDA):
- * weights in f16/bf16 (quantized ones dequantized to bf16 at upload), x
- * rounded to bf16 for tensor-core GEMMs, f32 accumulation. */
+ * serves large n the error is only float rounding. Accuracy (CUDA): up to
+ * 8 tokens, f32 x and f32 accumulation with the weights as stored
+ * (quantized types dequantized in registers);
+ * larger n, weights and x rounded to bf16 (f16) for tensor-core GEMMs, f32
+ * accumulation. */
 int pd_backend_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y, pd_error *err);
 /* out[i][:] = dequantized row ids[i] of W (embedding lookup); ids is
  * host memory. */
@@ -353,6 +355,10 @@ int pd_cuda_selftest(int index, double *max_abs_err, pd_error *err);
 /* Measured device-to-device copy bandwidth of device `index` (bytes/s),
  * copying `bytes` a few times; the bound decode speed is compared with. */
 int pd_cuda_copy_bandwidth(int index, size_t bytes, double *bytes_per_s, pd_error *err);
+/* Device bytes the CUDA backend holds for a rows x cols weight of type t:
+ * the file's bytes (quantized types stay in their blocks; docs/gpu.md), 0
+ * for a type it cannot hold or a build without CUDA. */
+uint64_t pd_cuda_weight_bytes(pd_type t, int64_t rows, int64_t cols);
 
 #ifdef __cplusplus
 }

@@ -8,9 +8,10 @@
  * skips) on CPU-only machines and checks the GPU wherever one exists.
  *
  * Tolerances: each check says why its bound is what it is. The CUDA backend
- * keeps quantized weights as bf16 and rounds activations to bf16 for tensor
- * core GEMMs (batches above 8 tokens); everything else is f32 arithmetic
- * that differs from the CPU only in summation order. */
+ * rounds weights and activations to bf16 for tensor core GEMMs (batches
+ * above 8 tokens); everything else is f32 arithmetic that differs from the
+ * CPU only in summation order (tests/test_cuda_quant.c checks each
+ * quantized type more closely). */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -292,8 +293,7 @@ Test(cuda_parity, matmul_every_type_and_batch_size) {
     static const pd_type types[] = {PD_TYPE_F32,  PD_TYPE_F16,  PD_TYPE_BF16, PD_TYPE_Q8_0,
                                     PD_TYPE_Q4_K, PD_TYPE_Q5_1, PD_TYPE_IQ4_NL};
     /* 157 rows: not a multiple of any warp or tile size; 768 columns: three
-     * k-quant super-blocks. (q5_1, iq4_nl: the GPU has no kernels of its
-     * own for them, it multiplies their rows dequantized to bf16.) */
+     * k-quant super-blocks. */
     host_weight keep[16];
     int n_keep = 0;
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
@@ -342,10 +342,11 @@ Test(cuda_parity, get_rows_every_type) {
             be_release(bes[k], d);
         }
         /* f32/f16/bf16 rows are kept as stored on the GPU and widen to f32
-         * exactly: bit-identical. Quantized rows are dequantized to bf16 at
-         * upload: within one bf16 rounding (2^-9 relative) of the CPU's
-         * f32 value, plus a few f32 ulps where the CPU's SIMD dequantizer
-         * rounds differently from the reference one the upload uses. */
+         * exactly: bit-identical. Quantized rows are dequantized on the
+         * device like the reference dequantizer (bit-identical to it,
+         * tests/test_cuda_quant.c); the bound allows one bf16 rounding (2^-9
+         * relative) and a few f32 ulps where the CPU's SIMD dequantizer
+         * rounds differently from the reference one. */
         const bool exact = types[t] == PD_TYPE_F32 || types[t] == PD_TYPE_F16 || types[t] == PD_TYPE_BF16;
         for (int64_t i = 0; i < n * cols; i++) {
             const double tol = exact ? 0.0 : fabs((double)oc[i]) * (BF16_U + 16 * F32_U);

@@ -38,8 +38,9 @@
  *   (d) decode tokens/s after the prefix and suffix, batch 1 and batch 8
  *       (8 sequences sharing the prefix in one pd_decode call);
  *   (e) on CUDA, the memory-bandwidth bound of decode: bytes of weights read
- *       per step (every matrix as the device stores it: f32 4 bytes per
- *       element, everything else 2, as quantized types become bf16; the
+ *       per step (every matrix as the device stores it, pd_cuda_weight_bytes:
+ *       quantized types as their file blocks, f32 4 bytes per element,
+ *       f16/bf16 2; the
  *       embedding table counts only when it is also the output matrix)
  *       divided into the measured device copy bandwidth, and the batch-1
  *       measured / bound ratio. KV reads are left out of the bound.
@@ -290,12 +291,29 @@ static int measure_bandwidth(int n_threads, size_t bytes, double *out, const cha
     return rc;
 }
 
+/* Bytes of matrix (2-D or more) t as the CUDA backend holds it. */
+static uint64_t device_matrix_bytes(const pd_gguf_tensor *t) {
+    return pd_cuda_weight_bytes(t->type, (int64_t)(t->n_elems / t->ne[0]), (int64_t)t->ne[0]);
+}
+
+/* Bytes of every matrix the CUDA backend holds for the model (resident,
+ * the embedding table included). */
+static uint64_t device_weight_bytes(const pd_model *m) {
+    const pd_gguf *g = pd_model_gguf(m);
+    uint64_t total = 0;
+    for (size_t i = 0; i < pd_gguf_tensor_count(g); i++) {
+        const pd_gguf_tensor *t = pd_gguf_tensor_at(g, i);
+        if (t->n_dims >= 2) total += device_matrix_bytes(t);
+    }
+    return total;
+}
+
 /* Bytes of weights one decode step reads: every matrix (2-D or more) as
  * stored in the file (the CPU), or as the CUDA backend stores it
- * (as_device: 4 bytes per element for f32 and 2 for every other type,
- * f16/bf16 as they are, quantized types dequantized to bf16). The embedding
- * table is read one row per token, so it counts only when it is also the
- * output matrix (no output.weight). */
+ * (as_device, pd_cuda_weight_bytes: quantized types as their file blocks,
+ * f32 4 bytes per element, f16/bf16 2). The
+ * embedding table is read one row per token, so it counts only when it is
+ * also the output matrix (no output.weight). */
 static uint64_t decode_weight_bytes(const pd_model *m, bool as_device) {
     const pd_gguf *g = pd_model_gguf(m);
     const bool tied = pd_gguf_find_tensor(g, "output.weight") == NULL;
@@ -304,7 +322,7 @@ static uint64_t decode_weight_bytes(const pd_model *m, bool as_device) {
         const pd_gguf_tensor *t = pd_gguf_tensor_at(g, i);
         if (t->n_dims < 2) continue;
         if (!tied && strcmp(t->name, "token_embd.weight") == 0) continue;
-        total += as_device ? t->n_elems * (t->type == PD_TYPE_F32 ? 4u : 2u) : t->n_bytes;
+        total += as_device ? device_matrix_bytes(t) : t->n_bytes;
     }
     return total;
 }
@@ -690,12 +708,12 @@ int main(int argc, char **argv) {
                "\"retention\": %g, \"suffix\": %d, \"gen\": %ld, \"batch\": %d, ",
                model, pd_type_get(hp->wtype)->name, PREFIX_RETENTION, SUFFIX_TOKENS, n_gen, DECODE_BATCH);
         if (on_cuda)
-            printf("\"threads\": null, \"weight_bytes\": %" PRIu64 ", \"copy_bandwidth_bytes_per_s\": %.4g, "
-                   "\"bound_tps\": %.2f, ",
-                   wbytes, bandwidth, bound_tps);
+            printf("\"threads\": null, \"weight_bytes\": %" PRIu64 ", \"device_weight_bytes\": %" PRIu64
+                   ", \"copy_bandwidth_bytes_per_s\": %.4g, \"bound_tps\": %.2f, ",
+                   wbytes, device_weight_bytes(m), bandwidth, bound_tps);
         else
-            printf("\"threads\": %ld, \"weight_bytes\": null, \"copy_bandwidth_bytes_per_s\": null, "
-                   "\"bound_tps\": null, ",
+            printf("\"threads\": %ld, \"weight_bytes\": null, \"device_weight_bytes\": null, "
+                   "\"copy_bandwidth_bytes_per_s\": null, \"bound_tps\": null, ",
                    thread_counts[n_threads - 1]);
         printf("\"results\": [");
     } else {
@@ -704,8 +722,9 @@ int main(int argc, char **argv) {
         printf("; TTFT = attach + %d-token suffix + first logits; decode after the suffix, %ld steps\n",
                SUFFIX_TOKENS, n_gen);
         if (on_cuda)
-            printf("bound: %.3g GB of weights per decode step / %.1f GB/s measured copy bandwidth = %.1f tok/s\n",
-                   (double)wbytes / 1e9, bandwidth / 1e9, bound_tps);
+            printf("device weights: %.3g GB (quantized types in their file blocks)\n"
+                   "bound: %.3g GB of weights per decode step / %.1f GB/s measured copy bandwidth = %.1f tok/s\n",
+                   (double)device_weight_bytes(m) / 1e9, (double)wbytes / 1e9, bandwidth / 1e9, bound_tps);
         printf("%7s %12s %11s %12s %9s %9s %6s %10s %9s %10s %10s %10s %8s\n", "prefix", "prefill t/s", "prefill ms",
                "compress ms", "score ms", "comp/pre", "kept", "TTFT cold", "TTFT ms", "dec b1 t/s", "dec b8 t/s",
                "bound t/s", "b1/bound");

@@ -270,7 +270,6 @@ static void cuda_destroy(cuda_backend *cb) {
         if (cb->pinned_done[i]) (void)cudaEventDestroy(cb->pinned_done[i]);
         if (cb->pinned[i]) (void)cudaFreeHost(cb->pinned[i]);
     }
-    pd_threadpool_free(cb->host_pool);
     if (cb->cusolver) (void)cusolverDnDestroy(cb->cusolver);
     if (cb->cublas) (void)cublasDestroy(cb->cublas);
     if (cb->stream) (void)cudaStreamDestroy(cb->stream);

@@ -21,8 +21,10 @@ typedef struct cuda_scratch {
 } cuda_scratch;
 
 // The device copy of one weight (backend.cu keeps the table, matmul.cu fills
-// it): `rows` rows of `cols` elements of dev_type (F32, F16 or BF16),
-// row-major and contiguous, made from the host tensor at `host`.
+// it): `rows` rows of `cols` elements of dev_type, row-major and contiguous,
+// made from the host tensor at `host`. dev_type is the host type: F32, F16,
+// BF16, or a quantized type whose rows are the GGUF tensor's blocks as they
+// are (kernels in quant.cu).
 typedef struct cuda_weight_entry {
     const void *host; // key: pd_weight.data
     pd_type type;     // the host tensor's type
@@ -49,18 +51,23 @@ typedef struct cuda_backend {
     // weight_slots a power of two kept at most half full.
     int64_t *weight_index;
     int64_t weight_slots;
-    // Host threads that dequantize quantized weights for upload (made on
-    // first need; NULL until then or if they could not be started).
-    pd_threadpool *host_pool;
     // A failure seen where it could not be returned (release), reported by
     // the next sync or download.
     cudaError_t deferred;
     // Scratch for ops (matmul activations in bf16, attention partials, ...).
-    cuda_scratch scratch[4];
+    cuda_scratch scratch[5];
 } cuda_backend;
 
 // Scratch slots: each user owns one, so nested uses never alias.
-enum { CUDA_SCRATCH_MATMUL = 0, CUDA_SCRATCH_ATTN = 1, CUDA_SCRATCH_SCORE = 2, CUDA_SCRATCH_MISC = 3 };
+// CUDA_SCRATCH_WEIGHT: a chunk of a quantized weight's rows dequantized to
+// bf16 for the prefill GEMM (matmul.cu).
+enum {
+    CUDA_SCRATCH_MATMUL = 0,
+    CUDA_SCRATCH_ATTN = 1,
+    CUDA_SCRATCH_SCORE = 2,
+    CUDA_SCRATCH_MISC = 3,
+    CUDA_SCRATCH_WEIGHT = 4
+};
 
 static inline cuda_backend *cuda_impl(pd_backend *be) { return (cuda_backend *)be->impl; }
 
@@ -126,6 +133,18 @@ int cuda_prepare_weight(pd_backend *be, const pd_weight *w, pd_error *err);
 int cuda_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y, pd_error *err);
 int cuda_get_rows(pd_backend *be, const pd_weight *w, const int32_t *ids, int64_t n, float *out,
                   pd_error *err);
+// quant.cu: quantized weights in their GGUF blocks.
+// 1 and the block's elements and bytes when t is a quantized type with
+// kernels here, else 0.
+int cuda_quant_block(pd_type t, int64_t *elems, int64_t *bytes);
+// y[n][rows] = x[n][cols] W^T for n in 1..8, e->dev_type quantized.
+int cuda_quant_gemv(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y,
+                    pd_error *err);
+// Rows ids[0..n_rows) (device ids) or, with ids NULL, rows [r0, r0 + n_rows)
+// of e dequantized into out[n_rows][cols], as bf16 (bf16 true, out 16-byte
+// aligned) or f32.
+int cuda_quant_dequantize(cuda_backend *cb, const cuda_weight_entry *e, const int32_t *ids, int64_t r0,
+                          int64_t n_rows, bool bf16, void *out, pd_error *err);
 // elementwise.cu
 int cuda_rmsnorm(pd_backend *be, const float *x, const float *weight, int64_t n, int64_t dim, float eps,
                  float *out, pd_error *err);

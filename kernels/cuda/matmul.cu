@@ -1,7 +1,7 @@
 // Weights on the device and the products with them: prepare_weight (the
-// one-time upload, quantized types dequantized to bf16 on the host),
-// matmul (a GEMV kernel for decode-sized batches, cuBLAS for larger ones)
-// and get_rows (embedding lookup).
+// one-time upload; quantized types stay in their GGUF blocks), matmul (a
+// GEMV kernel for decode-sized batches, cuBLAS for larger ones) and
+// get_rows (embedding lookup). The quantized kernels are in quant.cu.
 #include "kernels/cuda/cuda_internal.h"
 
 #include <cuda_bf16.h>
@@ -19,9 +19,10 @@
 // x converted to 16-bit per GEMM call at most this many elements at a time,
 // which bounds the MATMUL scratch (64 MiB).
 #define GEMM_X_ELEMS ((int64_t)32 << 20)
-// Quantized weights are dequantized on the host this many bf16 elements
-// (8 MiB) at a time.
-#define DEQUANT_CHUNK_ELEMS ((int64_t)4 << 20)
+// A quantized weight is multiplied by a prefill batch in chunks of
+// rows dequantized to bf16 on the device, at most this many elements
+// (64 MiB) at a time.
+#define GEMM_W_ELEMS ((int64_t)32 << 20)
 
 /* ------------------------------------------------------------------------
  * device weight types
@@ -76,112 +77,57 @@ struct w_f32 {
 
 static size_t dev_elem_size(pd_type t) { return t == PD_TYPE_F32 ? 4 : 2; }
 
-// One chunk of rows dequantized to bf16, split across the host pool.
-typedef struct dequant_job {
-    const pd_weight *w;
-    int64_t r0, nr;  // rows [r0, r0 + nr) of w
-    uint16_t *chunk; // [nr][cols] bf16
-    float *rows;     // [n_threads][cols] f32 work rows
-    int *rc;         // [n_threads] first failure of each thread
-    pd_error *errs;  // [n_threads]
-} dequant_job;
-
-static void dequant_worker(void *p, int ith, int nth) {
-    const dequant_job *j = (const dequant_job *)p;
-    const int64_t cols = j->w->cols;
-    float *row = j->rows + (int64_t)ith * cols;
-    for (int64_t r = j->nr * ith / nth; r < j->nr * (ith + 1) / nth; r++) {
-        const uint8_t *src = (const uint8_t *)j->w->data + (size_t)(j->r0 + r) * j->w->row_bytes;
-        const int rc = pd_dequantize_row(j->w->type, src, row, (uint64_t)cols, &j->errs[ith]);
-        if (rc) {
-            j->rc[ith] = rc;
-            return;
-        }
-        uint16_t *dst = j->chunk + r * cols;
-        for (int64_t c = 0; c < cols; c++) dst[c] = pd_fp32_to_bf16(row[c]);
-    }
+// Whether the device can hold weights of type t: float types as they are,
+// quantized types in their blocks (quant.cu has kernels for every type the
+// CPU can dequantize).
+static bool dev_type_ok(pd_type t) {
+    int64_t qk, qb;
+    return t == PD_TYPE_F32 || t == PD_TYPE_F16 || t == PD_TYPE_BF16 || cuda_quant_block(t, &qk, &qb);
 }
 
-// Dequantize a quantized weight to bf16 on the host, a bounded chunk of
-// rows at a time on all CPUs, and upload each chunk (upload stages through
-// pinned memory, so the host chunk is reusable as soon as it returns).
-static int upload_dequantized(cuda_backend *cb, const pd_weight *w, uint16_t *dev, pd_error *err) {
-    const int64_t cols = w->cols;
-    int64_t chunk_rows = DEQUANT_CHUNK_ELEMS / cols;
-    if (chunk_rows < 1) chunk_rows = 1;
-    if (chunk_rows > w->rows) chunk_rows = w->rows;
-    if (!cb->host_pool) {
-        pd_error ignored;
-        // Without the pool the rows are done on this thread.
-        if (pd_threadpool_create(0, &cb->host_pool, &ignored) != PD_OK) cb->host_pool = NULL;
-    }
-    const int nth = cb->host_pool ? pd_threadpool_size(cb->host_pool) : 1;
-    dequant_job j;
-    memset(&j, 0, sizeof j);
-    j.w = w;
-    j.rows = (float *)malloc((size_t)nth * (size_t)cols * sizeof(float));
-    j.chunk = (uint16_t *)malloc((size_t)(chunk_rows * cols) * sizeof(uint16_t));
-    j.rc = (int *)calloc((size_t)nth, sizeof(int));
-    j.errs = (pd_error *)calloc((size_t)nth, sizeof(pd_error));
-    int rc = PD_OK;
-    if (!j.rows || !j.chunk || !j.rc || !j.errs) {
-        rc = pd_errorf(err, PD_ENOMEM, "out of host memory dequantizing a weight");
-        goto done;
-    }
-    for (int64_t r0 = 0; r0 < w->rows && !rc; r0 += chunk_rows) {
-        j.r0 = r0;
-        j.nr = w->rows - r0 < chunk_rows ? w->rows - r0 : chunk_rows;
-        if (cb->host_pool)
-            pd_threadpool_run(cb->host_pool, dequant_worker, &j);
-        else
-            dequant_worker(&j, 0, 1);
-        for (int t = 0; t < nth; t++)
-            if (j.rc[t]) {
-                if (err) *err = j.errs[t];
-                rc = j.rc[t];
-                goto done;
-            }
-        rc = cuda_upload(cb, dev + r0 * cols, j.chunk, (size_t)(j.nr * cols) * sizeof(uint16_t), err);
-    }
-done:
-    free(j.rows);
-    free(j.chunk);
-    free(j.rc);
-    free(j.errs);
-    return rc;
+extern "C" uint64_t pd_cuda_weight_bytes(pd_type t, int64_t rows, int64_t cols) {
+    if (!dev_type_ok(t) || rows <= 0 || cols <= 0) return 0;
+    int64_t qk, qb;
+    if (cuda_quant_block(t, &qk, &qb)) return (uint64_t)rows * (uint64_t)(cols / qk) * (uint64_t)qb;
+    return (uint64_t)rows * (uint64_t)cols * dev_elem_size(t);
 }
 
 // Upload w as a new table entry.
 static int weight_upload(cuda_backend *cb, const pd_weight *w, const cuda_weight_entry **out, pd_error *err) {
     const pd_type_traits *tr = pd_type_get((uint32_t)w->type);
-    pd_type dev_type;
-    if (w->type == PD_TYPE_F32 || w->type == PD_TYPE_F16 || w->type == PD_TYPE_BF16)
-        dev_type = w->type;
-    else if (tr && tr->can_dequantize)
-        dev_type = PD_TYPE_BF16;
-    else
+    const pd_type dev_type = w->type;
+    if (!dev_type_ok(dev_type))
         return pd_errorf(err, PD_EUNSUPPORTED, "cuda backend: weights of type %s are not supported",
                          tr ? tr->name : "(unknown)");
     // cuBLAS takes int dimensions.
     if (w->rows > INT_MAX || w->cols > INT_MAX)
         return pd_errorf(err, PD_ERANGE, "cuda backend: weight of %lld x %lld is too large", (long long)w->rows,
                          (long long)w->cols);
-    const size_t es = dev_elem_size(dev_type);
-    if (dev_type == w->type && w->row_bytes != (size_t)w->cols * es)
-        return pd_errorf(err, PD_EINVAL, "cuda backend: weight rows of %zu bytes, expected %lld x %zu", w->row_bytes,
-                         (long long)w->cols, es);
-    if ((uint64_t)w->rows > (uint64_t)PTRDIFF_MAX / ((uint64_t)w->cols * es))
+    // Bytes per row on the device: the file's rows as they are.
+    int64_t qk, qb;
+    size_t dev_row_bytes;
+    if (cuda_quant_block(dev_type, &qk, &qb)) {
+        if (w->cols % qk != 0 || w->row_bytes != (size_t)(w->cols / qk * qb))
+            return pd_errorf(err, PD_EINVAL, "cuda backend: %s weight rows of %lld elements in %zu bytes, expected "
+                             "whole blocks of %lld elements in %lld bytes",
+                             tr->name, (long long)w->cols, w->row_bytes, (long long)qk, (long long)qb);
+        dev_row_bytes = w->row_bytes;
+    } else {
+        const size_t es = dev_elem_size(dev_type);
+        if (w->row_bytes != (size_t)w->cols * es)
+            return pd_errorf(err, PD_EINVAL, "cuda backend: weight rows of %zu bytes, expected %lld x %zu",
+                             w->row_bytes, (long long)w->cols, es);
+        dev_row_bytes = (size_t)w->cols * es;
+    }
+    if ((uint64_t)w->rows > (uint64_t)PTRDIFF_MAX / (uint64_t)dev_row_bytes)
         return pd_errorf(err, PD_ERANGE, "cuda backend: weight of %lld x %lld overflows", (long long)w->rows,
                          (long long)w->cols);
-    const size_t bytes = (size_t)w->rows * (size_t)w->cols * es;
+    const size_t bytes = (size_t)w->rows * dev_row_bytes;
 
     void *dev = NULL;
     int rc = cuda_malloc(cb, &dev, bytes, "a weight", err);
     if (rc) return rc;
-    if (dev_type == w->type)
-        rc = cuda_upload(cb, dev, w->data, bytes, err);
-    else
-        rc = upload_dequantized(cb, w, (uint16_t *)dev, err);
+    rc = cuda_upload(cb, dev, w->data, bytes, err);
     cuda_weight_entry e;
     memset(&e, 0, sizeof e);
     e.host = w->data;
@@ -400,6 +346,44 @@ __global__ void unscale_rows_kernel(float *__restrict__ y, const float *__restri
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) y[i] *= scales[i / rows];
 }
 
+// A quantized weight times n > 8 tokens: for each chunk of tokens,
+// x to bf16 once, then chunks of the weight's rows dequantized to bf16 in
+// scratch (GEMM_W_ELEMS at most, so no bf16 copy of the weight is kept)
+// and multiplied by cuBLAS into the matching rows of y (ldc = rows).
+static int gemm_quant(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y,
+                      pd_error *err) {
+    const int rows = (int)e->rows, cols = (int)e->cols;
+    const float alpha = 1.0f, beta = 0.0f;
+    int64_t chunk = GEMM_X_ELEMS / cols, wrows = GEMM_W_ELEMS / cols;
+    if (chunk < 1) chunk = 1;
+    if (wrows < 1) wrows = 1;
+    if (wrows > rows) wrows = rows;
+    const int64_t first = n < chunk ? n : chunk;
+    void *xs = cuda_scratch_get(cb, CUDA_SCRATCH_MATMUL, (size_t)(first * cols) * 2, err);
+    if (!xs) return err ? err->code : PD_ENOMEM;
+    void *ws = cuda_scratch_get(cb, CUDA_SCRATCH_WEIGHT, (size_t)(wrows * cols) * 2, err);
+    if (!ws) return err ? err->code : PD_ENOMEM;
+    for (int64_t t0 = 0; t0 < n; t0 += chunk) {
+        const int nn = (int)(n - t0 < chunk ? n - t0 : chunk);
+        const int64_t count = (int64_t)nn * cols;
+        f32_to_bf16_kernel<<<cuda_grid_blocks(cb, count, 256), 256, 0, cb->stream>>>(x + t0 * cols,
+                                                                                    (__nv_bfloat16 *)xs, count);
+        int rc = cuda_check_launch(err, "matmul (convert x)");
+        if (rc) return rc;
+        for (int64_t r0 = 0; r0 < rows; r0 += wrows) {
+            const int nr = (int)(rows - r0 < wrows ? rows - r0 : wrows);
+            rc = cuda_quant_dequantize(cb, e, NULL, r0, nr, true, ws, err);
+            if (rc) return rc;
+            const cublasStatus_t s =
+                cublasGemmEx(cb->cublas, CUBLAS_OP_T, CUBLAS_OP_N, nr, nn, cols, &alpha, ws, CUDA_R_16BF, cols, xs,
+                             CUDA_R_16BF, cols, &beta, y + t0 * rows + r0, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F,
+                             CUBLAS_GEMM_DEFAULT);
+            if (s != CUBLAS_STATUS_SUCCESS) return cublas_fail(err, s, "cublasGemmEx (quantized matmul)");
+        }
+    }
+    return PD_OK;
+}
+
 static int gemm(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y, pd_error *err) {
     const int rows = (int)e->rows, cols = (int)e->cols;
     const float alpha = 1.0f, beta = 0.0f;
@@ -464,6 +448,9 @@ int cuda_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, f
     const cuda_weight_entry *e;
     rc = weight_get(cb, w, &e, err);
     if (rc) return rc;
+    int64_t qk, qb;
+    if (cuda_quant_block(e->dev_type, &qk, &qb))
+        return n > GEMV_MAX_N ? gemm_quant(cb, e, x, n, y, err) : cuda_quant_gemv(cb, e, x, n, y, err);
     if (n > GEMV_MAX_N) return gemm(cb, e, x, n, y, err);
     switch (e->dev_type) {
     case PD_TYPE_BF16: return gemv_any<w_bf16>(cb, e, x, n, y, err);
@@ -509,6 +496,8 @@ int cuda_get_rows(pd_backend *be, const pd_weight *w, const int32_t *ids, int64_
     if (!ids_dev) return err ? err->code : PD_ENOMEM;
     rc = cuda_upload(cb, ids_dev, ids, (size_t)n * sizeof(int32_t), err);
     if (rc) return rc;
+    int64_t qk, qb;
+    if (cuda_quant_block(e->dev_type, &qk, &qb)) return cuda_quant_dequantize(cb, e, ids_dev, 0, n, false, out, err);
     const unsigned blocks = cuda_grid_blocks(cb, n * e->cols, 256);
     switch (e->dev_type) {
     case PD_TYPE_BF16:

@@ -27,6 +27,13 @@ int pd_cuda_copy_bandwidth(int index, size_t bytes, double *bytes_per_s, pd_erro
     return pd_errorf(err, PD_EUNSUPPORTED, NO_CUDA);
 }
 
+uint64_t pd_cuda_weight_bytes(pd_type t, int64_t rows, int64_t cols) {
+    (void)t;
+    (void)rows;
+    (void)cols;
+    return 0;
+}
+
 int pd_backend_cuda_create(int index, pd_backend **out, pd_error *err) {
     (void)index;
     if (out) *out = NULL;

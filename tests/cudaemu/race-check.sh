@@ -36,11 +36,13 @@ story="Once upon a time, there was a little girl named Lily. She loved to play o
 printf '%s %s %s\n' "$story" "$story" "$story" >"$work/prefix.txt"
 printf 'Lily smiled and said thank you to her mom.\n' >"$work/eval.txt"
 
-# GQA model with head_dim 64 (two output dims per lane) and a quantized one
-# (dequantized on the backend's host threads at upload).
+# GQA model with head_dim 64 (two output dims per lane), and q4_K and q5_1
+# ones (kept in their blocks, dequantized in registers for decode and to
+# bf16 row chunks for prefill).
 "$ctl" gen-model --preset tiny --arch qwen2 --n-embd 256 --n-head 4 --n-head-kv 2 --n-ff 512 --n-layer 2 \
     --n-vocab 512 --type bf16 -q -o "$work/gqa.gguf"
 "$ctl" gen-model --preset tiny --type q4_k --n-embd 256 --n-ff 512 --n-layer 2 -q -o "$work/q4k.gguf"
+"$ctl" gen-model --preset tiny --type q5_1 --n-embd 256 --n-ff 512 --n-layer 2 -q -o "$work/q51.gguf"
 # f16 weights (prefill scales activations for the f16 GEMM) and a 33 MB
 # embedding: uploads larger than the two 8 MiB pinned staging buffers.
 "$ctl" gen-model --preset tiny --type f16 --n-embd 512 --n-vocab 32000 --n-layer 1 -q -o "$work/big.gguf"
@@ -55,7 +57,8 @@ fi
 step "qwen2 GQA (bf16) prefill and decode" "$ctl" generate --model "$work/gqa.gguf" --prompt "$story" -n 12 --device cuda:0
 step "qwen2 GQA Compactor" "$ctl" compress --model "$work/gqa.gguf" --policy compactor --retention 0.25 \
     --text "$work/prefix.txt" --eval "$work/eval.txt" --device cuda:0
-step "q4_K weights (host dequantization threads)" "$ctl" generate --model "$work/q4k.gguf" --prompt "$story" -n 8 --device cuda:0
+step "q4_K weights (native blocks: quantized GEMV, bf16 row chunks for prefill)" "$ctl" generate --model "$work/q4k.gguf" --prompt "$story" -n 8 --device cuda:0
+step "q5_1 weights (32-element blocks with an offset and a fifth bit)" "$ctl" generate --model "$work/q51.gguf" --prompt "$story" -n 8 --device cuda:0
 step "f16 weights, uploads through the pinned staging buffers" "$ctl" generate --model "$work/big.gguf" --prompt "$story" -n 2 --device cuda:0
 step "prefix-bench: batched decode over a shared compressed prefix" \
     "$bench" --model "$work/gqa.gguf" --device cuda:0 --prompt 32 --gen 2 --reps 1 --prefix 64
