@@ -10,6 +10,8 @@
  * in its own process, so each gets its own emulated context and fault. */
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -288,11 +290,15 @@ Test(cuda_fatal, prefixd_fails_requests_with_503_and_exits_3, .timeout = 400) {
     TH_REQUIRE_SHARED();
     char model[1024];
     cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
-    /* The warm-up token takes the first launches; launch 1500 falls inside
-     * the streamed request's 300 tokens (a step of stories260K is a few
-     * dozen launches). */
-    inject("1500", NULL);
+    /* The fault is armed only once A is streaming and B is queued behind it
+     * (CUDAEMU_FAIL_ARM): from then on the 20th launch fails, inside A's
+     * next step or so. Racing the two clients to the server, or guessing a
+     * launch number that lands in A's tokens, made this test flaky. */
+    inject("20", NULL);
     char *dir = th_mkdtemp();
+    char arm[1100];
+    snprintf(arm, sizeof arm, "%s/arm", dir);
+    cr_assert_eq(setenv("CUDAEMU_FAIL_ARM", arm, 1), 0);
     char args[4096], log[1200];
     snprintf(args, sizeof args,
              "--set model.path=%s --set cache.path=%s/store --set cache.map_size_mb=64 --set model.n_threads=2 "
@@ -302,20 +308,37 @@ Test(cuda_fatal, prefixd_fails_requests_with_503_and_exits_3, .timeout = 400) {
     int port = 0;
     pid_t pid = th_daemon_start(args, log, &port);
 
-    /* A streams (in flight when the fault comes); B waits behind it. */
+    /* A streams; EOS (id 2) is banned so it cannot end before the fault. */
     char cmd[4096];
     snprintf(cmd, sizeof cmd,
              "(curl -s -N -o %s/a.out -w '%%{http_code}' -H 'Content-Type: application/json' --data-binary "
-             "'{\"model\":\"test\",\"prompt\":\"Once upon a time\",\"max_tokens\":300,\"temperature\":0,"
-             "\"stream\":true}' http://127.0.0.1:%d/v1/completions > %s/a.status 2>&1; touch %s/a.done) &",
+             "'{\"model\":\"test\",\"prompt\":\"Once upon a time\",\"max_tokens\":400,\"temperature\":0,"
+             "\"logit_bias\":{\"2\":-100},\"stream\":true}' http://127.0.0.1:%d/v1/completions > %s/a.status 2>&1; "
+             "touch %s/a.done) &",
              dir, port, dir, dir);
     cr_assert_eq(system(cmd), 0);
+    snprintf(cmd, sizeof cmd, "for i in $(seq 600); do grep -q '\"text\"' %s/a.out 2>/dev/null && exit 0; sleep 0.01; done; exit 1",
+             dir);
+    cr_assert_eq(system(cmd), 0, "A streamed no token");
+    /* B waits behind A (max_batch 1). */
     snprintf(cmd, sizeof cmd,
              "(curl -s -o %s/b.out -w '%%{http_code}' -H 'Content-Type: application/json' --data-binary "
              "'{\"model\":\"test\",\"prompt\":\"Lily\",\"max_tokens\":5}' http://127.0.0.1:%d/v1/completions "
              "> %s/b.status 2>&1; touch %s/b.done) &",
              dir, port, dir, dir);
     cr_assert_eq(system(cmd), 0);
+    double queued = 0;
+    for (int i = 0; i < 600 && queued < 1; i++) {
+        char *metrics = NULL;
+        if (th_http(port, "GET", "/metrics", NULL, NULL, NULL, &metrics) == 200)
+            queued = th_metric(metrics, "prefixd_queue_depth");
+        free(metrics);
+        if (queued < 1) nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
+    }
+    cr_assert_eq(queued, 1, "B was never queued behind A");
+    const int arm_fd = open(arm, O_WRONLY | O_CREAT | O_EXCL, 0600);
+    cr_assert_geq(arm_fd, 0, "%s: %s", arm, strerror(errno));
+    close(arm_fd);
 
     const int st = wait_exit(pid, 300);
     cr_assert(WIFEXITED(st), "prefixd was killed by signal %d", WIFSIGNALED(st) ? WTERMSIG(st) : 0);

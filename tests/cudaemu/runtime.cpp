@@ -36,6 +36,7 @@
 #include <vector>
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 // Fiber switch. On x86-64 a few instructions (callee-saved registers, the
 // SSE and x87 control words, the stack pointer): glibc's swapcontext makes
@@ -146,6 +147,10 @@ static cudaError_t fail(cudaError_t e, const char *fmt, ...) {
  * returned by every later call that touches the context, cudaGetLastError
  * included (it stays), as on a GPU; any other is reported once, by the next
  * cudaGetLastError.
+ *
+ * CUDAEMU_FAIL_ARM=PATH counts launches only from the first one that finds
+ * PATH existing, so a test can place the fault after a state it has reached
+ * (a request running, another queued) instead of guessing a launch number.
  * ------------------------------------------------------------------------ */
 
 static const cudaError_t emu_errors[] = {
@@ -178,13 +183,16 @@ namespace {
 struct fault_plan {
     uint64_t launch; // 0: none
     cudaError_t error;
+    const char *arm_path; // NULL: counting from the first launch
 };
 
 const fault_plan &fault() {
     static const fault_plan plan = [] {
-        fault_plan p = {0, cudaErrorIllegalAddress};
+        fault_plan p = {0, cudaErrorIllegalAddress, nullptr};
         const char *n = getenv("CUDAEMU_FAIL_LAUNCH");
         if (n && *n) p.launch = strtoull(n, nullptr, 10);
+        const char *arm = getenv("CUDAEMU_FAIL_ARM");
+        if (arm && *arm) p.arm_path = arm;
         const char *name = getenv("CUDAEMU_FAIL_ERROR");
         if (name && *name) {
             bool known = false;
@@ -205,6 +213,7 @@ const fault_plan &fault() {
 
 std::atomic<int> sticky_error{cudaSuccess};
 std::atomic<uint64_t> launches{0};
+std::atomic<bool> armed{false};
 } // namespace
 
 // The context's sticky error, or cudaSuccess.
@@ -213,6 +222,10 @@ static cudaError_t sticky() { return (cudaError_t)sticky_error.load(std::memory_
 // Counts a launch; true when it is the one to fail (and fails it).
 static bool injected_launch_fault(const char *kernel) {
     const fault_plan &p = fault();
+    if (p.launch && p.arm_path && !armed.load()) {
+        if (access(p.arm_path, F_OK) != 0) return false;
+        armed.store(true);
+    }
     const uint64_t n = launches.fetch_add(1) + 1;
     if (!p.launch || n != p.launch) return false;
     fprintf(stderr, "cudaemu: launch %llu (%s) fails with %s (CUDAEMU_FAIL_LAUNCH)\n", (unsigned long long)n, kernel,
