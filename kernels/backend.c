@@ -1,5 +1,7 @@
 /* The pd_backend_* functions: thin calls through the backend's ops table
  * (kernels/backend_impl.h), with the optional ops' defaults. */
+#include <string.h>
+
 #include "kernels/backend_impl.h"
 
 void pd_backend_free(pd_backend *be) {
@@ -106,3 +108,8 @@ int pd_backend_token_scores(pd_backend *be, const pd_token_score_args *a, pd_err
 bool pd_backend_caches_weights(const pd_backend *be) { return be->ops->prepare_weight != NULL; }
 
 bool pd_backend_has_token_scores(const pd_backend *be) { return be->ops->token_scores != NULL; }
+
+void pd_backend_counters_get(const pd_backend *be, pd_backend_counters *out) {
+    memset(out, 0, sizeof *out);
+    if (be->ops->counters) be->ops->counters(be, out);
+}

@@ -270,6 +270,21 @@ bool pd_backend_caches_weights(const pd_backend *be);
  * caller scores on the host). */
 bool pd_backend_has_token_scores(const pd_backend *be);
 
+/* What a device backend has done since it was created, for benchmarks and
+ * for tests that check the serving path: a decode step should launch few
+ * kernels, allocate nothing and copy through pinned memory only. A host
+ * backend reports zeros. */
+typedef struct pd_backend_counters {
+    uint64_t launches;        /* kernels and library calls (a cuBLAS GEMM is one) enqueued */
+    uint64_t device_allocs;   /* allocations from the driver (cudaMalloc) */
+    uint64_t device_frees;    /* blocks given back to the driver (cudaFree) */
+    uint64_t uploads;         /* host -> device copies */
+    uint64_t downloads;       /* device -> host copies */
+    uint64_t unstaged_copies; /* of those, to or from pageable memory without pinned staging */
+    uint64_t syncs;           /* times the host waited for the stream */
+} pd_backend_counters;
+void pd_backend_counters_get(const pd_backend *be, pd_backend_counters *out);
+
 /* The CPU backend: OpenBLAS for batched products, AVX2/AVX-512 quantized dot
  * products chosen at run time (portable C otherwise), n_threads workers
  * (<= 0: all CPUs). The backend owns its scratch buffers and is used by

@@ -12,7 +12,7 @@ extern "C" {
 #endif
 
 /* Bumped when an op is added, removed or changes meaning. */
-#define PD_BACKEND_OPS_VERSION 1
+#define PD_BACKEND_OPS_VERSION 2
 
 typedef struct pd_backend_ops {
     const char *name;
@@ -107,6 +107,8 @@ typedef struct pd_backend_ops {
     int (*attention)(pd_backend *be, const pd_attn_args *a, pd_error *err);
     /* Optional (NULL: the caller scores on the host): pd_token_score_args. */
     int (*token_scores)(pd_backend *be, const pd_token_score_args *a, pd_error *err);
+    /* Optional (NULL: zeros): pd_backend_counters. */
+    void (*counters)(const pd_backend *be, pd_backend_counters *out);
 } pd_backend_ops;
 
 struct pd_backend {

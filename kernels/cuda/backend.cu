@@ -281,6 +281,10 @@ static void cuda_free_op(pd_backend *be) {
     if (be) cuda_destroy(cuda_impl(be));
 }
 
+static void cuda_counters_op(const pd_backend *be, pd_backend_counters *out) {
+    *out = ((const cuda_backend *)be->impl)->counters;
+}
+
 static pd_backend_ops make_cuda_ops(void) {
     pd_backend_ops o;
     memset(&o, 0, sizeof o);
@@ -310,6 +314,7 @@ static pd_backend_ops make_cuda_ops(void) {
     o.add = cuda_add;
     o.attention = cuda_attention;
     o.token_scores = cuda_token_scores;
+    o.counters = cuda_counters_op;
     return o;
 }
 

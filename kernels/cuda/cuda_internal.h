@@ -56,6 +56,8 @@ typedef struct cuda_backend {
     cudaError_t deferred;
     // Scratch for ops (matmul activations in bf16, attention partials, ...).
     cuda_scratch scratch[5];
+    // What pd_backend_counters_get reports; bumped by the thread using the backend.
+    pd_backend_counters counters;
 } cuda_backend;
 
 // Scratch slots: each user owns one, so nested uses never alias.

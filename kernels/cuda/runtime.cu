@@ -135,7 +135,10 @@ int cuda_take_deferred(cuda_backend *cb, pd_error *err) {
 int cuda_malloc(cuda_backend *cb, void **p, size_t bytes, const char *what, pd_error *err) {
     *p = NULL;
     const cudaError_t e = cudaMalloc(p, bytes);
-    if (e == cudaSuccess) return PD_OK;
+    if (e == cudaSuccess) {
+        cb->counters.device_allocs++;
+        return PD_OK;
+    }
     *p = NULL;
     if (e != cudaErrorMemoryAllocation) {
         char buf[160];
