@@ -254,6 +254,12 @@ typedef struct pd_jobs_opts {
     const pd_logger *logger;     /* optional: a line when a job starts, is done or fails (not owned) */
     int64_t min_compress_tokens; /* prefixes shorter than this are stored exactly (retention 1, no
                                     calibration): compressing them saves too little (default 0) */
+    /* Optional: called once, on the worker thread, when a job fails with a
+     * sticky device error (PD_EDEVICE): the process's GPU context is gone,
+     * the serving model's too. No job starts after it; submit answers
+     * PD_EUNAVAILABLE. */
+    void (*on_device_failure)(void *ctx);
+    void *on_device_failure_ctx;
 } pd_jobs_opts;
 
 void pd_jobs_opts_default(pd_jobs_opts *o);
@@ -266,6 +272,8 @@ void pd_jobs_free(pd_jobs *j);
 /* Paused, the worker starts no new job (the running one continues); queued
  * jobs stay queued. For maintenance and deterministic tests. */
 void pd_jobs_set_paused(pd_jobs *j, bool paused);
+/* Whether a job hit a sticky device error (see on_device_failure). */
+bool pd_jobs_device_failed(pd_jobs *j);
 
 /* What to register. Copied by pd_jobs_submit. */
 typedef struct pd_job_spec {

@@ -63,6 +63,9 @@ struct pd_jobs {
     pd_gauge *m_queued;
     const pd_logger *logger;     /* may be NULL */
     int64_t min_compress_tokens; /* shorter prefixes are stored exactly */
+    void (*on_device_failure)(void *ctx);
+    void *on_device_failure_ctx;
+    bool device_failed;          /* guarded by mu: a job hit PD_EDEVICE; no job starts after it */
 };
 
 const char *pd_job_state_name(pd_job_state s) {
@@ -315,7 +318,7 @@ static void *worker_main(void *arg) {
     for (;;) {
         job *jb = NULL;
         while (!j->stop) {
-            for (int i = 0; !j->paused && i < j->n_table; i++)
+            for (int i = 0; !j->paused && !j->device_failed && i < j->n_table; i++)
                 if (j->table[i]->st.state == PD_JOB_QUEUED) {
                     jb = j->table[i];
                     break;
@@ -347,6 +350,18 @@ static void *worker_main(void *arg) {
             snprintf(jb->st.error, sizeof jb->st.error, "%s", err.msg[0] ? err.msg : pd_status_name(rc));
             set_phase(jb, "failed");
             if (j->m_failed) pd_counter_add(j->m_failed, 1);
+            if (rc == PD_EDEVICE && !j->device_failed) {
+                /* The context is gone for every model of the process (the
+                 * serving one too): tell the owner, which restarts it. */
+                j->device_failed = true;
+                pd_log(j->logger, PD_LOG_ERROR, "precompression job %" PRIu64 ": %s (no further job starts)",
+                       jb->st.id, err.msg);
+                if (j->on_device_failure) {
+                    pthread_mutex_unlock(&j->mu);
+                    j->on_device_failure(j->on_device_failure_ctx);
+                    pthread_mutex_lock(&j->mu);
+                }
+            }
         } else {
             jb->st.state = PD_JOB_DONE;
             jb->st.info = info;
@@ -396,6 +411,8 @@ int pd_jobs_create(const pd_jobs_opts *o, pd_jobs **out, pd_error *err) {
     j->paused = o->start_paused;
     j->logger = o->logger;
     j->min_compress_tokens = o->min_compress_tokens;
+    j->on_device_failure = o->on_device_failure;
+    j->on_device_failure_ctx = o->on_device_failure_ctx;
     j->model_path = strdup(o->model_path);
     j->default_policy = strdup(dp);
     j->table = calloc((size_t)o->max_jobs, sizeof *j->table);
@@ -460,6 +477,13 @@ void pd_jobs_free(pd_jobs *j) {
     free(j->model_path);
     free(j->default_policy);
     free(j);
+}
+
+bool pd_jobs_device_failed(pd_jobs *j) {
+    pthread_mutex_lock(&j->mu);
+    const bool failed = j->device_failed;
+    pthread_mutex_unlock(&j->mu);
+    return failed;
 }
 
 void pd_jobs_set_paused(pd_jobs *j, bool paused) {
@@ -581,6 +605,11 @@ int pd_jobs_submit(pd_jobs *j, const pd_job_spec *spec, uint64_t *job_id, pd_err
     pthread_mutex_lock(&j->mu);
     if (j->stop) {
         rc = pd_errorf(err, PD_EINVAL, "the jobs service is shutting down");
+        goto out;
+    }
+    if (j->device_failed) {
+        rc = pd_errorf(err, PD_EUNAVAILABLE,
+                       "the server's GPU failed and the server is restarting; submit the job again once it is back");
         goto out;
     }
     if (j->n_ctx > 0 && jb->n > j->n_ctx) {

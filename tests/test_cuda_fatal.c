@@ -396,6 +396,55 @@ Test(cuda_fatal, prefixd_exits_3_when_the_gpu_fails_while_warming_up, .timeout =
     free(dir);
 }
 
+/* A precompression job runs on its own model but in the process's one CUDA
+ * context: its sticky error kills serving too, so prefixd exits 3 even with
+ * no request in flight. */
+Test(cuda_fatal, prefixd_exits_3_when_the_gpu_fails_in_a_precompression_job, .timeout = 300) {
+    require_cudaemu();
+    if (system("curl --version >/dev/null 2>&1") != 0) cr_skip_test("curl is not installed");
+    TH_REQUIRE_SHARED();
+    char model[1024];
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
+    inject("3", NULL);
+    char *dir = th_mkdtemp();
+    char arm[1100], args[4096], log[1200], body[1100];
+    snprintf(arm, sizeof arm, "%s/arm", dir);
+    snprintf(body, sizeof body, "%s/body.json", dir);
+    cr_assert_eq(setenv("CUDAEMU_FAIL_ARM", arm, 1), 0);
+    snprintf(args, sizeof args,
+             "--set model.path=%s --set cache.path=%s/store --set cache.map_size_mb=64 --set model.n_threads=2 "
+             "--set server.model_names=test --set model.device=cuda:0 --set admin.token=fatal-test-token",
+             model, dir);
+    snprintf(log, sizeof log, "%s/prefixd.log", dir);
+    int port = 0;
+    pid_t pid = th_daemon_start(args, log, &port);
+    /* serving works; then the fault is armed and a job meets it */
+    char *out = NULL;
+    cr_assert_eq(th_http(port, "POST", "/v1/completions", "{\"model\":\"test\",\"prompt\":\"Lily\",\"max_tokens\":3}",
+                         NULL, body, &out),
+                 200, "%s", out);
+    free(out);
+    const int arm_fd = open(arm, O_WRONLY | O_CREAT | O_EXCL, 0600);
+    cr_assert_geq(arm_fd, 0, "%s: %s", arm, strerror(errno));
+    close(arm_fd);
+    out = NULL;
+    const int code = th_http(port, "POST", "/admin/v1/prefixes",
+                             "{\"text\":\"Once upon a time there was a little girl named Lily. She liked to play.\","
+                             "\"policy\":\"knorm\",\"retention\":0.5}",
+                             "fatal-test-token", body, &out);
+    cr_assert_eq(code, 202, "%s", out);
+    free(out);
+
+    const int st = wait_exit(pid, 120);
+    char *text = read_text(log);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 3, "want exit status 3 (the GPU failed); log:\n%s", text);
+    cr_assert(contains(text, "precompression job 1: ") && contains(text, "cudaErrorIllegalAddress"), "%s", text);
+    cr_assert(contains(text, "exiting with status 3"), "%s", text);
+    free(text);
+    th_rmtree(dir);
+    free(dir);
+}
+
 /* ---- prefixctl cuda-info ------------------------------------------------- */
 
 Test(cuda_fatal, cuda_info_runs_a_kernel_self_test, .timeout = 120) {

@@ -109,8 +109,9 @@ static void warn_exposed_secrets(const pd_logger *lg, const options *opt, const 
              opt->config_path);
 }
 
-/* The scheduler's device-failure hook (on its engine thread): wake
- * wait_for_stop, which takes every signal of the process. */
+/* The device-failure hook of the scheduler (on its engine thread) and of
+ * the precompression worker: wake wait_for_stop, which takes every signal
+ * of the process. */
 static void wake_on_device_failure(void *ctx) {
     (void)ctx;
     kill(getpid(), SIGUSR2);
@@ -121,7 +122,7 @@ static void wake_on_device_failure(void *ctx) {
  * wake_on_device_failure; returns true for the latter. SIGHUP is accepted
  * and logged: logs go to stderr (the journal), so there is nothing to
  * reopen. */
-static bool wait_for_stop(const pd_logger *lg, const sigset_t *set, pd_scheduler *sched) {
+static bool wait_for_stop(const pd_logger *lg, const sigset_t *set, pd_scheduler *sched, pd_jobs *jobs) {
     uint64_t wd_usec = 0;
     bool watchdog = sd_watchdog_enabled(0, &wd_usec) > 0 && wd_usec > 0;
     for (;;) {
@@ -141,7 +142,7 @@ static bool wait_for_stop(const pd_logger *lg, const sigset_t *set, pd_scheduler
         if (sig == SIGUSR2) {
             pd_scheduler_stats st;
             pd_scheduler_stats_get(sched, &st);
-            if (st.device_failed) return true;
+            if (st.device_failed || (jobs && pd_jobs_device_failed(jobs))) return true;
             pd_log(lg, PD_LOG_INFO, "SIGUSR2 ignored (prefixd uses it only to report a failed GPU to itself)");
             continue;
         }
@@ -346,6 +347,7 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
     jo.metrics = metrics;
     jo.logger = lg;
     jo.min_compress_tokens = cfg->compression.min_prefix_tokens;
+    jo.on_device_failure = wake_on_device_failure;
     if (!rc && cfg->admin.token[0]) rc = pd_jobs_create(&jo, &jobs, &err);
     if (!rc) {
         pd_server_backend b = {.model = model, .sched = sched, .family = pd_model_chat_family(model),
@@ -364,10 +366,10 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
                 pd_model_hparams(model)->arch_name, pd_chat_family_name(b.family), pd_kv_cache_type_name(cfg->model.kv_type),
                 cfg->cache.path);
         sd_notify(0, "READY=1\nSTATUS=serving");
-        device_failed = wait_for_stop(lg, &set, sched);
+        device_failed = wait_for_stop(lg, &set, sched, jobs);
         if (device_failed) {
-            /* The scheduler logged the error and failed every request;
-             * /health answers 503 and new requests too until the exit. */
+            /* The scheduler (or the precompression worker) logged the error;
+             * requests fail with 503 as they meet the dead context. */
             pd_log(lg, PD_LOG_INFO, "the GPU failed: exiting with status %d so that the service manager restarts "
                                     "prefixd (systemd: Restart=on-failure)",
                    EXIT_DEVICE);
