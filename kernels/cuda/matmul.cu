@@ -188,7 +188,10 @@ int cuda_prepare_weight(pd_backend *be, const pd_weight *w, pd_error *err) {
  * cache; R rows per block divide that traffic by R. Weights are streamed
  * with evict-first loads so they do not push x out of the cache. Partial
  * sums are reduced per warp with shuffles and across the block's warps in
- * shared memory, in a fixed order.
+ * shared memory, in a fixed order (cuda_gemv_store). A launch runs one
+ * cuda_gemv_job: up to 3 weights sharing x (blocks split among them), or
+ * a gate/up pair whose blocks take R/2 rows of each and write
+ * act(gate) * up; a row's sum is the same in every kind of job.
  * ------------------------------------------------------------------------ */
 
 template <class WT, int N, int R>

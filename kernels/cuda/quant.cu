@@ -297,8 +297,9 @@ template <class QT> static __device__ __forceinline__ void q_deq8(const uint8_t 
  * its exact dot product up to f32 rounding: per weight, one unpack and one
  * FMA per token, where dequantizing first would add a multiply and a
  * subtraction per weight. Partial sums: warp
- * shuffles, then the block's warps in shared memory in a fixed order (as
- * the 16-bit GEMV).
+ * shuffles, then the block's warps in shared memory in a fixed order, and
+ * the job's kind (several weights, gate/up + activation) as the 16-bit
+ * GEMV (cuda_gemv_store in cuda_internal.h).
  * ------------------------------------------------------------------------ */
 
 template <bool XVEC>
