@@ -330,74 +330,103 @@ static int decode_run_end(const fwd_entry *es, int n_es, int i) {
     return j;
 }
 
+/* One layer over all R rows. Fused ops cut a device backend's launches
+ * (docs/gpu.md): Q, K and V in one product, biases and rope in one op,
+ * gate/up and the GLU in one, and each residual add together with the
+ * norm that reads its result. When every row fits one chunk (a decode
+ * step, a short prefill) the add that ends the layer also computes the
+ * next layer's attn_norm into b->h: *h_ready says so on return, and on
+ * entry that this layer's attn_norm is already in b->h. */
 static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer, const pd_prefill_opts *opts,
-                     fwd_bufs *b, pd_error *err) {
+                     fwd_bufs *b, bool *h_ready, pd_error *err) {
     const pd_hparams *hp = &m->hp;
     const layer_weights *L = &m->layers[layer];
     pd_backend *be = m->backend;
-    const int64_t d = hp->n_embd, qd = (int64_t)hp->n_head * hp->head_dim, kvd = (int64_t)hp->n_head_kv * hp->head_dim,
-                  ff = hp->n_ff;
+    const int64_t d = hp->n_embd, qd = (int64_t)hp->n_head * hp->head_dim, kvd = (int64_t)hp->n_head_kv * hp->head_dim;
+    const bool hook = opts && opts->hook;
+    /* Rows all in one chunk and no hook between attention and FFN: the
+     * norms can ride on the residual adds. */
+    const bool fuse_norms = R <= ROW_CHUNK && !hook;
+    const bool normed_in = *h_ready;
     int rc;
+    *h_ready = false;
 
     /* Q, K, V for every row. */
+    const pd_weight *wqkv[3] = {&L->wq, &L->wk, &L->wv};
     for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
         const int64_t n = R - r0 < ROW_CHUNK ? R - r0 : ROW_CHUNK;
-        if ((rc = pd_backend_rmsnorm(be, b->x + r0 * d, on_backend(m, L->attn_norm), n, d, hp->rms_eps, b->h, err)) ||
-            (rc = pd_backend_matmul(be, &L->wq, b->h, n, b->q + r0 * qd, err)) ||
-            (rc = pd_backend_matmul(be, &L->wk, b->h, n, b->k + r0 * kvd, err)) ||
-            (rc = pd_backend_matmul(be, &L->wv, b->h, n, b->v + r0 * kvd, err)))
-            return rc;
-        if ((L->bq && (rc = pd_backend_add(be, b->q + r0 * qd, on_backend(m, L->bq), n, qd, 0, err))) ||
-            (L->bk && (rc = pd_backend_add(be, b->k + r0 * kvd, on_backend(m, L->bk), n, kvd, 0, err))) ||
-            (L->bv && (rc = pd_backend_add(be, b->v + r0 * kvd, on_backend(m, L->bv), n, kvd, 0, err))))
+        float *yqkv[3] = {b->q + r0 * qd, b->k + r0 * kvd, b->v + r0 * kvd};
+        if ((!(normed_in && r0 == 0 && n == R) &&
+             (rc = pd_backend_rmsnorm(be, b->x + r0 * d, on_backend(m, L->attn_norm), n, d, hp->rms_eps, b->h, err))) ||
+            (rc = pd_backend_matmul_multi(be, wqkv, 3, b->h, n, yqkv, err)))
             return rc;
     }
-    /* qwen3, gemma3: every head of Q and K RMS-normed before rope. */
+    /* Biases, then (qwen3, gemma3) every head of Q and K RMS-normed, then
+     * rope. Without the norms and the pre-rope copy of K, biases and rope
+     * are one op. */
+    const bool norms = L->q_norm || L->k_norm;
+    const bool rope_now = !norms && !b->k_pre;
+    const pd_qkv_args qkv = {
+        .q = b->q, .k = b->k, .v = b->v,
+        .bq = on_backend(m, L->bq), .bk = on_backend(m, L->bk), .bv = on_backend(m, L->bv),
+        .pos = b->pos, .n = R, .n_head = hp->n_head, .n_head_kv = hp->n_head_kv, .head_dim = hp->head_dim,
+        .rope = rope_now ? L->rope : NULL,
+    };
+    if ((rope_now || L->bq || L->bk || L->bv) && (rc = pd_backend_qkv_bias_rope(be, &qkv, err))) return rc;
     if ((L->q_norm && (rc = pd_backend_rmsnorm(be, b->q, on_backend(m, L->q_norm), R * hp->n_head, hp->head_dim,
                                          hp->rms_eps, b->q, err))) ||
         (L->k_norm && (rc = pd_backend_rmsnorm(be, b->k, on_backend(m, L->k_norm), R * hp->n_head_kv, hp->head_dim,
                                          hp->rms_eps, b->k, err))))
         return rc;
     if (b->k_pre && (rc = pd_backend_copy(be, b->k_pre, b->k, sizeof(float) * (size_t)(R * kvd), err))) return rc;
-    if ((rc = pd_backend_rope(be, b->q, b->pos, R, hp->n_head, hp->head_dim, L->rope, err)) ||
-        (rc = pd_backend_rope(be, b->k, b->pos, R, hp->n_head_kv, hp->head_dim, L->rope, err)) ||
-        (rc = append_kv(m, es, n_es, R, layer, b, err)))
+    if (!rope_now && ((rc = pd_backend_rope(be, b->q, b->pos, R, hp->n_head, hp->head_dim, L->rope, err)) ||
+                      (rc = pd_backend_rope(be, b->k, b->pos, R, hp->n_head_kv, hp->head_dim, L->rope, err))))
         return rc;
+    if ((rc = append_kv(m, es, n_es, R, layer, b, err))) return rc;
 
     /* Attention and output projection: a long entry chunk by chunk, a run
-     * of decode entries together. */
+     * of decode entries together. A pass over all rows also norms them
+     * for the FFN. */
+    bool ffn_normed = false;
     for (int i = 0; i < n_es;) {
         const int j = decode_run_end(es, n_es, i);
         const int64_t end = es[j - 1].row0 + es[j - 1].n;
         for (int64_t r0 = es[i].row0; r0 < end; r0 += ROW_CHUNK) {
             const int64_t r1 = end - r0 < ROW_CHUNK ? end : r0 + ROW_CHUNK;
+            const bool all_rows = fuse_norms && r0 == 0 && r1 == R;
             if ((rc = attend(m, es, i, j, r0, r1, layer, b, err)) ||
                 (rc = pd_backend_matmul(be, &L->wo, b->attn, r1 - r0, b->h, err)) ||
                 (L->post_attn_norm && (rc = pd_backend_rmsnorm(be, b->h, on_backend(m, L->post_attn_norm), r1 - r0, d,
-                                                         hp->rms_eps, b->h, err))) ||
-                (rc = pd_backend_add(be, b->x + r0 * d, b->h, r1 - r0, d, d, err)))
+                                                         hp->rms_eps, b->h, err))))
                 return rc;
+            rc = all_rows ? pd_backend_add_rmsnorm(be, b->x, b->h, on_backend(m, L->ffn_norm), R, d, hp->rms_eps, b->h, err)
+                          : pd_backend_add(be, b->x + r0 * d, b->h, r1 - r0, d, d, err);
+            if (rc) return rc;
+            ffn_normed = all_rows;
         }
         i = j;
     }
 
     /* The hook sees the layer after its attention ran over the full K/V. */
-    if (opts && opts->hook && (rc = run_hook(m, &es[0], layer, opts, b, err))) return rc;
+    if (hook && (rc = run_hook(m, &es[0], layer, opts, b, err))) return rc;
 
     /* Feed-forward: SwiGLU, or GeGLU for gemma. */
     const bool gemma = hp->arch == PD_ARCH_GEMMA2 || hp->arch == PD_ARCH_GEMMA3;
+    const float *next_norm = layer + 1 < hp->n_layer ? on_backend(m, m->layers[layer + 1].attn_norm) : NULL;
     for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
         const int64_t n = R - r0 < ROW_CHUNK ? R - r0 : ROW_CHUNK;
-        if ((rc = pd_backend_rmsnorm(be, b->x + r0 * d, on_backend(m, L->ffn_norm), n, d, hp->rms_eps, b->h, err)) ||
-            (rc = pd_backend_matmul(be, &L->w_gate, b->h, n, b->gate, err)) ||
-            (rc = pd_backend_matmul(be, &L->w_up, b->h, n, b->up, err)) ||
-            (rc = gemma ? pd_backend_geglu(be, b->gate, b->up, n * ff, b->gate, err)
-                        : pd_backend_swiglu(be, b->gate, b->up, n * ff, b->gate, err)) ||
+        if ((!ffn_normed &&
+             (rc = pd_backend_rmsnorm(be, b->x + r0 * d, on_backend(m, L->ffn_norm), n, d, hp->rms_eps, b->h, err))) ||
+            (rc = pd_backend_matmul_glu(be, &L->w_gate, &L->w_up, b->h, n, gemma ? PD_GLU_GELU : PD_GLU_SILU, b->gate,
+                                        b->up, err)) ||
             (rc = pd_backend_matmul(be, &L->w_down, b->gate, n, b->h, err)) ||
             (L->post_ffn_norm &&
-             (rc = pd_backend_rmsnorm(be, b->h, on_backend(m, L->post_ffn_norm), n, d, hp->rms_eps, b->h, err))) ||
-            (rc = pd_backend_add(be, b->x + r0 * d, b->h, n, d, d, err)))
+             (rc = pd_backend_rmsnorm(be, b->h, on_backend(m, L->post_ffn_norm), n, d, hp->rms_eps, b->h, err))))
             return rc;
+        *h_ready = fuse_norms && next_norm;
+        rc = *h_ready ? pd_backend_add_rmsnorm(be, b->x, b->h, next_norm, n, d, hp->rms_eps, b->h, err)
+                      : pd_backend_add(be, b->x + r0 * d, b->h, n, d, d, err);
+        if (rc) return rc;
     }
     return PD_OK;
 }
@@ -465,8 +494,9 @@ static int forward(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_opts *
     if (hp->embd_scale != 1.0f && (rc = pd_backend_scale(be, b.x, R * hp->n_embd, hp->embd_scale, err))) return rc;
     if ((rc = pd_backend_upload(be, b.pos, b.hpos, sizeof(int32_t) * (size_t)R, err))) return rc;
 
+    bool h_ready = false; /* b->h holds the next layer's attn_norm (run_layer) */
     for (int l = 0; l < hp->n_layer; l++) {
-        if ((rc = run_layer(m, es, n_es, R, l, opts, &b, err))) {
+        if ((rc = run_layer(m, es, n_es, R, l, opts, &b, &h_ready, err))) {
             /* Leave every sequence as it was: drop this call's rows from all layers. */
             for (int i = 0; i < n_es; i++)
                 for (int ll = 0; ll <= l; ll++)

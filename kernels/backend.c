@@ -96,6 +96,33 @@ int pd_backend_add(pd_backend *be, float *y, const float *x, int64_t rows, int64
     return be->ops->add(be, y, x, rows, width, x_stride, err);
 }
 
+int pd_backend_add_rmsnorm(pd_backend *be, float *x, const float *h, const float *weight, int64_t n, int64_t dim,
+                           float eps, float *out, pd_error *err) {
+    return be->ops->add_rmsnorm(be, x, h, weight, n, dim, eps, out, err);
+}
+
+int pd_backend_matmul_multi(pd_backend *be, const pd_weight *const *w, int n_w, const float *x, int64_t n,
+                            float *const *y, pd_error *err) {
+    if (n_w < 1 || n_w > PD_MATMUL_MULTI_MAX)
+        return pd_errorf(err, PD_EINVAL, "matmul_multi: %d weights, 1 to %d supported", n_w, PD_MATMUL_MULTI_MAX);
+    for (int j = 0; j < n_w; j++)
+        if (!w[j] || !y[j]) return pd_errorf(err, PD_EINVAL, "matmul_multi: NULL weight or output %d", j);
+    return be->ops->matmul_multi(be, w, n_w, x, n, y, err);
+}
+
+int pd_backend_matmul_glu(pd_backend *be, const pd_weight *w_gate, const pd_weight *w_up, const float *x, int64_t n,
+                          pd_glu act, float *out, float *up, pd_error *err) {
+    if (!w_gate || !w_up) return pd_errorf(err, PD_EINVAL, "matmul_glu: NULL weight");
+    if (w_gate->rows != w_up->rows || w_gate->cols != w_up->cols)
+        return pd_errorf(err, PD_EINVAL, "matmul_glu: gate %lld x %lld and up %lld x %lld differ in shape",
+                         (long long)w_gate->rows, (long long)w_gate->cols, (long long)w_up->rows, (long long)w_up->cols);
+    return be->ops->matmul_glu(be, w_gate, w_up, x, n, act, out, up, err);
+}
+
+int pd_backend_qkv_bias_rope(pd_backend *be, const pd_qkv_args *a, pd_error *err) {
+    return be->ops->qkv_bias_rope(be, a, err);
+}
+
 int pd_backend_attention(pd_backend *be, const pd_attn_args *a, pd_error *err) {
     return be->ops->attention(be, a, err);
 }

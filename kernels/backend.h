@@ -260,6 +260,49 @@ int pd_backend_scale(pd_backend *be, float *x, int64_t n, float s, pd_error *err
 /* y[r][i] += x[r][i] for r < rows, i < width, where x_stride is 0 (one
  * row broadcast to every row: a bias) or width (element-wise). */
 int pd_backend_add(pd_backend *be, float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride, pd_error *err);
+/* ---- fused ops: each equals the unfused sequence it names (bit for bit
+ * on the CPU and on CUDA, where the same kernels' arithmetic is reused)
+ * and saves a device backend launches; docs/gpu.md lists a decode step's. */
+/* x[r] += h[r], then out[r] = rmsnorm(x[r]) * weight, rows of dim: the
+ * residual add that ends a block and the norm that starts the next, as
+ * pd_backend_add (x_stride = dim) then pd_backend_rmsnorm. out may equal
+ * x or h. */
+int pd_backend_add_rmsnorm(pd_backend *be, float *x, const float *h, const float *weight, int64_t n, int64_t dim,
+                           float eps, float *out, pd_error *err);
+/* Products of up to PD_MATMUL_MULTI_MAX weights with the same x (the Q, K
+ * and V projections): y[j] as pd_backend_matmul(w[j], x, n, y[j]). w and
+ * y are host arrays of n_w entries; every weight has x's cols. A device
+ * backend runs a decode batch (n <= 8) of same-typed weights in one GEMV
+ * launch. */
+#define PD_MATMUL_MULTI_MAX 3
+int pd_backend_matmul_multi(pd_backend *be, const pd_weight *const *w, int n_w, const float *x, int64_t n,
+                            float *const *y, pd_error *err);
+typedef enum pd_glu {
+    PD_GLU_SILU = 0, /* swiglu */
+    PD_GLU_GELU = 1, /* geglu */
+} pd_glu;
+/* The gated feed-forward input: out = act(x W_gate^T) * (x W_up^T),
+ * [n][rows], as pd_backend_matmul of each weight then pd_backend_swiglu
+ * (PD_GLU_SILU) or pd_backend_geglu (PD_GLU_GELU). The weights have the
+ * same shape. up is scratch of n * rows floats the backend may use (its
+ * contents are undefined afterwards); a device backend computes a decode
+ * batch (n <= 8) in one GEMV launch that reads both weights' rows for
+ * each output and never touches up. */
+int pd_backend_matmul_glu(pd_backend *be, const pd_weight *w_gate, const pd_weight *w_up, const float *x, int64_t n,
+                          pd_glu act, float *out, float *up, pd_error *err);
+/* Fresh Q [n][n_head][head_dim], K and V [n][n_head_kv][head_dim]: q +=
+ * bq, k += bk, v += bv (each bias one row of the width, NULL = none),
+ * then rope on q and k at positions pos (rope NULL = none), as
+ * pd_backend_add then pd_backend_rope. One launch on a device backend. */
+typedef struct pd_qkv_args {
+    float *q, *k, *v;
+    const float *bq, *bk, *bv;
+    const int32_t *pos;
+    int64_t n;
+    int n_head, n_head_kv, head_dim;
+    const pd_rope_params *rope;
+} pd_qkv_args;
+int pd_backend_qkv_bias_rope(pd_backend *be, const pd_qkv_args *a, pd_error *err);
 int pd_backend_attention(pd_backend *be, const pd_attn_args *a, pd_error *err);
 /* Optional (NULL: the caller scores on the host): pd_token_score_args. */
 int pd_backend_token_scores(pd_backend *be, const pd_token_score_args *a, pd_error *err);

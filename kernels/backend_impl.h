@@ -12,7 +12,7 @@ extern "C" {
 #endif
 
 /* Bumped when an op is added, removed or changes meaning. */
-#define PD_BACKEND_OPS_VERSION 2
+#define PD_BACKEND_OPS_VERSION 3
 
 typedef struct pd_backend_ops {
     const char *name;
@@ -105,6 +105,14 @@ typedef struct pd_backend_ops {
     int (*add)(pd_backend *be, float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride,
                pd_error *err);
     int (*attention)(pd_backend *be, const pd_attn_args *a, pd_error *err);
+    /* Fused ops (kernels/backend.h documents each). */
+    int (*add_rmsnorm)(pd_backend *be, float *x, const float *h, const float *weight, int64_t n, int64_t dim,
+                       float eps, float *out, pd_error *err);
+    int (*matmul_multi)(pd_backend *be, const pd_weight *const *w, int n_w, const float *x, int64_t n,
+                        float *const *y, pd_error *err);
+    int (*matmul_glu)(pd_backend *be, const pd_weight *w_gate, const pd_weight *w_up, const float *x, int64_t n,
+                      pd_glu act, float *out, float *up, pd_error *err);
+    int (*qkv_bias_rope)(pd_backend *be, const pd_qkv_args *a, pd_error *err);
     /* Optional (NULL: the caller scores on the host): pd_token_score_args. */
     int (*token_scores)(pd_backend *be, const pd_token_score_args *a, pd_error *err);
     /* Optional (NULL: zeros): pd_backend_counters. */

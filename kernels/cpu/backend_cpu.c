@@ -369,6 +369,78 @@ static int cpu_rope(pd_backend *be, float *x, const int32_t *pos, int64_t n, int
 }
 
 /* ------------------------------------------------------------------------
+ * fused ops: the unfused ops' arithmetic, in one pass where that saves
+ * work (add_rmsnorm: one pool dispatch), else the unfused calls in order
+ * (the products dominate; fusing them would only reorder memory traffic
+ * the CPU's caches already absorb)
+ * ------------------------------------------------------------------------ */
+
+typedef struct add_rms_ctx {
+    rms_ctx rms;
+    float *x;
+    const float *h;
+} add_rms_ctx;
+
+/* Rows [r0, r1): cpu_add's sum, then rms_rows over the updated rows. */
+static void add_rms_rows(const add_rms_ctx *c, int64_t r0, int64_t r1) {
+    const int64_t dim = c->rms.dim;
+    for (int64_t r = r0; r < r1; r++) {
+        float *xr = c->x + r * dim;
+        const float *hr = c->h + r * dim;
+        for (int64_t i = 0; i < dim; i++) xr[i] += hr[i];
+        rms_rows(&c->rms, r, r + 1);
+    }
+}
+
+static void add_rms_worker(void *p, int ith, int nth) {
+    const add_rms_ctx *c = p;
+    add_rms_rows(c, c->rms.n * ith / nth, c->rms.n * (ith + 1) / nth);
+}
+
+static int cpu_add_rmsnorm(pd_backend *be, float *x, const float *h, const float *weight, int64_t n, int64_t dim,
+                           float eps, float *out, pd_error *err) {
+    (void)err;
+    const cpu_backend *cb = be->impl;
+    if (n <= 0 || dim <= 0) return PD_OK;
+    add_rms_ctx c = {{&cb->k, x, weight, out, n, dim, eps}, x, h};
+    if (n * dim < PAR_MIN_ELEMS || n < 2)
+        add_rms_rows(&c, 0, n);
+    else
+        pd_threadpool_run(cb->tp, add_rms_worker, &c);
+    return PD_OK;
+}
+
+static int cpu_matmul_multi(pd_backend *be, const pd_weight *const *w, int n_w, const float *x, int64_t n,
+                            float *const *y, pd_error *err) {
+    int rc = PD_OK;
+    for (int j = 0; j < n_w && !rc; j++) rc = cpu_matmul(be, w[j], x, n, y[j], err);
+    return rc;
+}
+
+static int cpu_matmul_glu(pd_backend *be, const pd_weight *w_gate, const pd_weight *w_up, const float *x, int64_t n,
+                          pd_glu act, float *out, float *up, pd_error *err) {
+    if (act != PD_GLU_SILU && act != PD_GLU_GELU)
+        return pd_errorf(err, PD_EINVAL, "matmul_glu: unknown activation %d", (int)act);
+    if (!up) return pd_errorf(err, PD_EINVAL, "matmul_glu: NULL up scratch");
+    int rc;
+    if ((rc = cpu_matmul(be, w_gate, x, n, out, err)) || (rc = cpu_matmul(be, w_up, x, n, up, err))) return rc;
+    const int64_t count = n * w_gate->rows;
+    return act == PD_GLU_SILU ? cpu_swiglu(be, out, up, count, out, err) : cpu_geglu(be, out, up, count, out, err);
+}
+
+static int cpu_qkv_bias_rope(pd_backend *be, const pd_qkv_args *a, pd_error *err) {
+    const int64_t qd = (int64_t)a->n_head * a->head_dim, kvd = (int64_t)a->n_head_kv * a->head_dim;
+    int rc;
+    if ((a->bq && (rc = cpu_add(be, a->q, a->bq, a->n, qd, 0, err))) ||
+        (a->bk && (rc = cpu_add(be, a->k, a->bk, a->n, kvd, 0, err))) ||
+        (a->bv && (rc = cpu_add(be, a->v, a->bv, a->n, kvd, 0, err))))
+        return rc;
+    if (!a->rope) return PD_OK;
+    if ((rc = cpu_rope(be, a->q, a->pos, a->n, a->n_head, a->head_dim, a->rope, err))) return rc;
+    return cpu_rope(be, a->k, a->pos, a->n, a->n_head_kv, a->head_dim, a->rope, err);
+}
+
+/* ------------------------------------------------------------------------
  * memory: backend memory is host memory
  * ------------------------------------------------------------------------ */
 
@@ -502,6 +574,10 @@ static void cpu_free(pd_backend *be) {
     .scale = cpu_scale, \
     .add = cpu_add, \
     .attention = cpu_attention, \
+    .add_rmsnorm = cpu_add_rmsnorm, \
+    .matmul_multi = cpu_matmul_multi, \
+    .matmul_glu = cpu_matmul_glu, \
+    .qkv_bias_rope = cpu_qkv_bias_rope, \
     .token_scores = NULL,
 
 static const pd_backend_ops cpu_ops = {

@@ -560,12 +560,12 @@ static int launch(cuda_backend *cb, const attn_params &p, int64_t n_items, int n
         if (e != cudaSuccess) return cuda_fail(err, e, "attention (cudaFuncSetAttribute shared memory)");
     }
     const dim3 grid((unsigned)n_items, (unsigned)n_head_kv);
-    attn_tile_kernel<DPL><<<grid, ATTN_THREADS, smem, cb->stream>>>(p);
+    attn_tile_kernel<DPL><<<grid, ATTN_THREADS, smem, cuda_launch_stream(cb)>>>(p);
     int rc = cuda_check_launch(err, "attention tiles");
     if (rc || n_slots <= 1) return rc;
     const int64_t rows = p.n_tokens * p.n_head;
     attn_merge_kernel<DPL>
-        <<<(unsigned)ceil_div(rows, ATTN_WARPS), ATTN_THREADS, 0, cb->stream>>>(p, n_slots);
+        <<<(unsigned)ceil_div(rows, ATTN_WARPS), ATTN_THREADS, 0, cuda_launch_stream(cb)>>>(p, n_slots);
     return cuda_check_launch(err, "attention merge");
 }
 

@@ -146,7 +146,7 @@ static int gather_launch(cuda_backend *cb, void *dst, const void *src, const int
                          size_t row_bytes, pd_error *err) {
     const int64_t words = (int64_t)(row_bytes / sizeof(T));
     const int threads = 256;
-    gather_rows_kernel<T><<<cuda_grid_blocks(cb, n * words, threads), threads, 0, cb->stream>>>(
+    gather_rows_kernel<T><<<cuda_grid_blocks(cb, n * words, threads), threads, 0, cuda_launch_stream(cb)>>>(
         (T *)dst, (const T *)src, idx, n, words);
     return cuda_check_launch(err, "gather");
 }
@@ -209,7 +209,7 @@ static int cuda_copy2d_batch_op(pd_backend *be, const pd_copy2d *d, int64_t n, p
     const int threads = 256;
     int64_t per = (most + threads - 1) / threads;
     dim3 grid((unsigned)n, (unsigned)(per < 1 ? 1 : per > 64 ? 64 : per));
-    copy2d_batch_kernel<<<grid, threads, 0, cb->stream>>>(dev);
+    copy2d_batch_kernel<<<grid, threads, 0, cuda_launch_stream(cb)>>>(dev);
     return cuda_check_launch(err, "copy2d_batch");
 }
 
@@ -313,6 +313,10 @@ static pd_backend_ops make_cuda_ops(void) {
     o.scale = cuda_scale;
     o.add = cuda_add;
     o.attention = cuda_attention;
+    o.add_rmsnorm = cuda_add_rmsnorm;
+    o.matmul_multi = cuda_matmul_multi;
+    o.matmul_glu = cuda_matmul_glu;
+    o.qkv_bias_rope = cuda_qkv_bias_rope;
     o.token_scores = cuda_token_scores;
     o.counters = cuda_counters_op;
     return o;

@@ -631,18 +631,18 @@ int lev_run(cuda_backend *cb, const lev_plan &lp, char *base, const layout &lay,
     const double one = 1.0, zero = 0.0;
     for (int64_t p0 = 0; p0 < lp.pairs; p0 += lp.batch) {
         const int nb = (int)(lp.pairs - p0 < lp.batch ? lp.pairs - p0 : lp.batch);
-        fill_int_kernel<<<grid_1d(nb, 256), 256, 0, cb->stream>>>(bad_dim, nb, INT_MAX);
+        fill_int_kernel<<<grid_1d(nb, 256), 256, 0, cuda_launch_stream(cb)>>>(bad_dim, nb, INT_MAX);
         CK_LAUNCH("compactor: fill");
-        fill_int_kernel<<<grid_1d(nb, 256), 256, 0, cb->stream>>>(bad_row, nb, INT_MAX);
+        fill_int_kernel<<<grid_1d(nb, 256), 256, 0, cuda_launch_stream(cb)>>>(bad_row, nb, INT_MAX);
         CK_LAUNCH("compactor: fill");
-        lev_pointers_kernel<<<grid_1d(nb, 256), 256, 0, cb->stream>>>(g, x, (int64_t)s * s, lg.len * s, nb, g_ptr,
+        lev_pointers_kernel<<<grid_1d(nb, 256), 256, 0, cuda_launch_stream(cb)>>>(g, x, (int64_t)s * s, lg.len * s, nb, g_ptr,
                                                                       x_ptr);
         CK_LAUNCH("compactor: leverage pointers");
-        lev_means_kernel<<<dim3((unsigned)nb, (unsigned)ceil_div(lg.d, 32)), dim3(32, 8), 0, cb->stream>>>(
+        lev_means_kernel<<<dim3((unsigned)nb, (unsigned)ceil_div(lg.d, 32)), dim3(32, 8), 0, cuda_launch_stream(cb)>>>(
             lg, p0, mean, bad_dim);
         CK_LAUNCH("compactor: leverage column means");
         lev_sketch_kernel<<<dim3((unsigned)ceil_div(lg.len, SK_T), (unsigned)ceil_div(s, SK_T), (unsigned)nb),
-                            dim3(SK_T, SK_T), 0, cb->stream>>>(lg, p0, mean, phi, x);
+                            dim3(SK_T, SK_T), 0, cuda_launch_stream(cb)>>>(lg, p0, mean, phi, x);
         CK_LAUNCH("compactor: leverage sketch");
 
         // Cholesky with the CPU's ridge schedule, per pair. Pairs from the
@@ -662,13 +662,13 @@ int lev_run(cuda_backend *cb, const lev_plan &lp, char *base, const layout &lay,
                     "compactor: ridge upload");
             // G = X^T X: on the column-major view Xc (sketch x len, ld sketch)
             // of row-major X, G = Xc Xc^T.
-            CK_CUBLAS(cublasDgemmStridedBatched(cb->cublas, CUBLAS_OP_N, CUBLAS_OP_T, s, s, (int)lg.len, &one, x, s,
+            CK_CUBLAS(cublasDgemmStridedBatched(cuda_launch_blas(cb), CUBLAS_OP_N, CUBLAS_OP_T, s, s, (int)lg.len, &one, x, s,
                                                 (long long)lg.len * s, x, s, (long long)lg.len * s, &zero, g, s,
                                                 (long long)s * s, nb),
                       "compactor: leverage Gram matrices (cublasDgemmStridedBatched)");
-            lev_add_ridge_kernel<<<(unsigned)nb, 256, 0, cb->stream>>>(g, s, ridge);
+            lev_add_ridge_kernel<<<(unsigned)nb, 256, 0, cuda_launch_stream(cb)>>>(g, s, ridge);
             CK_LAUNCH("compactor: leverage ridge");
-            CK_CUSOLVER(cusolverDnDpotrfBatched(cb->cusolver, CUBLAS_FILL_MODE_LOWER, s, g_ptr, s, info, nb),
+            CK_CUSOLVER(cusolverDnDpotrfBatched(cuda_launch_solver(cb), CUBLAS_FILL_MODE_LOWER, s, g_ptr, s, info, nb),
                         "compactor: leverage Cholesky (cusolverDnDpotrfBatched)");
             if (t == 0) {
                 CK_CUDA(cudaMemcpyAsync(bad_dim_h.p, bad_dim, (size_t)nb * sizeof(int), cudaMemcpyDeviceToHost,
@@ -692,10 +692,10 @@ int lev_run(cuda_backend *cb, const lev_plan &lp, char *base, const layout &lay,
         }
 
         // X := L^-1 X^T per pair (failed pairs give garbage that is never read).
-        CK_CUBLAS(cublasDtrsmBatched(cb->cublas, CUBLAS_SIDE_LEFT, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N,
+        CK_CUBLAS(cublasDtrsmBatched(cuda_launch_blas(cb), CUBLAS_SIDE_LEFT, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N,
                                      CUBLAS_DIAG_NON_UNIT, s, (int)lg.len, &one, g_ptr, s, x_ptr, s, nb),
                   "compactor: leverage triangular solve (cublasDtrsmBatched)");
-        lev_norms_kernel<<<dim3(grid_1d(lg.len, 256), (unsigned)nb), 256, 0, cb->stream>>>(lg, p0, x, lev, bad_row);
+        lev_norms_kernel<<<dim3(grid_1d(lg.len, 256), (unsigned)nb), 256, 0, cuda_launch_stream(cb)>>>(lg, p0, x, lev, bad_row);
         CK_LAUNCH("compactor: leverage norms");
         int rc = download_small(cb, bad_row_h.p, bad_row, (size_t)nb, err);
         if (rc) return rc;
@@ -714,15 +714,15 @@ int attn_run(cuda_backend *cb, const pd_token_score_args *a, const attn_geom &ag
     const int64_t n_chunks = ceil_div(ag.m, ag.chunk);
     const int64_t qtiles = ceil_div(ag.chunk, AT_TQ), ktiles = ceil_div(ag.chunk, AT_TK);
     // Checked by the caller: n_chunks * tiles fits gridDim.x.
-    nc_rowstats_kernel<<<dim3((unsigned)(n_chunks * qtiles), (unsigned)a->n_head), AT_THREADS, 0, cb->stream>>>(
+    nc_rowstats_kernel<<<dim3((unsigned)(n_chunks * qtiles), (unsigned)a->n_head), AT_THREADS, 0, cuda_launch_stream(cb)>>>(
         ag, qtiles, row_max, row_inv);
     CK_LAUNCH("compactor: attention row statistics");
-    nc_colsum_kernel<<<dim3((unsigned)(n_chunks * ktiles), (unsigned)a->n_head_kv), AT_THREADS, 0, cb->stream>>>(
+    nc_colsum_kernel<<<dim3((unsigned)(n_chunks * ktiles), (unsigned)a->n_head_kv), AT_THREADS, 0, cuda_launch_stream(cb)>>>(
         ag, ktiles, row_max, row_inv, att);
     CK_LAUNCH("compactor: attention column sums");
     const int64_t total = (int64_t)a->n_head_kv * ag.m;
     if (a->vnorm) {
-        vnorm_kernel<<<grid_1d(total, 256), 256, 0, cb->stream>>>(att, a->v, ag.k_stride, ag.lo, ag.m, a->n_head_kv,
+        vnorm_kernel<<<grid_1d(total, 256), 256, 0, cuda_launch_stream(cb)>>>(att, a->v, ag.k_stride, ag.lo, ag.m, a->n_head_kv,
                                                                  ag.d);
         CK_LAUNCH("compactor: value norms");
     }
@@ -730,16 +730,16 @@ int attn_run(cuda_backend *cb, const pd_token_score_args *a, const attn_geom &ag
         float *tmp = reinterpret_cast<float *>(base + lay.att_tmp);
         CK_CUDA(cudaMemcpyAsync(tmp, att, (size_t)total * sizeof(float), cudaMemcpyDeviceToDevice, cb->stream),
                 "compactor: pool copy");
-        pool_kernel<<<grid_1d(total, 256), 256, 0, cb->stream>>>(tmp, att, ag.m, a->n_head_kv, a->pool);
+        pool_kernel<<<grid_1d(total, 256), 256, 0, cuda_launch_stream(cb)>>>(tmp, att, ag.m, a->n_head_kv, a->pool);
         CK_LAUNCH("compactor: average pool");
     }
     return PD_OK;
 }
 
 int zscore(cuda_backend *cb, float *x, int64_t n, double *stats, pd_error *err) {
-    zscore_stats_kernel<<<1, Z_THREADS, 0, cb->stream>>>(x, n, stats);
+    zscore_stats_kernel<<<1, Z_THREADS, 0, cuda_launch_stream(cb)>>>(x, n, stats);
     CK_LAUNCH("compactor: z-score statistics");
-    zscore_apply_kernel<<<grid_1d(n, 256), 256, 0, cb->stream>>>(x, n, stats);
+    zscore_apply_kernel<<<grid_1d(n, 256), 256, 0, cuda_launch_stream(cb)>>>(x, n, stats);
     CK_LAUNCH("compactor: z-score");
     return PD_OK;
 }
@@ -854,7 +854,7 @@ extern "C" int cuda_token_scores(pd_backend *be, const pd_token_score_args *a, p
     }
     const float *result = att ? att : lev;
     if (att && lev) {
-        combine_kernel<<<grid_1d(total, 256), 256, 0, cb->stream>>>(att, lev, total, a->lambda);
+        combine_kernel<<<grid_1d(total, 256), 256, 0, cuda_launch_stream(cb)>>>(att, lev, total, a->lambda);
         CK_LAUNCH("compactor: blend");
     }
     CK_CUDA(cudaMemcpyAsync(a->scores, result, (size_t)total * sizeof(float), cudaMemcpyDeviceToHost, cb->stream),

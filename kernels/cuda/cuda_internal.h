@@ -130,11 +130,60 @@ static inline unsigned cuda_grid_blocks(const cuda_backend *cb, int64_t total, i
     return (unsigned)want;
 }
 
+// Every kernel launch and every cuBLAS/cuSOLVER call that enqueues work
+// names its stream or handle through one of these, which counts it in
+// counters.launches: `k<<<grid, block, smem, cuda_launch_stream(cb)>>>(...)`,
+// `cublasGemmEx(cuda_launch_blas(cb), ...)`. The count sits in the launch
+// itself, so it cannot drift from the launches; tests/test_cuda.c checks
+// that no launch in kernels/cuda/ names the stream any other way and that
+// the count equals what cudaemu ran.
+static inline cudaStream_t cuda_launch_stream(cuda_backend *cb) {
+    cb->counters.launches++;
+    return cb->stream;
+}
+static inline cublasHandle_t cuda_launch_blas(cuda_backend *cb) {
+    cb->counters.launches++;
+    return cb->cublas;
+}
+static inline cusolverDnHandle_t cuda_launch_solver(cuda_backend *cb) {
+    cb->counters.launches++;
+    return cb->cusolver;
+}
+
 // matmul.cu
 int cuda_prepare_weight(pd_backend *be, const pd_weight *w, pd_error *err);
 int cuda_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y, pd_error *err);
+int cuda_matmul_multi(pd_backend *be, const pd_weight *const *w, int n_w, const float *x, int64_t n,
+                      float *const *y, pd_error *err);
+int cuda_matmul_glu(pd_backend *be, const pd_weight *w_gate, const pd_weight *w_up, const float *x, int64_t n,
+                    pd_glu act, float *out, float *up, pd_error *err);
 int cuda_get_rows(pd_backend *be, const pd_weight *w, const int32_t *ids, int64_t n, float *out,
                   pd_error *err);
+// One decode GEMV launch over up to CUDA_GEMV_MAX_W weights that share x
+// (Q, K and V) or over a gate and an up weight combined into
+// act(gate) * up (matmul.cu, quant.cu): every weight of the same device
+// type and cols. act: CUDA_ACT_NONE, each y[j] = x w[j]^T; otherwise n_w is
+// 2, rows[0] == rows[1] and y[0] gets the activation's product. Passed to
+// the kernel by value.
+#define CUDA_GEMV_MAX_W 3
+enum { CUDA_ACT_NONE = 0, CUDA_ACT_SILU = 1, CUDA_ACT_GELU = 2 };
+typedef struct cuda_gemv_job {
+    const void *w[CUDA_GEMV_MAX_W];
+    float *y[CUDA_GEMV_MAX_W];
+    int64_t rows[CUDA_GEMV_MAX_W];
+    int64_t cols;
+    int n_w;
+    int act;
+} cuda_gemv_job;
+// Blocks a job of R rows per block needs (an activation job: R/2 rows of
+// each of its two weights per block).
+static inline unsigned cuda_gemv_blocks(const cuda_gemv_job *job, int R) {
+    if (job->act != CUDA_ACT_NONE) return (unsigned)((job->rows[0] + R / 2 - 1) / (R / 2));
+    int64_t blocks = 0;
+    for (int j = 0; j < job->n_w; j++) blocks += (job->rows[j] + R - 1) / R;
+    return (unsigned)blocks; // rows <= INT_MAX each
+}
+
 // quant.cu: quantized weights in their GGUF blocks.
 // 1 and the block's elements and bytes when t is a quantized type with
 // kernels here, else 0.
@@ -142,6 +191,9 @@ int cuda_quant_block(pd_type t, int64_t *elems, int64_t *bytes);
 // y[n][rows] = x[n][cols] W^T for n in 1..8, e->dev_type quantized.
 int cuda_quant_gemv(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y,
                     pd_error *err);
+// A cuda_gemv_job of n in 1..8 tokens over weights of quantized type t.
+int cuda_quant_gemv_job(cuda_backend *cb, pd_type t, const cuda_gemv_job *job, const float *x, int64_t n,
+                        pd_error *err);
 // Rows ids[0..n_rows) (device ids) or, with ids NULL, rows [r0, r0 + n_rows)
 // of e dequantized into out[n_rows][cols], as bf16 (bf16 true, out 16-byte
 // aligned) or f32.
@@ -158,6 +210,9 @@ int cuda_softcap(pd_backend *be, float *x, int64_t n, float cap, pd_error *err);
 int cuda_scale(pd_backend *be, float *x, int64_t n, float s, pd_error *err);
 int cuda_add(pd_backend *be, float *y, const float *x, int64_t rows, int64_t width, int64_t x_stride,
              pd_error *err);
+int cuda_add_rmsnorm(pd_backend *be, float *x, const float *h, const float *weight, int64_t n, int64_t dim,
+                     float eps, float *out, pd_error *err);
+int cuda_qkv_bias_rope(pd_backend *be, const pd_qkv_args *a, pd_error *err);
 int cuda_convert(pd_backend *be, void *dst, pd_type dst_type, const void *src, pd_type src_type, int64_t n,
                  pd_error *err);
 
@@ -204,6 +259,89 @@ static __device__ __forceinline__ float cuda_block_max(float v, float *shared) {
     if (lane == 0) shared[warp] = v;
     __syncthreads();
     return cuda_warp_max(lane < n_warps ? shared[lane] : -INFINITY);
+}
+
+// silu(g) * u and gelu(g) * u (tanh approximation) with the CPU's formulas
+// and rounding steps (kernels/cpu/simd_scalar.c): the swiglu and geglu ops
+// and the fused gate/up GEMV's epilogue share them, so fused and unfused
+// give the same bits.
+static __device__ __forceinline__ float cuda_silu_mul(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+}
+static __device__ __forceinline__ float cuda_gelu_mul(float g, float u) {
+    const float cubic = __fadd_rn(1.0f, __fmul_rn(__fmul_rn(0.044715f, g), g));
+    const float inner = __fmul_rn(__fmul_rn(0.7978845608028654f, g), cubic);
+    return __fmul_rn(__fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, tanhf(inner))), u);
+}
+
+// Where block blockIdx.x of a cuda_gemv_job (R rows per block) works: its
+// weight j (0 for an activation job) and first row.
+template <int R> static __device__ __forceinline__ int cuda_gemv_block(const cuda_gemv_job &job, int64_t *row0) {
+    if (job.act != CUDA_ACT_NONE) {
+        *row0 = (int64_t)blockIdx.x * (R / 2);
+        return 0;
+    }
+    int64_t b = blockIdx.x;
+    int j = 0;
+    for (; j + 1 < job.n_w; j++) {
+        const int64_t nb = (job.rows[j] + R - 1) / R;
+        if (b < nb) break;
+        b -= nb;
+    }
+    *row0 = b * R;
+    return j;
+}
+
+// The weight and row that accumulator row r of the block reads: row r of
+// weight j, or, in an activation job, gate rows first and up rows second.
+// Rows past the end (last block) re-read the last row; their sums are
+// never stored.
+template <int R>
+static __device__ __forceinline__ int64_t cuda_gemv_source(const cuda_gemv_job &job, int j, int64_t row0, int r,
+                                                           int *w) {
+    int64_t row = row0 + r;
+    *w = j;
+    if (job.act != CUDA_ACT_NONE) *w = r < R / 2 ? 0 : 1, row = row0 + r % (R / 2);
+    return row < job.rows[*w] ? row : job.rows[*w] - 1;
+}
+
+// The GEMV kernels' epilogue: each accumulator summed over the warp with
+// shuffles, then over the block's warps in shared memory in a fixed order,
+// and stored (row0 + r < rows), or, in an activation job, combined
+// act(gate) * up first. `part` is the kernel's shared array; every thread
+// of the block must call this.
+template <int N, int R, int THREADS>
+static __device__ __forceinline__ void cuda_gemv_store(const cuda_gemv_job &job, int j, int64_t row0,
+                                                       const float (&acc)[N][R], float (&part)[THREADS / 32][N * R]) {
+    static_assert(N * R <= THREADS, "one thread per output");
+    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5), i = (int)threadIdx.x;
+#pragma unroll
+    for (int t = 0; t < N; t++)
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float s = cuda_warp_sum(acc[t][r]);
+            if (lane == 0) part[warp][t * R + r] = s;
+        }
+    __syncthreads();
+    float s = 0.0f;
+    if (i < N * R)
+#pragma unroll
+        for (int k = 0; k < THREADS / 32; k++) s += part[k][i];
+    if (job.act == CUDA_ACT_NONE) {
+        const int t = i / R, r = i % R;
+        if (i < N * R && row0 + r < job.rows[j]) job.y[j][t * job.rows[j] + row0 + r] = s;
+        return;
+    }
+    __syncthreads(); // every total read before part[0] is overwritten
+    if (i < N * R) part[0][i] = s;
+    __syncthreads();
+    constexpr int H = R / 2;
+    if (i < N * H) {
+        const int t = i / H, r = i % H;
+        const float g = part[0][t * R + r], u = part[0][t * R + H + r];
+        if (row0 + r < job.rows[0])
+            job.y[0][t * job.rows[0] + row0 + r] = job.act == CUDA_ACT_SILU ? cuda_silu_mul(g, u) : cuda_gelu_mul(g, u);
+    }
 }
 #endif
 

@@ -188,16 +188,25 @@ int cuda_prepare_weight(pd_backend *be, const pd_weight *w, pd_error *err) {
  * cache; R rows per block divide that traffic by R. Weights are streamed
  * with evict-first loads so they do not push x out of the cache. Partial
  * sums are reduced per warp with shuffles and across the block's warps in
- * shared memory, in a fixed order.
+ * shared memory, in a fixed order (cuda_gemv_store). A launch runs one
+ * cuda_gemv_job: up to 3 weights sharing x (blocks split among them), or
+ * a gate/up pair whose blocks take R/2 rows of each and write
+ * act(gate) * up; a row's sum is the same in every kind of job.
  * ------------------------------------------------------------------------ */
 
 template <class WT, int N, int R>
-__global__ void __launch_bounds__(GEMV_THREADS)
-    gemv_kernel(const uint4 *__restrict__ w, const float *__restrict__ x, float *__restrict__ y, int64_t rows,
-                int64_t cols) {
+__global__ void __launch_bounds__(GEMV_THREADS) gemv_kernel(const cuda_gemv_job job, const float *__restrict__ x) {
     constexpr int V = WT::per_vec;
-    const int64_t vecs = cols / V; // the host checked cols % V == 0
-    const int64_t row0 = (int64_t)blockIdx.x * R;
+    const int64_t cols = job.cols, vecs = cols / V; // the host checked cols % V == 0
+    int64_t row0;
+    const int j = cuda_gemv_block<R>(job, &row0);
+    const uint4 *wr[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        int wi;
+        const int64_t row = cuda_gemv_source<R>(job, j, row0, r, &wi);
+        wr[r] = (const uint4 *)job.w[wi] + row * vecs;
+    }
     float acc[N][R];
 #pragma unroll
     for (int t = 0; t < N; t++)
@@ -207,12 +216,7 @@ __global__ void __launch_bounds__(GEMV_THREADS)
     for (int64_t c = threadIdx.x; c < vecs; c += GEMV_THREADS) {
         float wf[R][V];
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-            // Rows past the end (last block) re-read the last row; their
-            // sums are never stored.
-            const int64_t row = row0 + r < rows ? row0 + r : rows - 1;
-            WT::unpack(__ldcs(w + row * vecs + c), wf[r]);
-        }
+        for (int r = 0; r < R; r++) WT::unpack(__ldcs(wr[r] + c), wf[r]);
 #pragma unroll
         for (int t = 0; t < N; t++) {
             const float4 *xp = (const float4 *)(x + t * cols + c * V);
@@ -230,47 +234,29 @@ __global__ void __launch_bounds__(GEMV_THREADS)
     }
 
     __shared__ float part[GEMV_THREADS / 32][N * R];
-    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
-#pragma unroll
-    for (int t = 0; t < N; t++)
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            const float s = cuda_warp_sum(acc[t][r]);
-            if (lane == 0) part[warp][t * R + r] = s;
-        }
-    __syncthreads();
-    if (threadIdx.x < N * R) {
-        const int t = (int)threadIdx.x / R, r = (int)threadIdx.x % R;
-        float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < GEMV_THREADS / 32; k++) s += part[k][threadIdx.x];
-        if (row0 + r < rows) y[t * rows + row0 + r] = s;
-    }
+    cuda_gemv_store<N, R, GEMV_THREADS>(job, j, row0, acc, part);
 }
 
 template <class WT, int N>
-static int gemv_run(cuda_backend *cb, const cuda_weight_entry *e, const float *x, float *y, pd_error *err) {
+static int gemv_run(cuda_backend *cb, const cuda_gemv_job *job, const float *x, pd_error *err) {
     // More rows per block for more tokens: x traffic per weight byte is
     // about 2N/R (16-bit weights), kept near or below 2.
     constexpr int R = N <= 2 ? 2 : 4;
-    const int64_t blocks = (e->rows + R - 1) / R; // rows <= INT_MAX
-    gemv_kernel<WT, N, R><<<(unsigned)blocks, GEMV_THREADS, 0, cb->stream>>>((const uint4 *)e->dev, x, y, e->rows,
-                                                                              e->cols);
+    gemv_kernel<WT, N, R><<<cuda_gemv_blocks(job, R), GEMV_THREADS, 0, cuda_launch_stream(cb)>>>(*job, x);
     return cuda_check_launch(err, "matmul (gemv)");
 }
 
 template <class WT>
-static int gemv_dispatch(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y,
-                         pd_error *err) {
+static int gemv_dispatch(cuda_backend *cb, const cuda_gemv_job *job, const float *x, int64_t n, pd_error *err) {
     switch (n) {
-    case 1: return gemv_run<WT, 1>(cb, e, x, y, err);
-    case 2: return gemv_run<WT, 2>(cb, e, x, y, err);
-    case 3: return gemv_run<WT, 3>(cb, e, x, y, err);
-    case 4: return gemv_run<WT, 4>(cb, e, x, y, err);
-    case 5: return gemv_run<WT, 5>(cb, e, x, y, err);
-    case 6: return gemv_run<WT, 6>(cb, e, x, y, err);
-    case 7: return gemv_run<WT, 7>(cb, e, x, y, err);
-    case 8: return gemv_run<WT, 8>(cb, e, x, y, err);
+    case 1: return gemv_run<WT, 1>(cb, job, x, err);
+    case 2: return gemv_run<WT, 2>(cb, job, x, err);
+    case 3: return gemv_run<WT, 3>(cb, job, x, err);
+    case 4: return gemv_run<WT, 4>(cb, job, x, err);
+    case 5: return gemv_run<WT, 5>(cb, job, x, err);
+    case 6: return gemv_run<WT, 6>(cb, job, x, err);
+    case 7: return gemv_run<WT, 7>(cb, job, x, err);
+    case 8: return gemv_run<WT, 8>(cb, job, x, err);
     default: return pd_errorf(err, PD_EINVAL, "cuda backend: gemv of %lld tokens", (long long)n);
     }
 }
@@ -292,13 +278,38 @@ __global__ void gemv_generic_kernel(const void *__restrict__ w, const float *__r
         }
 }
 
+// Whether one vector-kernel launch can serve a job of dev_type weights
+// with this x (quantized weights: always).
+static bool gemv_vec_ok(pd_type dev_type, int64_t cols, const float *x) {
+    int64_t qk, qb;
+    if (cuda_quant_block(dev_type, &qk, &qb)) return true;
+    const int per_vec = dev_type == PD_TYPE_F32 ? 4 : 8;
+    return cols % per_vec == 0 && (uintptr_t)x % 16 == 0;
+}
+
+// A job on the vector kernels (gemv_vec_ok holds), any weight type.
+static int gemv_job_run(cuda_backend *cb, pd_type dev_type, const cuda_gemv_job *job, const float *x, int64_t n,
+                        pd_error *err) {
+    int64_t qk, qb;
+    if (cuda_quant_block(dev_type, &qk, &qb)) return cuda_quant_gemv_job(cb, dev_type, job, x, n, err);
+    switch (dev_type) {
+    case PD_TYPE_BF16: return gemv_dispatch<w_bf16>(cb, job, x, n, err);
+    case PD_TYPE_F16: return gemv_dispatch<w_f16>(cb, job, x, n, err);
+    default: return gemv_dispatch<w_f32>(cb, job, x, n, err);
+    }
+}
+
 template <class WT>
 static int gemv_any(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y,
                     pd_error *err) {
-    const bool vec_ok = e->cols % WT::per_vec == 0 && (uintptr_t)x % 16 == 0;
-    if (vec_ok) return gemv_dispatch<WT>(cb, e, x, n, y, err);
+    if (gemv_vec_ok(e->dev_type, e->cols, x)) {
+        cuda_gemv_job job;
+        memset(&job, 0, sizeof job);
+        job.w[0] = e->dev, job.y[0] = y, job.rows[0] = e->rows, job.cols = e->cols, job.n_w = 1;
+        return gemv_dispatch<WT>(cb, &job, x, n, err);
+    }
     const unsigned blocks = (unsigned)(e->rows < 65536 ? e->rows : 65536);
-    gemv_generic_kernel<WT><<<blocks, 256, 0, cb->stream>>>(e->dev, x, y, e->rows, e->cols, n);
+    gemv_generic_kernel<WT><<<blocks, 256, 0, cuda_launch_stream(cb)>>>(e->dev, x, y, e->rows, e->cols, n);
     return cuda_check_launch(err, "matmul (generic gemv)");
 }
 
@@ -366,7 +377,7 @@ static int gemm_quant(cuda_backend *cb, const cuda_weight_entry *e, const float 
     for (int64_t t0 = 0; t0 < n; t0 += chunk) {
         const int nn = (int)(n - t0 < chunk ? n - t0 : chunk);
         const int64_t count = (int64_t)nn * cols;
-        f32_to_bf16_kernel<<<cuda_grid_blocks(cb, count, 256), 256, 0, cb->stream>>>(x + t0 * cols,
+        f32_to_bf16_kernel<<<cuda_grid_blocks(cb, count, 256), 256, 0, cuda_launch_stream(cb)>>>(x + t0 * cols,
                                                                                     (__nv_bfloat16 *)xs, count);
         int rc = cuda_check_launch(err, "matmul (convert x)");
         if (rc) return rc;
@@ -375,7 +386,7 @@ static int gemm_quant(cuda_backend *cb, const cuda_weight_entry *e, const float 
             rc = cuda_quant_dequantize(cb, e, NULL, r0, nr, true, ws, err);
             if (rc) return rc;
             const cublasStatus_t s =
-                cublasGemmEx(cb->cublas, CUBLAS_OP_T, CUBLAS_OP_N, nr, nn, cols, &alpha, ws, CUDA_R_16BF, cols, xs,
+                cublasGemmEx(cuda_launch_blas(cb), CUBLAS_OP_T, CUBLAS_OP_N, nr, nn, cols, &alpha, ws, CUDA_R_16BF, cols, xs,
                              CUDA_R_16BF, cols, &beta, y + t0 * rows + r0, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F,
                              CUBLAS_GEMM_DEFAULT);
             if (s != CUBLAS_STATUS_SUCCESS) return cublas_fail(err, s, "cublasGemmEx (quantized matmul)");
@@ -406,7 +417,7 @@ static int gemm(cuda_backend *cb, const cuda_weight_entry *e, const float *x, in
         float *yc = y + t0 * rows;
         cublasStatus_t s;
         if (e->dev_type == PD_TYPE_F32) {
-            s = cublasSgemm(cb->cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, nn, cols, &alpha, (const float *)e->dev, cols,
+            s = cublasSgemm(cuda_launch_blas(cb), CUBLAS_OP_T, CUBLAS_OP_N, rows, nn, cols, &alpha, (const float *)e->dev, cols,
                             xc, cols, &beta, yc, rows);
             if (s != CUBLAS_STATUS_SUCCESS) return cublas_fail(err, s, "cublasSgemm (matmul)");
             continue;
@@ -417,20 +428,20 @@ static int gemm(cuda_backend *cb, const cuda_weight_entry *e, const float *x, in
         const unsigned blocks = cuda_grid_blocks(cb, count, 256);
         cudaDataType_t dt;
         if (e->dev_type == PD_TYPE_BF16) {
-            f32_to_bf16_kernel<<<blocks, 256, 0, cb->stream>>>(xc, (__nv_bfloat16 *)xs, count);
+            f32_to_bf16_kernel<<<blocks, 256, 0, cuda_launch_stream(cb)>>>(xc, (__nv_bfloat16 *)xs, count);
             dt = CUDA_R_16BF;
         } else {
-            f32_to_f16_scaled_kernel<<<(unsigned)nn, 256, 0, cb->stream>>>(xc, (__half *)xs, cols, scales);
+            f32_to_f16_scaled_kernel<<<(unsigned)nn, 256, 0, cuda_launch_stream(cb)>>>(xc, (__half *)xs, cols, scales);
             dt = CUDA_R_16F;
         }
         int rc = cuda_check_launch(err, "matmul (convert x)");
         if (rc) return rc;
-        s = cublasGemmEx(cb->cublas, CUBLAS_OP_T, CUBLAS_OP_N, rows, nn, cols, &alpha, e->dev, dt, cols, xs, dt, cols,
+        s = cublasGemmEx(cuda_launch_blas(cb), CUBLAS_OP_T, CUBLAS_OP_N, rows, nn, cols, &alpha, e->dev, dt, cols, xs, dt, cols,
                          &beta, yc, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
         if (s != CUBLAS_STATUS_SUCCESS) return cublas_fail(err, s, "cublasGemmEx (matmul)");
         if (dt == CUDA_R_16F) {
             const int64_t out = (int64_t)nn * rows;
-            unscale_rows_kernel<<<cuda_grid_blocks(cb, out, 256), 256, 0, cb->stream>>>(yc, scales, rows, out);
+            unscale_rows_kernel<<<cuda_grid_blocks(cb, out, 256), 256, 0, cuda_launch_stream(cb)>>>(yc, scales, rows, out);
             rc = cuda_check_launch(err, "matmul (unscale y)");
             if (rc) return rc;
         }
@@ -457,6 +468,86 @@ int cuda_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, f
     case PD_TYPE_F16: return gemv_any<w_f16>(cb, e, x, n, y, err);
     default: return gemv_any<w_f32>(cb, e, x, n, y, err);
     }
+}
+
+/* ------------------------------------------------------------------------
+ * fused products: several weights sharing x (Q, K, V), gate/up + GLU
+ * ------------------------------------------------------------------------ */
+
+// The device entries of ws[0..n) (uploading any missing), in es. Entries
+// are looked up again once all exist, since an upload moves the table.
+static int weights_get(cuda_backend *cb, const pd_weight *const *ws, int n, const cuda_weight_entry **es,
+                       pd_error *err) {
+    for (int pass = 0; pass < 2; pass++)
+        for (int j = 0; j < n; j++) {
+            const int rc = weight_get(cb, ws[j], &es[j], err);
+            if (rc) return rc;
+        }
+    return PD_OK;
+}
+
+// One GEMV launch can serve these entries: a decode batch, one device type
+// and cols, an x the vector kernels take.
+static bool job_fits(const cuda_weight_entry *const *es, int n_w, const float *x, int64_t n) {
+    if (n < 1 || n > GEMV_MAX_N) return false;
+    for (int j = 1; j < n_w; j++)
+        if (es[j]->dev_type != es[0]->dev_type || es[j]->cols != es[0]->cols) return false;
+    return gemv_vec_ok(es[0]->dev_type, es[0]->cols, x);
+}
+
+int cuda_matmul_multi(pd_backend *be, const pd_weight *const *w, int n_w, const float *x, int64_t n, float *const *y,
+                      pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (n_w < 1 || n_w > PD_MATMUL_MULTI_MAX)
+        return pd_errorf(err, PD_EINVAL, "matmul_multi: %d weights, 1 to %d supported", n_w, PD_MATMUL_MULTI_MAX);
+    if (n < 0) return pd_errorf(err, PD_EINVAL, "matmul_multi: negative token count %lld", (long long)n);
+    if (n == 0) return PD_OK;
+    const cuda_weight_entry *es[PD_MATMUL_MULTI_MAX];
+    if ((rc = weights_get(cb, w, n_w, es, err))) return rc;
+    for (int j = 0; j < n_w; j++)
+        if (!y[j]) return pd_errorf(err, PD_EINVAL, "matmul_multi: NULL output %d", j);
+    if (!x || !job_fits(es, n_w, x, n)) {
+        for (int j = 0; j < n_w && !rc; j++) rc = cuda_matmul(be, w[j], x, n, y[j], err);
+        return rc;
+    }
+    cuda_gemv_job job;
+    memset(&job, 0, sizeof job);
+    for (int j = 0; j < n_w; j++) job.w[j] = es[j]->dev, job.y[j] = y[j], job.rows[j] = es[j]->rows;
+    job.cols = es[0]->cols, job.n_w = n_w, job.act = CUDA_ACT_NONE;
+    return gemv_job_run(cb, es[0]->dev_type, &job, x, n, err);
+}
+
+int cuda_matmul_glu(pd_backend *be, const pd_weight *w_gate, const pd_weight *w_up, const float *x, int64_t n,
+                    pd_glu act, float *out, float *up, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    int rc = cuda_enter(cb, err);
+    if (rc) return rc;
+    if (act != PD_GLU_SILU && act != PD_GLU_GELU) return pd_errorf(err, PD_EINVAL, "matmul_glu: unknown activation %d", (int)act);
+    if (n < 0) return pd_errorf(err, PD_EINVAL, "matmul_glu: negative token count %lld", (long long)n);
+    if (n == 0) return PD_OK;
+    if (!x || !out) return pd_errorf(err, PD_EINVAL, "matmul_glu: NULL input or output");
+    const pd_weight *ws[2] = {w_gate, w_up};
+    const cuda_weight_entry *es[2];
+    if ((rc = weights_get(cb, ws, 2, es, err))) return rc;
+    if (es[0]->rows != es[1]->rows || es[0]->cols != es[1]->cols)
+        return pd_errorf(err, PD_EINVAL, "matmul_glu: gate %lld x %lld and up %lld x %lld differ in shape",
+                         (long long)es[0]->rows, (long long)es[0]->cols, (long long)es[1]->rows, (long long)es[1]->cols);
+    if (!job_fits(es, 2, x, n)) {
+        // Prefill (or shapes the vector kernels cannot take): two products
+        // and the elementwise kernel.
+        if (!up) return pd_errorf(err, PD_EINVAL, "matmul_glu: NULL up scratch");
+        if ((rc = cuda_matmul(be, w_gate, x, n, out, err)) || (rc = cuda_matmul(be, w_up, x, n, up, err))) return rc;
+        const int64_t count = n * es[0]->rows;
+        return act == PD_GLU_SILU ? cuda_swiglu(be, out, up, count, out, err) : cuda_geglu(be, out, up, count, out, err);
+    }
+    cuda_gemv_job job;
+    memset(&job, 0, sizeof job);
+    job.w[0] = es[0]->dev, job.w[1] = es[1]->dev, job.y[0] = out;
+    job.rows[0] = job.rows[1] = es[0]->rows;
+    job.cols = es[0]->cols, job.n_w = 2, job.act = act == PD_GLU_SILU ? CUDA_ACT_SILU : CUDA_ACT_GELU;
+    return gemv_job_run(cb, es[0]->dev_type, &job, x, n, err);
 }
 
 /* ------------------------------------------------------------------------
@@ -501,12 +592,12 @@ int cuda_get_rows(pd_backend *be, const pd_weight *w, const int32_t *ids, int64_
     const unsigned blocks = cuda_grid_blocks(cb, n * e->cols, 256);
     switch (e->dev_type) {
     case PD_TYPE_BF16:
-        get_rows_kernel<w_bf16><<<blocks, 256, 0, cb->stream>>>(e->dev, ids_dev, n, e->cols, out);
+        get_rows_kernel<w_bf16><<<blocks, 256, 0, cuda_launch_stream(cb)>>>(e->dev, ids_dev, n, e->cols, out);
         break;
     case PD_TYPE_F16:
-        get_rows_kernel<w_f16><<<blocks, 256, 0, cb->stream>>>(e->dev, ids_dev, n, e->cols, out);
+        get_rows_kernel<w_f16><<<blocks, 256, 0, cuda_launch_stream(cb)>>>(e->dev, ids_dev, n, e->cols, out);
         break;
-    default: get_rows_kernel<w_f32><<<blocks, 256, 0, cb->stream>>>(e->dev, ids_dev, n, e->cols, out); break;
+    default: get_rows_kernel<w_f32><<<blocks, 256, 0, cuda_launch_stream(cb)>>>(e->dev, ids_dev, n, e->cols, out); break;
     }
     return cuda_check_launch(err, "get_rows");
 }

@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 
 #include <stdint.h>
+#include <string.h>
 
 #define QGEMV_THREADS 128
 #define QGEMV_MAX_N 8
@@ -296,8 +297,9 @@ template <class QT> static __device__ __forceinline__ void q_deq8(const uint8_t 
  * its exact dot product up to f32 rounding: per weight, one unpack and one
  * FMA per token, where dequantizing first would add a multiply and a
  * subtraction per weight. Partial sums: warp
- * shuffles, then the block's warps in shared memory in a fixed order (as
- * the 16-bit GEMV).
+ * shuffles, then the block's warps in shared memory in a fixed order, and
+ * the job's kind (several weights, gate/up + activation) as the 16-bit
+ * GEMV (cuda_gemv_store in cuda_internal.h).
  * ------------------------------------------------------------------------ */
 
 template <bool XVEC>
@@ -313,12 +315,18 @@ static __device__ __forceinline__ void q_load_x8(const float *x, float *xf) {
 }
 
 template <class QT, int N, int R, bool XVEC>
-__global__ void __launch_bounds__(QGEMV_THREADS)
-    qgemv_kernel(const uint8_t *__restrict__ w, const float *__restrict__ x, float *__restrict__ y, int64_t rows,
-                 int64_t cols) {
+__global__ void __launch_bounds__(QGEMV_THREADS) qgemv_kernel(const cuda_gemv_job job, const float *__restrict__ x) {
     constexpr int P = QT::QK / 8;
-    const int64_t nb = cols / QT::QK, pieces = nb * P, row_bytes = nb * QT::BYTES;
-    const int64_t row0 = (int64_t)blockIdx.x * R;
+    const int64_t cols = job.cols, nb = cols / QT::QK, pieces = nb * P, row_bytes = nb * QT::BYTES;
+    int64_t row0;
+    const int j = cuda_gemv_block<R>(job, &row0);
+    const uint8_t *wr[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        int wi;
+        const int64_t row = cuda_gemv_source<R>(job, j, row0, r, &wi);
+        wr[r] = (const uint8_t *)job.w[wi] + row * row_bytes;
+    }
     float acc[N][R];
 #pragma unroll
     for (int t = 0; t < N; t++)
@@ -330,12 +338,7 @@ __global__ void __launch_bounds__(QGEMV_THREADS)
         const int p = (int)(pc - blk * P);
         float q[R][8], scale[R], min[R];
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-            // Rows past the end (last block) re-read the last row; their
-            // sums are never stored.
-            const int64_t row = row0 + r < rows ? row0 + r : rows - 1;
-            QT::piece(w + row * row_bytes + blk * QT::BYTES, p, q[r], &scale[r], &min[r]);
-        }
+        for (int r = 0; r < R; r++) QT::piece(wr[r] + blk * QT::BYTES, p, q[r], &scale[r], &min[r]);
         const int64_t c0 = blk * QT::QK + 8 * p;
 #pragma unroll
         for (int t = 0; t < N; t++) {
@@ -357,51 +360,33 @@ __global__ void __launch_bounds__(QGEMV_THREADS)
     }
 
     __shared__ float part[QGEMV_THREADS / 32][N * R];
-    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
-#pragma unroll
-    for (int t = 0; t < N; t++)
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            const float s = cuda_warp_sum(acc[t][r]);
-            if (lane == 0) part[warp][t * R + r] = s;
-        }
-    __syncthreads();
-    if (threadIdx.x < N * R) {
-        const int t = (int)threadIdx.x / R, r = (int)threadIdx.x % R;
-        float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < QGEMV_THREADS / 32; k++) s += part[k][threadIdx.x];
-        if (row0 + r < rows) y[t * rows + row0 + r] = s;
-    }
+    cuda_gemv_store<N, R, QGEMV_THREADS>(job, j, row0, acc, part);
 }
 
 template <class QT, int N>
-static int qgemv_run(cuda_backend *cb, const cuda_weight_entry *e, const float *x, float *y, pd_error *err) {
+static int qgemv_run(cuda_backend *cb, const cuda_gemv_job *job, const float *x, pd_error *err) {
     // More rows per block for more tokens, as the 16-bit GEMV: each x
     // piece loaded serves R rows.
     constexpr int R = N <= 2 ? 2 : 4;
-    const unsigned blocks = (unsigned)((e->rows + R - 1) / R); // rows <= INT_MAX
+    const unsigned blocks = cuda_gemv_blocks(job, R);
     if ((uintptr_t)x % 16 == 0)
-        qgemv_kernel<QT, N, R, true><<<blocks, QGEMV_THREADS, 0, cb->stream>>>((const uint8_t *)e->dev, x, y, e->rows,
-                                                                                e->cols);
+        qgemv_kernel<QT, N, R, true><<<blocks, QGEMV_THREADS, 0, cuda_launch_stream(cb)>>>(*job, x);
     else
-        qgemv_kernel<QT, N, R, false><<<blocks, QGEMV_THREADS, 0, cb->stream>>>((const uint8_t *)e->dev, x, y,
-                                                                                 e->rows, e->cols);
+        qgemv_kernel<QT, N, R, false><<<blocks, QGEMV_THREADS, 0, cuda_launch_stream(cb)>>>(*job, x);
     return cuda_check_launch(err, "matmul (quantized gemv)");
 }
 
 template <class QT>
-static int qgemv_dispatch(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y,
-                          pd_error *err) {
+static int qgemv_dispatch(cuda_backend *cb, const cuda_gemv_job *job, const float *x, int64_t n, pd_error *err) {
     switch (n) {
-    case 1: return qgemv_run<QT, 1>(cb, e, x, y, err);
-    case 2: return qgemv_run<QT, 2>(cb, e, x, y, err);
-    case 3: return qgemv_run<QT, 3>(cb, e, x, y, err);
-    case 4: return qgemv_run<QT, 4>(cb, e, x, y, err);
-    case 5: return qgemv_run<QT, 5>(cb, e, x, y, err);
-    case 6: return qgemv_run<QT, 6>(cb, e, x, y, err);
-    case 7: return qgemv_run<QT, 7>(cb, e, x, y, err);
-    case 8: return qgemv_run<QT, 8>(cb, e, x, y, err);
+    case 1: return qgemv_run<QT, 1>(cb, job, x, err);
+    case 2: return qgemv_run<QT, 2>(cb, job, x, err);
+    case 3: return qgemv_run<QT, 3>(cb, job, x, err);
+    case 4: return qgemv_run<QT, 4>(cb, job, x, err);
+    case 5: return qgemv_run<QT, 5>(cb, job, x, err);
+    case 6: return qgemv_run<QT, 6>(cb, job, x, err);
+    case 7: return qgemv_run<QT, 7>(cb, job, x, err);
+    case 8: return qgemv_run<QT, 8>(cb, job, x, err);
     default: return pd_errorf(err, PD_EINVAL, "cuda backend: quantized gemv of %lld tokens", (long long)n);
     }
 }
@@ -455,9 +440,9 @@ static int qdequant_run(cuda_backend *cb, const cuda_weight_entry *e, const int3
     const unsigned blocks = cuda_grid_blocks(cb, pieces, 256);
     const uint8_t *w = (const uint8_t *)e->dev;
     if (bf16)
-        qdequant_kernel<QT, true><<<blocks, 256, 0, cb->stream>>>(w, ids, r0, n_rows, e->cols, out);
+        qdequant_kernel<QT, true><<<blocks, 256, 0, cuda_launch_stream(cb)>>>(w, ids, r0, n_rows, e->cols, out);
     else
-        qdequant_kernel<QT, false><<<blocks, 256, 0, cb->stream>>>(w, ids, r0, n_rows, e->cols, out);
+        qdequant_kernel<QT, false><<<blocks, 256, 0, cuda_launch_stream(cb)>>>(w, ids, r0, n_rows, e->cols, out);
     return cuda_check_launch(err, "dequantize (quantized weight)");
 }
 
@@ -490,15 +475,23 @@ extern "C" int cuda_quant_block(pd_type t, int64_t *elems, int64_t *bytes) {
     }
 }
 
-extern "C" int cuda_quant_gemv(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y,
-                               pd_error *err) {
-    switch (e->dev_type) {
+extern "C" int cuda_quant_gemv_job(cuda_backend *cb, pd_type t, const cuda_gemv_job *job, const float *x, int64_t n,
+                                   pd_error *err) {
+    switch (t) {
 #define X(T, Q)                                                                                                        \
-    case T: return qgemv_dispatch<Q>(cb, e, x, n, y, err);
+    case T: return qgemv_dispatch<Q>(cb, job, x, n, err);
         QUANT_TYPES(X)
 #undef X
     default: return pd_errorf(err, PD_EINVAL, "cuda backend: no quantized gemv for this type");
     }
+}
+
+extern "C" int cuda_quant_gemv(cuda_backend *cb, const cuda_weight_entry *e, const float *x, int64_t n, float *y,
+                               pd_error *err) {
+    cuda_gemv_job job;
+    memset(&job, 0, sizeof job);
+    job.w[0] = e->dev, job.y[0] = y, job.rows[0] = e->rows, job.cols = e->cols, job.n_w = 1;
+    return cuda_quant_gemv_job(cb, e->dev_type, &job, x, n, err);
 }
 
 extern "C" int cuda_quant_dequantize(cuda_backend *cb, const cuda_weight_entry *e, const int32_t *ids, int64_t r0,

@@ -56,6 +56,7 @@
 #include "cusolverDn.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cinttypes>
 #include <cmath>
 #include <cstdarg>
@@ -532,6 +533,9 @@ template <typename Acc> void run_gemms(const char *fn, const GemmBatch &b, Acc a
     }
 }
 
+// Library calls that enqueued work (cudaemu_library_calls).
+std::atomic<uint64_t> library_calls{0};
+
 // The GEMMs of a call whose handle, arguments and scalar pointers are
 // checked: the rest of the call-time checks, then the work on the handle's
 // stream. In CUBLAS_POINTER_MODE_HOST alpha / beta are read now, so every
@@ -555,6 +559,7 @@ cublasStatus_t gemm_submit(const char *fn, cublasHandle_t h, GemmBatch batch, co
         }
         if (!check_no_conflicts(fn, regs)) return CUBLAS_STATUS_INVALID_VALUE;
         if (!touches_c) return CUBLAS_STATUS_SUCCESS;
+        library_calls.fetch_add(1);
         cudaemu_enqueue(stream, [fn, batch = std::move(batch), a, b] { run_gemms<Acc>(fn, batch, a, b); });
         return CUBLAS_STATUS_SUCCESS;
     }
@@ -568,6 +573,7 @@ cublasStatus_t gemm_submit(const char *fn, cublasHandle_t h, GemmBatch batch, co
         }
     }
     if (nothing) return CUBLAS_STATUS_SUCCESS;
+    library_calls.fetch_add(1);
     cudaemu_enqueue(stream, [fn, batch = std::move(batch), alpha, beta] {
         const Acc a = *alpha, b = *beta;
         const bool touches_c = !((a == (Acc)0 || batch.ops[0].k == 0) && b == (Acc)1);
@@ -971,6 +977,7 @@ cublasStatus_t cublasDtrsmBatched(cublasHandle_t handle, cublasSideMode_t side, 
     // work enqueued just before): only the work reads them.
     const bool dev_alpha = handle->pointer_mode == CUBLAS_POINTER_MODE_DEVICE;
     const double host_alpha = dev_alpha ? 0.0 : *alpha;
+    library_calls.fetch_add(1);
     cudaemu_enqueue(handle->stream, [=] {
         const double a = dev_alpha ? *alpha : host_alpha;
         std::vector<const double *> pa((size_t)batchCount);
@@ -1089,6 +1096,7 @@ cusolverStatus_t cusolverDnDpotrfBatched(cusolverDnHandle_t handle, cublasFillMo
     if (!check_no_conflicts(fn, {rinfo, rarr})) return CUSOLVER_STATUS_INVALID_VALUE;
     // Aarray's contents are device memory (typically written by work
     // enqueued just before): only the work reads them.
+    library_calls.fetch_add(1);
     cudaemu_enqueue(stream, [=] {
         std::vector<double *> pa((size_t)batchSize);
         std::vector<Region> regs;
@@ -1112,3 +1120,7 @@ cusolverStatus_t cusolverDnDpotrfBatched(cusolverDnHandle_t handle, cublasFillMo
 }
 
 } // extern "C"
+
+// cuBLAS/cuSOLVER calls of this process that enqueued work: tests compare
+// the CUDA backend's launch counter with this plus cudaemu_kernel_launches.
+extern "C" uint64_t cudaemu_library_calls(void) { return library_calls.load(); }

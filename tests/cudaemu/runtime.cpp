@@ -235,6 +235,11 @@ static bool injected_launch_fault(const char *kernel) {
     return true;
 }
 
+// Kernel launches of this process that reached a stream (a launch refused
+// for its configuration or a sticky error is not counted): tests compare
+// the CUDA backend's launch counter with it.
+extern "C" uint64_t cudaemu_kernel_launches(void) { return launches.load(); }
+
 extern "C" {
 
 cudaError_t cudaGetDeviceCount(int *count) {
