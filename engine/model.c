@@ -518,6 +518,10 @@ int pd_model_load(const char *path, const pd_model_params *params, pd_model **ou
     *out = NULL;
     pd_model *m = calloc(1, sizeof *m);
     if (!m) return pd_errorf(err, PD_ENOMEM, "out of memory loading a model");
+    if (kv_pool_init(&m->pool, err)) {
+        free(m);
+        return PD_ENOMEM;
+    }
     m->kv_type = params && params->kv_f32 ? PD_TYPE_F32 : PD_TYPE_F16;
     /* The CPU computes from the file's bytes: read them into huge-page
      * memory. A device backend uploads them, so a mapping is enough. */
@@ -566,7 +570,9 @@ void pd_model_free(pd_model *m) {
         }
         if (m->dev_norms != m->norms) pd_backend_release(m->backend, m->dev_norms);
         pd_backend_release(m->backend, m->scratch.dev);
+        pd_backend_host_free(m->backend, m->logits_staging);
     }
+    kv_pool_destroy(&m->pool, m->backend);
     free(m->scratch.host);
     if (m->owns_backend) pd_backend_free(m->backend);
     free(m->layers);
