@@ -440,36 +440,18 @@ static int pool_rows(pd_model *m, int n_seqs, int32_t n_ctx, int32_t *rows, pd_e
     return PD_OK;
 }
 
-/* Make `fill` rows of every stream look written (positions 0..fill-1; the
- * K/V bytes are whatever the slab holds): the warm-up only needs the
- * shapes of a full-length step, not its values. */
-static int warm_fill(pd_seq *s, int32_t fill, pd_error *err) {
-    pd_model *m = s->model;
-    const size_t row = (size_t)m->hp.head_dim * kv_elem_size(m->kv_type);
-    int rc = PD_OK;
-    for (int64_t i = 0; i < n_streams(m) && !rc && fill > 0; i++) {
-        kv_stream *st = &s->streams[i];
-        if ((rc = kv_stream_reserve(st, m->backend, fill, row, err))) break;
-        for (int32_t j = 0; j < fill; j++) st->pos[j] = j;
-        rc = pd_backend_upload(m->backend, st->dpos, st->pos, (size_t)fill * sizeof(int32_t), err);
-        st->len = fill;
-    }
-    s->next_pos = fill;
-    return rc;
-}
-
-/* A throwaway prefill of warm tokens and a decode of n_seqs sequences, at
- * the end of full slabs: every scratch buffer grows to its serving size. */
+/* A throwaway prefill of warm tokens and a decode of n_seqs sequences:
+ * the activation scratch, copy descriptors and pinned logits reach the
+ * sizes of serving's largest calls. (Attention's split-K partials grow with
+ * the context; they grow through the allocator's cache the first time a
+ * longer context is served, not per step.) */
 static int pool_warm(pd_model *m, int n_seqs, int32_t n_ctx, int32_t warm, pd_error *err) {
-    const int32_t rows = m->pool.rows;
-    if (warm > rows - 1) warm = rows - 1;
+    if (warm > n_ctx - 1) warm = n_ctx - 1;
     pd_seq **seqs = calloc((size_t)n_seqs, sizeof *seqs);
     pd_token *toks = calloc((size_t)(warm > n_seqs ? warm : n_seqs), sizeof *toks);
     float *logits = malloc((size_t)n_seqs * (size_t)m->hp.n_vocab * sizeof *logits);
     int rc = seqs && toks && logits ? PD_OK : pd_errorf(err, PD_ENOMEM, "out of memory warming the KV pool");
-    for (int i = 0; i < n_seqs && !rc; i++)
-        if (!(rc = pd_seq_create(m, n_ctx, &seqs[i], err)))
-            rc = warm_fill(seqs[i], i == 0 ? rows - 1 - warm : rows - 1, err);
+    for (int i = 0; i < n_seqs && !rc; i++) rc = pd_seq_create(m, n_ctx, &seqs[i], err);
     if (!rc && warm > 0) rc = pd_prefill(m, seqs[0], toks, warm, NULL, logits, err);
     if (!rc) rc = pd_decode(m, seqs, toks, n_seqs, logits, err);
     for (int i = 0; seqs && i < n_seqs; i++) pd_seq_free(seqs[i]);

@@ -176,9 +176,10 @@ int pd_seq_reserve(pd_seq *s, int32_t n_tokens, pd_error *err);
  * stream that outgrows its slab, or a sequence that finds no free slab,
  * grows by allocation as on a pool-less model (counted in
  * pd_kv_pool_stats). With warm_tokens > 0 it then runs a throwaway prefill
- * of warm_tokens tokens and a decode of n_seqs sequences at the slabs' full
- * length, so every scratch buffer reaches the size serving needs (a
- * prefill call of at most warm_tokens tokens, decodes of at most n_seqs).
+ * of warm_tokens tokens and a decode of n_seqs sequences, so the scratch
+ * buffers reach the size serving's calls need (prefill calls of at most
+ * warm_tokens tokens, decodes of at most n_seqs); attention's partials,
+ * which grow with the context, grow through the allocator's cache once. 
  * A no-op on host backends. No sequence may hold a slab when it is called
  * again (the old pool is dropped first). */
 #define PD_KV_POOL_FRACTION 0.8

@@ -486,17 +486,18 @@ int cuda_upload(cuda_backend *cb, void *dst, const void *src, size_t bytes, pd_e
     uint8_t *d = (uint8_t *)dst;
     for (size_t off = 0; off < bytes;) {
         const size_t len = bytes - off < CUDA_RING_PIECE ? bytes - off : CUDA_RING_PIECE;
-        size_t at;
-        if ((rc = ring_reserve(cb, (len + 255) & ~(size_t)255, &at, err))) return rc;
+        const size_t room = (len + 255) & ~(size_t)255; // keeps every piece 256-byte aligned
+        size_t at = 0;
+        if ((rc = ring_reserve(cb, room, &at, err))) return rc;
         memcpy(cb->ring + at, s + off, len);
         cudaError_t e = cudaMemcpyAsync(d + off, cb->ring + at, len, cudaMemcpyHostToDevice, cb->stream);
         if (e != cudaSuccess) return cuda_fail(err, e, "upload (cudaMemcpyAsync from the staging ring)");
         const int slot = (cb->ring_first + cb->ring_count) % CUDA_RING_RECORDS;
         e = cudaEventRecord(cb->ring_done[slot], cb->stream);
         if (e != cudaSuccess) return cuda_fail(err, e, "upload (cudaEventRecord)");
-        cb->ring_rec[slot] = cuda_ring_rec{at, at + ((len + 255) & ~(size_t)255)};
+        cb->ring_rec[slot] = cuda_ring_rec{at, at + room};
         cb->ring_count++;
-        cb->ring_head = at + ((len + 255) & ~(size_t)255);
+        cb->ring_head = at + room;
         off += len;
     }
     return PD_OK;
