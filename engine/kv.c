@@ -401,7 +401,7 @@ int kv_pool_init(kv_pool *p, pd_error *err) {
 }
 
 /* Every slab back to the backend's allocator (none may be taken). */
-static void pool_drop(kv_pool *p, pd_backend *be) {
+void kv_pool_drop(kv_pool *p, pd_backend *be) {
     for (int i = 0; i < p->n_slabs; i++) pd_backend_release(be, p->slabs[i]);
     free(p->slabs);
     free(p->free);
@@ -413,7 +413,7 @@ static void pool_drop(kv_pool *p, pd_backend *be) {
 }
 
 void kv_pool_destroy(kv_pool *p, pd_backend *be) {
-    pool_drop(p, be);
+    kv_pool_drop(p, be);
     pthread_mutex_destroy(&p->lock);
 }
 
@@ -440,39 +440,13 @@ static int pool_rows(pd_model *m, int n_seqs, int32_t n_ctx, int32_t *rows, pd_e
     return PD_OK;
 }
 
-/* A throwaway prefill of warm tokens and a decode of n_seqs sequences:
- * the activation scratch, copy descriptors and pinned logits reach the
- * sizes of serving's largest calls. (Attention's split-K partials grow with
- * the context; they grow through the allocator's cache the first time a
- * longer context is served, not per step.) */
-static int pool_warm(pd_model *m, int n_seqs, int32_t n_ctx, int32_t warm, pd_error *err) {
-    if (warm > n_ctx - 1) warm = n_ctx - 1;
-    pd_seq **seqs = calloc((size_t)n_seqs, sizeof *seqs);
-    pd_token *toks = calloc((size_t)(warm > n_seqs ? warm : n_seqs), sizeof *toks);
-    float *logits = malloc((size_t)n_seqs * (size_t)m->hp.n_vocab * sizeof *logits);
-    int rc = seqs && toks && logits ? PD_OK : pd_errorf(err, PD_ENOMEM, "out of memory warming the KV pool");
-    for (int i = 0; i < n_seqs && !rc; i++) rc = pd_seq_create(m, n_ctx, &seqs[i], err);
-    if (!rc && warm > 0) rc = pd_prefill(m, seqs[0], toks, warm, NULL, logits, err);
-    if (!rc) rc = pd_decode(m, seqs, toks, n_seqs, logits, err);
-    for (int i = 0; seqs && i < n_seqs; i++) pd_seq_free(seqs[i]);
-    free(seqs);
-    free(toks);
-    free(logits);
-    return rc ? pd_error_prefix(err, "warming the KV pool") : PD_OK;
-}
-
-int pd_model_reserve_kv(pd_model *m, int n_seqs, int32_t n_ctx, int32_t warm_tokens, pd_error *err) {
-    if (!on_device(m->backend)) return PD_OK;
+int kv_pool_reserve(pd_model *m, int n_seqs, int32_t n_ctx, pd_error *err) {
     kv_pool *p = &m->pool;
-    if (n_seqs < 1 || n_ctx < 0 || warm_tokens < 0)
-        return pd_errorf(err, PD_EINVAL, "a KV pool of %d sequences, %d positions, %d warm-up tokens is not valid",
-                         n_seqs, n_ctx, warm_tokens);
-    if (n_ctx == 0) n_ctx = m->hp.n_ctx_train;
     pthread_mutex_lock(&p->lock);
     const bool busy = p->n_free != p->n_slabs;
     pthread_mutex_unlock(&p->lock);
     if (busy) return pd_errorf(err, PD_EINVAL, "sequences still hold KV pool slabs; free them before reserving again");
-    pool_drop(p, m->backend);
+    kv_pool_drop(p, m->backend);
     int32_t rows;
     int rc = pool_rows(m, n_seqs, n_ctx, &rows, err);
     if (rc) return rc;
@@ -480,12 +454,12 @@ int pd_model_reserve_kv(pd_model *m, int n_seqs, int32_t n_ctx, int32_t warm_tok
     p->slabs = calloc((size_t)n_seqs, sizeof *p->slabs);
     p->free = calloc((size_t)n_seqs, sizeof *p->free);
     if (!p->slabs || !p->free) {
-        pool_drop(p, m->backend);
+        kv_pool_drop(p, m->backend);
         return pd_errorf(err, PD_ENOMEM, "out of memory for the KV pool's table");
     }
     for (int i = 0; i < n_seqs; i++) {
         if (!(p->slabs[i] = pd_backend_alloc(m->backend, slab, err))) {
-            pool_drop(p, m->backend);
+            kv_pool_drop(p, m->backend);
             return pd_error_prefix(err, "reserving the KV pool (%d slabs of %zu MiB)", n_seqs, slab >> 20);
         }
         p->free[i] = p->slabs[i];
@@ -493,11 +467,6 @@ int pd_model_reserve_kv(pd_model *m, int n_seqs, int32_t n_ctx, int32_t warm_tok
     }
     p->rows = rows;
     p->slab_bytes = slab;
-    if (warm_tokens > 0 && (rc = pool_warm(m, n_seqs, n_ctx, warm_tokens, err))) {
-        pool_drop(p, m->backend);
-        return rc;
-    }
-    p->no_slab = p->outgrown = 0;
     return PD_OK;
 }
 

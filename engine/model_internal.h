@@ -118,5 +118,9 @@ void kv_stream_free(kv_stream *s, pd_backend *be);
 /* The model's KV pool: an empty one at load, every slab released at free. */
 int kv_pool_init(kv_pool *p, pd_error *err);
 void kv_pool_destroy(kv_pool *p, pd_backend *be);
+/* Size and allocate the slabs of pd_model_reserve_kv (model.c warms them);
+ * no sequence may hold one. kv_pool_drop releases every slab. */
+int kv_pool_reserve(pd_model *m, int n_seqs, int32_t n_ctx, pd_error *err);
+void kv_pool_drop(kv_pool *p, pd_backend *be);
 
 #endif
