@@ -1094,6 +1094,12 @@ int pd_scheduler_create(pd_model *m, const pd_scheduler_opts *o, pd_scheduler **
         sched_destroy(s);
         return rc;
     }
+    /* On a device: a KV slab per batch slot and scratch grown by a warm-up
+     * step, so serving allocates nothing from the driver (a no-op on the CPU). */
+    if ((rc = pd_model_reserve_kv(m, o->max_batch, s->n_ctx, o->prefill_chunk, err))) {
+        sched_destroy(s);
+        return rc;
+    }
     if (pthread_mutex_init(&s->mu, NULL) != 0) {
         sched_destroy(s);
         return pd_errorf(err, PD_ENOMEM, "cannot create the scheduler lock");

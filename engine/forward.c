@@ -431,14 +431,29 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
     return PD_OK;
 }
 
+/* Where a device backend's logits come down: LOGIT_CHUNK rows of pinned
+ * host memory, kept by the model (allocating pinned memory is slow). */
+static int logits_staging(pd_model *m, pd_error *err) {
+    const size_t bytes = (size_t)LOGIT_CHUNK * (size_t)m->hp.n_vocab * sizeof(float);
+    if (m->logits_staging_bytes >= bytes) return PD_OK;
+    pd_backend_host_free(m->backend, m->logits_staging);
+    m->logits_staging_bytes = 0;
+    if (!(m->logits_staging = pd_backend_host_alloc(m->backend, bytes, err)))
+        return pd_error_prefix(err, "staging for the logits");
+    m->logits_staging_bytes = bytes;
+    return PD_OK;
+}
+
 /* Final norm and output projection of the wanted rows, LOGIT_CHUNK at a
- * time: gather them, project, and copy each row to its logits slot. */
+ * time: gather them, project, and copy each row to its logits slot. On a
+ * device backend a chunk comes down in one copy into pinned memory, then
+ * is scattered to the slots. */
 static int output_logits(pd_model *m, const fwd_entry *es, int n_es, fwd_bufs *b, float *logits, pd_error *err) {
     const pd_hparams *hp = &m->hp;
     pd_backend *be = m->backend;
     const int64_t d = hp->n_embd, V = hp->n_vocab;
     int64_t n = 0, out_of[LOGIT_CHUNK];
-    int rc = PD_OK;
+    int rc = host_backend(m) ? PD_OK : logits_staging(m, err);
     for (int i = 0; i < n_es && !rc; i++) {
         const fwd_entry *e = &es[i];
         for (int64_t t = 0; t < e->n_out && !rc; t++) {
@@ -455,8 +470,15 @@ static int output_logits(pd_model *m, const fwd_entry *es, int n_es, fwd_bufs *b
                 (rc = pd_backend_matmul(be, &m->output, b->h, n, dst, err)) ||
                 (hp->final_softcap > 0.0f && (rc = pd_backend_softcap(be, dst, n * V, hp->final_softcap, err))))
                 break;
-            for (int64_t r = 0; r < n && !rc && dst == b->logits; r++)
-                rc = pd_backend_download(be, logits + out_of[r] * V, b->logits + r * V, (size_t)V * sizeof(float), err);
+            const size_t row_bytes = (size_t)V * sizeof(float);
+            if (!host_backend(m)) {
+                if (!(rc = pd_backend_download(be, m->logits_staging, b->logits, (size_t)n * row_bytes, err)))
+                    for (int64_t r = 0; r < n; r++)
+                        memcpy(logits + out_of[r] * V, m->logits_staging + r * V, row_bytes);
+            } else {
+                for (int64_t r = 0; r < n && !rc && dst == b->logits; r++)
+                    rc = pd_backend_download(be, logits + out_of[r] * V, b->logits + r * V, row_bytes, err);
+            }
             n = 0;
         }
     }

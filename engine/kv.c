@@ -8,12 +8,11 @@
 
 static bool on_device(const pd_backend *be) { return be && !pd_backend_host_memory(be); }
 
-/* Device streams grow by allocate, copy, release: backend memory has no realloc. */
+/* Device streams grow by allocate, copy, release: backend memory has no
+ * realloc. A stream in a pool slab leaves the slab (which stays the
+ * sequence's) the first time it outgrows it. */
 static int reserve_device(kv_stream *s, pd_backend *be, int64_t new_cap, size_t row, pd_error *err) {
     const size_t rows = (size_t)new_cap;
-    int32_t *pos = realloc(s->pos, rows * sizeof *pos);
-    if (!pos) return pd_errorf(err, PD_ENOMEM, "out of memory growing the KV cache to %" PRId64 " rows", new_cap);
-    s->pos = pos;
     void *k = pd_backend_alloc(be, rows * row, err);
     void *v = k ? pd_backend_alloc(be, rows * row, err) : NULL;
     int32_t *dpos = v ? pd_backend_alloc(be, rows * sizeof *dpos, err) : NULL;
@@ -27,9 +26,16 @@ static int reserve_device(kv_stream *s, pd_backend *be, int64_t new_cap, size_t 
         pd_backend_release(be, dpos);
         return pd_error_prefix(err, "growing the KV cache to %" PRId64 " rows", new_cap);
     }
-    pd_backend_release(be, s->k);
-    pd_backend_release(be, s->v);
-    pd_backend_release(be, s->dpos);
+    if (s->pool) {
+        pthread_mutex_lock(&s->pool->lock);
+        s->pool->outgrown++;
+        pthread_mutex_unlock(&s->pool->lock);
+        s->pool = NULL;
+    } else {
+        pd_backend_release(be, s->k);
+        pd_backend_release(be, s->v);
+        pd_backend_release(be, s->dpos);
+    }
     s->k = k;
     s->v = v;
     s->dpos = dpos;
@@ -37,14 +43,34 @@ static int reserve_device(kv_stream *s, pd_backend *be, int64_t new_cap, size_t 
     return PD_OK;
 }
 
+/* Host positions of a device stream grow on their own (by doubling): a pool
+ * slab gives a stream its full capacity on the device at once, but the
+ * host copy need only cover the rows in use. */
+static int reserve_host_pos(kv_stream *s, int64_t cap, pd_error *err) {
+    if (cap <= s->pos_cap) return PD_OK;
+    int64_t n = s->pos_cap ? s->pos_cap : 64;
+    while (n < cap) n *= 2;
+    if (s->cap > cap && n > s->cap) n = s->cap;
+    int32_t *pos = realloc(s->pos, (size_t)n * sizeof *pos);
+    if (!pos) return pd_errorf(err, PD_ENOMEM, "out of memory growing the KV cache to %" PRId64 " rows", cap);
+    s->pos = pos;
+    s->pos_cap = n;
+    return PD_OK;
+}
+
 int kv_stream_reserve(kv_stream *s, pd_backend *be, int64_t cap, size_t row_bytes, pd_error *err) {
+    if (on_device(be)) {
+        if (s->keep) return pd_errorf(err, PD_EUNSUPPORTED, "attention masks are a host-backend feature");
+        int rc = reserve_host_pos(s, cap, err);
+        if (rc || cap <= s->cap) return rc;
+        int64_t new_cap = s->cap ? s->cap : 64;
+        while (new_cap < cap) new_cap *= 2;
+        if ((rc = reserve_host_pos(s, new_cap, err))) return rc;
+        return reserve_device(s, be, new_cap, row_bytes, err);
+    }
     if (cap <= s->cap) return PD_OK;
     int64_t new_cap = s->cap ? s->cap : 64;
     while (new_cap < cap) new_cap *= 2;
-    if (on_device(be)) {
-        if (s->keep) return pd_errorf(err, PD_EUNSUPPORTED, "attention masks are a host-backend feature");
-        return reserve_device(s, be, new_cap, row_bytes, err);
-    }
     size_t rows = (size_t)new_cap;
     /* Each array is grown in turn; one that failed leaves the others larger
      * but valid, and cap unchanged, so the stream stays consistent. */
@@ -71,9 +97,11 @@ oom:
 
 void kv_stream_free(kv_stream *s, pd_backend *be) {
     if (on_device(be)) {
-        pd_backend_release(be, s->k);
-        pd_backend_release(be, s->v);
-        pd_backend_release(be, s->dpos);
+        if (!s->pool) {
+            pd_backend_release(be, s->k);
+            pd_backend_release(be, s->v);
+            pd_backend_release(be, s->dpos);
+        }
         free(s->pos);
     } else if (!s->borrowed) {
         free(s->k);
@@ -322,6 +350,135 @@ uint64_t pd_kv_prefix_bytes(const pd_kv_prefix *p) {
     return (uint64_t)pd_kv_prefix_kept_rows(p) * row;
 }
 
+/* ---- the device KV pool ------------------------------------------------ */
+
+static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
+
+/* Bytes of one stream's K, V and positions at `rows` rows in a slab. */
+static size_t slab_stream_bytes(const pd_model *m, int64_t rows) {
+    const size_t row = (size_t)m->hp.head_dim * kv_elem_size(m->kv_type);
+    return 2 * align256((size_t)rows * row) + align256((size_t)rows * sizeof(int32_t));
+}
+
+static int64_t n_streams(const pd_model *m) { return (int64_t)m->hp.n_layer * m->hp.n_head_kv; }
+
+/* A free slab for a new sequence on a pooled model: its streams point into
+ * it with the slab's rows as capacity. None free: the sequence grows by
+ * allocation like on a pool-less model. */
+static void pool_take(pd_model *m, pd_seq *s) {
+    kv_pool *p = &m->pool;
+    if (!on_device(m->backend) || p->n_slabs == 0) return;
+    pthread_mutex_lock(&p->lock);
+    void *slab = p->n_free ? p->free[--p->n_free] : NULL;
+    if (!slab) p->no_slab++;
+    pthread_mutex_unlock(&p->lock);
+    if (!slab) return;
+    const size_t row = (size_t)m->hp.head_dim * kv_elem_size(m->kv_type);
+    const size_t kv_bytes = align256((size_t)p->rows * row);
+    char *at = slab;
+    for (int64_t i = 0; i < n_streams(m); i++) {
+        kv_stream *st = &s->streams[i];
+        st->k = at;
+        st->v = at + kv_bytes;
+        st->dpos = (int32_t *)(at + 2 * kv_bytes);
+        st->cap = p->rows;
+        st->pool = p;
+        at += slab_stream_bytes(m, p->rows);
+    }
+    s->slab = slab;
+}
+
+static void pool_give_back(kv_pool *p, void *slab) {
+    if (!slab) return;
+    pthread_mutex_lock(&p->lock);
+    p->free[p->n_free++] = slab;
+    pthread_mutex_unlock(&p->lock);
+}
+
+int kv_pool_init(kv_pool *p, pd_error *err) {
+    memset(p, 0, sizeof *p);
+    return pthread_mutex_init(&p->lock, NULL) == 0 ? PD_OK : pd_errorf(err, PD_ENOMEM, "cannot create the KV pool lock");
+}
+
+/* Every slab back to the backend's allocator (none may be taken). */
+void kv_pool_drop(kv_pool *p, pd_backend *be) {
+    for (int i = 0; i < p->n_slabs; i++) pd_backend_release(be, p->slabs[i]);
+    free(p->slabs);
+    free(p->free);
+    p->slabs = p->free = NULL;
+    p->n_slabs = p->n_free = 0;
+    p->rows = 0;
+    p->slab_bytes = 0;
+    p->no_slab = p->outgrown = 0;
+}
+
+void kv_pool_destroy(kv_pool *p, pd_backend *be) {
+    kv_pool_drop(p, be);
+    pthread_mutex_destroy(&p->lock);
+}
+
+/* Rows per slab: n_ctx, or what PD_KV_POOL_FRACTION of the free memory
+ * holds for n_seqs slabs, in multiples of 64. */
+static int pool_rows(pd_model *m, int n_seqs, int32_t n_ctx, int32_t *rows, pd_error *err) {
+    uint64_t free_b = 0, total_b = 0;
+    pd_error ignored = {0};
+    *rows = n_ctx;
+    /* A device that does not say (the CPU pretending to be one) is not capped. */
+    if (pd_backend_memory(m->backend, &free_b, &total_b, &ignored) != PD_OK) return PD_OK;
+    const double budget = (double)free_b * PD_KV_POOL_FRACTION / n_seqs;
+    const double per_row = (double)n_streams(m) * (double)slab_stream_bytes(m, 64) / 64.0;
+    if ((double)n_streams(m) * (double)slab_stream_bytes(m, n_ctx) <= budget) return PD_OK;
+    int64_t fit = (int64_t)(budget / per_row) / 64 * 64;
+    while (fit >= 64 && (double)n_streams(m) * (double)slab_stream_bytes(m, fit) > budget) fit -= 64;
+    if (fit < 64)
+        return pd_errorf(err, PD_ENOMEM,
+                         "the KV pool does not fit: %d sequences of even 64 positions need %.1f MiB and %.0f%% of the "
+                         "%.1f MiB free on %s is %.1f MiB; lower the batch size (scheduler max_batch) or use a smaller model",
+                         n_seqs, n_seqs * per_row * 64 / 1048576.0, PD_KV_POOL_FRACTION * 100, free_b / 1048576.0,
+                         pd_backend_name(m->backend), budget * n_seqs / 1048576.0);
+    *rows = (int32_t)fit;
+    return PD_OK;
+}
+
+int kv_pool_reserve(pd_model *m, int n_seqs, int32_t n_ctx, pd_error *err) {
+    kv_pool *p = &m->pool;
+    pthread_mutex_lock(&p->lock);
+    const bool busy = p->n_free != p->n_slabs;
+    pthread_mutex_unlock(&p->lock);
+    if (busy) return pd_errorf(err, PD_EINVAL, "sequences still hold KV pool slabs; free them before reserving again");
+    kv_pool_drop(p, m->backend);
+    int32_t rows;
+    int rc = pool_rows(m, n_seqs, n_ctx, &rows, err);
+    if (rc) return rc;
+    const size_t slab = (size_t)n_streams(m) * slab_stream_bytes(m, rows);
+    p->slabs = calloc((size_t)n_seqs, sizeof *p->slabs);
+    p->free = calloc((size_t)n_seqs, sizeof *p->free);
+    if (!p->slabs || !p->free) {
+        kv_pool_drop(p, m->backend);
+        return pd_errorf(err, PD_ENOMEM, "out of memory for the KV pool's table");
+    }
+    for (int i = 0; i < n_seqs; i++) {
+        if (!(p->slabs[i] = pd_backend_alloc(m->backend, slab, err))) {
+            kv_pool_drop(p, m->backend);
+            return pd_error_prefix(err, "reserving the KV pool (%d slabs of %zu MiB)", n_seqs, slab >> 20);
+        }
+        p->free[i] = p->slabs[i];
+        p->n_slabs = p->n_free = i + 1;
+    }
+    p->rows = rows;
+    p->slab_bytes = slab;
+    return PD_OK;
+}
+
+void pd_model_kv_pool_stats(pd_model *m, pd_kv_pool_stats *out) {
+    kv_pool *p = &m->pool;
+    pthread_mutex_lock(&p->lock);
+    *out = (pd_kv_pool_stats){.slabs = p->n_slabs, .slabs_free = p->n_free, .rows = p->rows,
+                              .bytes = (uint64_t)p->slab_bytes * (uint64_t)p->n_slabs,
+                              .no_slab = p->no_slab, .outgrown = p->outgrown};
+    pthread_mutex_unlock(&p->lock);
+}
+
 /* ---- sequences -------------------------------------------------------- */
 
 int pd_seq_create(pd_model *m, int32_t n_ctx, pd_seq **out, pd_error *err) {
@@ -336,6 +493,7 @@ int pd_seq_create(pd_model *m, int32_t n_ctx, pd_seq **out, pd_error *err) {
         free(s);
         return rc;
     }
+    pool_take(m, s);
     *out = s;
     return PD_OK;
 }
@@ -343,6 +501,7 @@ int pd_seq_create(pd_model *m, int32_t n_ctx, pd_seq **out, pd_error *err) {
 void pd_seq_free(pd_seq *s) {
     if (!s) return;
     streams_free(s->streams, (int64_t)s->model->hp.n_layer * s->model->hp.n_head_kv, s->model->backend);
+    pool_give_back(&s->model->pool, s->slab);
     free(s);
 }
 
@@ -415,7 +574,6 @@ int pd_seq_reserve(pd_seq *s, int32_t n_tokens, pd_error *err) {
     const size_t row = (size_t)hp->head_dim * kv_elem_size(s->model->kv_type);
     for (int64_t i = 0; i < (int64_t)hp->n_layer * hp->n_head_kv; i++) {
         kv_stream *st = &s->streams[i];
-        if (n_tokens <= st->cap) continue;
         int rc = kv_stream_reserve(st, s->model->backend, n_tokens, row, err);
         if (rc) return rc;
     }

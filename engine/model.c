@@ -518,6 +518,10 @@ int pd_model_load(const char *path, const pd_model_params *params, pd_model **ou
     *out = NULL;
     pd_model *m = calloc(1, sizeof *m);
     if (!m) return pd_errorf(err, PD_ENOMEM, "out of memory loading a model");
+    if (kv_pool_init(&m->pool, err)) {
+        free(m);
+        return PD_ENOMEM;
+    }
     m->kv_type = params && params->kv_f32 ? PD_TYPE_F32 : PD_TYPE_F16;
     /* The CPU computes from the file's bytes: read them into huge-page
      * memory. A device backend uploads them, so a mapping is enough. */
@@ -566,7 +570,9 @@ void pd_model_free(pd_model *m) {
         }
         if (m->dev_norms != m->norms) pd_backend_release(m->backend, m->dev_norms);
         pd_backend_release(m->backend, m->scratch.dev);
+        pd_backend_host_free(m->backend, m->logits_staging);
     }
+    kv_pool_destroy(&m->pool, m->backend);
     free(m->scratch.host);
     if (m->owns_backend) pd_backend_free(m->backend);
     free(m->layers);
@@ -575,6 +581,46 @@ void pd_model_free(pd_model *m) {
     pd_tokenizer_free(m->tok);
     pd_gguf_close(m->gguf);
     free(m);
+}
+
+/* A throwaway prefill of warm tokens and a decode of n_seqs sequences:
+ * the activation scratch, copy descriptors and pinned logits reach the
+ * sizes of serving's largest calls. (Attention's split-K partials grow with
+ * the context; they grow through the allocator's cache the first time a
+ * longer context is served, not per step.) */
+static int pool_warm(pd_model *m, int n_seqs, int32_t n_ctx, int32_t warm, pd_error *err) {
+    if (warm > n_ctx - 1) warm = n_ctx - 1;
+    pd_seq **seqs = calloc((size_t)n_seqs, sizeof *seqs);
+    pd_token *toks = calloc((size_t)(warm > n_seqs ? warm : n_seqs), sizeof *toks);
+    float *logits = malloc((size_t)n_seqs * (size_t)m->hp.n_vocab * sizeof *logits);
+    int rc = seqs && toks && logits ? PD_OK : pd_errorf(err, PD_ENOMEM, "out of memory warming the KV pool");
+    for (int i = 0; i < n_seqs && !rc; i++) rc = pd_seq_create(m, n_ctx, &seqs[i], err);
+    if (!rc && warm > 0) rc = pd_prefill(m, seqs[0], toks, warm, NULL, logits, err);
+    if (!rc) rc = pd_decode(m, seqs, toks, n_seqs, logits, err);
+    for (int i = 0; seqs && i < n_seqs; i++) pd_seq_free(seqs[i]);
+    free(seqs);
+    free(toks);
+    free(logits);
+    return rc ? pd_error_prefix(err, "warming the KV pool") : PD_OK;
+}
+
+int pd_model_reserve_kv(pd_model *m, int n_seqs, int32_t n_ctx, int32_t warm_tokens, pd_error *err) {
+    if (pd_backend_host_memory(m->backend)) return PD_OK;
+    if (n_seqs < 1 || n_ctx < 0 || warm_tokens < 0)
+        return pd_errorf(err, PD_EINVAL, "a KV pool of %d sequences, %d positions, %d warm-up tokens is not valid",
+                         n_seqs, n_ctx, warm_tokens);
+    if (n_ctx == 0) n_ctx = m->hp.n_ctx_train;
+    int rc = kv_pool_reserve(m, n_seqs, n_ctx, err);
+    if (rc) return rc;
+    if (warm_tokens > 0 && (rc = pool_warm(m, n_seqs, n_ctx, warm_tokens, err))) {
+        kv_pool_drop(&m->pool, m->backend);
+        return rc;
+    }
+    /* the warm-up's sequences are not serving's */
+    pthread_mutex_lock(&m->pool.lock);
+    m->pool.no_slab = m->pool.outgrown = 0;
+    pthread_mutex_unlock(&m->pool.lock);
+    return PD_OK;
 }
 
 const pd_hparams *pd_model_hparams(const pd_model *m) { return &m->hp; }

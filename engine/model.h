@@ -161,8 +161,38 @@ uint64_t pd_seq_kv_bytes(const pd_seq *s);
  * pd_seq_pos(s). */
 int pd_seq_to_prefix(const pd_seq *s, pd_kv_prefix **out, pd_error *err);
 /* Room for n_tokens own rows in every stream, allocated now (one
- * allocation each instead of growing by doubling as rows arrive). */
+ * allocation each instead of growing by doubling as rows arrive; nothing
+ * on the device when the sequence holds a KV pool slab that fits). */
 int pd_seq_reserve(pd_seq *s, int32_t n_tokens, pd_error *err);
+
+/* The device KV pool (docs/gpu.md, Memory). On a device backend, reserve
+ * n_seqs slabs of backend memory, each one allocation holding every
+ * (layer, kv head) stream of one sequence (K, V and positions) for n_ctx
+ * positions (0 = the model's trained context): pd_seq_create takes a free
+ * slab and pd_seq_free returns it, so a sequence never grows on the device
+ * and serving allocates nothing. The pool takes at most PD_KV_POOL_FRACTION
+ * of the backend's free memory; when n_ctx rows per slab do not fit, slabs
+ * hold fewer rows (a multiple of 64, at least 64, else PD_ENOMEM) and a
+ * stream that outgrows its slab, or a sequence that finds no free slab,
+ * grows by allocation as on a pool-less model (counted in
+ * pd_kv_pool_stats). With warm_tokens > 0 it then runs a throwaway prefill
+ * of warm_tokens tokens and a decode of n_seqs sequences, so the scratch
+ * buffers reach the size serving's calls need (prefill calls of at most
+ * warm_tokens tokens, decodes of at most n_seqs); attention's partials,
+ * which grow with the context, grow through the allocator's cache once. 
+ * A no-op on host backends. No sequence may hold a slab when it is called
+ * again (the old pool is dropped first). */
+#define PD_KV_POOL_FRACTION 0.8
+int pd_model_reserve_kv(pd_model *m, int n_seqs, int32_t n_ctx, int32_t warm_tokens, pd_error *err);
+typedef struct pd_kv_pool_stats {
+    int slabs, slabs_free;
+    int32_t rows;         /* positions each slab holds per stream */
+    uint64_t bytes;       /* backend memory of all slabs */
+    uint64_t no_slab;     /* sequences created with every slab taken */
+    uint64_t outgrown;    /* streams that grew out of their slab */
+} pd_kv_pool_stats;
+/* Zeros when no pool is reserved. */
+void pd_model_kv_pool_stats(pd_model *m, pd_kv_pool_stats *out);
 
 /* Exact KV reuse (the daemon's automatic prefix cache). A token block is
  * the K and V rows of n consecutive positions for every stream, laid out

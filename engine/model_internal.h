@@ -30,6 +30,19 @@ typedef struct fwd_scratch {
     size_t host_bytes;
 } fwd_scratch;
 
+/* The device KV pool (kv.c; pd_model_reserve_kv): n_slabs slabs of
+ * slab_bytes, free ones on a stack. Guarded by lock: sequences may be
+ * created and freed on any thread. */
+typedef struct kv_pool {
+    pthread_mutex_t lock;
+    void **slabs;    /* [n_slabs] backend memory */
+    void **free;     /* [n_free] of them, untaken */
+    int n_slabs, n_free;
+    int32_t rows;
+    size_t slab_bytes;
+    uint64_t no_slab, outgrown;
+} kv_pool;
+
 struct pd_model {
     pd_gguf *gguf;
     pd_tokenizer *tok;
@@ -46,6 +59,11 @@ struct pd_model {
     float *rope_freqs;     /* hp.rope's divisors (and hp.rope_swa's where they are the same), or NULL */
     pd_type kv_type; /* PD_TYPE_F16 or PD_TYPE_F32: its sequences' K/V rows */
     fwd_scratch scratch;
+    /* Pinned host rows the logits of a device backend come down into, all
+     * of a chunk at once (forward.c; pd_backend_host_alloc). */
+    float *logits_staging;
+    size_t logits_staging_bytes;
+    kv_pool pool;
 };
 
 /* One (layer, kv_head) stream of cached rows. A sequence's streams live in
@@ -59,6 +77,8 @@ typedef struct kv_stream {
     uint8_t *keep;   /* NULL, or [cap] attention mask (host backends only) */
     int64_t len, cap;
     bool borrowed;   /* k, v, pos point into memory the stream does not own (a store's map) */
+    kv_pool *pool;   /* k, v, dpos lie in a slab of this pool (the sequence's), not owned */
+    int64_t pos_cap; /* rows of pos, on a device stream (host ones: cap) */
 } kv_stream;
 
 /* Positions as the backend reads them. */
@@ -85,6 +105,7 @@ struct pd_seq {
     int32_t n_ctx;
     int32_t next_pos;
     kv_stream *streams; /* [n_layer][n_head_kv] */
+    void *slab;         /* the KV pool slab its streams live in, or NULL */
 };
 
 /* Bytes of one element of a KV type. */
@@ -94,5 +115,12 @@ static inline size_t kv_elem_size(pd_type t) { return t == PD_TYPE_F16 ? 2 : 4; 
  * host backend means plain heap memory. row_bytes: head_dim elements. */
 int kv_stream_reserve(kv_stream *s, pd_backend *be, int64_t cap, size_t row_bytes, pd_error *err);
 void kv_stream_free(kv_stream *s, pd_backend *be);
+/* The model's KV pool: an empty one at load, every slab released at free. */
+int kv_pool_init(kv_pool *p, pd_error *err);
+void kv_pool_destroy(kv_pool *p, pd_backend *be);
+/* Size and allocate the slabs of pd_model_reserve_kv (model.c warms them);
+ * no sequence may hold one. kv_pool_drop releases every slab. */
+int kv_pool_reserve(pd_model *m, int n_seqs, int32_t n_ctx, pd_error *err);
+void kv_pool_drop(kv_pool *p, pd_backend *be);
 
 #endif

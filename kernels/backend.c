@@ -1,5 +1,6 @@
 /* The pd_backend_* functions: thin calls through the backend's ops table
  * (kernels/backend_impl.h), with the optional ops' defaults. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/backend_impl.h"
@@ -139,4 +140,22 @@ bool pd_backend_has_token_scores(const pd_backend *be) { return be->ops->token_s
 void pd_backend_counters_get(const pd_backend *be, pd_backend_counters *out) {
     memset(out, 0, sizeof *out);
     if (be->ops->counters) be->ops->counters(be, out);
+}
+
+void *pd_backend_host_alloc(pd_backend *be, size_t bytes, pd_error *err) {
+    if (be->ops->host_alloc) return be->ops->host_alloc(be, bytes, err);
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) pd_errorf(err, PD_ENOMEM, "out of memory for %zu bytes of host buffers", bytes);
+    return p;
+}
+
+void pd_backend_host_free(pd_backend *be, void *p) {
+    if (be->ops->host_free) be->ops->host_free(be, p);
+    else free(p);
+}
+
+int pd_backend_memory(pd_backend *be, uint64_t *free_bytes, uint64_t *total_bytes, pd_error *err) {
+    if (!be->ops->memory)
+        return pd_errorf(err, PD_EUNSUPPORTED, "backend %s does not report its free memory", be->ops->name);
+    return be->ops->memory(be, free_bytes, total_bytes, err);
 }

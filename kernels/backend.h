@@ -186,12 +186,23 @@ const char *pd_backend_name(const pd_backend *be);
 /* Backend memory is host memory: pointers may be shared both ways. */
 bool pd_backend_host_memory(const pd_backend *be);
 /* bytes of backend memory (aligned to 256 bytes), or NULL with err
- * filled; release(NULL) is a no-op. */
+ * filled; release(NULL) is a no-op. A device backend keeps released blocks
+ * for reuse (docs/gpu.md, Memory), so release neither waits nor frees. */
 void *pd_backend_alloc(pd_backend *be, size_t bytes, pd_error *err);
 void pd_backend_release(pd_backend *be, void *p);
-/* host -> backend. A device backend stages large copies through pinned
- * buffers, so src may be any host memory (an LMDB map, say) and may be
- * reused as soon as the call returns. */
+/* Host memory for buffers the backend downloads into on the hot path
+ * (logits): page-locked on CUDA, so a download is one DMA with no staging;
+ * plain malloc elsewhere. NULL with err filled; host_free(NULL) is a no-op.
+ * Slow to allocate on CUDA: keep such buffers, do not churn them. */
+void *pd_backend_host_alloc(pd_backend *be, size_t bytes, pd_error *err);
+void pd_backend_host_free(pd_backend *be, void *p);
+/* Free and total bytes of backend memory (a device backend counts memory
+ * its allocator caches as free); PD_EUNSUPPORTED on host backends. */
+int pd_backend_memory(pd_backend *be, uint64_t *free_bytes, uint64_t *total_bytes, pd_error *err);
+/* host -> backend. A device backend copies src into pinned staging memory
+ * and queues the copy from there, so src may be any host memory (an LMDB
+ * map, say), may be reused as soon as the call returns, and the call does
+ * not wait for the device. */
 int pd_backend_upload(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err);
 /* backend -> host; waits for the queued work first. */
 int pd_backend_download(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err);

@@ -12,7 +12,7 @@ extern "C" {
 #endif
 
 /* Bumped when an op is added, removed or changes meaning. */
-#define PD_BACKEND_OPS_VERSION 3
+#define PD_BACKEND_OPS_VERSION 4
 
 typedef struct pd_backend_ops {
     const char *name;
@@ -117,6 +117,12 @@ typedef struct pd_backend_ops {
     int (*token_scores)(pd_backend *be, const pd_token_score_args *a, pd_error *err);
     /* Optional (NULL: zeros): pd_backend_counters. */
     void (*counters)(const pd_backend *be, pd_backend_counters *out);
+    /* Optional (NULL: malloc / free): host memory that downloads fill
+     * fastest (page-locked on CUDA). */
+    void *(*host_alloc)(pd_backend *be, size_t bytes, pd_error *err);
+    void (*host_free)(pd_backend *be, void *p);
+    /* Optional (NULL: PD_EUNSUPPORTED): free and total backend memory. */
+    int (*memory)(pd_backend *be, uint64_t *free_bytes, uint64_t *total_bytes, pd_error *err);
 } pd_backend_ops;
 
 struct pd_backend {

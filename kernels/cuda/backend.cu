@@ -23,23 +23,19 @@ static void cuda_forget_weight_op(pd_backend *be, const pd_weight *w) {
 static void *cuda_alloc_op(pd_backend *be, size_t bytes, pd_error *err) {
     cuda_backend *cb = cuda_impl(be);
     if (cuda_enter(cb, err) != PD_OK) return NULL;
-    void *p = NULL;
-    // cudaMalloc returns blocks aligned to at least 256 bytes.
-    if (cuda_malloc(cb, &p, bytes ? bytes : 1, "backend memory", err) != PD_OK) return NULL;
-    return p;
+    return cuda_block_alloc(cb, bytes, "backend memory", err);
 }
 
+// Into the allocator's cache: no sync and no cudaFree on the serving path.
 static void cuda_release_op(pd_backend *be, void *p) {
     if (!p) return;
     cuda_backend *cb = cuda_impl(be);
-    cudaError_t e = cudaSetDevice(cb->device);
-    // Kernels queued earlier may still use the block: wait for them.
-    if (e == cudaSuccess) e = cudaStreamSynchronize(cb->stream);
-    if (e == cudaSuccess) e = cudaFree(p);
+    const cudaError_t e = cudaSetDevice(cb->device);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
         if (cb->deferred == cudaSuccess) cb->deferred = e;
     }
+    cuda_block_release(cb, p);
 }
 
 static int cuda_upload_op(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err) {
@@ -50,54 +46,41 @@ static int cuda_upload_op(pd_backend *be, void *dst, const void *src, size_t byt
 
 static int cuda_download_op(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err) {
     cuda_backend *cb = cuda_impl(be);
+    const int rc = cuda_enter(cb, err);
+    return rc ? rc : cuda_download(cb, dst, src, bytes, err);
+}
+
+// Page-locked host memory: downloads into it are one DMA with no staging.
+static void *cuda_host_alloc_op(pd_backend *be, size_t bytes, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
+    if (cuda_enter(cb, err) != PD_OK) return NULL;
+    void *p = NULL;
+    const cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault);
+    if (e != cudaSuccess) {
+        cuda_fail(err, e, "cudaHostAlloc (pinned host memory)");
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_host_free_op(pd_backend *be, void *p) {
+    if (!p) return;
+    cuda_backend *cb = cuda_impl(be);
+    // cudaFreeHost waits for the device; a queued copy may still use p.
+    if (cudaSetDevice(cb->device) != cudaSuccess || cudaFreeHost(p) != cudaSuccess) (void)cudaGetLastError();
+}
+
+// The driver's free memory plus what the allocator's cache holds (it is
+// given back on demand).
+static int cuda_memory_op(pd_backend *be, uint64_t *free_bytes, uint64_t *total_bytes, pd_error *err) {
+    cuda_backend *cb = cuda_impl(be);
     int rc = cuda_enter(cb, err);
     if (rc) return rc;
-    rc = cuda_take_deferred(cb, err);
-    if (rc) return rc;
-    cudaError_t e;
-    if (bytes == 0) {
-        e = cudaStreamSynchronize(cb->stream);
-        return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "download (stream synchronize)");
-    }
-    if (!dst || !src) return pd_errorf(err, PD_EINVAL, "cuda backend: download with a NULL pointer");
-    bool pinned;
-    rc = cuda_host_kind(dst, &pinned, "download", err);
-    if (rc) return rc;
-    if (pinned || bytes <= CUDA_SMALL_COPY) {
-        // Ordered after all queued work; the synchronize waits for both and
-        // reports any failure among them.
-        e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream);
-        if (e == cudaSuccess) e = cudaStreamSynchronize(cb->stream);
-        return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "download");
-    }
-    // Large pageable destination: queue chunk k into one pinned buffer, then
-    // copy chunk k-1 out of the other while chunk k is in flight.
-    const uint8_t *s = (const uint8_t *)src;
-    uint8_t *d = (uint8_t *)dst;
-    int buf = 0;
-    size_t prev_off = 0, prev_len = 0; // chunk waiting in pinned[buf ^ 1]
-    for (size_t off = 0; off < bytes;) {
-        const size_t len = bytes - off < cb->pinned_bytes ? bytes - off : cb->pinned_bytes;
-        // The buffer may still feed an upload's DMA.
-        e = cudaEventSynchronize(cb->pinned_done[buf]);
-        if (e != cudaSuccess) return cuda_fail(err, e, "download (waiting for a staging buffer)");
-        e = cudaMemcpyAsync(cb->pinned[buf], s + off, len, cudaMemcpyDeviceToHost, cb->stream);
-        if (e != cudaSuccess) return cuda_fail(err, e, "download (cudaMemcpyAsync to staging)");
-        e = cudaEventRecord(cb->pinned_done[buf], cb->stream);
-        if (e != cudaSuccess) return cuda_fail(err, e, "download (cudaEventRecord)");
-        if (prev_len) {
-            e = cudaEventSynchronize(cb->pinned_done[buf ^ 1]);
-            if (e != cudaSuccess) return cuda_fail(err, e, "download");
-            memcpy(d + prev_off, cb->pinned[buf ^ 1], prev_len);
-        }
-        prev_off = off;
-        prev_len = len;
-        off += len;
-        buf ^= 1;
-    }
-    e = cudaEventSynchronize(cb->pinned_done[buf ^ 1]);
-    if (e != cudaSuccess) return cuda_fail(err, e, "download");
-    memcpy(d + prev_off, cb->pinned[buf ^ 1], prev_len);
+    size_t f = 0, t = 0;
+    const cudaError_t e = cudaMemGetInfo(&f, &t);
+    if (e != cudaSuccess) return cuda_fail(err, e, "cudaMemGetInfo");
+    *free_bytes = (uint64_t)f + cb->cached_bytes;
+    *total_bytes = (uint64_t)t;
     return PD_OK;
 }
 
@@ -247,7 +230,7 @@ static int cuda_sync_op(pd_backend *be, pd_error *err) {
     if (rc) return rc;
     rc = cuda_take_deferred(cb, err);
     if (rc) return rc;
-    cudaError_t e = cudaStreamSynchronize(cb->stream);
+    cudaError_t e = cuda_stream_wait(cb);
     if (e != cudaSuccess) return cuda_fail(err, e, "stream synchronize");
     e = cudaGetLastError();
     return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "an earlier operation");
@@ -265,7 +248,9 @@ static void cuda_destroy(cuda_backend *cb) {
     for (int64_t i = 0; i < cb->n_weights; i++) (void)cudaFree(cb->weights[i].dev);
     free(cb->weights);
     free(cb->weight_index);
-    for (size_t i = 0; i < sizeof cb->scratch / sizeof cb->scratch[0]; i++) (void)cudaFree(cb->scratch[i].p);
+    // Scratch blocks are the allocator's: this frees them with the rest.
+    cuda_blocks_destroy(cb);
+    cuda_ring_destroy(cb);
     for (int i = 0; i < 2; i++) {
         if (cb->pinned_done[i]) (void)cudaEventDestroy(cb->pinned_done[i]);
         if (cb->pinned[i]) (void)cudaFreeHost(cb->pinned[i]);
@@ -319,6 +304,9 @@ static pd_backend_ops make_cuda_ops(void) {
     o.qkv_bias_rope = cuda_qkv_bias_rope;
     o.token_scores = cuda_token_scores;
     o.counters = cuda_counters_op;
+    o.host_alloc = cuda_host_alloc_op;
+    o.host_free = cuda_host_free_op;
+    o.memory = cuda_memory_op;
     return o;
 }
 
@@ -404,6 +392,7 @@ extern "C" int pd_backend_cuda_create(int index, pd_backend **out, pd_error *err
                    "cudaHostAlloc (pinned staging buffer)");
         CREATE_TRY(cudaEventCreateWithFlags(&cb->pinned_done[i], cudaEventDisableTiming), "cudaEventCreate");
     }
+    if ((rc = cuda_ring_create(cb, err))) goto fail;
 
     cb->base.ops = cuda_ops();
     cb->base.impl = cb;

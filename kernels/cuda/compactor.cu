@@ -577,9 +577,7 @@ struct lev_plan {
 
 // Download n ints (or doubles) after everything queued so far.
 template <typename T> int download_small(cuda_backend *cb, T *dst, const T *src, size_t n, pd_error *err) {
-    CK_CUDA(cudaMemcpyAsync(dst, src, n * sizeof(T), cudaMemcpyDeviceToHost, cb->stream), "compactor: status download");
-    CK_CUDA(cudaStreamSynchronize(cb->stream), "compactor: synchronise");
-    return PD_OK;
+    return cuda_download(cb, dst, src, n * sizeof(T), err);
 }
 
 // The CPU's messages (pd_leverage_scores, leverage_chunk_approx), with the
@@ -657,9 +655,8 @@ int lev_run(cuda_backend *cb, const lev_plan &lp, char *base, const layout &lay,
             if (t > 0)
                 for (int i = 0; i < first_bad; i++)
                     if (!done.p[i]) ridge_h.p[i] = ridge_h.p[i] > 0 ? 10.0 * ridge_h.p[i] : 1e-2;
-            // Pageable source: the call returns once the bytes are staged.
-            CK_CUDA(cudaMemcpyAsync(ridge, ridge_h.p, (size_t)nb * sizeof(double), cudaMemcpyHostToDevice, cb->stream),
-                    "compactor: ridge upload");
+            // Through the staging ring: ridge_h is reusable on return.
+            if (int rc_up = cuda_upload(cb, ridge, ridge_h.p, (size_t)nb * sizeof(double), err)) return rc_up;
             // G = X^T X: on the column-major view Xc (sketch x len, ld sketch)
             // of row-major X, G = Xc Xc^T.
             CK_CUBLAS(cublasDgemmStridedBatched(cuda_launch_blas(cb), CUBLAS_OP_N, CUBLAS_OP_T, s, s, (int)lg.len, &one, x, s,
@@ -670,12 +667,9 @@ int lev_run(cuda_backend *cb, const lev_plan &lp, char *base, const layout &lay,
             CK_LAUNCH("compactor: leverage ridge");
             CK_CUSOLVER(cusolverDnDpotrfBatched(cuda_launch_solver(cb), CUBLAS_FILL_MODE_LOWER, s, g_ptr, s, info, nb),
                         "compactor: leverage Cholesky (cusolverDnDpotrfBatched)");
-            if (t == 0) {
-                CK_CUDA(cudaMemcpyAsync(bad_dim_h.p, bad_dim, (size_t)nb * sizeof(int), cudaMemcpyDeviceToHost,
-                                        cb->stream),
-                        "compactor: status download");
-            }
-            int rc = download_small(cb, info_h.p, info, (size_t)nb, err);
+            int rc = t == 0 ? download_small(cb, bad_dim_h.p, bad_dim, (size_t)nb, err) : PD_OK;
+            if (rc) return rc;
+            rc = download_small(cb, info_h.p, info, (size_t)nb, err);
             if (rc) return rc;
             if (t == 0)
                 for (int i = 0; i < nb; i++)
@@ -837,8 +831,7 @@ extern "C" int cuda_token_scores(pd_backend *be, const pd_token_score_args *a, p
         if (!phi_h.alloc(n_phi))
             return pd_errorf(err, PD_ENOMEM, "cuda compactor: out of host memory for a %d x %d sketch", d, a->sketch);
         for (size_t i = 0; i < n_phi; i++) phi_h.p[i] = a->phi[i];
-        CK_CUDA(cudaMemcpyAsync(base + lay.phi, phi_h.p, n_phi * sizeof(double), cudaMemcpyHostToDevice, cb->stream),
-                "compactor: sketch upload");
+        if ((rc = cuda_upload(cb, base + lay.phi, phi_h.p, n_phi * sizeof(double), err))) return rc;
         rc = lev_run(cb, lp, base, lay, a->ridge, err);
         if (rc) return rc;
         lev = reinterpret_cast<float *>(base + lay.lev);
@@ -857,8 +850,5 @@ extern "C" int cuda_token_scores(pd_backend *be, const pd_token_score_args *a, p
         combine_kernel<<<grid_1d(total, 256), 256, 0, cuda_launch_stream(cb)>>>(att, lev, total, a->lambda);
         CK_LAUNCH("compactor: blend");
     }
-    CK_CUDA(cudaMemcpyAsync(a->scores, result, (size_t)total * sizeof(float), cudaMemcpyDeviceToHost, cb->stream),
-            "compactor: scores download");
-    CK_CUDA(cudaStreamSynchronize(cb->stream), "compactor: synchronise");
-    return PD_OK;
+    return cuda_download(cb, a->scores, result, (size_t)total * sizeof(float), err);
 }

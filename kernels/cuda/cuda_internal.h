@@ -33,6 +33,24 @@ typedef struct cuda_weight_entry {
     pd_type dev_type;
 } cuda_weight_entry;
 
+// A block of device memory the caching allocator handed out or holds.
+typedef struct cuda_block {
+    void *p;
+    size_t bytes;
+} cuda_block;
+
+// One in-flight upload out of the staging ring: the ring bytes
+// [start, end) stay untouched until `done` has passed on the stream.
+typedef struct cuda_ring_rec {
+    size_t start, end;
+} cuda_ring_rec;
+
+// Staging ring for uploads (runtime.cu): bytes, largest piece per copy,
+// in-flight records it tracks at most.
+#define CUDA_RING_BYTES ((size_t)16 << 20)
+#define CUDA_RING_PIECE ((size_t)4 << 20)
+#define CUDA_RING_RECORDS 256
+
 typedef struct cuda_backend {
     pd_backend base;
     int device;
@@ -40,7 +58,7 @@ typedef struct cuda_backend {
     cublasHandle_t cublas;
     cusolverDnHandle_t cusolver;
     cudaDeviceProp prop;
-    // Pinned staging for upload/download of pageable host memory (double-buffered).
+    // Pinned staging for downloads to pageable host memory (double-buffered).
     void *pinned[2];
     cudaEvent_t pinned_done[2];
     size_t pinned_bytes;
@@ -56,6 +74,21 @@ typedef struct cuda_backend {
     cudaError_t deferred;
     // Scratch for ops (matmul activations in bf16, attention partials, ...).
     cuda_scratch scratch[5];
+    // Caching allocator (runtime.cu): blocks handed out (sorted by address)
+    // and released blocks kept for reuse; every op runs in order on the one
+    // stream, so a block released while queued work still reads it is only
+    // written by work queued after that.
+    cuda_block *live, *cached;
+    int64_t n_live, cap_live, n_cached, cap_cached;
+    size_t cached_bytes;
+    // Pinned upload ring (runtime.cu): every upload is copied in and queued
+    // from here, so the caller's buffer is free on return and the host never
+    // waits, unless the ring is full of copies not yet done.
+    uint8_t *ring;
+    size_t ring_head; // where the next piece goes
+    cuda_ring_rec ring_rec[CUDA_RING_RECORDS];
+    cudaEvent_t ring_done[CUDA_RING_RECORDS];
+    int ring_first, ring_count; // FIFO of in-flight records (oldest first)
     // What pd_backend_counters_get reports; bumped by the thread using the backend.
     pd_backend_counters counters;
 } cuda_backend;
@@ -73,9 +106,9 @@ enum {
 
 static inline cuda_backend *cuda_impl(pd_backend *be) { return (cuda_backend *)be->impl; }
 
-// Device pointer to at least `bytes` of scratch slot `slot` (grown with
-// cudaMallocAsync-free semantics: synchronises the stream before freeing
-// the old block). NULL with err filled on failure.
+// Device pointer to at least `bytes` of scratch slot `slot` (grown through
+// the caching allocator: the old block goes back to the cache, no sync).
+// NULL with err filled on failure.
 void *cuda_scratch_get(cuda_backend *cb, int slot, size_t bytes, pd_error *err);
 
 // Map a failed CUDA / cuBLAS / cuSOLVER call to PD_EIO (PD_ENOMEM for
@@ -87,14 +120,36 @@ int cusolver_fail(pd_error *err, cusolverStatus_t s, const char *what);
 int cuda_check_launch(pd_error *err, const char *what);
 
 // cudaMalloc with an out-of-memory message a user can act on (size, the
-// device's free and total memory). *p is NULL on failure.
+// device's free and total memory). On out-of-memory the allocator's cached
+// blocks go back to the driver (after a stream sync) and the call is
+// retried once. *p is NULL on failure.
 int cuda_malloc(cuda_backend *cb, void **p, size_t bytes, const char *what, pd_error *err);
+// The caching allocator: a cached block of at least `bytes` and at most
+// about twice that (the best fit), else cuda_malloc. NULL with err filled.
+void *cuda_block_alloc(cuda_backend *cb, size_t bytes, const char *what, pd_error *err);
+// Back to the cache (no sync, no cudaFree). A pointer the allocator did not
+// hand out is freed after a stream sync, as before the cache existed.
+void cuda_block_release(cuda_backend *cb, void *p);
+// Give every cached block back to the driver (after a stream sync).
+void cuda_cache_trim(cuda_backend *cb);
+// Teardown: free every block, cached or handed out, and the tables.
+void cuda_blocks_destroy(cuda_backend *cb);
+// Host waits on the stream or an event, counted in counters.syncs. An
+// event that has already passed costs no wait and no count.
+cudaError_t cuda_stream_wait(cuda_backend *cb);
+cudaError_t cuda_event_wait(cuda_backend *cb, cudaEvent_t e);
+// Create / destroy the upload ring (backend creation and teardown).
+int cuda_ring_create(cuda_backend *cb, pd_error *err);
+void cuda_ring_destroy(cuda_backend *cb);
+// device -> host on the stream with the download op's contract: waits for
+// the queued work; a pageable destination is staged through pinned[].
+int cuda_download(cuda_backend *cb, void *dst, const void *src, size_t bytes, pd_error *err);
 
 // Make cb's device current on the calling thread (every op starts here: the
 // backend may move between threads).
 int cuda_enter(cuda_backend *cb, pd_error *err);
 // host -> device copy on the stream with the upload op's contract (src
-// reusable on return); backend.cu.
+// reusable on return), through the pinned ring; runtime.cu.
 int cuda_upload(cuda_backend *cb, void *dst, const void *src, size_t bytes, pd_error *err);
 
 // Weight table (backend.cu): the entry for host pointer w->data, or NULL.
@@ -112,12 +167,9 @@ int cuda_take_deferred(cuda_backend *cb, pd_error *err);
 // directly); PD_EINVAL for device memory passed where host memory belongs.
 int cuda_host_kind(const void *p, bool *pinned, const char *op, pd_error *err);
 
-// Pinned staging buffers for pageable host copies: two, so the CPU fills
-// one while the copy engine drains the other.
+// Pinned staging buffers for downloads to pageable memory: two, so the
+// CPU empties one while the copy engine fills the other.
 #define CUDA_PINNED_BYTES ((size_t)8 << 20)
-// Up to this size a pageable copy goes straight through cudaMemcpyAsync:
-// staging would cost more than it saves.
-#define CUDA_SMALL_COPY ((size_t)64 << 10)
 
 
 // Blocks for a grid-stride loop over `total` items: enough to fill the

@@ -134,7 +134,13 @@ int cuda_take_deferred(cuda_backend *cb, pd_error *err) {
 
 int cuda_malloc(cuda_backend *cb, void **p, size_t bytes, const char *what, pd_error *err) {
     *p = NULL;
-    const cudaError_t e = cudaMalloc(p, bytes);
+    cudaError_t e = cudaMalloc(p, bytes);
+    if (e == cudaErrorMemoryAllocation && cb->n_cached > 0) {
+        // Memory the cache holds may be what is missing: give it back, retry once.
+        (void)cudaGetLastError();
+        cuda_cache_trim(cb);
+        e = cudaMalloc(p, bytes);
+    }
     if (e == cudaSuccess) {
         cb->counters.device_allocs++;
         return PD_OK;
@@ -154,6 +160,135 @@ int cuda_malloc(cuda_backend *cb, void **p, size_t bytes, const char *what, pd_e
                      "%.1f MiB); use a smaller model or context, free the GPU, or set model.device = cpu",
                      cb->device, cb->prop.name, (double)bytes / mib, what, (double)free_b / mib,
                      (double)total_b / mib);
+}
+
+cudaError_t cuda_stream_wait(cuda_backend *cb) {
+    cb->counters.syncs++;
+    return cudaStreamSynchronize(cb->stream);
+}
+
+cudaError_t cuda_event_wait(cuda_backend *cb, cudaEvent_t e) {
+    const cudaError_t q = cudaEventQuery(e);
+    if (q != cudaErrorNotReady) return q;
+    cb->counters.syncs++;
+    return cudaEventSynchronize(e);
+}
+
+/* ------------------------------------------------------------------------
+ * caching allocator
+ *
+ * cudaMalloc and cudaFree are slow and cudaFree synchronises the device, so
+ * released backend memory and outgrown scratch stay here for reuse. One
+ * stream runs every op in order, so a block released while queued kernels
+ * still read it is safe to hand out again at once: its next user's work is
+ * queued after theirs. Blocks are handed out whole (no splitting); a
+ * request takes the smallest cached block that fits within twice its size,
+ * so a small request does not pin a huge block.
+ * ------------------------------------------------------------------------ */
+
+static bool block_push(cuda_block **arr, int64_t *n, int64_t *cap, int64_t at, cuda_block b) {
+    if (*n == *cap) {
+        const int64_t c = *cap ? *cap * 2 : 64;
+        cuda_block *g = (cuda_block *)realloc(*arr, (size_t)c * sizeof **arr);
+        if (!g) return false;
+        *arr = g;
+        *cap = c;
+    }
+    memmove(*arr + at + 1, *arr + at, (size_t)(*n - at) * sizeof **arr);
+    (*arr)[at] = b;
+    (*n)++;
+    return true;
+}
+
+// Index of the first live block at or after address p.
+static int64_t live_lower(const cuda_backend *cb, const void *p) {
+    int64_t lo = 0, hi = cb->n_live;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if ((uintptr_t)cb->live[mid].p < (uintptr_t)p) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static void device_free(cuda_backend *cb, void *p) {
+    if (cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
+    cb->counters.device_frees++;
+}
+
+void *cuda_block_alloc(cuda_backend *cb, size_t bytes, const char *what, pd_error *err) {
+    // 256-byte granules, so near sizes share blocks (and the alignment the
+    // backend promises holds: cudaMalloc aligns to at least 256).
+    if (bytes > SIZE_MAX - 255) {
+        pd_errorf(err, PD_ERANGE, "cuda backend: %zu bytes for %s is too large", bytes, what);
+        return NULL;
+    }
+    bytes = bytes ? (bytes + 255) & ~(size_t)255 : 256;
+    int64_t best = -1;
+    for (int64_t i = 0; i < cb->n_cached; i++) {
+        const size_t b = cb->cached[i].bytes;
+        if (b >= bytes && b / 2 <= bytes && (best < 0 || b < cb->cached[best].bytes)) best = i;
+    }
+    cuda_block blk;
+    if (best >= 0) {
+        blk = cb->cached[best];
+        cb->cached[best] = cb->cached[--cb->n_cached];
+        cb->cached_bytes -= blk.bytes;
+    } else {
+        blk.bytes = bytes;
+        if (cuda_malloc(cb, &blk.p, bytes, what, err) != PD_OK) return NULL;
+    }
+    if (!block_push(&cb->live, &cb->n_live, &cb->cap_live, live_lower(cb, blk.p), blk)) {
+        if (best >= 0) {
+            if (block_push(&cb->cached, &cb->n_cached, &cb->cap_cached, cb->n_cached, blk)) cb->cached_bytes += blk.bytes;
+            else device_free(cb, blk.p);
+        } else {
+            device_free(cb, blk.p);
+        }
+        pd_errorf(err, PD_ENOMEM, "cuda backend: out of host memory for the allocator's table");
+        return NULL;
+    }
+    return blk.p;
+}
+
+void cuda_block_release(cuda_backend *cb, void *p) {
+    if (!p) return;
+    const int64_t i = live_lower(cb, p);
+    if (i < cb->n_live && cb->live[i].p == p) {
+        const cuda_block blk = cb->live[i];
+        memmove(cb->live + i, cb->live + i + 1, (size_t)(cb->n_live - i - 1) * sizeof *cb->live);
+        cb->n_live--;
+        if (block_push(&cb->cached, &cb->n_cached, &cb->cap_cached, cb->n_cached, blk)) {
+            cb->cached_bytes += blk.bytes;
+            return;
+        }
+        p = blk.p; // no room in the table: free it after all
+    }
+    // Not ours (or no table space): kernels queued earlier may still use it.
+    const cudaError_t e = cuda_stream_wait(cb);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (cb->deferred == cudaSuccess) cb->deferred = e;
+    }
+    device_free(cb, p);
+}
+
+void cuda_cache_trim(cuda_backend *cb) {
+    if (cb->n_cached == 0) return;
+    // cudaFree synchronises too; waiting first makes the order explicit.
+    if (cuda_stream_wait(cb) != cudaSuccess) (void)cudaGetLastError();
+    for (int64_t i = 0; i < cb->n_cached; i++) device_free(cb, cb->cached[i].p);
+    cb->n_cached = 0;
+    cb->cached_bytes = 0;
+}
+
+void cuda_blocks_destroy(cuda_backend *cb) {
+    cuda_cache_trim(cb);
+    for (int64_t i = 0; i < cb->n_live; i++) device_free(cb, cb->live[i].p);
+    free(cb->live);
+    free(cb->cached);
+    cb->live = cb->cached = NULL;
+    cb->n_live = cb->cap_live = cb->n_cached = cb->cap_cached = 0;
 }
 
 /* ------------------------------------------------------------------------
@@ -178,20 +313,16 @@ void *cuda_scratch_get(cuda_backend *cb, int slot, size_t bytes, pd_error *err) 
     want = (want + mib - 1) / mib * mib;
     if (want == 0) want = mib;
     if (s->p) {
-        // Kernels queued earlier may still read the old block.
-        const cudaError_t e = cudaStreamSynchronize(cb->stream);
-        if (e != cudaSuccess) {
-            cuda_fail(err, e, "stream synchronize (growing scratch)");
-            return NULL;
-        }
-        (void)cudaFree(s->p);
+        // Back to the cache: work queued on the stream still reads it
+        // before anyone queued later writes it.
+        cuda_block_release(cb, s->p);
         s->p = NULL;
         s->bytes = 0;
     }
-    void *p = NULL;
-    if (cuda_malloc(cb, &p, want, "scratch", err) != PD_OK) {
+    void *p = cuda_block_alloc(cb, want, "scratch", err);
+    if (!p) {
         // The headroom may be what does not fit: try the exact size.
-        if (cuda_malloc(cb, &p, bytes ? bytes : 1, "scratch", err) != PD_OK) return NULL;
+        if (!(p = cuda_block_alloc(cb, bytes ? bytes : 1, "scratch", err))) return NULL;
         want = bytes ? bytes : 1;
     }
     s->p = p;
@@ -234,8 +365,8 @@ void cuda_weight_forget(cuda_backend *cb, const void *host) {
     cuda_weight_entry *e = cuda_weight_find(cb, host);
     if (!e) return;
     // Kernels queued earlier may still read it.
-    (void)cudaStreamSynchronize(cb->stream);
-    (void)cudaFree(e->dev);
+    if (cuda_stream_wait(cb) != cudaSuccess) (void)cudaGetLastError();
+    device_free(cb, e->dev);
     *e = cb->weights[--cb->n_weights];
     for (int64_t i = 0; i < cb->weight_slots; i++) cb->weight_index[i] = 0;
     for (int64_t i = 0; i < cb->n_weights; i++) index_insert(cb->weight_index, cb->weight_slots, cb->weights[i].host, i);
@@ -292,47 +423,130 @@ int cuda_host_kind(const void *p, bool *pinned, const char *op, pd_error *err) {
     return PD_OK;
 }
 
+/* The upload ring: a pinned buffer that every upload is copied into and
+ * queued from. Pieces are placed one after another (wrapping to the start
+ * when the end is too near), each with an event recorded behind its copy;
+ * before bytes are reused, the records covering them are retired in FIFO
+ * order, waiting only for a copy that has not run yet. Copies from pinned
+ * memory are truly asynchronous, so an upload never drains the stream, and
+ * the caller's buffer is free on return whatever memory it is. */
+
+int cuda_ring_create(cuda_backend *cb, pd_error *err) {
+    cudaError_t e = cudaHostAlloc((void **)&cb->ring, CUDA_RING_BYTES, cudaHostAllocDefault);
+    if (e != cudaSuccess) {
+        cb->ring = NULL;
+        return cuda_fail(err, e, "cudaHostAlloc (upload ring)");
+    }
+    for (int i = 0; i < CUDA_RING_RECORDS; i++)
+        if ((e = cudaEventCreateWithFlags(&cb->ring_done[i], cudaEventDisableTiming)) != cudaSuccess) {
+            cb->ring_done[i] = NULL;
+            return cuda_fail(err, e, "cudaEventCreate (upload ring)");
+        }
+    return PD_OK;
+}
+
+void cuda_ring_destroy(cuda_backend *cb) {
+    for (int i = 0; i < CUDA_RING_RECORDS; i++)
+        if (cb->ring_done[i]) (void)cudaEventDestroy(cb->ring_done[i]);
+    if (cb->ring) (void)cudaFreeHost(cb->ring);
+    cb->ring = NULL;
+}
+
+// Room for len bytes (a multiple of 256, at most CUDA_RING_BYTES): retire
+// the oldest records until nothing in flight lies in the bytes to be used
+// (or skipped at the end when the piece wraps) and a record slot is free.
+static int ring_reserve(cuda_backend *cb, size_t len, size_t *at, pd_error *err) {
+    if (cb->ring_count == 0) cb->ring_head = 0;
+    const size_t head = cb->ring_head;
+    const bool wrap = head + len > CUDA_RING_BYTES;
+    const size_t off = wrap ? 0 : head;
+    while (cb->ring_count > 0) {
+        const cuda_ring_rec *r = &cb->ring_rec[cb->ring_first];
+        // Records lie in allocation order from just past head, so the ones
+        // in the way are always the oldest.
+        const bool in_way = wrap ? (r->start >= head || r->start < len) : (r->start < off + len && r->end > off);
+        if (!in_way && cb->ring_count < CUDA_RING_RECORDS) break;
+        const cudaError_t e = cuda_event_wait(cb, cb->ring_done[cb->ring_first]);
+        if (e != cudaSuccess) return cuda_fail(err, e, "upload (waiting for the staging ring)");
+        cb->ring_first = (cb->ring_first + 1) % CUDA_RING_RECORDS;
+        cb->ring_count--;
+    }
+    *at = off;
+    return PD_OK;
+}
+
 int cuda_upload(cuda_backend *cb, void *dst, const void *src, size_t bytes, pd_error *err) {
     if (bytes == 0) return PD_OK;
     if (!dst || !src) return pd_errorf(err, PD_EINVAL, "cuda backend: upload with a NULL pointer");
     bool pinned;
     int rc = cuda_host_kind(src, &pinned, "upload", err);
     if (rc) return rc;
+    cb->counters.uploads++;
+    const uint8_t *s = (const uint8_t *)src;
+    uint8_t *d = (uint8_t *)dst;
+    for (size_t off = 0; off < bytes;) {
+        const size_t len = bytes - off < CUDA_RING_PIECE ? bytes - off : CUDA_RING_PIECE;
+        const size_t room = (len + 255) & ~(size_t)255; // keeps every piece 256-byte aligned
+        size_t at = 0;
+        if ((rc = ring_reserve(cb, room, &at, err))) return rc;
+        memcpy(cb->ring + at, s + off, len);
+        cudaError_t e = cudaMemcpyAsync(d + off, cb->ring + at, len, cudaMemcpyHostToDevice, cb->stream);
+        if (e != cudaSuccess) return cuda_fail(err, e, "upload (cudaMemcpyAsync from the staging ring)");
+        const int slot = (cb->ring_first + cb->ring_count) % CUDA_RING_RECORDS;
+        e = cudaEventRecord(cb->ring_done[slot], cb->stream);
+        if (e != cudaSuccess) return cuda_fail(err, e, "upload (cudaEventRecord)");
+        cb->ring_rec[slot] = cuda_ring_rec{at, at + room};
+        cb->ring_count++;
+        cb->ring_head = at + room;
+        off += len;
+    }
+    return PD_OK;
+}
+
+int cuda_download(cuda_backend *cb, void *dst, const void *src, size_t bytes, pd_error *err) {
+    int rc = cuda_take_deferred(cb, err);
+    if (rc) return rc;
     cudaError_t e;
+    if (bytes == 0) {
+        e = cuda_stream_wait(cb);
+        return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "download (stream synchronize)");
+    }
+    if (!dst || !src) return pd_errorf(err, PD_EINVAL, "cuda backend: download with a NULL pointer");
+    bool pinned;
+    rc = cuda_host_kind(dst, &pinned, "download", err);
+    if (rc) return rc;
+    cb->counters.downloads++;
     if (pinned) {
-        // A copy from pinned memory is truly asynchronous, but the caller may
-        // reuse src as soon as we return: wait for it.
-        e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cb->stream);
-        if (e == cudaSuccess) e = cudaStreamSynchronize(cb->stream);
-        return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "upload (cudaMemcpyAsync from pinned memory)");
+        // Ordered after all queued work; the wait covers both and reports
+        // any failure among them.
+        e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream);
+        if (e == cudaSuccess) e = cuda_stream_wait(cb);
+        return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "download");
     }
-    if (bytes <= CUDA_SMALL_COPY) {
-        // From pageable memory the runtime copies src into its own staging
-        // memory before cudaMemcpyAsync returns (CUDA's documented
-        // synchronisation behaviour), so src is reusable on return and the
-        // copy stays ordered on our stream without a host wait.
-        e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, cb->stream);
-        return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "upload (cudaMemcpyAsync)");
-    }
-    // Large pageable copy (a KV prefix in the LMDB map, a weight in the
-    // GGUF map): alternate between the two pinned buffers. Before refilling
-    // one, wait for the DMA that last read it. Once the loop ends every
-    // byte of src is in a pinned buffer, so src is reusable; later users of
-    // the buffers wait on pinned_done themselves.
+    // Pageable destination: queue chunk k into one pinned buffer, then copy
+    // chunk k-1 out of the other while chunk k is in flight.
     const uint8_t *s = (const uint8_t *)src;
     uint8_t *d = (uint8_t *)dst;
     int buf = 0;
+    size_t prev_off = 0, prev_len = 0; // chunk waiting in pinned[buf ^ 1]
     for (size_t off = 0; off < bytes;) {
         const size_t len = bytes - off < cb->pinned_bytes ? bytes - off : cb->pinned_bytes;
-        e = cudaEventSynchronize(cb->pinned_done[buf]);
-        if (e != cudaSuccess) return cuda_fail(err, e, "upload (waiting for a staging buffer)");
-        memcpy(cb->pinned[buf], s + off, len);
-        e = cudaMemcpyAsync(d + off, cb->pinned[buf], len, cudaMemcpyHostToDevice, cb->stream);
-        if (e != cudaSuccess) return cuda_fail(err, e, "upload (cudaMemcpyAsync from staging)");
+        e = cudaMemcpyAsync(cb->pinned[buf], s + off, len, cudaMemcpyDeviceToHost, cb->stream);
+        if (e != cudaSuccess) return cuda_fail(err, e, "download (cudaMemcpyAsync to staging)");
         e = cudaEventRecord(cb->pinned_done[buf], cb->stream);
-        if (e != cudaSuccess) return cuda_fail(err, e, "upload (cudaEventRecord)");
+        if (e != cudaSuccess) return cuda_fail(err, e, "download (cudaEventRecord)");
+        if (prev_len) {
+            e = cuda_event_wait(cb, cb->pinned_done[buf ^ 1]);
+            if (e != cudaSuccess) return cuda_fail(err, e, "download");
+            memcpy(d + prev_off, cb->pinned[buf ^ 1], prev_len);
+        }
+        prev_off = off;
+        prev_len = len;
         off += len;
         buf ^= 1;
     }
+    e = cuda_event_wait(cb, cb->pinned_done[buf ^ 1]);
+    if (e != cudaSuccess) return cuda_fail(err, e, "download");
+    memcpy(d + prev_off, cb->pinned[buf ^ 1], prev_len);
     return PD_OK;
 }

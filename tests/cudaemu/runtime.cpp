@@ -779,6 +779,14 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     }
     return sticky();
 }
+// cudaSuccess once the work before the event's record has run,
+// cudaErrorNotReady before (a poisoned context wins, as on a GPU).
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+    if (sticky()) return sticky();
+    if (!e->recorded || !e->stream || !stream_ok(e->stream)) return cudaSuccess;
+    std::lock_guard<std::mutex> g(e->stream->mu);
+    return e->stream->completed >= e->seq ? cudaSuccess : cudaErrorNotReady;
+}
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t stop) {
     if (sticky()) return sticky();
     if (!start->recorded || !stop->recorded || (start->flags | stop->flags) & cudaEventDisableTiming)
@@ -809,6 +817,7 @@ const char *cudaGetErrorName(cudaError_t e) {
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
     case cudaErrorNoKernelImageForDevice: return "cudaErrorNoKernelImageForDevice";
     case cudaErrorECCUncorrectable: return "cudaErrorECCUncorrectable";
     case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";

@@ -26,6 +26,7 @@ typedef enum cudaError {
     cudaErrorNoKernelImageForDevice = 209,
     cudaErrorECCUncorrectable = 214,
     cudaErrorInvalidResourceHandle = 400,
+    cudaErrorNotReady = 600,
     cudaErrorIllegalAddress = 700,
     cudaErrorLaunchTimeout = 702,
     cudaErrorAssert = 710,
@@ -150,6 +151,7 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags);
 cudaError_t cudaEventDestroy(cudaEvent_t e);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaEventSynchronize(cudaEvent_t e);
+cudaError_t cudaEventQuery(cudaEvent_t e);
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t stop);
 
 cudaError_t cudaGetLastError(void);
