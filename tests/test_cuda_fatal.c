@@ -179,10 +179,14 @@ static void count_failure(void *ctx) { ((failure_count *)ctx)->n++; }
 
 Test(cuda_fatal, scheduler_fails_running_and_queued_requests_and_refuses_new_ones, .timeout = 300) {
     require_cudaemu();
-    /* A tiny model: a step is a few dozen launches, so launch 400 falls
-     * within the first request's 200 tokens, after its first one (checked). */
-    inject("400", NULL);
+    /* Armed while A's engine thread waits in A's first token (B queued),
+     * so the 30th launch after that falls in A's next steps, whatever the
+     * model load and the scheduler's KV pool warm-up launched before. */
+    inject("30", NULL);
     char *dir = th_mkdtemp();
+    char arm[1100];
+    snprintf(arm, sizeof arm, "%s/arm", dir);
+    cr_assert_eq(setenv("CUDAEMU_FAIL_ARM", arm, 1), 0);
     char path[1024];
     snprintf(path, sizeof path, "%s/tiny.gguf", dir);
     pd_testmodel_opts mo;
@@ -228,6 +232,9 @@ Test(cuda_fatal, scheduler_fails_running_and_queued_requests_and_refuses_new_one
     pd_scheduler_stats_get(s, &st);
     cr_assert_eq(st.queued, 1);
     cr_assert(!st.device_failed);
+    const int arm_fd = open(arm, O_WRONLY | O_CREAT | O_EXCL, 0600);
+    cr_assert_geq(arm_fd, 0, "%s: %s", arm, strerror(errno));
+    close(arm_fd);
     outcome_release(&a);
     outcome_wait(&a, &a.ended);
     outcome_wait(&b, &b.ended);
