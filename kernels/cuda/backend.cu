@@ -315,6 +315,7 @@ static pd_backend_ops make_cuda_ops(void) {
     o.attention = cuda_attention;
     o.token_scores = cuda_token_scores;
     o.counters = cuda_counters_op;
+    o.timer = &cuda_timer_ops;
     return o;
 }
 
