@@ -857,3 +857,41 @@ Test(device_cli, prefix_bench_prints_every_gpu_figure_on_cuda, .init = setup_mod
     pd_backend_free(be);
     check_gpu_figures("cuda:0", counts);
 }
+
+/* pd_backend_timer on a host backend: enqueue ends at the first wait
+ * (sync or download), the device time is the wall time, and a stretch
+ * without a wait is all enqueue. The sleeps give lower bounds only. */
+Test(device, backend_timer_splits_enqueue_at_the_first_wait) {
+    pd_backend *be = NULL;
+    pd_backend_timer *tm = NULL, *fresh = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_backend_cpu_discrete_create(1, &be, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_timer_create(be, &tm, &err), PD_OK, "%s", err.msg);
+    pd_backend_timing t;
+    cr_assert_eq(pd_backend_timer_start(tm, &err), PD_OK, "%s", err.msg);
+    usleep(20000);
+    cr_assert_eq(pd_backend_sync(be, &err), PD_OK, "%s", err.msg);
+    usleep(20000);
+    cr_assert_eq(pd_backend_timer_stop(tm, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_timer_read(tm, &t, &err), PD_OK, "%s", err.msg);
+    cr_assert(t.enqueue_s >= 0.02 && t.wall_s >= 0.04, "enqueue %g wall %g", t.enqueue_s, t.wall_s);
+    cr_assert(t.enqueue_s <= t.wall_s - 0.02, "enqueue %g must end at the sync, wall %g", t.enqueue_s, t.wall_s);
+    cr_assert(t.wait_s >= 0 && t.wait_s <= t.wall_s - 0.04, "wait %g wall %g", t.wait_s, t.wall_s);
+    cr_assert_eq(t.device_s, t.wall_s);
+
+    /* No wait in the stretch: all of it is enqueue. */
+    cr_assert_eq(pd_backend_timer_start(tm, &err), PD_OK, "%s", err.msg);
+    usleep(5000);
+    cr_assert_eq(pd_backend_timer_stop(tm, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_timer_read(tm, &t, &err), PD_OK, "%s", err.msg);
+    cr_assert(t.wall_s >= 0.005 && t.enqueue_s == t.wall_s && t.wait_s == 0, "enqueue %g wall %g wait %g",
+              t.enqueue_s, t.wall_s, t.wait_s);
+
+    /* Read or stop before a start: an error, not garbage. */
+    cr_assert_eq(pd_backend_timer_create(be, &fresh, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_timer_read(fresh, &t, &err), PD_EINVAL);
+    cr_assert_eq(pd_backend_timer_stop(fresh, &err), PD_EINVAL);
+    pd_backend_timer_free(fresh);
+    pd_backend_timer_free(tm);
+    pd_backend_free(be);
+}
