@@ -514,7 +514,7 @@ static int cmp_double(const void *a, const void *b) {
 }
 
 static double nearest_rank(const double *sorted, int n, double q) {
-    int i = (int)(q * n + 0.999999) - 1;
+    int i = (int)ceil(q * n) - 1;
     if (i < 0) i = 0;
     if (i >= n) i = n - 1;
     return sorted[i];
