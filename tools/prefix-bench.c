@@ -782,7 +782,8 @@ static void print_steps_table(const char *dev_name, const bound_info *bd, long n
     printf("\ndecode steps on %s: per batch size, fresh sequences of %ld prompt tokens, %ld timed steps x %ld "
            "reps (after one warm-up step); step times are wall times with logits\n",
            dev_name, n_prompt, n_gen, reps);
-    if (bd->device_bytes) printf("device weights: %.3g GB (quantized types in their file blocks)\n", (double)bd->device_bytes / 1e9);
+    if (bd->device_bytes)
+        printf("device weights: %.3g GB (quantized types in their file blocks)\n", (double)bd->device_bytes / 1e9);
     printf("bound: (%.3g GB of weights + the KV bytes read) per step / %.1f GB/s %s\n", (double)bd->weight_bytes / 1e9,
            bd->bandwidth / 1e9, bd->bandwidth_what);
     printf("%5s %10s %8s %8s %8s %10s %8s %8s %9s %9s %7s %6s %8s %10s %9s\n", "batch", "tok/s", "p50 ms", "p99 ms",
