@@ -117,12 +117,15 @@ bench: build
 	  --prompt 256 --gen 64 --reps 3
 
 # The CUDA backend on a generated Llama-3.2-1B-shaped BF16 model (~2.5 GB in
-# $TMPDIR, written once): prefill/decode, then Compactor compression, time to
-# first token and decode with 4096- and 16384-token compressed prefixes, and
-# decode against the memory-bandwidth bound (docs/gpu.md).
+# $TMPDIR, written once): prefill/decode; decode steps at batch 1, 8, 16 and
+# 32 (step time p50/p99/max, host enqueue vs GPU time, logits time, launches
+# per step, decode against the bound of native weight bytes + KV); attention
+# TFLOP/s at 4K and 16K keys; then Compactor compression, time to first token
+# and decode with 4096- and 16384-token compressed prefixes (docs/gpu.md,
+# "Benchmark", says which figure proves what).
 bench-gpu: build
 	$(BUILD)/tools/prefix-bench --preset llama-3.2-1b --type bf16 --device cuda:0 --prefix 4096,16384 \
-	  --gen 64 --reps 2
+	  --gen 64 --reps 2 --batches 1,8,16,32 --attn-keys 4096,16384 --attn-chunk 2048
 
 # Prefix store throughput: write/read MB/s, hot tier, lookup time with 10k
 # stored prefixes (docs/store.md).

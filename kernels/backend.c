@@ -25,8 +25,17 @@ int pd_backend_upload(pd_backend *be, void *dst, const void *src, size_t bytes, 
     return be->ops->upload(be, dst, src, bytes, err);
 }
 
+/* Host time blocked in a waiting call, for pd_backend_timer. */
+static void note_wait(pd_backend *be, double t0) {
+    be->waited_s += pd_now_seconds() - t0;
+    if (be->first_wait_at == 0) be->first_wait_at = t0;
+}
+
 int pd_backend_download(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err) {
-    return be->ops->download(be, dst, src, bytes, err);
+    const double t0 = pd_now_seconds();
+    const int rc = be->ops->download(be, dst, src, bytes, err);
+    note_wait(be, t0);
+    return rc;
 }
 
 int pd_backend_copy(pd_backend *be, void *dst, const void *src, size_t bytes, pd_error *err) {
@@ -50,7 +59,10 @@ int pd_backend_gather(pd_backend *be, void *dst, const void *src, const int32_t 
 }
 
 int pd_backend_sync(pd_backend *be, pd_error *err) {
-    return be->ops->sync(be, err);
+    const double t0 = pd_now_seconds();
+    const int rc = be->ops->sync(be, err);
+    note_wait(be, t0);
+    return rc;
 }
 
 int pd_backend_prepare_weight(pd_backend *be, const pd_weight *w, pd_error *err) {
@@ -158,4 +170,70 @@ int pd_backend_memory(pd_backend *be, uint64_t *free_bytes, uint64_t *total_byte
     if (!be->ops->memory)
         return pd_errorf(err, PD_EUNSUPPORTED, "backend %s does not report its free memory", be->ops->name);
     return be->ops->memory(be, free_bytes, total_bytes, err);
+}
+
+/* ---- pd_backend_timer: device marks where the backend has them, host
+ * wall time otherwise ---- */
+struct pd_backend_timer {
+    pd_backend *be;
+    void *marks; /* the backend's (timer ops), or NULL */
+    double t_start, t_stop, waited_at_start;
+    double enqueue_s, wait_s;
+    bool started, stopped;
+};
+
+int pd_backend_timer_create(pd_backend *be, pd_backend_timer **out, pd_error *err) {
+    pd_backend_timer *t = calloc(1, sizeof *t);
+    if (!t) return pd_errorf(err, PD_ENOMEM, "out of memory for a backend timer");
+    t->be = be;
+    if (be->ops->timer && !(t->marks = be->ops->timer->create(be, err))) {
+        free(t);
+        return pd_error_prefix(err, "backend timer on %s", be->ops->name);
+    }
+    *out = t;
+    return PD_OK;
+}
+
+void pd_backend_timer_free(pd_backend_timer *t) {
+    if (!t) return;
+    if (t->marks) t->be->ops->timer->destroy(t->be, t->marks);
+    free(t);
+}
+
+int pd_backend_timer_start(pd_backend_timer *t, pd_error *err) {
+    pd_backend *be = t->be;
+    t->started = t->stopped = false;
+    if (t->marks) {
+        const int rc = be->ops->timer->record(be, t->marks, 0, err);
+        if (rc) return rc;
+    }
+    be->first_wait_at = 0;
+    t->waited_at_start = be->waited_s;
+    t->t_start = pd_now_seconds();
+    t->started = true;
+    return PD_OK;
+}
+
+int pd_backend_timer_stop(pd_backend_timer *t, pd_error *err) {
+    pd_backend *be = t->be;
+    if (!t->started) return pd_errorf(err, PD_EINVAL, "backend timer stopped before it was started");
+    t->t_stop = pd_now_seconds();
+    t->enqueue_s = (be->first_wait_at > 0 ? be->first_wait_at : t->t_stop) - t->t_start;
+    t->wait_s = be->waited_s - t->waited_at_start;
+    if (t->marks) {
+        const int rc = be->ops->timer->record(be, t->marks, 1, err);
+        if (rc) return rc;
+    }
+    t->stopped = true;
+    return PD_OK;
+}
+
+int pd_backend_timer_read(pd_backend_timer *t, pd_backend_timing *out, pd_error *err) {
+    if (!t->stopped) return pd_errorf(err, PD_EINVAL, "backend timer read before it was started and stopped");
+    out->wall_s = t->t_stop - t->t_start;
+    out->enqueue_s = t->enqueue_s;
+    out->wait_s = t->wait_s;
+    out->device_s = out->wall_s;
+    if (t->marks) return t->be->ops->timer->elapsed(t->be, t->marks, &out->device_s, err);
+    return PD_OK;
 }

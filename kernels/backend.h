@@ -339,6 +339,29 @@ typedef struct pd_backend_counters {
 } pd_backend_counters;
 void pd_backend_counters_get(const pd_backend *be, pd_backend_counters *out);
 
+/* A stopwatch over a stretch of backend work, for benchmarks (tools/
+ * prefix-bench): start and stop mark points in the work queued so far. On a
+ * device backend the marks are events on its stream, so device_s is the
+ * time the device took from the start mark to the stop mark; on a host
+ * backend, whose ops run before they return, device_s is the host wall time
+ * between the calls. enqueue_s is the host wall time from start to the
+ * first call that waits for the queue (download or sync) or, without one,
+ * to stop: how long the host took to queue the work. */
+typedef struct pd_backend_timer pd_backend_timer;
+typedef struct pd_backend_timing {
+    double wall_s;    /* host wall time from start to stop */
+    double enqueue_s; /* host wall time from start to the first wait (or stop) */
+    double wait_s;    /* host time blocked in download and sync in between */
+    double device_s;  /* device time from the start mark to the stop mark */
+} pd_backend_timing;
+int pd_backend_timer_create(pd_backend *be, pd_backend_timer **out, pd_error *err);
+/* NULL is a no-op. */
+void pd_backend_timer_free(pd_backend_timer *t);
+int pd_backend_timer_start(pd_backend_timer *t, pd_error *err);
+int pd_backend_timer_stop(pd_backend_timer *t, pd_error *err);
+/* The figures of the last start..stop; waits for the stop mark to run. */
+int pd_backend_timer_read(pd_backend_timer *t, pd_backend_timing *out, pd_error *err);
+
 /* The CPU backend: OpenBLAS for batched products, AVX2/AVX-512 quantized dot
  * products chosen at run time (portable C otherwise), n_threads workers
  * (<= 0: all CPUs). The backend owns its scratch buffers and is used by

@@ -12,7 +12,7 @@ extern "C" {
 #endif
 
 /* Bumped when an op is added, removed or changes meaning. */
-#define PD_BACKEND_OPS_VERSION 4
+#define PD_BACKEND_OPS_VERSION 5
 
 typedef struct pd_backend_ops {
     const char *name;
@@ -123,11 +123,30 @@ typedef struct pd_backend_ops {
     void (*host_free)(pd_backend *be, void *p);
     /* Optional (NULL: PD_EUNSUPPORTED): free and total backend memory. */
     int (*memory)(pd_backend *be, uint64_t *free_bytes, uint64_t *total_bytes, pd_error *err);
+    /* Optional (NULL: host wall time, right for a backend whose ops run
+     * before they return): device marks for pd_backend_timer. */
+    const struct pd_backend_timer_ops *timer;
 } pd_backend_ops;
+
+/* Two marks (start, stop) in a device backend's queue. */
+typedef struct pd_backend_timer_ops {
+    /* A new pair of marks, or NULL with err filled. */
+    void *(*create)(pd_backend *be, pd_error *err);
+    void (*destroy)(pd_backend *be, void *marks);
+    /* Record mark `which` (0 start, 1 stop) after the work queued so far. */
+    int (*record)(pd_backend *be, void *marks, int which, pd_error *err);
+    /* Wait for the stop mark; the device seconds from start to stop. */
+    int (*elapsed)(pd_backend *be, void *marks, double *seconds, pd_error *err);
+} pd_backend_timer_ops;
 
 struct pd_backend {
     const pd_backend_ops *ops;
     void *impl;
+    /* Host seconds blocked in download and sync, and when the first such
+     * wait after a timer's start began (0: none yet); backend.c keeps them
+     * for pd_backend_timer. Zero at creation (backends calloc). */
+    double waited_s;
+    double first_wait_at;
 };
 
 #ifdef __cplusplus

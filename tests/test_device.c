@@ -9,6 +9,7 @@
  * without one. */
 #include <criterion/criterion.h>
 #include <jansson.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -668,4 +669,234 @@ Test(device_cli, prefix_bench_runs_on_cuda, .init = setup_model, .fini = teardow
     cr_assert_eq(status, 0, "status %d, output:\n%s", status, out ? out : "");
     cr_assert(contains(out, "prefix-bench: device cuda:0 ("), "%s", out);
     free(out);
+}
+
+/* ------------------------------------------------------------------------
+ * prefix-bench's GPU figures (make bench-gpu, docs/gpu.md "Benchmark") with
+ * tiny sizes: on cpu-discrete everywhere (the CPU taking every device path),
+ * and on cuda:0 where there is one (cudaemu's emulated device in a cudaemu
+ * build). Every section and figure must be there with values that hold
+ * together: percentiles in order, enqueue and wait within the step, KV bytes
+ * and FLOPs as their formulas give for the model's shape.
+ * ------------------------------------------------------------------------ */
+
+#define FIG_PROMPT 12
+#define FIG_GEN 3
+#define FIG_REPS 2
+#define FIG_KEYS0 40
+#define FIG_KEYS1 72
+#define FIG_CHUNK 16
+
+#define FIG_STR_(x) #x
+#define FIG_STR(x) FIG_STR_(x)
+
+static const char *figure_batches[] = {"1", "3"};
+
+/* prefix-bench next to prefixctl in the build's tools/. */
+static void bench_path(char *out, size_t cap) {
+    snprintf(out, cap, "%s", env_path("PD_PREFIXCTL"));
+    char *slash = strrchr(out, '/');
+    cr_assert_not_null(slash);
+    snprintf(slash + 1, cap - (size_t)(slash + 1 - out), "prefix-bench");
+    cr_assert_eq(access(out, X_OK), 0, "%s is missing", out);
+}
+
+/* Whether the backend counts launches (pd_backend_counters): one op, and
+ * the counter moves or not. */
+static bool backend_counts_launches(pd_backend *be) {
+    pd_error err = {0};
+    float *x = pd_backend_alloc(be, 64 * sizeof(float), &err);
+    cr_assert_not_null(x, "%s", err.msg);
+    pd_backend_counters c0, c1;
+    pd_backend_counters_get(be, &c0);
+    cr_assert_eq(pd_backend_scale(be, x, 64, 2.0f, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_sync(be, &err), PD_OK, "%s", err.msg);
+    pd_backend_counters_get(be, &c1);
+    pd_backend_release(be, x);
+    return c1.launches > c0.launches;
+}
+
+static double jnum(json_t *o, const char *key) {
+    json_t *v = json_object_get(o, key);
+    cr_assert(json_is_number(v), "no number '%s' in %s", key, json_dumps(o, 0));
+    return json_number_value(v);
+}
+
+/* The tables' columns (with_tables: the printing is the same on every
+ * backend, so one backend checks it), then every figure in the JSON. */
+static void check_gpu_figures(const char *device, bool counts_launches, bool with_tables) {
+    char bench[1200];
+    bench_path(bench, sizeof bench);
+    const char *flags = "--prompt " FIG_STR(FIG_PROMPT) " --gen " FIG_STR(FIG_GEN) " --reps " FIG_STR(FIG_REPS)
+                        " --threads 1 --batches 1,3 --attn-keys " FIG_STR(FIG_KEYS0) "," FIG_STR(FIG_KEYS1)
+                        " --attn-chunk " FIG_STR(FIG_CHUNK) " --prefix 40 --bw-mib 16";
+
+    /* The readable tables: every figure of each section by its column. */
+    char *out = NULL;
+    int status;
+    if (with_tables) {
+        status = th_runf(&out, "'%s' --model '%s' --device %s %s 2>&1", bench, model_path, device, flags);
+        cr_assert_eq(status, 0, "status %d, output:\n%s", status, out ? out : "");
+        static const char *columns[] = {
+            "decode steps on ", "p50 ms", "p99 ms", "max ms", "enqueue ms", "gpu ms", "wait ms", "logits ms",
+            "launches", "allocs", "KV MB", "bound t/s", "dec/bound", "\nbound: (", " GB of weights + the KV bytes read",
+            "\nattention on ", "TFLOP/s", " decode ", " prefill-chunk ", "\ncompressed prefix: ", "comp/pre",
+            "full b1 t/s", "comp/full"};
+        for (size_t i = 0; i < sizeof columns / sizeof *columns; i++)
+            cr_assert(contains(out, columns[i]), "no '%s' in:\n%s", columns[i], out);
+        free(out);
+    }
+
+    /* The same run as JSON, checked figure by figure. */
+    char errlog[1100];
+    snprintf(errlog, sizeof errlog, "%s/bench-err.log", tmpdir);
+    status = th_runf(&out, "'%s' --model '%s' --device %s %s --json 2>'%s'", bench, model_path, device, flags, errlog);
+    cr_assert_eq(status, 0, "status %d, output:\n%s", status, out ? out : "");
+    json_t *doc = th_json_parse(out);
+    cr_assert_not_null(doc, "not JSON:\n%s", out);
+
+    pd_model *m = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_model_load(model_path, NULL, &m, &err), PD_OK, "%s", err.msg);
+    const pd_hparams hp = *pd_model_hparams(m);
+    pd_model_free(m);
+
+    json_t *steps = json_object_get(doc, "decode_steps");
+    cr_assert(json_is_object(steps), "%s", out);
+    cr_assert_gt(jnum(steps, "weight_bytes"), 0);
+    cr_assert_gt(jnum(steps, "bandwidth_bytes_per_s"), 0);
+    json_t *rows = json_object_get(steps, "results");
+    cr_assert_eq(json_array_size(rows), 2, "%s", out);
+    for (size_t i = 0; i < 2; i++) {
+        json_t *r = json_array_get(rows, i);
+        const double batch = jnum(r, "batch");
+        cr_assert_eq(batch, atof(figure_batches[i]));
+        cr_assert_eq(jnum(r, "steps"), FIG_GEN * FIG_REPS);
+        const double p50 = jnum(r, "step_p50_ms"), p99 = jnum(r, "step_p99_ms"), mx = jnum(r, "step_max_ms");
+        cr_assert(p50 > 0 && p50 <= p99 && p99 <= mx, "p50 %g p99 %g max %g", p50, p99, mx);
+        cr_assert_gt(jnum(r, "tps"), 0);
+        /* Each step's enqueue and wait lie within its wall time, so their
+         * medians lie within the wall time's. */
+        const double enq = jnum(r, "enqueue_p50_ms"), wait = jnum(r, "wait_p50_ms");
+        cr_assert(enq > 0 && enq <= p50, "enqueue %g, step p50 %g", enq, p50);
+        cr_assert(wait >= 0 && wait <= p50, "wait %g, step p50 %g", wait, p50);
+        cr_assert_gt(jnum(r, "device_p50_ms"), 0);
+        cr_assert_gt(jnum(r, "nologits_p50_ms"), 0);
+        cr_assert(isfinite(jnum(r, "logits_ms")));
+        /* KV read per step: every held row (prompt, warm-up, the earlier
+         * steps with and without logits, its own) of every layer and kv
+         * head, K and V, in f16; the mean over steps 0..gen-1. */
+        const double rows_mean = FIG_PROMPT + FIG_GEN + 1.0;
+        const double kv = batch * rows_mean * hp.n_layer * hp.n_head_kv * hp.head_dim * 2 * 2;
+        cr_assert(fabs(jnum(r, "kv_bytes_per_step") - kv) <= 1e-6 * kv, "kv %g, want %g", jnum(r, "kv_bytes_per_step"),
+                  kv);
+        const double bound = batch * jnum(steps, "bandwidth_bytes_per_s") / (jnum(steps, "weight_bytes") + kv);
+        cr_assert(fabs(jnum(r, "bound_tps") - bound) <= 1e-3 * bound, "bound %g, want %g", jnum(r, "bound_tps"), bound);
+        cr_assert(fabs(jnum(r, "decode_over_bound") - jnum(r, "tps") / bound) <= 1e-3 * jnum(r, "tps") / bound + 1e-4);
+        /* Launches per step follow the backend's counters; a decode step
+         * allocates nothing from the driver once warm. */
+        if (counts_launches)
+            cr_assert_gt(jnum(r, "launches_per_step"), 0);
+        else
+            cr_assert_eq(jnum(r, "launches_per_step"), 0);
+        cr_assert(jnum(r, "syncs_per_step") >= 0 && jnum(r, "device_allocs_per_step") >= 0);
+    }
+
+    json_t *attn = json_object_get(doc, "attention");
+    cr_assert(json_is_object(attn), "%s", out);
+    rows = json_object_get(attn, "results");
+    cr_assert_eq(json_array_size(rows), 2 * 3, "%s", out); /* per key count: batch 1, batch 3, a prefill chunk */
+    const double per_key = 4.0 * hp.n_head * hp.head_dim;
+    for (size_t i = 0; i < json_array_size(rows); i++) {
+        json_t *r = json_array_get(rows, i);
+        const double keys = i < 3 ? FIG_KEYS0 : FIG_KEYS1;
+        cr_assert_eq(jnum(r, "keys"), keys);
+        const char *kind = json_string_value(json_object_get(r, "kind"));
+        cr_assert_not_null(kind);
+        double flops;
+        if (i % 3 < 2) { /* decode: every query sees every key */
+            cr_assert_str_eq(kind, "decode");
+            cr_assert_eq(jnum(r, "queries"), atof(figure_batches[i % 3]));
+            flops = per_key * keys * jnum(r, "queries");
+        } else { /* the chunk's query j sees keys - chunk + j + 1 keys */
+            cr_assert_str_eq(kind, "prefill-chunk");
+            cr_assert_eq(jnum(r, "queries"), FIG_CHUNK);
+            flops = 0;
+            for (int j = 0; j < FIG_CHUNK; j++) flops += per_key * (keys - FIG_CHUNK + j + 1);
+        }
+        cr_assert(fabs(jnum(r, "flops") - flops) <= 1e-5 * flops, "flops %g, want %g", jnum(r, "flops"), flops);
+        cr_assert_gt(jnum(r, "ms"), 0);
+        cr_assert_gt(jnum(r, "tflops"), 0);
+    }
+
+    json_t *pb = json_object_get(doc, "prefix_bench");
+    cr_assert(json_is_object(pb), "%s", out);
+    json_t *p0 = json_array_get(json_object_get(pb, "results"), 0);
+    cr_assert_not_null(p0, "%s", out);
+    cr_assert_gt(jnum(p0, "compress_over_prefill"), 0);
+    cr_assert_gt(jnum(p0, "full_decode_b1_tps"), 0);
+    cr_assert_gt(jnum(p0, "compressed_over_full"), 0);
+    json_decref(doc);
+    free(out);
+}
+
+Test(device_cli, prefix_bench_prints_every_gpu_figure_on_cpu_discrete, .init = setup_model, .fini = teardown_model,
+     .timeout = 300) {
+    pd_backend *be = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_backend_cpu_discrete_create(1, &be, &err), PD_OK, "%s", err.msg);
+    const bool counts = backend_counts_launches(be);
+    pd_backend_free(be);
+    check_gpu_figures("cpu-discrete", counts, true);
+}
+
+Test(device_cli, prefix_bench_prints_every_gpu_figure_on_cuda, .init = setup_model, .fini = teardown_model,
+     .timeout = 600) {
+    if (!have_cuda_device())
+        cr_skip_test("no CUDA device (compiled in: %s): prefix-bench's figures on cuda:0 not checked",
+                     pd_cuda_compiled() ? "yes" : "no");
+    pd_backend *be = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_backend_cuda_create(0, &be, &err), PD_OK, "%s", err.msg);
+    const bool counts = backend_counts_launches(be);
+    pd_backend_free(be);
+    check_gpu_figures("cuda:0", counts, false);
+}
+
+/* pd_backend_timer on a host backend: enqueue ends at the first wait
+ * (sync or download), the device time is the wall time, and a stretch
+ * without a wait is all enqueue. The sleeps give lower bounds only. */
+Test(device, backend_timer_splits_enqueue_at_the_first_wait) {
+    pd_backend *be = NULL;
+    pd_backend_timer *tm = NULL, *fresh = NULL;
+    pd_error err = {0};
+    cr_assert_eq(pd_backend_cpu_discrete_create(1, &be, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_timer_create(be, &tm, &err), PD_OK, "%s", err.msg);
+    pd_backend_timing t;
+    cr_assert_eq(pd_backend_timer_start(tm, &err), PD_OK, "%s", err.msg);
+    usleep(20000);
+    cr_assert_eq(pd_backend_sync(be, &err), PD_OK, "%s", err.msg);
+    usleep(20000);
+    cr_assert_eq(pd_backend_timer_stop(tm, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_timer_read(tm, &t, &err), PD_OK, "%s", err.msg);
+    cr_assert(t.enqueue_s >= 0.02 && t.wall_s >= 0.04, "enqueue %g wall %g", t.enqueue_s, t.wall_s);
+    cr_assert(t.enqueue_s <= t.wall_s - 0.02, "enqueue %g must end at the sync, wall %g", t.enqueue_s, t.wall_s);
+    cr_assert(t.wait_s >= 0 && t.wait_s <= t.wall_s - 0.04, "wait %g wall %g", t.wait_s, t.wall_s);
+    cr_assert_eq(t.device_s, t.wall_s);
+
+    /* No wait in the stretch: all of it is enqueue. */
+    cr_assert_eq(pd_backend_timer_start(tm, &err), PD_OK, "%s", err.msg);
+    usleep(5000);
+    cr_assert_eq(pd_backend_timer_stop(tm, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_timer_read(tm, &t, &err), PD_OK, "%s", err.msg);
+    cr_assert(t.wall_s >= 0.005 && t.enqueue_s == t.wall_s && t.wait_s == 0, "enqueue %g wall %g wait %g",
+              t.enqueue_s, t.wall_s, t.wait_s);
+
+    /* Read or stop before a start: an error, not garbage. */
+    cr_assert_eq(pd_backend_timer_create(be, &fresh, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_timer_read(fresh, &t, &err), PD_EINVAL);
+    cr_assert_eq(pd_backend_timer_stop(fresh, &err), PD_EINVAL);
+    pd_backend_timer_free(fresh);
+    pd_backend_timer_free(tm);
+    pd_backend_free(be);
 }

@@ -307,6 +307,7 @@ static pd_backend_ops make_cuda_ops(void) {
     o.host_alloc = cuda_host_alloc_op;
     o.host_free = cuda_host_free_op;
     o.memory = cuda_memory_op;
+    o.timer = &cuda_timer_ops;
     return o;
 }
 

@@ -272,6 +272,8 @@ int cuda_convert(pd_backend *be, void *dst, pd_type dst_type, const void *src, p
 int cuda_attention(pd_backend *be, const pd_attn_args *a, pd_error *err);
 // compactor.cu
 int cuda_token_scores(pd_backend *be, const pd_token_score_args *a, pd_error *err);
+// timing.cu: pd_backend_timer's marks (timing events on the stream).
+extern const pd_backend_timer_ops cuda_timer_ops;
 
 } // extern "C"
 

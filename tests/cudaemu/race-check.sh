@@ -62,4 +62,7 @@ step "q5_1 weights (32-element blocks with an offset and a fifth bit)" "$ctl" ge
 step "f16 weights, uploads through the pinned staging buffers" "$ctl" generate --model "$work/big.gguf" --prompt "$story" -n 2 --device cuda:0
 step "prefix-bench: batched decode over a shared compressed prefix" \
     "$bench" --model "$work/gqa.gguf" --device cuda:0 --prompt 32 --gen 2 --reps 1 --prefix 64
+step "prefix-bench: timed decode steps at batch 1 and 3 (timing events), attention over per-sequence KV" \
+    "$bench" --model "$work/gqa.gguf" --device cuda:0 --prompt 8 --gen 2 --reps 1 --batches 1,3 --attn-keys 48 \
+    --attn-chunk 16
 echo "race-check: no data race found"
