@@ -1,12 +1,16 @@
 // Attention over segmented, grouped KV on the GPU (pd_attn_args in
 // kernels/kernels.h; kernels/cpu/attention.c is the reference).
 //
-// Queries, scores, softmax, accumulators and output are f32. K/V rows are
+// Two kernels run the same work items (the plan below): attn_mma_kernel on
+// tensor cores when every K/V row is f16, head_dim a multiple of 16 and
+// there are enough query rows per kv head (use_mma says exactly when; see
+// "tensor-core path" below), attn_tile_kernel otherwise. In the latter,
+// queries, scores, softmax, accumulators and output are f32; K/V rows are
 // f32 or f16 per view (an f16 KV cache, or an f16 prefix): f16 rows are
 // widened to f32 as a tile is loaded into shared memory, so they cost half
-// the DRAM bytes and the arithmetic is the f32 path's. One kernel,
-// attn_tile_kernel, does the work of both paths; what differs is the list
-// of work items the host builds for it.
+// the DRAM bytes and the arithmetic is the f32 path's. Either kernel does
+// the work of both plans (prefill, split-K); what differs is the list of
+// work items the host builds for it.
 //
 // Work item (attn_item) x kv head = one block of 8 warps. An item names
 //   - a query set: the tokens from t_begin on, flattened into queries
