@@ -73,7 +73,7 @@ test-cudaemu: deps $(EMU_BUILD)/build.ninja $(TSAN_EMU_BUILD)/build.ninja
 	meson compile -C $(EMU_BUILD)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	  meson test -C $(EMU_BUILD) --print-errorlogs --timeout-multiplier 4 test_cuda test_cuda_quant test_cuda_memory \
-	  test_cuda_parity test_device test_cuda_fatal test_fused
+	  test_cuda_parity test_device test_cuda_fatal test_fused test_cuda_attention
 	meson compile -C $(TSAN_EMU_BUILD) tools/prefixctl tools/prefix-bench
 	PD_SHARED_MODELS=$(SHARED) tests/cudaemu/race-check.sh $(TSAN_EMU_BUILD)
 

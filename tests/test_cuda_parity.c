@@ -927,8 +927,16 @@ static void check_attention(backends *b, const attn_case *c) {
      * convex combination of value rows, so its error scales with the
      * largest |v|: ~1e-6 of it in practice, asserted at 1e-4 (which still
      * catches one wrong or missing key: its weight is rarely below 1e-3
-     * with these scores). */
-    const double tol = 1e-4 * d.vmax;
+     * with these scores).
+     * When every row read is f16 and head_dim a multiple of 16, the CUDA
+     * backend takes its tensor-core path, which rounds the scaled queries
+     * and the probabilities to f16 (relative error 2^-11 each): the
+     * weights move by ~2^-11 times the score, ~3e-4 of max|v| at most in
+     * practice here, asserted at 4 * 2^-11 max|v| (tests/test_cuda_attention.c
+     * checks that path against bounds derived per output). */
+    const bool f16_rows = (c->n_shared == 0 || c->shared_type == PD_TYPE_F16) && c->own_type == PD_TYPE_F16;
+    const double rel_tol = f16_rows && c->head_dim % 16 == 0 ? 4 * 0x1p-11 : 1e-4;
+    const double tol = rel_tol * d.vmax;
     double worst = 0;
     int64_t wi = 0;
     for (int64_t i = 0; i < n_out; i++) {
@@ -941,11 +949,11 @@ static void check_attention(backends *b, const attn_case *c) {
     const int64_t per_tok = (int64_t)c->n_head * c->head_dim;
     cr_assert_leq(worst, tol,
                   "attention %s (n_head %d, n_head_kv %d, head_dim %d, %s/%s rows): token %lld (pos %d) head %lld "
-                  "dim %lld: GPU %.8g, CPU %.8g (|diff| %.3g > %.3g = 1e-4 max|v|)",
+                  "dim %lld: GPU %.8g, CPU %.8g (|diff| %.3g > %.3g = %.3g max|v|)",
                   c->name, c->n_head, c->n_head_kv, c->head_dim, c->shared_type == PD_TYPE_F16 ? "f16" : "f32",
                   c->own_type == PD_TYPE_F16 ? "f16" : "f32", (long long)(wi / per_tok), d.q_pos[wi / per_tok],
                   (long long)(wi % per_tok / c->head_dim), (long long)(wi % c->head_dim), (double)og[wi],
-                  (double)oc[wi], worst, tol);
+                  (double)oc[wi], worst, tol, rel_tol);
     free(oc);
     free(og);
     free_attn_data(c, &d);

@@ -1,12 +1,16 @@
 // Attention over segmented, grouped KV on the GPU (pd_attn_args in
 // kernels/kernels.h; kernels/cpu/attention.c is the reference).
 //
-// Queries, scores, softmax, accumulators and output are f32. K/V rows are
+// Two kernels run the same work items (the plan below): attn_mma_kernel on
+// tensor cores when every K/V row is f16, head_dim a multiple of 16 and
+// there are enough query rows per kv head (use_mma says exactly when; see
+// "tensor-core path" below), attn_tile_kernel otherwise. In the latter,
+// queries, scores, softmax, accumulators and output are f32; K/V rows are
 // f32 or f16 per view (an f16 KV cache, or an f16 prefix): f16 rows are
 // widened to f32 as a tile is loaded into shared memory, so they cost half
-// the DRAM bytes and the arithmetic is the f32 path's. One kernel,
-// attn_tile_kernel, does the work of both paths; what differs is the list
-// of work items the host builds for it.
+// the DRAM bytes and the arithmetic is the f32 path's. Either kernel does
+// the work of both plans (prefill, split-K); what differs is the list of
+// work items the host builds for it.
 //
 // Work item (attn_item) x kv head = one block of 8 warps. An item names
 //   - a query set: the tokens from t_begin on, flattened into queries
@@ -83,6 +87,7 @@
 #include "kernels/cuda/cuda_internal.h"
 
 #include <cuda_fp16.h>
+#include <mma.h>
 #include <limits.h>
 #include <math.h>
 #include <stdint.h>
@@ -116,7 +121,7 @@ typedef struct attn_item {
     long long t_begin;              // first token of the query set
     long long q0;                   // first query of the tile within the set
     long long key_begin, key_end;   // range of the concatenated key list
-    int nq;                         // queries in the tile, 1..ATTN_TILE_Q
+    int nq;                         // queries in the tile, 1..ATTN_TILE_Q (ATTN_MMA_TILE_Q)
     int slot;                       // partial slot, or -1: normalised output
     int n_seg;                      // segments in the key list
     int seg[PD_MAX_KV_SEGMENTS];    // attn_seg index of segment s for kv head 0
@@ -400,6 +405,269 @@ __global__ void __launch_bounds__(ATTN_THREADS) attn_merge_kernel(const attn_par
 }
 
 /* ------------------------------------------------------------------------
+ * tensor-core path (f16 K/V, head_dim a multiple of 16)
+ *
+ * attn_mma_kernel takes the same items as attn_tile_kernel (same plan,
+ * shared-prefix pass, split-K chunks, partial slots and merge) with query
+ * tiles of up to ATTN_MMA_TILE_Q = 64 rows: 4 warps of 16 query rows, one
+ * WMMA row of fragments each. Per 32-key tile of K and V (f16, copied to
+ * shared memory as they are):
+ *   S = Q K^T    Q: the warp's 16 rows, pre-scaled, rounded to f16 once and
+ *                kept in fragments (registers) for the whole key range;
+ *                K^T read as a col_major matrix_b straight from the K rows;
+ *                f32 accumulators, stored to shared memory;
+ *   softmax      a lane pair per query row (16 keys each): soft-cap, mask,
+ *                the running max m and sum l in registers; probabilities are
+ *                rounded to f16 for the P V product and l sums the rounded
+ *                values, so the output is an exact convex combination of
+ *                the value rows under the weights actually used; the row of
+ *                O in shared memory is rescaled by e^(m_old - m_new);
+ *   O += P V     P (f16, row_major) times V rows (row_major matrix_b), onto
+ *                O loaded from and stored back to shared memory (f32).
+ * WMMA leaves the accumulator's lane layout unspecified, so O lives in
+ * shared memory, where ordinary threads can rescale rows of it. What the
+ * f16 rounding costs against the f32 path: Q and P each carry a relative
+ * error of at most 2^-11 (scores off by ~2^-11 |q| |k| at worst, each
+ * probability by 2^-11 of itself); tests/test_cuda_attention.c states the
+ * bounds it checks.
+ * ------------------------------------------------------------------------ */
+
+#define ATTN_MMA_WARPS 4
+#define ATTN_MMA_THREADS (ATTN_MMA_WARPS * 32)
+#define ATTN_MMA_ROWS 16                             // query rows per warp: one fragment row
+#define ATTN_MMA_TILE_Q (ATTN_MMA_WARPS * ATTN_MMA_ROWS)
+#define ATTN_MMA_TILE_K ATTN_TILE_K                  // keys per tile (split-K chunks are whole tiles)
+#define ATTN_MMA_SLD (ATTN_MMA_TILE_K + 4)           // floats per S row in shared memory
+#define ATTN_MMA_PLD (ATTN_MMA_TILE_K + 8)           // halves per P row
+#define ATTN_MMA_MIN_ROWS 4                          // query rows per (group, kv head) for the path
+
+static_assert(ATTN_MMA_TILE_K == 32, "the softmax gives a lane pair 32 keys, 16 each");
+
+// Shared memory of attn_mma_kernel for head_dim hd, in bytes; every array
+// starts 32-byte aligned (WMMA's requirement) given an aligned base.
+//   K, V   __half [TILE_K][hd + 8]   (rows padded 16 bytes against bank conflicts)
+//   S      float  [TILE_Q][SLD]
+//   P      __half [TILE_Q][PLD]
+//   O      float  [TILE_Q][hd + 4]   (each warp's rows first stage its Q tile)
+//   kpos   int    [TILE_K], then the block's query position bounds (2 ints)
+static __host__ __device__ __forceinline__ size_t attn_mma_smem_bytes(int hd) {
+    return 2 * sizeof(__half) * ATTN_MMA_TILE_K * (size_t)(hd + 8) +
+           sizeof(float) * ATTN_MMA_TILE_Q * ATTN_MMA_SLD + sizeof(__half) * ATTN_MMA_TILE_Q * ATTN_MMA_PLD +
+           sizeof(float) * ATTN_MMA_TILE_Q * (size_t)(hd + 4) + sizeof(int) * (ATTN_MMA_TILE_K + 2);
+}
+
+static __device__ __forceinline__ int attn_warp_max_int(int v) {
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// NDT: 16-column tiles of head_dim, at most (the Q fragments held).
+template <int NDT>
+__global__ void __launch_bounds__(ATTN_MMA_THREADS) attn_mma_kernel(const attn_params p) {
+    using namespace nvcuda;
+    extern __shared__ float4 attn_mma_smem[];
+    const int hd = p.head_dim, ndt = hd / 16, hd4 = hd / 4;
+    const int kld = hd + 8, old = hd + 4;
+    __half *ks = reinterpret_cast<__half *>(attn_mma_smem);
+    __half *vs = ks + ATTN_MMA_TILE_K * kld;
+    float *ss = reinterpret_cast<float *>(vs + ATTN_MMA_TILE_K * kld);
+    __half *ps = reinterpret_cast<__half *>(ss + ATTN_MMA_TILE_Q * ATTN_MMA_SLD);
+    float *os = reinterpret_cast<float *>(ps + ATTN_MMA_TILE_Q * ATTN_MMA_PLD);
+    int *kpos_s = reinterpret_cast<int *>(os + ATTN_MMA_TILE_Q * old);
+    int *block_qmax = kpos_s + ATTN_MMA_TILE_K, *block_qmin = block_qmax + 1;
+
+    const attn_item *item = &p.items[blockIdx.x];
+    const struct {
+        long long t_begin, q0, key_begin, key_end;
+        int nq, slot, n_seg;
+    } it = {item->t_begin, item->q0, item->key_begin, item->key_end, item->nq, item->slot, item->n_seg};
+    const int h = (int)blockIdx.y;
+    const int tid = (int)threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int r0 = warp * ATTN_MMA_ROWS;                       // the warp's first tile row
+    const int wn = max(0, min(ATTN_MMA_ROWS, it.nq - r0));     // its query rows
+    float *ow = os + r0 * old;
+    float *sw = ss + r0 * ATTN_MMA_SLD;
+    __half *pw = ps + r0 * ATTN_MMA_PLD;
+    // Lanes 2r and 2r + 1 own row r of the warp: its softmax state, and
+    // keys [16 side, 16 side + 16) of each tile.
+    const int row = lane >> 1, side = lane & 1;
+    const bool live = row < wn;
+    const bool need_pos = p.causal || p.window > 0;
+
+    if (tid == 0) {
+        *block_qmax = INT_MIN;
+        *block_qmin = INT_MAX;
+    }
+    // Q rows of the warp, times scale, as f16 in the warp's O rows (zeros
+    // past wn), then into fragments.
+    __half *qstage = reinterpret_cast<__half *>(ow); // [16][kld]
+    for (int idx = lane; idx < ATTN_MMA_ROWS * hd4; idx += 32) {
+        const int r = idx / hd4, c = idx - r * hd4;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (r < wn) {
+            const long long qi = it.q0 + r0 + r;
+            const long long t = it.t_begin + qi / p.n_rep;
+            const int head = h * p.n_rep + (int)(qi % p.n_rep);
+            x = reinterpret_cast<const float4 *>(p.q + (t * p.n_head + head) * hd)[c];
+        }
+        __half *dst = qstage + r * kld + 4 * c;
+        dst[0] = __float2half_rn(x.x * p.scale);
+        dst[1] = __float2half_rn(x.y * p.scale);
+        dst[2] = __float2half_rn(x.z * p.scale);
+        dst[3] = __float2half_rn(x.w * p.scale);
+    }
+    __syncwarp();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> qf[NDT];
+#pragma unroll
+    for (int dt = 0; dt < NDT; dt++)
+        if (dt < ndt) wmma::load_matrix_sync(qf[dt], qstage + 16 * dt, kld);
+    __syncwarp(); // every lane has read the staged Q before O overwrites it
+    for (int idx = lane; idx < ATTN_MMA_ROWS * hd; idx += 32) ow[(idx / hd) * old + idx % hd] = 0.0f;
+
+    int qpos = INT_MIN;
+    if (need_pos && live) qpos = p.q_pos[it.t_begin + (it.q0 + r0 + row) / p.n_rep];
+    const int warp_qmax = p.causal ? attn_warp_max_int(live ? qpos : INT_MIN) : INT_MAX;
+    __syncthreads(); // block bounds initialised
+    if (p.causal && live && side == 0) atomicMax(block_qmax, qpos);
+    if (p.window > 0 && live && side == 0) atomicMin(block_qmin, qpos);
+    __syncthreads(); // block bounds final
+
+    float m = -INFINITY, l = 0.0f; // row `row`'s, the same in both lanes of the pair
+    long long seg_off = 0;
+    for (int s = 0; s < it.n_seg; s++) {
+        const attn_seg sg = p.segs[item->seg[s] + h];
+        const long long jb = max(it.key_begin - seg_off, 0LL);
+        const long long je = min(it.key_end - seg_off, sg.len);
+        seg_off += sg.len;
+        for (long long j0 = jb; j0 < je; j0 += ATTN_MMA_TILE_K) {
+            const int nk = (int)min((long long)ATTN_MMA_TILE_K, je - j0);
+            // The same tile skips as attn_tile_kernel: the whole block or none.
+            int kpos = INT_MAX, tile_min = INT_MIN;
+            if (need_pos && lane < nk) kpos = sg.pos[j0 + lane];
+            if (p.causal) {
+                tile_min = attn_warp_min_int(kpos);
+                if (tile_min > *block_qmax) continue;
+            }
+            if (p.window > 0) {
+                const int tile_max = -attn_warp_min_int(lane < nk ? -kpos : INT_MAX);
+                if ((long long)*block_qmin - tile_max >= p.window) continue;
+            }
+            __syncthreads(); // every warp is done with the previous tile
+            // K and V rows as they are (f16, 8 bytes at a time); rows past nk
+            // are zeros so no stale value meets a zero probability.
+            for (int idx = tid; idx < ATTN_MMA_TILE_K * hd4; idx += ATTN_MMA_THREADS) {
+                const int r = idx / hd4, c = idx - r * hd4;
+                uint2 kx = make_uint2(0u, 0u), vx = kx;
+                if (r < nk) {
+                    const long long c4 = (j0 + r) * hd4 + c;
+                    kx = reinterpret_cast<const uint2 *>(sg.k)[c4];
+                    vx = reinterpret_cast<const uint2 *>(sg.v)[c4];
+                }
+                *reinterpret_cast<uint2 *>(ks + r * kld + 4 * c) = kx;
+                *reinterpret_cast<uint2 *>(vs + r * kld + 4 * c) = vx;
+            }
+            if (warp == 0) kpos_s[lane] = kpos;
+            __syncthreads();
+            if (wn == 0 || tile_min > warp_qmax) continue; // warp-uniform
+
+            // S = Q K^T: 16 rows x 32 keys, two accumulator tiles.
+#pragma unroll
+            for (int kt = 0; kt < ATTN_MMA_TILE_K / 16; kt++) {
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf;
+                wmma::fill_fragment(sf, 0.0f);
+#pragma unroll
+                for (int dt = 0; dt < NDT; dt++) {
+                    if (dt >= ndt) break;
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> kf;
+                    wmma::load_matrix_sync(kf, ks + kt * 16 * kld + 16 * dt, kld);
+                    wmma::mma_sync(sf, qf[dt], kf, sf);
+                }
+                wmma::store_matrix_sync(sw + 16 * kt, sf, ATTN_MMA_SLD, wmma::mem_row_major);
+            }
+            __syncwarp();
+
+            // Online softmax of row `row` over this lane's 16 keys.
+            float sc[16];
+            float tmax = -INFINITY;
+#pragma unroll
+            for (int c = 0; c < 16; c++) {
+                const int j = 16 * side + c;
+                const int kp = kpos_s[j];
+                const bool vis = live && j < nk && (!p.causal || kp <= qpos) &&
+                                 (p.window <= 0 || (long long)qpos - kp < p.window);
+                float x = sw[row * ATTN_MMA_SLD + j];
+                if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+                sc[c] = vis ? x : -INFINITY;
+                tmax = fmaxf(tmax, sc[c]);
+            }
+            tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+            // Nothing visible to any row of the warp: m, l and O stay as they are.
+            if (cuda_warp_max(tmax) == -INFINITY) continue; // warp-uniform
+            const float mnew = fmaxf(m, tmax);
+            float alpha = 1.0f, sum = 0.0f;
+            if (mnew != -INFINITY) alpha = expf(m - mnew); // 0 while m was -inf
+#pragma unroll
+            for (int c = 0; c < 16; c++) {
+                const float pr = mnew != -INFINITY ? expf(sc[c] - mnew) : 0.0f; // e^-inf = 0
+                const __half ph = __float2half_rn(pr);
+                pw[row * ATTN_MMA_PLD + 16 * side + c] = ph;
+                sum += __half2float(ph);
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            l = l * alpha + sum;
+            m = mnew;
+            if (alpha != 1.0f)
+                for (int d = side; d < hd; d += 2) ow[row * old + d] *= alpha;
+            __syncwarp(); // P written and O rescaled before the fragments read them
+
+            // O += P V, one 16-column tile of O at a time.
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> pf[ATTN_MMA_TILE_K / 16];
+#pragma unroll
+            for (int kt = 0; kt < ATTN_MMA_TILE_K / 16; kt++)
+                wmma::load_matrix_sync(pf[kt], pw + 16 * kt, ATTN_MMA_PLD);
+#pragma unroll
+            for (int dt = 0; dt < NDT; dt++) {
+                if (dt >= ndt) break;
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> of;
+                wmma::load_matrix_sync(of, ow + 16 * dt, old, wmma::mem_row_major);
+#pragma unroll
+                for (int kt = 0; kt < ATTN_MMA_TILE_K / 16; kt++) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> vf;
+                    wmma::load_matrix_sync(vf, vs + kt * 16 * kld + 16 * dt, kld);
+                    wmma::mma_sync(of, pf[kt], vf, of);
+                }
+                wmma::store_matrix_sync(ow + 16 * dt, of, old, wmma::mem_row_major);
+            }
+            __syncwarp(); // O stored before the next rescale or the output
+        }
+    }
+
+    // Output, a row at a time over the whole warp (coalesced): row r's m
+    // and l come from lane 2r.
+    for (int r = 0; r < wn; r++) {
+        const float mr = __shfl_sync(0xffffffffu, m, 2 * r);
+        const float lr = __shfl_sync(0xffffffffu, l, 2 * r);
+        const long long qi = it.q0 + r0 + r;
+        const long long t = it.t_begin + qi / p.n_rep;
+        const int head = h * p.n_rep + (int)(qi % p.n_rep);
+        const long long orow = t * p.n_head + head;
+        const float *src = ow + r * old;
+        if (it.slot < 0) {
+            // l > 0 iff some key was visible; otherwise O is 0: zeros.
+            const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
+            float *dst = p.out + orow * hd;
+            for (int d = lane; d < hd; d += 32) dst[d] = src[d] * inv;
+        } else {
+            const long long prow = (long long)it.slot * p.n_tokens * p.n_head + orow;
+            if (lane == 0) p.part_ml[prow] = make_float2(mr, lr);
+            if (mr == -INFINITY) continue; // the merge never reads o then
+            float *dst = p.part_o + prow * hd;
+            for (int d = lane; d < hd; d += 32) dst[d] = src[d];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------
  * host side
  * ------------------------------------------------------------------------ */
 
@@ -503,18 +771,18 @@ static int validate(const pd_attn_args *a, pd_error *err) {
 
 static int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
-// Query tiles of a set of nq queries: as many as ATTN_TILE_Q needs, evenly
-// sized.
-static int64_t tiles_of(int64_t nq) { return ceil_div(nq, ATTN_TILE_Q); }
+// Query tiles of a set of nq queries: as many as tile_q (the kernel's
+// ATTN_TILE_Q or ATTN_MMA_TILE_Q) needs, evenly sized.
+static int64_t tiles_of(int64_t nq, int tile_q) { return ceil_div(nq, tile_q); }
 
 // Append the tiles of a query set (proto filled but for q0 and nq) at
 // items[at...]; with items NULL only count. Returns the new count.
-static int64_t emit_tiles(attn_item *items, int64_t at, const attn_item *proto, int64_t nq) {
-    const int64_t nt = tiles_of(nq);
+static int64_t emit_tiles(attn_item *items, int64_t at, const attn_item *proto, int64_t nq, int tile_q) {
+    const int64_t nt = tiles_of(nq, tile_q);
     if (items)
         for (int64_t k = 0; k < nt; k++) {
             // Tile k covers [k nq / nt, (k + 1) nq / nt): sizes differ by at
-            // most one, none empty (nq >= nt), none above ATTN_TILE_Q.
+            // most one, none empty (nq >= nt), none above tile_q.
             const int64_t q0 = k * nq / nt, q1 = (k + 1) * nq / nt;
             attn_item *it = &items[at + k];
             *it = *proto;
@@ -544,6 +812,14 @@ static int64_t plan_chunks(int64_t keys, int64_t base_blocks, int64_t target, in
 
 static size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
+// The log-sum-exp merge of n_slots partials (split-K), after either tile kernel.
+template <int DPL> static int launch_merge(cuda_backend *cb, const attn_params &p, int n_slots, pd_error *err) {
+    const int64_t rows = p.n_tokens * p.n_head;
+    attn_merge_kernel<DPL>
+        <<<(unsigned)ceil_div(rows, ATTN_WARPS), ATTN_THREADS, 0, cuda_launch_stream(cb)>>>(p, n_slots);
+    return cuda_check_launch(err, "attention merge");
+}
+
 template <int DPL>
 static int launch(cuda_backend *cb, const attn_params &p, int64_t n_items, int n_head_kv, int n_slots,
                   pd_error *err) {
@@ -563,16 +839,32 @@ static int launch(cuda_backend *cb, const attn_params &p, int64_t n_items, int n
     attn_tile_kernel<DPL><<<grid, ATTN_THREADS, smem, cuda_launch_stream(cb)>>>(p);
     int rc = cuda_check_launch(err, "attention tiles");
     if (rc || n_slots <= 1) return rc;
-    const int64_t rows = p.n_tokens * p.n_head;
-    attn_merge_kernel<DPL>
-        <<<(unsigned)ceil_div(rows, ATTN_WARPS), ATTN_THREADS, 0, cuda_launch_stream(cb)>>>(p, n_slots);
-    return cuda_check_launch(err, "attention merge");
+    return launch_merge<DPL>(cb, p, n_slots, err);
+}
+
+// The tensor-core path; make_plan has checked that its shared memory fits.
+template <int NDT, int DPL>
+static int launch_mma(cuda_backend *cb, const attn_params &p, int64_t n_items, int n_head_kv, int n_slots,
+                      pd_error *err) {
+    const size_t smem = attn_mma_smem_bytes(p.head_dim);
+    if (smem > 48u * 1024u) {
+        const cudaError_t e = cudaFuncSetAttribute(attn_mma_kernel<NDT>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) return cuda_fail(err, e, "attention (cudaFuncSetAttribute shared memory)");
+    }
+    const dim3 grid((unsigned)n_items, (unsigned)n_head_kv);
+    attn_mma_kernel<NDT><<<grid, ATTN_MMA_THREADS, smem, cuda_launch_stream(cb)>>>(p);
+    int rc = cuda_check_launch(err, "attention tiles (tensor cores)");
+    if (rc || n_slots <= 1) return rc;
+    return launch_merge<DPL>(cb, p, n_slots, err);
 }
 
 // How a call is cut into work items.
 typedef struct attn_plan {
     int n_groups;        // effective: 1 when a->n_groups is 0
     int n_rep;
+    bool mma;            // attn_mma_kernel (tensor cores) rather than attn_tile_kernel
+    int tile_q;          // query rows per item, at most: ATTN_MMA_TILE_Q or ATTN_TILE_Q
     bool split;          // decode path (split-K + merge) rather than prefill
     int64_t n_sh_chunks, sh_chunk_keys;
     int64_t n_own_chunks, own_chunk_keys;
@@ -603,7 +895,7 @@ static int64_t emit_items(const pd_attn_args *a, const attn_plan *pl, attn_item 
             proto.n_seg = a->n_shared + a->n_segments;
             for (int s = 0; s < a->n_shared; s++) proto.seg[s] = shared_seg(a, s);
             for (int s = 0; s < a->n_segments; s++) proto.seg[a->n_shared + s] = own_seg(a, g, s);
-            at = emit_tiles(items, at, &proto, nt * pl->n_rep);
+            at = emit_tiles(items, at, &proto, nt * pl->n_rep, pl->tile_q);
         }
         return at;
     }
@@ -617,7 +909,7 @@ static int64_t emit_items(const pd_attn_args *a, const attn_plan *pl, attn_item 
         proto.slot = direct ? -1 : (int)c;
         proto.n_seg = a->n_shared;
         for (int s = 0; s < a->n_shared; s++) proto.seg[s] = shared_seg(a, s);
-        at = emit_tiles(items, at, &proto, a->n_tokens * pl->n_rep);
+        at = emit_tiles(items, at, &proto, a->n_tokens * pl->n_rep, pl->tile_q);
     }
     // Split-K, own chunks: per group.
     for (int g = 0; g < pl->n_groups; g++) {
@@ -631,10 +923,42 @@ static int64_t emit_items(const pd_attn_args *a, const attn_plan *pl, attn_item 
             proto.slot = direct ? -1 : (int)(pl->n_sh_chunks + c);
             proto.n_seg = a->n_segments;
             for (int s = 0; s < a->n_segments; s++) proto.seg[s] = own_seg(a, g, s);
-            at = emit_tiles(items, at, &proto, nt * pl->n_rep);
+            at = emit_tiles(items, at, &proto, nt * pl->n_rep, pl->tile_q);
         }
     }
     return at;
+}
+
+// Which kernel runs the items (the plan is the same for both):
+//   attn_mma_kernel, tensor cores, when every K/V view the call reads holds
+//     f16 rows (the default KV cache type, and an f16 prefix), head_dim is a
+//     multiple of 16, its shared memory fits the device, and the query sets
+//     have at least ATTN_MMA_MIN_ROWS rows per kv head on average over the
+//     groups with tokens: prefill chunks, and decode batches of GQA models
+//     (n_rep = n_head / n_head_kv rows per token, 4-8 in today's models);
+//   attn_tile_kernel, f32 on CUDA cores, otherwise: f32 rows anywhere (an
+//     f32 cache or an f32 compressed prefix), head_dim not a multiple of 16,
+//     or decode of single tokens of an MHA model (n_rep 1-3), where the 16
+//     rows of a fragment would be mostly padding.
+static bool use_mma(const cuda_backend *cb, const pd_attn_args *a, int n_groups) {
+    if (a->head_dim % 16 != 0) return false;
+    const size_t optin = cb->prop.sharedMemPerBlockOptin > 0 ? cb->prop.sharedMemPerBlockOptin : 48u * 1024u;
+    if (attn_mma_smem_bytes(a->head_dim) > optin) return false;
+    const int nkv = a->n_head_kv;
+    int64_t busy_groups = 0;
+    for (int g = 0; g < n_groups; g++) {
+        if (group_end(a, g) == group_begin(a, g)) continue; // its keys are never read
+        busy_groups++;
+        for (int s = 0; s < a->n_segments; s++)
+            for (int h = 0; h < nkv; h++) {
+                const pd_kv_view *kv = own_view(a, g, s, h);
+                if (kv->len > 0 && kv->type != PD_TYPE_F16) return false;
+            }
+    }
+    for (int64_t i = 0; i < (int64_t)a->n_shared * nkv; i++)
+        if (a->shared[i].len > 0 && a->shared[i].type != PD_TYPE_F16) return false;
+    const int64_t rows = a->n_tokens * (a->n_head / nkv);
+    return busy_groups > 0 && rows >= (int64_t)ATTN_MMA_MIN_ROWS * busy_groups;
 }
 
 // Pick the path and the chunk sizes. Returns false when no query can see
@@ -644,6 +968,8 @@ static bool make_plan(const cuda_backend *cb, const pd_attn_args *a, attn_plan *
     const int nkv = a->n_head_kv;
     pl->n_groups = a->n_groups > 0 ? a->n_groups : 1;
     pl->n_rep = a->n_head / nkv;
+    pl->mma = use_mma(cb, a, pl->n_groups);
+    pl->tile_q = pl->mma ? ATTN_MMA_TILE_Q : ATTN_TILE_Q;
 
     // Longest key list of a kv head: over the shared views, and over each
     // (non-empty) group's own views.
@@ -657,7 +983,7 @@ static bool make_plan(const cuda_backend *cb, const pd_attn_args *a, attn_plan *
         const int64_t nt = group_end(a, g) - group_begin(a, g);
         if (nt == 0) continue; // its keys are never read
         max_group_tokens = nt > max_group_tokens ? nt : max_group_tokens;
-        group_tiles += tiles_of(nt * pl->n_rep);
+        group_tiles += tiles_of(nt * pl->n_rep, pl->tile_q);
         for (int h = 0; h < nkv; h++) {
             int64_t len = 0;
             for (int s = 0; s < a->n_segments; s++) len += own_view(a, g, s, h)->len;
@@ -678,7 +1004,8 @@ static bool make_plan(const cuda_backend *cb, const pd_attn_args *a, attn_plan *
         pl->n_slots = 1;
         return true;
     }
-    pl->n_sh_chunks = plan_chunks(sh_keys, tiles_of(a->n_tokens * pl->n_rep) * nkv, target, &pl->sh_chunk_keys);
+    pl->n_sh_chunks =
+        plan_chunks(sh_keys, tiles_of(a->n_tokens * pl->n_rep, pl->tile_q) * nkv, target, &pl->sh_chunk_keys);
     pl->n_own_chunks = plan_chunks(own_keys, group_tiles * nkv, target, &pl->own_chunk_keys);
     pl->n_slots = (int)(pl->n_sh_chunks + pl->n_own_chunks);
     return true;
@@ -761,6 +1088,11 @@ extern "C" int cuda_attention(pd_backend *be, const pd_attn_args *a, pd_error *e
     p.causal = a->causal ? 1 : 0;
     p.window = a->window;
     p.softcap = a->softcap;
+    if (pl.mma) {
+        if (a->head_dim <= 64) return launch_mma<4, 2>(cb, p, n_items, nkv, pl.n_slots, err);
+        if (a->head_dim <= 128) return launch_mma<8, 4>(cb, p, n_items, nkv, pl.n_slots, err);
+        return launch_mma<16, 8>(cb, p, n_items, nkv, pl.n_slots, err);
+    }
     if (a->head_dim <= 64) return launch<2>(cb, p, n_items, nkv, pl.n_slots, err);
     if (a->head_dim <= 128) return launch<4>(cb, p, n_items, nkv, pl.n_slots, err);
     return launch<8>(cb, p, n_items, nkv, pl.n_slots, err);

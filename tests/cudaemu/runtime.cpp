@@ -1130,8 +1130,10 @@ void run_blocks(grid_work &w) {
     TSAN(e->tsan_sched = __tsan_get_current_fiber());
     e->body = w.body;
     e->kernel = w.kernel;
-    e->dyn.assign(c.smem, 0xff);
-    e->blk.dynamic_smem = e->dyn.empty() ? nullptr : e->dyn.data();
+    // 128-byte aligned, as on a GPU (wmma needs 32): the vector has slack.
+    e->dyn.assign(c.smem ? c.smem + 127 : 0, 0xff);
+    e->blk.dynamic_smem =
+        e->dyn.empty() ? nullptr : (void *)(((uintptr_t)e->dyn.data() + 127) & ~(uintptr_t)127);
     e->blk.dim = uint3{c.block.x, c.block.y, c.block.z};
     e->blk.grid = uint3{c.grid.x, c.grid.y, c.grid.z};
     for (int i = 0; i < w.threads; i++) {
@@ -1226,6 +1228,19 @@ worker_pool &pool() {
 
 } // namespace
 
+// CUDAEMU_LAUNCH_LOG=PATH: the name of every kernel launched is appended to
+// PATH, one a line, so a test can check which kernels a call chose.
+static void log_launch(const char *kernel) {
+    const char *path = getenv("CUDAEMU_LAUNCH_LOG");
+    if (!path || !*path) return;
+    static std::mutex mu;
+    std::lock_guard<std::mutex> lock(mu);
+    FILE *f = fopen(path, "a");
+    if (!f) return;
+    fprintf(f, "%s\n", kernel);
+    fclose(f);
+}
+
 void run_grid(const launch_cfg &c, const char *kernel, const void *fn, const std::function<void()> &body) {
     const uint64_t threads = (uint64_t)c.block.x * c.block.y * c.block.z;
     if (!c.grid.x || !c.grid.y || !c.grid.z || !threads || threads > 1024 || c.block.z > 64 || c.grid.y > 65535 ||
@@ -1251,6 +1266,7 @@ void run_grid(const launch_cfg &c, const char *kernel, const void *fn, const std
     // A dead context runs nothing (cudaGetLastError reports it); an
     // injected fault takes the launch's place.
     if (sticky() || injected_launch_fault(kernel)) return;
+    log_launch(kernel);
     // The launch runs later, in stream order; everything it needs is copied.
     cudaemu_enqueue(c.stream, [c, kernel, body, threads] {
         grid_work w;

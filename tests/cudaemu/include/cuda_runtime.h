@@ -112,6 +112,7 @@ typedef struct __attribute__((aligned(8))) uint2 { unsigned int x, y; } uint2;
 static inline float2 make_float2(float x, float y) { float2 v = {x, y}; return v; }
 static inline float4 make_float4(float x, float y, float z, float w) { float4 v = {x, y, z, w}; return v; }
 static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { uint4 v = {x, y, z, w}; return v; }
+static inline uint2 make_uint2(unsigned x, unsigned y) { uint2 v = {x, y}; return v; }
 
 #ifdef __cplusplus
 extern "C" {
