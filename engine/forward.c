@@ -17,7 +17,11 @@
 
 #include "engine/model_internal.h"
 
-#define ROW_CHUNK 256  /* rows per projection/FFN chunk */
+/* Rows per projection/FFN chunk (the GEMMs' M). On the CPU 256 keeps the
+ * chunk's activations in cache; a GPU needs large GEMMs to fill its tensor
+ * cores and has the memory for the scratch. */
+#define HOST_ROW_CHUNK 256
+#define DEVICE_ROW_CHUNK 2048
 #define LOGIT_CHUNK 32 /* rows per output-projection chunk (a [rows][n_vocab] buffer) */
 
 typedef struct fwd_entry {
@@ -96,6 +100,8 @@ static int carve(pd_model *m, bool dev, const size_t *sizes, void ***slots, size
     return PD_OK;
 }
 
+static int64_t row_chunk(const pd_model *m) { return host_backend(m) ? HOST_ROW_CHUNK : DEVICE_ROW_CHUNK; }
+
 static int alloc_bufs(pd_model *m, int64_t R, int n_es, bool want_logits, const pd_prefill_opts *opts, fwd_bufs *b,
                       pd_error *err) {
     const pd_hparams *hp = &m->hp;
@@ -103,7 +109,7 @@ static int alloc_bufs(pd_model *m, int64_t R, int n_es, bool want_logits, const 
     const bool hook_copies = hook && !host && !opts->hook_device_only;
     const size_t d = (size_t)hp->n_embd, qd = (size_t)hp->n_head * hp->head_dim,
                  kvd = (size_t)hp->n_head_kv * hp->head_dim, ff = (size_t)hp->n_ff, r = (size_t)R;
-    const size_t c = (size_t)(R < ROW_CHUNK ? R : ROW_CHUNK), hw = d > qd ? d : qd;
+    const size_t c = (size_t)(R < row_chunk(m) ? R : row_chunk(m)), hw = d > qd ? d : qd;
     const size_t lc = (size_t)(R < LOGIT_CHUNK ? R : LOGIT_CHUNK);
     const size_t kv16 = m->kv_type == PD_TYPE_F16 ? r * kvd * 2 : 0;
     size_t dev_sizes[] = {
@@ -322,11 +328,11 @@ static int run_hook(pd_model *m, const fwd_entry *e, int layer, const pd_prefill
 }
 
 /* Entries [i, j) that can share one attention call: runs of one-token
- * entries continuing the same prefix (a decode batch), at most ROW_CHUNK. */
-static int decode_run_end(const fwd_entry *es, int n_es, int i) {
+ * entries continuing the same prefix (a decode batch), at most chunk. */
+static int decode_run_end(const fwd_entry *es, int n_es, int i, int64_t chunk) {
     int j = i + 1;
     if (es[i].n != 1) return j;
-    while (j < n_es && j - i < ROW_CHUNK && es[j].n == 1 && es[j].seq->prefix == es[i].seq->prefix) j++;
+    while (j < n_es && j - i < chunk && es[j].n == 1 && es[j].seq->prefix == es[i].seq->prefix) j++;
     return j;
 }
 
@@ -346,15 +352,16 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
     const bool hook = opts && opts->hook;
     /* Rows all in one chunk and no hook between attention and FFN: the
      * norms can ride on the residual adds. */
-    const bool fuse_norms = R <= ROW_CHUNK && !hook;
+    const int64_t chunk = row_chunk(m);
+    const bool fuse_norms = R <= chunk && !hook;
     const bool normed_in = *h_ready;
     int rc;
     *h_ready = false;
 
     /* Q, K, V for every row. */
     const pd_weight *wqkv[3] = {&L->wq, &L->wk, &L->wv};
-    for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
-        const int64_t n = R - r0 < ROW_CHUNK ? R - r0 : ROW_CHUNK;
+    for (int64_t r0 = 0; r0 < R; r0 += chunk) {
+        const int64_t n = R - r0 < chunk ? R - r0 : chunk;
         float *yqkv[3] = {b->q + r0 * qd, b->k + r0 * kvd, b->v + r0 * kvd};
         if ((!(normed_in && r0 == 0 && n == R) &&
              (rc = pd_backend_rmsnorm(be, b->x + r0 * d, on_backend(m, L->attn_norm), n, d, hp->rms_eps, b->h, err))) ||
@@ -389,10 +396,10 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
      * for the FFN. */
     bool ffn_normed = false;
     for (int i = 0; i < n_es;) {
-        const int j = decode_run_end(es, n_es, i);
+        const int j = decode_run_end(es, n_es, i, chunk);
         const int64_t end = es[j - 1].row0 + es[j - 1].n;
-        for (int64_t r0 = es[i].row0; r0 < end; r0 += ROW_CHUNK) {
-            const int64_t r1 = end - r0 < ROW_CHUNK ? end : r0 + ROW_CHUNK;
+        for (int64_t r0 = es[i].row0; r0 < end; r0 += chunk) {
+            const int64_t r1 = end - r0 < chunk ? end : r0 + chunk;
             const bool all_rows = fuse_norms && r0 == 0 && r1 == R;
             if ((rc = attend(m, es, i, j, r0, r1, layer, b, err)) ||
                 (rc = pd_backend_matmul(be, &L->wo, b->attn, r1 - r0, b->h, err)) ||
@@ -413,8 +420,8 @@ static int run_layer(pd_model *m, fwd_entry *es, int n_es, int64_t R, int layer,
     /* Feed-forward: SwiGLU, or GeGLU for gemma. */
     const bool gemma = hp->arch == PD_ARCH_GEMMA2 || hp->arch == PD_ARCH_GEMMA3;
     const float *next_norm = layer + 1 < hp->n_layer ? on_backend(m, m->layers[layer + 1].attn_norm) : NULL;
-    for (int64_t r0 = 0; r0 < R; r0 += ROW_CHUNK) {
-        const int64_t n = R - r0 < ROW_CHUNK ? R - r0 : ROW_CHUNK;
+    for (int64_t r0 = 0; r0 < R; r0 += chunk) {
+        const int64_t n = R - r0 < chunk ? R - r0 : chunk;
         if ((!ffn_normed &&
              (rc = pd_backend_rmsnorm(be, b->x + r0 * d, on_backend(m, L->ffn_norm), n, d, hp->rms_eps, b->h, err))) ||
             (rc = pd_backend_matmul_glu(be, &L->w_gate, &L->w_up, b->h, n, gemma ? PD_GLU_GELU : PD_GLU_SILU, b->gate,
