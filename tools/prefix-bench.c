@@ -382,6 +382,20 @@ typedef struct prefix_result {
 static double min_pos(double best, double v) { return best <= 0 || v < best ? v : best; }
 static double max_of(double best, double v) { return v > best ? v : best; }
 
+/* n_gen batch-1 decode steps continuing s; *best_tps keeps the best rate. */
+static int decode_b1(pd_model *m, pd_seq *s, int n_gen, float *logits, double *best_tps, pd_error *err) {
+    const int32_t V = pd_model_hparams(m)->n_vocab;
+    pd_token t = bench_token(0, 7, V);
+    const double t0 = pd_now_seconds();
+    int rc = PD_OK;
+    for (int i = 0; !rc && i < n_gen; i++) {
+        rc = pd_decode(m, &s, &t, 1, logits, err);
+        t = bench_token(i + 1, 7, V);
+    }
+    *best_tps = max_of(*best_tps, n_gen / (pd_now_seconds() - t0));
+    return rc;
+}
+
 /* Attach p to a new sequence, prefill the suffix (salted so sequences
  * differ) with last-token logits; *seconds is the whole call. */
 static int attach_and_prefill(pd_model *m, const pd_kv_prefix *p, int32_t n_ctx, uint32_t salt, float *logits,
@@ -425,15 +439,7 @@ static int prefix_once(pd_model *m, int64_t n, int n_gen, prefix_result *r, pd_e
         r->prefill_s = min_pos(r->prefill_s, pd_now_seconds() - t0);
     }
     /* (d) for comparison: decode after the full, uncompressed prefix */
-    if (!rc) {
-        pd_token t = bench_token(0, 7, V);
-        const double t0 = pd_now_seconds();
-        for (int i = 0; !rc && i < n_gen; i++) {
-            rc = pd_decode(m, &s, &t, 1, logits, err);
-            t = bench_token(i + 1, 7, V);
-        }
-        r->full_b1_tps = max_of(r->full_b1_tps, n_gen / (pd_now_seconds() - t0));
-    }
+    if (!rc) rc = decode_b1(m, s, n_gen, logits, &r->full_b1_tps, err);
     pd_seq_free(s);
     s = NULL;
 
@@ -466,15 +472,7 @@ static int prefix_once(pd_model *m, int64_t n, int n_gen, prefix_result *r, pd_e
     if (!rc) r->ttft_s = min_pos(r->ttft_s, dt);
 
     /* (d) decode, batch 1 (continuing the sequence above) */
-    if (!rc) {
-        pd_token t = bench_token(0, 7, V);
-        const double t0 = pd_now_seconds();
-        for (int i = 0; !rc && i < n_gen; i++) {
-            rc = pd_decode(m, &s, &t, 1, logits, err);
-            t = bench_token(i + 1, 7, V);
-        }
-        r->decode_b1_tps = max_of(r->decode_b1_tps, n_gen / (pd_now_seconds() - t0));
-    }
+    if (!rc) rc = decode_b1(m, s, n_gen, logits, &r->decode_b1_tps, err);
     pd_seq_free(s);
     s = NULL;
 

@@ -98,25 +98,34 @@ typedef struct rope_table {
 // rounded to float, then a float sin/cos. Here the sin/cos of that float are
 // computed in double and rounded to float: within half an ulp, like glibc's
 // sincosf, so the two nearly always agree (CUDA's sincosf is within 2 ulp).
+static __device__ __forceinline__ void rope_sincos(double p, double inv_freq, float *sn, float *cs) {
+    double th = __dmul_rn(p, inv_freq);
+    th = __dsub_rn(th, __dmul_rn(6.283185307179586, nearbyint(__dmul_rn(th, 0.15915494309189535))));
+    const float thf = __double2float_rn(th);
+    double s, c;
+    sincos((double)thf, &s, &c);
+    *sn = __double2float_rn(s), *cs = __double2float_rn(c);
+}
+
+// Rotate the pair (x0, x1) into v[i0], v[i1].
+static __device__ __forceinline__ void rope_rotate(float *v, int i0, int i1, float x0, float x1, float sn, float cs) {
+    v[i0] = __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn));
+    v[i1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
+}
+
 __global__ void rope_kernel(float *x, const int32_t *__restrict__ pos, int64_t n, int n_heads, int head_dim, int n_pairs,
                             int neox, const rope_table tab) {
     for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
         const double p = (double)pos[t];
         for (int i = (int)threadIdx.x; i < n_pairs; i += (int)blockDim.x) {
-            double th = __dmul_rn(p, tab.inv_freq[i]);
-            th = __dsub_rn(th, __dmul_rn(6.283185307179586, nearbyint(__dmul_rn(th, 0.15915494309189535))));
-            const float thf = __double2float_rn(th);
-            double s, c;
-            sincos((double)thf, &s, &c);
-            const float sn = __double2float_rn(s), cs = __double2float_rn(c);
+            float sn, cs;
+            rope_sincos(p, tab.inv_freq[i], &sn, &cs);
             // NEOX rotates (x[i], x[i + n_pairs]); NORM the pair (x[2i], x[2i+1]).
             const int i0 = neox ? i : 2 * i;
             const int i1 = neox ? i + n_pairs : 2 * i + 1;
             for (int h = 0; h < n_heads; h++) {
                 float *v = x + (t * n_heads + h) * (int64_t)head_dim;
-                const float x0 = v[i0], x1 = v[i1];
-                v[i0] = __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn));
-                v[i1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
+                rope_rotate(v, i0, i1, v[i0], v[i1], sn, cs);
             }
         }
     }
@@ -199,18 +208,13 @@ __global__ void qkv_bias_rope_kernel(const qkv_rope_ptrs a, int n_head, int n_he
     if (!rotate) return;
     const double p = (double)a.pos[t];
     for (int i = (int)threadIdx.x; i < n_pairs; i += (int)blockDim.x) {
-        double th = __dmul_rn(p, tab.inv_freq[i]);
-        th = __dsub_rn(th, __dmul_rn(6.283185307179586, nearbyint(__dmul_rn(th, 0.15915494309189535))));
-        const float thf = __double2float_rn(th);
-        double sd, cd;
-        sincos((double)thf, &sd, &cd);
-        const float sn = __double2float_rn(sd), cs = __double2float_rn(cd);
+        float sn, cs;
+        rope_sincos(p, tab.inv_freq[i], &sn, &cs);
         const int i0 = neox ? i : 2 * i;
         const int i1 = neox ? i + n_pairs : 2 * i + 1;
         float x0 = v[i0], x1 = v[i1];
         if (b) x0 = __fadd_rn(x0, b[i0]), x1 = __fadd_rn(x1, b[i1]);
-        v[i0] = __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn));
-        v[i1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
+        rope_rotate(v, i0, i1, x0, x1, sn, cs);
     }
 }
 
