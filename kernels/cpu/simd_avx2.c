@@ -92,43 +92,40 @@ PD_TARGET_AVX2 void cpu_quant_q8_K_avx2(const float *x, int64_t cols, int8_t *qs
  * q8_0 x q8_0
  * ------------------------------------------------------------------------ */
 
-PD_TARGET_AVX2 static inline __m256i dot32_signed(__m256i w, __m256i x) {
-    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-}
-
+/* One weight row against NT <= 8 tokens: each block's codes and |w| are
+ * loaded once for all of them (prefill runs it over L2-sized row groups,
+ * ROW_KERNEL_ALL_N). A token's sum is the same sequence of operations
+ * whatever NT is, so a token's result does not depend on its batch. */
 PD_TARGET_AVX2 static inline __attribute__((always_inline)) void
-q8_0_rows(const cpu_mm *m, int64_t r, const int nr) {
+q8_0_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const cpu_qact *q = m->q;
     const int64_t nb = q->nblocks;
-    const uint8_t *w[4];
-    for (int i = 0; i < nr; i++) w[i] = m->w + (size_t)(r + i) * m->rb;
-    for (int64_t t = 0; t < m->n; t++) {
-        const int8_t *xq = q->qs + t * q->cols;
-        const float *xd = q->d + t * nb;
-        __m256 acc[4];
+    const uint8_t *w = m->w + (size_t)r * m->rb;
+    const int8_t *xq = q->qs + t0 * q->cols;
+    const float *xd = q->d + t0 * nb;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[CPU_DECODE_MAX_N];
 PD_UNROLL
-        for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
+    for (int j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + Q8_0_BYTES * b;
+        decode_prefetch(blk);
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        const __m256i aw = _mm256_sign_epi8(wv, wv);
+        const __m256 dw = _mm256_set1_ps(_cvtsh_ss(pd_ld16(blk)));
 PD_UNROLL
-            for (int i = 0; i < nr; i++) {
-                const uint8_t *blk = w[i] + Q8_0_BYTES * b;
-                const __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
-                const __m256 s = _mm256_set1_ps(_cvtsh_ss(pd_ld16(blk)) * xd[b]);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_signed(wv, xv)), s, acc[i]);
-            }
+        for (int j = 0; j < nt; j++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + j * q->cols + 32 * b));
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + j * nb + b)), acc[j]);
         }
-PD_UNROLL
-        for (int i = 0; i < nr; i++) m->y[t * m->ldy + r + i] = pd_hsum_ps_avx2(acc[i]);
     }
+PD_UNROLL
+    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = pd_hsum_ps_avx2(acc[j]);
 }
 
 PD_TARGET_AVX2 static void mm_q8_0(const cpu_mm *m, int64_t r0, int64_t r1) {
-    int64_t r = r0;
-    for (; m->n > CPU_DECODE_MAX_N && r + 4 <= r1; r += 4) /* decode: one row at a time */
-        q8_0_rows(m, r, 4);
-    for (; r < r1; r++) q8_0_rows(m, r, 1);
+    ROW_KERNEL_ALL_N(q8_0_row, m, r0, r1)
 }
 
 /* ------------------------------------------------------------------------
@@ -143,44 +140,39 @@ PD_TARGET_AVX2 static inline __m256i unpack_q4_0(const uint8_t *qs) {
     return _mm256_set_m128i(hi, lo);
 }
 
+/* Like q8_0_row: one row, NT tokens, each block unpacked once. */
 PD_TARGET_AVX2 static inline __attribute__((always_inline)) void
-q4_0_rows(const cpu_mm *m, int64_t r, const int nr) {
+q4_0_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const cpu_qact *q = m->q;
     const int64_t nb = q->nblocks;
-    const uint8_t *w[4];
-    for (int i = 0; i < nr; i++) w[i] = m->w + (size_t)(r + i) * m->rb;
+    const uint8_t *w = m->w + (size_t)r * m->rb;
+    const int8_t *xq = q->qs + t0 * q->cols;
+    const float *xd = q->d + t0 * nb;
+    const int32_t *xc = q->c + t0 * nb;
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t t = 0; t < m->n; t++) {
-        const int8_t *xq = q->qs + t * q->cols;
-        const float *xd = q->d + t * nb;
-        const int32_t *xc = q->c + t * nb;
-        __m256 acc[4];
+    __m256 acc[CPU_DECODE_MAX_N];
 PD_UNROLL
-        for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
+    for (int j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + Q4_0_BYTES * b;
+        decode_prefetch(blk);
+        const __m256i qv = unpack_q4_0(blk + 2);
+        const __m256 dw = _mm256_set1_ps(_cvtsh_ss(pd_ld16(blk)));
+PD_UNROLL
+        for (int j = 0; j < nt; j++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + j * q->cols + 32 * b));
             /* dot(q - 8, x) = dot(q, x) - 8 * sum(x); c = -128 * sum(x) */
-            const __m256i corr = _mm256_setr_epi32(xc[b] / 16, 0, 0, 0, 0, 0, 0, 0);
-PD_UNROLL
-            for (int i = 0; i < nr; i++) {
-                const uint8_t *blk = w[i] + Q4_0_BYTES * b;
-                const __m256i qv = unpack_q4_0(blk + 2);
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), ones);
-                p = _mm256_add_epi32(p, corr);
-                const __m256 s = _mm256_set1_ps(_cvtsh_ss(pd_ld16(blk)) * xd[b]);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[i]);
-            }
+            const __m256i corr = _mm256_setr_epi32(xc[j * nb + b] / 16, 0, 0, 0, 0, 0, 0, 0);
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(qv, xv), ones), corr);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(xd + j * nb + b)), acc[j]);
         }
-PD_UNROLL
-        for (int i = 0; i < nr; i++) m->y[t * m->ldy + r + i] = pd_hsum_ps_avx2(acc[i]);
     }
+PD_UNROLL
+    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = pd_hsum_ps_avx2(acc[j]);
 }
 
 PD_TARGET_AVX2 static void mm_q4_0(const cpu_mm *m, int64_t r0, int64_t r1) {
-    int64_t r = r0;
-    for (; m->n > CPU_DECODE_MAX_N && r + 4 <= r1; r += 4) /* decode: one row at a time */
-        q4_0_rows(m, r, 4);
-    for (; r < r1; r++) q4_0_rows(m, r, 1);
+    ROW_KERNEL_ALL_N(q4_0_row, m, r0, r1)
 }
 
 /* ------------------------------------------------------------------------
@@ -676,6 +668,14 @@ void cpu_kernels_avx2(cpu_kernels *k) {
     k->max_i32 = max_i32;
     cpu_kernels_kq_avx2(k);
     cpu_q32_kernels_avx2(k);
+    /* Every quantized type on its dot-product kernel at every batch size:
+     * a token's result then does not depend on how many tokens share its
+     * call, which is what makes the automatic prefix cache exact (the
+     * tokens after a cache hit are computed in a smaller batch than the
+     * first time). dequant + sgemm rounds differently from the integer
+     * dots. */
+    for (int t = 0; t < PD_TYPE_COUNT; t++)
+        if (k->mm[t] && t != PD_TYPE_F32 && t != PD_TYPE_F16 && t != PD_TYPE_BF16) k->mm_any_n[t] = true;
 }
 
 #endif /* PD_X86 */
