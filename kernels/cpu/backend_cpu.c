@@ -616,20 +616,17 @@ int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err) {
     default: cpu_kernels_scalar(&cb->k); break;
     }
     /* Batch size from which dequantize + sgemm beats the dot-product
-     * kernels, measured with kernel-bench on AVX-512 (Zen): sgemm pays for
-     * packing the weights on every call, and the f16/bf16 kernels convert on
-     * the fly. Kernels flagged mm_any_n (q8_0, q4_0, q4_1, q5_0, q5_1,
-     * iq4_nl, q4_K and q6_K on AVX-512 VNNI, q2_K/q3_K/q5_K/iq4_xs from
-     * AVX2 up) win at every batch size and ignore this threshold; it still
-     * applies to the other AVX2 paths. */
-    for (int t = 0; t < PD_TYPE_COUNT; t++) cb->gemm_min_n[t] = 16;
-    if (level == CPU_SIMD_SCALAR) {
-        for (int t = 0; t < PD_TYPE_COUNT; t++) cb->gemm_min_n[t] = 4;
-    } else {
+     * kernels of the float types, measured with kernel-bench on AVX-512
+     * (Zen): sgemm pays for packing the weights on every call, and the
+     * f16/bf16 kernels convert on the fly. On AVX2 and AVX-512 every
+     * quantized type is flagged mm_any_n (its integer kernel at every
+     * batch size, which keeps a token's result independent of its batch)
+     * and ignores this threshold; portable C takes sgemm for all types. */
+    for (int t = 0; t < PD_TYPE_COUNT; t++) cb->gemm_min_n[t] = 4;
+    if (level != CPU_SIMD_SCALAR) {
         cb->gemm_min_n[PD_TYPE_F32] = 32;
         cb->gemm_min_n[PD_TYPE_F16] = 64;
         cb->gemm_min_n[PD_TYPE_BF16] = 64;
-        cb->gemm_min_n[PD_TYPE_Q6_K] = 48;
     }
     const char *g = getenv("PD_CPU_GEMM_MIN_N"); /* tuning knob for kernel-bench */
     if (g && *g) {

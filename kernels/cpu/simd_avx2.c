@@ -179,11 +179,6 @@ PD_TARGET_AVX2 static void mm_q4_0(const cpu_mm *m, int64_t r0, int64_t r1) {
  * q4_K x q8_K
  * ------------------------------------------------------------------------ */
 
-/* Up to 4 rows per pass: each 64-element piece of the activations is
- * loaded once for all of them; the 6-bit scales and mins are unpacked with
- * integer ops (bytes 0..7 scales, 8..15 mins). */
-#define KQ_ROWS 4
-
 static inline void q4k_scales_mins_u32(const uint8_t *s, uint32_t u[4]) {
     memcpy(u, s, 12);
     const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
@@ -199,129 +194,138 @@ PD_TARGET_AVX2 static inline __m256i q4k_bcast_idx(int k) {
     return _mm256_set1_epi16((short)(0x8000 | k));
 }
 
+/* One row against NT <= 8 tokens: each super-block's nibbles and 6-bit
+ * scales and mins are unpacked once (bytes 0..7 scales, 8..15 mins) and
+ * then serve every token. */
 PD_TARGET_AVX2 static inline __attribute__((always_inline)) void
-q4_K_rows(const cpu_mm *m, int64_t r, const int nr) {
+q4_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const cpu_qact *q = m->q;
     const int64_t nb = q->nblocks;
+    const uint8_t *w = m->w + (size_t)r * m->rb;
     const __m256i mask = _mm256_set1_epi8(0x0f);
-    for (int64_t t = 0; t < m->n; t++) {
-        const int8_t *xq = q->qs + t * q->cols;
-        const float *xd = q->d + t * nb;
-        const int16_t *bs = q->bsums + t * (q->cols / 16);
-        __m256 acc[KQ_ROWS];
-        __m128 accm[KQ_ROWS];
+    __m256 acc[CPU_DECODE_MAX_N];
+    __m128 accm[CPU_DECODE_MAX_N];
 PD_UNROLL
-        for (int i = 0; i < nr; i++) {
-            acc[i] = _mm256_setzero_ps();
-            accm[i] = _mm_setzero_ps();
+    for (int j = 0; j < nt; j++) {
+        acc[j] = _mm256_setzero_ps();
+        accm[j] = _mm_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)Q4_K_BYTES * (size_t)b;
+        decode_prefetch(blk);
+        uint32_t u[4];
+        q4k_scales_mins_u32(blk + 4, u);
+        const __m128i sm = _mm_loadu_si128((const __m128i *)(const void *)u);
+        const __m256i scb = _mm256_broadcastsi128_si256(sm);
+        const __m128i mn = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+        __m256i lo[4], hi[4], sl[4], sh[4];
+PD_UNROLL
+        for (int k = 0; k < 4; k++) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * k));
+            lo[k] = _mm256_and_si256(qv, mask);
+            hi[k] = _mm256_and_si256(_mm256_srli_epi16(qv, 4), mask);
+            sl[k] = _mm256_shuffle_epi8(scb, q4k_bcast_idx(2 * k));
+            sh[k] = _mm256_shuffle_epi8(scb, q4k_bcast_idx(2 * k + 1));
         }
-        for (int64_t b = 0; b < nb; b++) {
-            const int8_t *xb = xq + PD_QK_K * b;
-            const __m256i bp = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(bs + 16 * b)),
+        const __m256 dw = _mm256_set1_ps(_cvtsh_ss(pd_ld16(blk)));
+        const __m128 dminw = _mm_set1_ps(_cvtsh_ss(pd_ld16(blk + 2)));
+PD_UNROLL
+        for (int j = 0; j < nt; j++) {
+            const int64_t t = t0 + j;
+            const int8_t *xb = q->qs + t * q->cols + PD_QK_K * b;
+            const int16_t *bs = q->bsums + t * (q->cols / 16) + 16 * b;
+            const __m256i bp = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(const void *)bs),
                                                  _mm256_set1_epi16(1));
             const __m128i bsp = _mm_packs_epi32(_mm256_castsi256_si128(bp), _mm256_extracti128_si256(bp, 1));
-            __m256i scb[KQ_ROWS], sumi[KQ_ROWS];
+            accm[j] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn, bsp)),
+                                   _mm_mul_ps(dminw, _mm_broadcast_ss(q->d + t * nb + b)), accm[j]);
+            __m256i sumi = _mm256_setzero_si256();
 PD_UNROLL
-            for (int i = 0; i < nr; i++) {
-                const uint8_t *blk = m->w + (size_t)(r + i) * m->rb + (size_t)Q4_K_BYTES * (size_t)b;
-                uint32_t u[4];
-                q4k_scales_mins_u32(blk + 4, u);
-                const __m128i sm = _mm_loadu_si128((const __m128i *)(const void *)u);
-                scb[i] = _mm256_broadcastsi128_si256(sm);
-                sumi[i] = _mm256_setzero_si256();
-                const float dmin = _cvtsh_ss(pd_ld16(blk + 2)) * xd[b];
-                const __m128i mn = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
-                accm[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn, bsp)), _mm_set1_ps(dmin), accm[i]);
+            for (int k = 0; k < 4; k++) {
+                const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * k));
+                const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * k + 32));
+                const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[k], xl), sl[k]);
+                const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[k], xh), sh[k]);
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
             }
-            for (int j = 0; j < 4; j++) {
-                const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 64 * j));
-                const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 * j + 32));
-                const __m256i i0 = q4k_bcast_idx(2 * j), i1 = q4k_bcast_idx(2 * j + 1);
-PD_UNROLL
-                for (int i = 0; i < nr; i++) {
-                    const uint8_t *qs = m->w + (size_t)(r + i) * m->rb + (size_t)Q4_K_BYTES * (size_t)b + 16;
-                    const __m256i qv = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-                    const __m256i lo = _mm256_and_si256(qv, mask);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), mask);
-                    const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_shuffle_epi8(scb[i], i0));
-                    const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), _mm256_shuffle_epi8(scb[i], i1));
-                    sumi[i] = _mm256_add_epi32(sumi[i], _mm256_add_epi32(pl, ph));
-                }
-            }
-PD_UNROLL
-            for (int i = 0; i < nr; i++) {
-                const uint8_t *blk = m->w + (size_t)(r + i) * m->rb + (size_t)Q4_K_BYTES * (size_t)b;
-                const float dd = _cvtsh_ss(pd_ld16(blk)) * xd[b];
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[i]), _mm256_set1_ps(dd), acc[i]);
-            }
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(dw, _mm256_broadcast_ss(q->d + t * nb + b)),
+                                     acc[j]);
         }
-PD_UNROLL
-        for (int i = 0; i < nr; i++)
-            m->y[t * m->ldy + r + i] = pd_hsum_ps_avx2(acc[i]) - pd_hsum_ps_sse(accm[i]);
     }
+PD_UNROLL
+    for (int j = 0; j < nt; j++)
+        m->y[(t0 + j) * m->ldy + r] = pd_hsum_ps_avx2(acc[j]) - pd_hsum_ps_sse(accm[j]);
 }
 
 PD_TARGET_AVX2 static void mm_q4_K(const cpu_mm *m, int64_t r0, int64_t r1) {
-    int64_t r = r0;
-    for (; m->n > CPU_DECODE_MAX_N && r + KQ_ROWS <= r1; r += KQ_ROWS) /* decode: one row at a time */
-        q4_K_rows(m, r, KQ_ROWS);
-    for (; r < r1; r++) q4_K_rows(m, r, 1);
+    ROW_KERNEL_ALL_N(q4_K_row, m, r0, r1)
 }
 
 /* ------------------------------------------------------------------------
  * q6_K x q8_K
  * ------------------------------------------------------------------------ */
 
-PD_TARGET_AVX2 static float dot_q6_K(const uint8_t *w, const int8_t *xq, const float *xd,
-                                     const int16_t *bsums, int64_t nb) {
+/* One row against NT <= 8 tokens: each super-block's 6-bit codes and
+ * scales are unpacked once for all of them. The -32 offset of the codes
+ * is taken out with the activations' 16-element sums (bsums). */
+PD_TARGET_AVX2 static inline __attribute__((always_inline)) void
+q6_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
+    const cpu_qact *q = m->q;
+    const int64_t nb = q->nblocks;
+    const uint8_t *w = m->w + (size_t)r * m->rb;
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i m2 = _mm256_set1_epi8(0x03);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += Q6_K_BYTES, xq += PD_QK_K, bsums += 16) {
-        const float dd = _cvtsh_ss(pd_ld16(w + 208)) * xd[b];
-        int8_t sc[16];
-        memcpy(sc, w + 192, 16);
-        int32_t corr = 0;
-        for (int k = 0; k < 16; k++) corr += sc[k] * bsums[k];
-        __m256i sumi = _mm256_setr_epi32(-32 * corr, 0, 0, 0, 0, 0, 0, 0);
+    __m256 acc[CPU_DECODE_MAX_N];
+PD_UNROLL
+    for (int j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)Q6_K_BYTES * (size_t)b;
+        decode_prefetch(blk);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        __m256i qk[8], scv[8];
+PD_UNROLL
         for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = w + 64 * h;
-            const uint8_t *qh = w + 128 + 32 * h;
-            const int8_t *x = xq + 128 * h;
+            const uint8_t *ql = blk + 64 * h;
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
-            __m256i qk[4];
-            qk[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
-            qk[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
-            qk[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
-            qk[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
-            for (int k = 0; k < 4; k++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * k));
-                const __m256i p16 = _mm256_maddubs_epi16(qk[k], xv);
-                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * k + 1]),
-                                                     _mm_set1_epi16(sc[8 * h + 2 * k]));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p16, scv));
-            }
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            qk[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
+            qk[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
+            qk[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
+            qk[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
         }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(dd), acc);
+PD_UNROLL
+        for (int k = 0; k < 8; k++)
+            scv[k] = _mm256_set_m128i(_mm_set1_epi16((int8_t)blk[192 + 2 * k + 1]),
+                                      _mm_set1_epi16((int8_t)blk[192 + 2 * k]));
+        const __m256 dw = _mm256_set1_ps(_cvtsh_ss(pd_ld16(blk + 208)));
+PD_UNROLL
+        for (int j = 0; j < nt; j++) {
+            const int64_t t = t0 + j;
+            const int8_t *x = q->qs + t * q->cols + PD_QK_K * b;
+            const int16_t *bs = q->bsums + t * (q->cols / 16) + 16 * b;
+            const int32_t corr = pd_hsum_epi32_avx2(
+                _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(const void *)bs)));
+            __m256i sumi = _mm256_setr_epi32(-32 * corr, 0, 0, 0, 0, 0, 0, 0);
+PD_UNROLL
+            for (int k = 0; k < 8; k++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + 32 * k));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(qk[k], xv), scv[k]));
+            }
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(dw, _mm256_broadcast_ss(q->d + t * nb + b)),
+                                     acc[j]);
+        }
     }
-    return pd_hsum_ps_avx2(acc);
+PD_UNROLL
+    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = pd_hsum_ps_avx2(acc[j]);
 }
 
 PD_TARGET_AVX2 static void mm_q6_K(const cpu_mm *m, int64_t r0, int64_t r1) {
-    const cpu_qact *q = m->q;
-    for (int64_t r = r0; r < r1; r++) {
-        if (m->n <= 4 && r + PD_PF_AHEAD < r1)
-            pd_prefetch_rows(m->w + (size_t)(r + PD_PF_AHEAD) * m->rb, m->rb, 1, m->rb);
-        for (int64_t t = 0; t < m->n; t++)
-            m->y[t * m->ldy + r] =
-                dot_q6_K(m->w + (size_t)r * m->rb, q->qs + t * q->cols, q->d + t * q->nblocks,
-                         q->bsums + t * (q->cols / 16), q->nblocks);
-    }
+    ROW_KERNEL_ALL_N(q6_K_row, m, r0, r1)
 }
 
 /* ------------------------------------------------------------------------
@@ -668,12 +672,11 @@ void cpu_kernels_avx2(cpu_kernels *k) {
     k->max_i32 = max_i32;
     cpu_kernels_kq_avx2(k);
     cpu_q32_kernels_avx2(k);
-    /* Every quantized type on its dot-product kernel at every batch size:
-     * a token's result then does not depend on how many tokens share its
+    /* Every quantized type on its integer kernel at every batch size: a
+     * token's result then does not depend on how many tokens share its
      * call, which is what makes the automatic prefix cache exact (the
      * tokens after a cache hit are computed in a smaller batch than the
-     * first time). dequant + sgemm rounds differently from the integer
-     * dots. */
+     * first time); dequantize + sgemm rounds in another order. */
     for (int t = 0; t < PD_TYPE_COUNT; t++)
         if (k->mm[t] && t != PD_TYPE_F32 && t != PD_TYPE_F16 && t != PD_TYPE_BF16) k->mm_any_n[t] = true;
 }
