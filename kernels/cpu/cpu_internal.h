@@ -91,11 +91,18 @@ typedef void (*cpu_quant_fn)(const float *x, int64_t cols, int8_t *qs, float *d,
 /* Dequantize one row to float (fast path; NULL means use the reference). */
 typedef void (*cpu_dequant_fn)(const uint8_t *w, int64_t cols, float *out);
 
+/* Weight types multiplied with float activations (no quantized dot
+ * product, and dequantize + sgemm for large batches at every level). */
+static inline bool cpu_type_is_float(pd_type t) {
+    return t == PD_TYPE_F32 || t == PD_TYPE_F16 || t == PD_TYPE_BF16;
+}
+
 typedef struct cpu_kernels {
     cpu_simd_level level;
     cpu_mm_fn mm[PD_TYPE_COUNT];       /* small-n (or any-n) kernels, NULL = unsupported */
-    /* Types whose mm kernel also serves large n better than dequant + GEMM
-     * (an integer GEMM tile kernel). */
+    /* Types whose mm kernel serves every n, never dequant + GEMM: every
+     * quantized type from AVX2 up (set once, in cpu_kernels_avx2), so a
+     * token's result does not depend on its batch. */
     bool mm_any_n[PD_TYPE_COUNT];
     cpu_dequant_fn dequant[PD_TYPE_COUNT];
     cpu_quant_fn quant_q8_0;

@@ -239,7 +239,7 @@ int cpu_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, fl
     c.m.x = x;
     c.m.y = y;
     c.m.ldy = w->rows;
-    if (w->type != PD_TYPE_F32 && w->type != PD_TYPE_F16 && w->type != PD_TYPE_BF16) {
+    if (!cpu_type_is_float(w->type)) {
         int rc = quantize_acts(cb, w->type, x, n, w->cols, &q, err);
         if (rc) return rc;
         c.m.q = &q;

@@ -678,7 +678,7 @@ void cpu_kernels_avx2(cpu_kernels *k) {
      * tokens after a cache hit are computed in a smaller batch than the
      * first time); dequantize + sgemm rounds in another order. */
     for (int t = 0; t < PD_TYPE_COUNT; t++)
-        if (k->mm[t] && t != PD_TYPE_F32 && t != PD_TYPE_F16 && t != PD_TYPE_BF16) k->mm_any_n[t] = true;
+        if (k->mm[t] && !cpu_type_is_float((pd_type)t)) k->mm_any_n[t] = true;
 }
 
 #endif /* PD_X86 */

@@ -733,13 +733,9 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     cpu_kernels_avx2(k);
     k->level = CPU_SIMD_AVX512;
     k->mm[PD_TYPE_Q8_0] = mm_q8_0;
-    k->mm_any_n[PD_TYPE_Q8_0] = true;
     k->mm[PD_TYPE_Q4_0] = mm_q4_0;
-    k->mm_any_n[PD_TYPE_Q4_0] = true;
     k->mm[PD_TYPE_Q4_K] = mm_q4_K;
     k->mm[PD_TYPE_Q6_K] = mm_q6_K;
-    k->mm_any_n[PD_TYPE_Q4_K] = true;
-    k->mm_any_n[PD_TYPE_Q6_K] = true;
     k->quant_act[PD_TYPE_Q4_K] = cpu_quant_q8_K4_avx512;
     k->quant_act[PD_TYPE_Q4_0] = cpu_quant_q8_0_q4_avx512;
     k->mm[PD_TYPE_F32] = mm_f32;

@@ -322,12 +322,10 @@ PD_TARGET_AVX512 static void mm_iq4_xs(const cpu_mm *m, int64_t r0, int64_t r1) 
 }
 
 void cpu_kernels_kq_avx512(cpu_kernels *k) {
-    const pd_type types[] = {PD_TYPE_Q2_K, PD_TYPE_Q3_K, PD_TYPE_Q5_K, PD_TYPE_IQ4_XS};
     k->mm[PD_TYPE_Q2_K] = mm_q2_K;
     k->mm[PD_TYPE_Q3_K] = mm_q3_K;
     k->mm[PD_TYPE_Q5_K] = mm_q5_K;
     k->mm[PD_TYPE_IQ4_XS] = mm_iq4_xs;
-    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) k->mm_any_n[types[i]] = true;
     k->quant_act[PD_TYPE_Q5_K] = cpu_quant_q8_K4_avx512;
 }
 

@@ -155,10 +155,7 @@ void cpu_q32_kernels_avx512(cpu_kernels *k) {
     k->mm[PD_TYPE_Q5_0] = mm_q5_0;
     k->mm[PD_TYPE_Q5_1] = mm_q5_1;
     k->mm[PD_TYPE_IQ4_NL] = mm_iq4_nl;
-    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) {
-        k->mm_any_n[ts[i]] = true;
-        k->quant_act[ts[i]] = cpu_quant_q8_0_q4_avx512;
-    }
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) k->quant_act[ts[i]] = cpu_quant_q8_0_q4_avx512;
 }
 
 #endif /* PD_X86 */
