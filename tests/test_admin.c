@@ -842,9 +842,13 @@ Test(admin, a_waiting_registration_is_answered_202_at_shutdown) {
     /* Three jobs ahead of the waiting one: it is still queued or running
      * when the stop comes. */
     const double ahead[3] = {0.3, 0.4, 0.6};
+    json_int_t last_job = 0;
     for (int i = 0; i < 3; i++) {
         snprintf(body, cap, "{\"text\":\"%s\",\"policy\":\"compactor\",\"retention\":%.1f}", text, ahead[i]);
         cr_assert_eq(req("POST", "/admin/v1/prefixes", body, TOKEN, &out), 202, "%s", out);
+        json_t *a = th_json_parse(out);
+        last_job = th_json_int(a, "job_id", NULL);
+        json_decref(a);
         free(out);
     }
     snprintf(body, cap, "{\"text\":\"%s\",\"policy\":\"compactor\",\"retention\":0.5,\"wait\":true}", text);
@@ -862,7 +866,18 @@ Test(admin, a_waiting_registration_is_answered_202_at_shutdown) {
                  0);
     const int client = atoi(bg);
     free(bg);
-    usleep(400 * 1000);
+    /* Stop only once the daemon holds the waiting registration (its job
+     * exists): a fixed delay lost the race to a slow curl start on a loaded
+     * machine, and the client then saw a refused connection. */
+    char job_path[64];
+    snprintf(job_path, sizeof job_path, "/admin/v1/jobs/%lld", (long long)last_job + 1);
+    int code = 0;
+    for (int i = 0; i < 600 && code != 200; i++) {
+        code = req("GET", job_path, NULL, TOKEN, &out);
+        free(out);
+        if (code != 200) usleep(50 * 1000);
+    }
+    cr_assert_eq(code, 200, "the waiting registration never became job %lld", (long long)last_job + 1);
     kill(daemon_pid, SIGTERM);
     int st;
     cr_assert_eq(waitpid(daemon_pid, &st, 0), daemon_pid);
