@@ -163,6 +163,29 @@ const pd_kv_prefix *pd_prefix_ref_kv(const pd_prefix_ref *r);
 bool pd_prefix_ref_borrows(const pd_prefix_ref *r);
 void pd_prefix_ref_release(pd_prefix_ref *r);
 
+/* A record as one self-contained blob for another store (the shared tier,
+ * docs/store.md "Transfer format"): the header, stream and calibration
+ * values exactly as stored, each verified before it is exported, then a
+ * SHA-256 over the whole. *out is malloc'd. info (may be NULL) is filled
+ * as pd_store_info fills it. PD_ENOTFOUND, or PD_EFORMAT for a damaged
+ * record (nothing damaged is ever exported). */
+int pd_store_export(pd_store *s, const pd_prefix_id *id, uint8_t **out, size_t *len, pd_prefix_info *info,
+                    pd_error *err);
+/* Store an exported blob after verifying everything a read verifies (the
+ * blob's SHA-256, the header's checksum and that it hashes to the blob's
+ * id, every page of every stream, the calibration curve): one write
+ * transaction, all or nothing, evicting like pd_store_put. A blob that
+ * fails any check is PD_EFORMAT and nothing is written. An id already
+ * stored is left alone (*existed = true). info (may be NULL) is filled. */
+int pd_store_import(pd_store *s, const void *blob, size_t len, bool pinned, pd_prefix_info *info, bool *existed,
+                    pd_error *err);
+/* The lookup index's keys of every block boundary of tokens[0..n): out[b]
+ * for b = 0..n/PD_LOOKUP_BLOCK (*n_keys of them, malloc'd); a stored
+ * prefix of m tokens is found under out[m / PD_LOOKUP_BLOCK]. For a shared
+ * index that mirrors the store's (cluster/). */
+int pd_store_lookup_chain(const uint8_t fingerprint[PD_SHA256_LEN], const char *ns, const pd_token *tokens, int64_t n,
+                          uint8_t (**out)[PD_SHA256_LEN], int64_t *n_keys, pd_error *err);
+
 /* Header only (checksum verified). */
 int pd_store_info(pd_store *s, const pd_prefix_id *id, pd_prefix_info *out, pd_error *err);
 int pd_store_delete(pd_store *s, const pd_prefix_id *id, pd_error *err);

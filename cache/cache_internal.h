@@ -185,6 +185,8 @@ int cache_meta_put(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, const cach
  * them (absent is fine). */
 int cache_calib_get(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, pd_prefix_quality *q, pd_error *err);
 int cache_calib_put(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, const pd_prefix_quality *q, pd_error *err);
+/* Verify a stored calib value and fill q's curve fields from it. */
+int cache_calib_decode(const void *val, size_t size, pd_prefix_quality *q, pd_error *err);
 int cache_calib_del(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, pd_error *err);
 /* The last-use stamp (microseconds) of a record; 0 when unknown. */
 uint64_t cache_meta_stamp(pd_store *s, MDB_txn *txn, const pd_prefix_id *id);

@@ -70,6 +70,29 @@ int cache_index_del(pd_store *s, MDB_txn *txn, const uint8_t key[PD_SHA256_LEN],
     return rc && rc != MDB_NOTFOUND ? cache_lmdb_error(s, rc, "updating the lookup index", err) : PD_OK;
 }
 
+int pd_store_lookup_chain(const uint8_t fingerprint[PD_SHA256_LEN], const char *ns, const pd_token *tokens, int64_t n,
+                          uint8_t (**out)[PD_SHA256_LEN], int64_t *n_keys, pd_error *err) {
+    *out = NULL;
+    *n_keys = 0;
+    if (!ns) ns = "";
+    const size_t ns_len = strnlen(ns, PD_PREFIX_NS_MAX);
+    if (ns_len == PD_PREFIX_NS_MAX)
+        return pd_errorf(err, PD_EINVAL, "namespace is longer than %d bytes", PD_PREFIX_NS_MAX - 1);
+    if (n < 0 || (n > 0 && !tokens)) return pd_errorf(err, PD_EINVAL, "pd_store_lookup_chain: missing tokens");
+    const int64_t nb = n / PD_LOOKUP_BLOCK;
+    uint8_t(*chain)[PD_SHA256_LEN] = malloc((size_t)(nb + 1) * sizeof *chain);
+    if (!chain) return pd_errorf(err, PD_ENOMEM, "out of memory hashing a request of %" PRId64 " tokens", n);
+    int rc = chain_start(fingerprint, ns, ns_len, chain[0], err);
+    for (int64_t b = 0; !rc && b < nb; b++) rc = chain_next(chain[b], tokens + b * PD_LOOKUP_BLOCK, chain[b + 1], err);
+    if (rc) {
+        free(chain);
+        return rc;
+    }
+    *out = chain;
+    *n_keys = nb + 1;
+    return PD_OK;
+}
+
 /* Is the stored record `id` a prefix of tokens[0..n) for this model,
  * namespace and (when given) spec? Its header must verify. */
 static bool candidate_matches(pd_store *s, MDB_txn *txn, const pd_prefix_id *id,
@@ -104,15 +127,11 @@ int pd_store_lookup(pd_store *s, const uint8_t fingerprint[PD_SHA256_LEN], const
     if (n < 1) return pd_errorf(err, PD_ENOTFOUND, "no stored prefix matches an empty request");
     if (n > INT32_MAX) n = INT32_MAX; /* no stored prefix is longer */
 
-    const int64_t nb = n / PD_LOOKUP_BLOCK;
-    uint8_t(*chain)[PD_SHA256_LEN] = malloc((size_t)(nb + 1) * sizeof *chain);
-    if (!chain) return pd_errorf(err, PD_ENOMEM, "out of memory hashing a request of %" PRId64 " tokens", n);
-    int rc = chain_start(fingerprint, ns, ns_len, chain[0], err);
-    for (int64_t b = 0; !rc && b < nb; b++) rc = chain_next(chain[b], tokens + b * PD_LOOKUP_BLOCK, chain[b + 1], err);
-    if (rc) {
-        free(chain);
-        return rc;
-    }
+    uint8_t(*chain)[PD_SHA256_LEN];
+    int64_t n_keys;
+    int rc = pd_store_lookup_chain(fingerprint, ns, tokens, n, &chain, &n_keys, err);
+    if (rc) return rc;
+    const int64_t nb = n_keys - 1;
 
     MDB_txn *txn;
     int mrc = mdb_txn_begin(s->env, NULL, MDB_RDONLY, &txn);

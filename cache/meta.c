@@ -129,13 +129,16 @@ int cache_calib_get(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, pd_prefix
     int rc = mdb_get(txn, s->calib, &k, &v);
     if (rc == MDB_NOTFOUND) return PD_OK;
     if (rc) return cache_lmdb_error(s, rc, "reading a prefix's calibration curve", err);
-    const uint8_t *p = v.mv_data;
-    if (v.mv_size < calib_len(0) || memcmp(p, CALIB_MAGIC, 8) != 0 ||
-        cache_rd_u64(p + v.mv_size - 8) != XXH3_64bits(p, v.mv_size - 8))
+    return cache_calib_decode(v.mv_data, v.mv_size, q, err);
+}
+
+int cache_calib_decode(const void *val, size_t size, pd_prefix_quality *q, pd_error *err) {
+    const uint8_t *p = val;
+    if (size < calib_len(0) || memcmp(p, CALIB_MAGIC, 8) != 0 || cache_rd_u64(p + size - 8) != XXH3_64bits(p, size - 8))
         return pd_errorf(err, PD_EFORMAT, "calibration curve fails its checksum");
     const uint32_t n = cache_rd_u32(p + 8);
     const double a = rd_f64(p + 16), b = rd_f64(p + 24);
-    if (n > PD_PREFIX_CALIB_POINTS || v.mv_size != calib_len((int32_t)n) || !(a > 0) || !(b > 0) || !isfinite(a) ||
+    if (n > PD_PREFIX_CALIB_POINTS || size != calib_len((int32_t)n) || !(a > 0) || !(b > 0) || !isfinite(a) ||
         !isfinite(b))
         return pd_errorf(err, PD_EFORMAT, "calibration curve is malformed");
     q->has_curve = true;

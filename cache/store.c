@@ -725,6 +725,39 @@ static int info_from_record(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, c
     return PD_OK;
 }
 
+/* The rest of a new record's write transaction, its header and streams
+ * written: bookkeeping, LRU and index entries, the calibration curve, the
+ * totals, eviction beyond max_bytes; then commit (or abort on failure). */
+static int commit_new_record(pd_store *s, MDB_txn *txn, store_totals *t, const pd_prefix_id *id,
+                             const uint8_t ikey[PD_SHA256_LEN], uint64_t total, bool pinned,
+                             const pd_prefix_quality *q, uint64_t *stamp, pd_error *err) {
+    cache_record_meta m = {.stamp = next_stamp(s), .bytes = total, .pinned = pinned};
+    memcpy(m.index_key, ikey, PD_SHA256_LEN);
+    int64_t n_evicted = 0;
+    int rc;
+    if ((rc = cache_meta_put(s, txn, id, &m, err)) || (rc = lru_put(s, txn, m.stamp, id, err)) ||
+        (rc = cache_index_add(s, txn, ikey, id, err)) || (rc = cache_calib_put(s, txn, id, q, err))) {
+        mdb_txn_abort(txn);
+        return rc;
+    }
+    t->prefixes++;
+    t->bytes += total;
+    if (m.pinned) t->pinned++;
+    if ((s->opts.max_bytes && t->bytes > s->opts.max_bytes && (rc = evict(s, txn, t, id, &n_evicted, err))) ||
+        (rc = totals_put(s, txn, t, err))) {
+        mdb_txn_abort(txn);
+        return rc;
+    }
+    if ((rc = write_commit(s, txn, err))) return rc;
+    if (n_evicted) {
+        pthread_mutex_lock(&s->mu);
+        s->evicted += n_evicted;
+        pthread_mutex_unlock(&s->mu);
+    }
+    *stamp = m.stamp;
+    return PD_OK;
+}
+
 int pd_store_put(pd_store *s, pd_prefix_info *info, const pd_token *tokens, int64_t n, const pd_kv_prefix *kv,
                  bool *existed, pd_error *err) {
     pd_error local;
@@ -824,23 +857,8 @@ int pd_store_put(pd_store *s, pd_prefix_info *info, const pd_token *tokens, int6
             }
             cache_stream_write(sv.mv_data, ss, kv, l, hd, h.head_dim, h.dtype, h.page_tokens);
         }
-    cache_record_meta m = {.stamp = next_stamp(s), .bytes = total, .pinned = info->pinned};
-    memcpy(m.index_key, ikey, sizeof ikey);
-    if ((rc = cache_meta_put(s, txn, &id, &m, err)) || (rc = lru_put(s, txn, m.stamp, &id, err)) ||
-        (rc = cache_index_add(s, txn, ikey, &id, err)) || (rc = cache_calib_put(s, txn, &id, &info->quality, err)))
-        goto fail;
-    t.prefixes++;
-    t.bytes += total;
-    if (m.pinned) t.pinned++;
-    int64_t n_evicted = 0;
-    if (s->opts.max_bytes && t.bytes > s->opts.max_bytes && (rc = evict(s, txn, &t, &id, &n_evicted, err))) goto fail;
-    if ((rc = totals_put(s, txn, &t, err))) goto fail;
-    if ((rc = write_commit(s, txn, err))) return rc;
-    if (n_evicted) {
-        pthread_mutex_lock(&s->mu);
-        s->evicted += n_evicted;
-        pthread_mutex_unlock(&s->mu);
-    }
+    uint64_t stamp;
+    if ((rc = commit_new_record(s, txn, &t, &id, ikey, total, info->pinned, &info->quality, &stamp, err))) return rc;
     info->id = id;
     info->n_layer = h.n_layer;
     info->n_head_kv = h.n_head_kv;
@@ -848,12 +866,302 @@ int pd_store_put(pd_store *s, pd_prefix_info *info, const pd_token *tokens, int6
     info->n_tokens = h.n_tokens;
     info->kept_rows = pd_kv_prefix_kept_rows(kv);
     info->created_at = h.created_at;
-    info->last_used = (int64_t)(m.stamp / 1000000u);
+    info->last_used = (int64_t)(stamp / 1000000u);
     info->bytes = total;
     info->hits = 0;
     return PD_OK;
 fail:
     mdb_txn_abort(txn);
+    return rc;
+}
+
+/* ---- transfer (the shared tier) ---------------------------------------------- */
+
+static int load_header(pd_store *s, MDB_txn *txn, const pd_prefix_id *id, cache_header *h, pd_error *err);
+
+#define XFER_MAGIC "PDKVXFR1"
+#define XFER_VERSION 1u
+#define XFER_FIXED (8u + 4u + 4u + PD_PREFIX_ID_LEN)
+#define XFER_ENTRY_FIXED 24u
+enum { XFER_HEADER = 1, XFER_STREAM = 2, XFER_CALIB = 3 };
+
+typedef struct xfer_buf {
+    uint8_t *p;
+    size_t len, cap;
+} xfer_buf;
+
+/* Make room for `more` bytes after b->len and return where they go. */
+static uint8_t *xfer_grow(xfer_buf *b, size_t more, pd_error *err) {
+    size_t need;
+    if (!pd_add_ok(b->len, more, &need) || need > SIZE_MAX / 2) {
+        pd_errorf(err, PD_ERANGE, "the prefix is too large to export");
+        return NULL;
+    }
+    if (need > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < need) cap *= 2;
+        uint8_t *p = realloc(b->p, cap);
+        if (!p) {
+            pd_errorf(err, PD_ENOMEM, "out of memory exporting a prefix (%zu bytes)", need);
+            return NULL;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    uint8_t *at = b->p + b->len;
+    b->len = need;
+    return at;
+}
+
+static int xfer_add(xfer_buf *b, uint32_t kind, int32_t layer, int32_t head, const void *val, size_t size,
+                    pd_error *err) {
+    if (size > SIZE_MAX / 2) return pd_errorf(err, PD_ERANGE, "the prefix is too large to export");
+    uint8_t *e = xfer_grow(b, XFER_ENTRY_FIXED + size, err);
+    if (!e) return err->code;
+    cache_wr_u32(e, kind);
+    cache_wr_u32(e + 4, (uint32_t)layer);
+    cache_wr_u32(e + 8, (uint32_t)head);
+    cache_wr_u32(e + 12, 0);
+    cache_wr_u64(e + 16, size);
+    if (size) memcpy(e + XFER_ENTRY_FIXED, val, size);
+    return PD_OK;
+}
+
+int pd_store_export(pd_store *s, const pd_prefix_id *id, uint8_t **out, size_t *out_len, pd_prefix_info *info,
+                    pd_error *err) {
+    pd_error local;
+    if (!err) err = &local; /* internal code always has somewhere to write */
+    *out = NULL;
+    *out_len = 0;
+    xfer_buf b = {0};
+    MDB_txn *txn;
+    int rc = read_begin(s, &txn, err);
+    if (rc) return rc;
+    cache_header h;
+    MDB_val k = cache_mval(id->b, PD_PREFIX_ID_LEN), v;
+    if ((rc = load_header(s, txn, id, &h, err))) goto done;
+    if (info && (rc = info_from_record(s, txn, id, &h, info, err))) goto done;
+    uint8_t *fixed = xfer_grow(&b, XFER_FIXED, err);
+    if (!fixed) {
+        rc = err->code;
+        goto done;
+    }
+    if ((rc = mdb_get(txn, s->records, &k, &v))) {
+        rc = cache_lmdb_error(s, rc, "exporting a prefix", err);
+        goto done;
+    }
+    if ((rc = xfer_add(&b, XFER_HEADER, 0, 0, v.mv_data, v.mv_size, err))) goto done;
+    uint32_t n_entries = 1;
+    for (int32_t l = 0; l < h.n_layer; l++)
+        for (int32_t hd = 0; hd < h.n_head_kv; hd++) {
+            uint8_t skey[CACHE_STREAM_KEY_LEN];
+            cache_stream_key(skey, id, l, hd);
+            MDB_val sk = cache_mval(skey, sizeof skey), sv;
+            cache_stream st;
+            int mrc = mdb_get(txn, s->streams, &sk, &sv);
+            if (mrc == MDB_NOTFOUND) {
+                pd_errorf(err, PD_EFORMAT, "stream (layer %d, head %d) is missing", l, hd);
+                rc = corrupt_error(id, err);
+                goto done;
+            }
+            if (mrc) {
+                rc = cache_lmdb_error(s, mrc, "exporting a prefix", err);
+                goto done;
+            }
+            if ((rc = cache_stream_decode(sv.mv_data, sv.mv_size, &h, l, hd, &st, err))) {
+                corrupt_error(id, err);
+                goto done;
+            }
+            if ((rc = xfer_add(&b, XFER_STREAM, l, hd, sv.mv_data, sv.mv_size, err))) goto done;
+            n_entries++;
+        }
+    if (s->has_calib) {
+        int mrc = mdb_get(txn, s->calib, &k, &v);
+        if (mrc == 0) {
+            pd_prefix_quality q;
+            if ((rc = cache_calib_decode(v.mv_data, v.mv_size, &q, err))) {
+                corrupt_error(id, err);
+                goto done;
+            }
+            if ((rc = xfer_add(&b, XFER_CALIB, 0, 0, v.mv_data, v.mv_size, err))) goto done;
+            n_entries++;
+        } else if (mrc != MDB_NOTFOUND) {
+            rc = cache_lmdb_error(s, mrc, "exporting a prefix", err);
+            goto done;
+        }
+    }
+    const size_t body = b.len;
+    uint8_t *digest = xfer_grow(&b, PD_SHA256_LEN, err);
+    if (!digest) {
+        rc = err->code;
+        goto done;
+    }
+    memcpy(b.p, XFER_MAGIC, 8);
+    cache_wr_u32(b.p + 8, XFER_VERSION);
+    cache_wr_u32(b.p + 12, n_entries);
+    memcpy(b.p + 16, id->b, PD_PREFIX_ID_LEN);
+    rc = pd_sha256_buf(b.p, body, digest, err);
+done:
+    mdb_txn_abort(txn);
+    if (rc) {
+        free(b.p);
+        return rc;
+    }
+    *out = b.p;
+    *out_len = b.len;
+    return PD_OK;
+}
+
+/* One entry of a transfer blob, bounds-checked. */
+static int xfer_entry(const uint8_t *blob, size_t end, size_t *at, uint32_t want_kind, int32_t layer, int32_t head,
+                      const uint8_t **val, size_t *size, pd_error *err) {
+    if (end - *at < XFER_ENTRY_FIXED)
+        return pd_errorf(err, PD_EFORMAT, "the transferred record ends early (entry at byte %zu)", *at);
+    const uint8_t *e = blob + *at;
+    const uint64_t len = cache_rd_u64(e + 16);
+    if (cache_rd_u32(e) != want_kind || cache_rd_u32(e + 4) != (uint32_t)layer || cache_rd_u32(e + 8) != (uint32_t)head)
+        return pd_errorf(err, PD_EFORMAT, "the transferred record has an unexpected entry at byte %zu", *at);
+    if (len > end - *at - XFER_ENTRY_FIXED)
+        return pd_errorf(err, PD_EFORMAT, "the transferred record's entry at byte %zu overruns it", *at);
+    *val = e + XFER_ENTRY_FIXED;
+    *size = (size_t)len;
+    *at += XFER_ENTRY_FIXED + (size_t)len;
+    return PD_OK;
+}
+
+int pd_store_import(pd_store *s, const void *blob_in, size_t len, bool pinned, pd_prefix_info *info, bool *existed,
+                    pd_error *err) {
+    pd_error local;
+    if (!err) err = &local; /* internal code always has somewhere to write */
+    if (existed) *existed = false;
+    const uint8_t *blob = blob_in;
+    if (!blob || len < XFER_FIXED + PD_SHA256_LEN || memcmp(blob, XFER_MAGIC, 8) != 0)
+        return pd_errorf(err, PD_EFORMAT, "not a prefixd transfer record");
+    if (cache_rd_u32(blob + 8) != XFER_VERSION)
+        return pd_errorf(err, PD_EFORMAT, "transfer record version %u; this build reads version %u",
+                         cache_rd_u32(blob + 8), XFER_VERSION);
+    uint8_t digest[PD_SHA256_LEN];
+    const size_t end = len - PD_SHA256_LEN;
+    int rc = pd_sha256_buf(blob, end, digest, err);
+    if (rc) return rc;
+    if (memcmp(digest, blob + end, PD_SHA256_LEN) != 0)
+        return pd_errorf(err, PD_EFORMAT, "the transferred record fails its SHA-256");
+    pd_prefix_id id;
+    memcpy(id.b, blob + 16, PD_PREFIX_ID_LEN);
+    const uint32_t n_entries = cache_rd_u32(blob + 12);
+
+    /* Every value is verified as a read of the store would verify it
+     * before anything is written: the header (which must hash to the id),
+     * every page of every stream, the calibration curve. */
+    size_t at = XFER_FIXED, hsize;
+    const uint8_t *hval;
+    cache_header h;
+    if ((rc = xfer_entry(blob, end, &at, XFER_HEADER, 0, 0, &hval, &hsize, err)) ||
+        (rc = cache_header_decode(hval, hsize, &id, &h, err)))
+        goto bad;
+    const uint64_t n_streams = (uint64_t)h.n_layer * (uint64_t)h.n_head_kv;
+    if (n_entries != 1 + n_streams && n_entries != 2 + n_streams) {
+        rc = pd_errorf(err, PD_EFORMAT, "the transferred record has %u entries for %" PRIu64 " streams", n_entries,
+                       n_streams);
+        goto bad;
+    }
+    const size_t streams_at = at;
+    uint64_t total = hsize;
+    for (int32_t l = 0; l < h.n_layer; l++)
+        for (int32_t hd = 0; hd < h.n_head_kv; hd++) {
+            const uint8_t *sval;
+            size_t ssize;
+            cache_stream st;
+            if ((rc = xfer_entry(blob, end, &at, XFER_STREAM, l, hd, &sval, &ssize, err)) ||
+                (rc = cache_stream_decode(sval, ssize, &h, l, hd, &st, err)))
+                goto bad;
+            total += ssize;
+        }
+    pd_prefix_quality q = {0};
+    q.has_curve = false;
+    const uint8_t *cval = NULL;
+    size_t csize = 0;
+    if (n_entries == 2 + n_streams &&
+        ((rc = xfer_entry(blob, end, &at, XFER_CALIB, 0, 0, &cval, &csize, err)) ||
+         (rc = cache_calib_decode(cval, csize, &q, err))))
+        goto bad;
+    if (at != end) {
+        rc = pd_errorf(err, PD_EFORMAT, "the transferred record has %zu bytes after its last entry", end - at);
+        goto bad;
+    }
+    if (s->opts.max_bytes && total > s->opts.max_bytes)
+        return pd_errorf(err, PD_ERANGE,
+                         "the prefix needs %" PRIu64 " bytes, more than the store's size limit of %" PRIu64,
+                         total, s->opts.max_bytes);
+    uint8_t ikey[PD_SHA256_LEN];
+    pd_token *toks = malloc((size_t)h.n_tokens * sizeof *toks);
+    if (!toks) return pd_errorf(err, PD_ENOMEM, "out of memory for %d token ids", h.n_tokens);
+    memcpy(toks, h.tokens, (size_t)h.n_tokens * sizeof *toks);
+    rc = cache_lookup_key(h.fingerprint, h.ns, h.ns_len, toks, h.n_tokens, ikey, err);
+    free(toks);
+    if (rc) return rc;
+
+    MDB_txn *txn;
+    if ((rc = write_begin(s, &txn, err))) return rc;
+    store_totals t;
+    if ((rc = totals_get(s, txn, &t, err))) goto fail;
+    MDB_val k = cache_mval(id.b, PD_PREFIX_ID_LEN), v;
+    int mrc = mdb_get(txn, s->records, &k, &v);
+    if (mrc == 0) {
+        cache_header old;
+        pd_error e2;
+        if (cache_header_decode(v.mv_data, v.mv_size, &id, &old, &e2) == PD_OK) {
+            if (info && (rc = info_from_record(s, txn, &id, &old, info, err))) goto fail;
+            if ((rc = write_commit(s, txn, err))) return rc;
+            if (existed) *existed = true;
+            return PD_OK;
+        }
+        if ((rc = remove_record(s, txn, &id, &t, err))) goto fail;
+    } else if (mrc != MDB_NOTFOUND) {
+        rc = cache_lmdb_error(s, mrc, "importing a prefix", err);
+        goto fail;
+    }
+    v = cache_mval(hval, hsize);
+    if ((mrc = mdb_put(txn, s->records, &k, &v, MDB_NOOVERWRITE)) != 0) {
+        rc = cache_lmdb_error(s, mrc, "importing a prefix", err);
+        goto fail;
+    }
+    at = streams_at;
+    for (int32_t l = 0; l < h.n_layer; l++)
+        for (int32_t hd = 0; hd < h.n_head_kv; hd++) {
+            const uint8_t *sval;
+            size_t ssize;
+            (void)xfer_entry(blob, end, &at, XFER_STREAM, l, hd, &sval, &ssize, err); /* checked above */
+            uint8_t skey[CACHE_STREAM_KEY_LEN];
+            cache_stream_key(skey, &id, l, hd);
+            MDB_val sk = cache_mval(skey, sizeof skey), sv = cache_mval(sval, ssize);
+            if ((mrc = mdb_put(txn, s->streams, &sk, &sv, 0)) != 0) {
+                rc = cache_lmdb_error(s, mrc, "importing a prefix's rows", err);
+                goto fail;
+            }
+        }
+    uint64_t stamp;
+    if ((rc = commit_new_record(s, txn, &t, &id, ikey, total, pinned, &q, &stamp, err))) return rc;
+    if (info) {
+        cache_header_to_info(&h, info);
+        info->id = id;
+        info->quality.has_curve = q.has_curve;
+        info->quality.curve_a = q.curve_a;
+        info->quality.curve_b = q.curve_b;
+        info->quality.n_points = q.n_points;
+        memcpy(info->quality.point_retention, q.point_retention, sizeof q.point_retention);
+        memcpy(info->quality.point_ratio, q.point_ratio, sizeof q.point_ratio);
+        info->last_used = (int64_t)(stamp / 1000000u);
+        info->bytes = total;
+        info->pinned = pinned;
+        info->hits = 0;
+    }
+    return PD_OK;
+fail:
+    mdb_txn_abort(txn);
+    return rc;
+bad:
+    if (rc == PD_EFORMAT) pd_error_prefix(err, "transferred record");
     return rc;
 }
 
