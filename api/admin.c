@@ -554,6 +554,14 @@ static int handle_list(const pd_admin_ctx *ctx, const char *ns, pd_admin_reply *
     return reply(json_pack("{s:s,s:o}", "object", "list", "data", l.data), 200, out, e);
 }
 
+/* A change the shared tier must carry to every node could not reach Redis:
+ * 503 with its own code, so a client knows to retry the same call. */
+static int shared_tier_error(pd_api_error *e, const pd_error *err) {
+    if (err->code == PD_EUNAVAILABLE)
+        return pd_api_errorf(e, 503, PD_API_ERR_OVERLOADED, NULL, "shared_tier_unavailable", "%s; retry", err->msg);
+    return pd_api_error_from(e, err, NULL);
+}
+
 /* PATCH {"pinned": bool}: the only mutable part of a stored prefix. */
 static int handle_patch(const pd_admin_ctx *ctx, const pd_prefix_id *id, const char *body, size_t len,
                         pd_admin_reply *out, pd_api_error *e) {
@@ -580,6 +588,15 @@ static int handle_patch(const pd_admin_ctx *ctx, const pd_prefix_id *id, const c
     if (rc) return rc;
     pd_error err = {0};
     pd_prefix_info info;
+    /* With a shared tier, every node that holds it follows (a prefix only
+     * the shared tier holds is fetched here first). */
+    if (ctx->b.cluster) {
+        pd_error ferr;
+        if (pd_store_info(ctx->b.store, id, &info, &ferr) == PD_ENOTFOUND)
+            (void)pd_cluster_fetch_id(ctx->b.cluster, id, &ferr);
+        if (pd_store_info(ctx->b.store, id, &info, &err) == PD_OK && pd_cluster_pin(ctx->b.cluster, id, pin, &err))
+            return shared_tier_error(e, &err);
+    }
     if (pd_store_pin(ctx->b.store, id, pin, &err) || pd_store_info(ctx->b.store, id, &info, &err))
         return pd_api_error_from(e, &err, NULL);
     return reply(prefix_json(&info), 200, out, e);
@@ -687,7 +704,13 @@ static int handle_prefix(const pd_admin_ctx *ctx, const char *method, const char
         return reply(prefix_json(&info), 200, out, e);
     }
     if (strcmp(method, "DELETE") == 0) {
-        if (pd_store_delete(ctx->b.store, &id, &err)) return pd_api_error_from(e, &err, NULL);
+        /* The shared tier first: if Redis is away nothing is deleted (503,
+         * retry), rather than a prefix gone here and served elsewhere. */
+        bool shared = false;
+        if (ctx->b.cluster && pd_cluster_delete(ctx->b.cluster, &id, &shared, &err))
+            return shared_tier_error(e, &err);
+        const int drc = pd_store_delete(ctx->b.store, &id, &err);
+        if (drc && !(drc == PD_ENOTFOUND && shared)) return pd_api_error_from(e, &err, NULL);
         /* Requests already attending to it keep their reference. */
         if (ctx->b.hot) pd_hot_invalidate(ctx->b.hot, &id);
         out->status = 204;

@@ -443,6 +443,7 @@ typedef struct pd_server_backend {
     pd_jobs *jobs;
     pd_store *store;
     pd_hot *hot;
+    pd_cluster *cluster;        /* optional: deletes and pins reach every node through it */
     const char *default_policy; /* compression.policy (NULL = the jobs' default) */
     double quality_budget;      /* compression.quality_budget; > 0: default "quality" */
 } pd_server_backend;

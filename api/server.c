@@ -55,6 +55,7 @@ struct pd_server {
     pd_counter *errors, *streams;
     pd_histogram *prefill_seconds; /* admission to first token, per generation */
     pd_gauge *store_bytes, *store_prefixes, *hot_bytes; /* refreshed on each scrape */
+    pthread_mutex_t mirror_mu; /* one scrape at a time brings the mirrored counters up to date */
     /* ready/backend: written by set_ready and drain, read by connection
      * threads, which hold the read lock from the check through
      * pd_scheduler_submit so that after drain nothing new is submitted. */
@@ -828,6 +829,23 @@ static enum MHD_Result answer_preflight(struct MHD_Connection *c) {
     return ret;
 }
 
+/* A counter that mirrors a total kept elsewhere (the hot tier's, the
+ * shared tier's): registered on first use, raised to the total. Under
+ * mirror_mu, so two scrapes never add the same difference twice. */
+static void mirror_counter(pd_metrics *m, const char *name, const char *help, double total) {
+    pd_counter *c;
+    pd_error e;
+    if (pd_metrics_counter(m, name, help, NULL, &c, &e) != PD_OK) return;
+    const double now = pd_counter_value(c);
+    if (total > now) pd_counter_add(c, total - now);
+}
+
+static void mirror_gauge(pd_metrics *m, const char *name, const char *help, double v) {
+    pd_gauge *g;
+    pd_error e;
+    if (pd_metrics_gauge(m, name, help, NULL, &g, &e) == PD_OK) pd_gauge_set(g, v);
+}
+
 /* The Prometheus text of the registry (GET /metrics and GET
  * /admin/v1/metrics), the store and hot-tier gauges refreshed first. */
 static enum MHD_Result answer_metrics(pd_server *s, struct MHD_Connection *c) {
@@ -841,11 +859,36 @@ static enum MHD_Result answer_metrics(pd_server *s, struct MHD_Connection *c) {
             pd_gauge_set(s->store_prefixes, (double)st.prefixes);
         }
     }
+    pthread_mutex_lock(&s->mirror_mu);
     if (ready && b.hot) {
         pd_hot_stats hs;
         pd_hot_stats_get(b.hot, &hs);
         pd_gauge_set(s->hot_bytes, (double)hs.bytes);
+        mirror_counter(s->metrics, "prefixd_hot_tier_hits_total", "Stored prefixes served from the in-memory tier.",
+                       (double)hs.hits);
+        mirror_counter(s->metrics, "prefixd_hot_tier_misses_total",
+                       "Stored prefixes the in-memory tier had to load from the store.", (double)hs.misses);
     }
+    if (ready && b.cluster) {
+        pd_cluster_stats cs;
+        pd_cluster_stats_get(b.cluster, &cs);
+        mirror_gauge(s->metrics, "prefixd_cluster_up", "1 when the shared tier (Redis) answered the last attempt.",
+                     cs.up ? 1 : 0);
+        mirror_counter(s->metrics, "prefixd_cluster_errors_total",
+                       "Failed calls to the shared tier (outages, error replies).", (double)cs.errors);
+        mirror_counter(s->metrics, "prefixd_cluster_published_total", "Prefixes this node sent to the shared tier.",
+                       (double)cs.published);
+        mirror_counter(s->metrics, "prefixd_cluster_fetched_total",
+                       "Prefixes fetched from the shared tier, verified and stored here.", (double)cs.fetched);
+        mirror_counter(s->metrics, "prefixd_cluster_misses_total",
+                       "Lookups in the shared tier that found nothing to fetch.", (double)cs.misses);
+        mirror_counter(s->metrics, "prefixd_cluster_rejected_total",
+                       "Prefixes from the shared tier that failed verification and were not used.",
+                       (double)cs.rejected);
+        mirror_counter(s->metrics, "prefixd_cluster_invalidations_total",
+                       "Prefixes dropped here because another node deleted them.", (double)cs.invalidations);
+    }
+    pthread_mutex_unlock(&s->mirror_mu);
     char *text = NULL;
     size_t len = 0;
     if (pd_metrics_render(s->metrics, &text, &len, &err)) return MHD_NO;
@@ -1452,6 +1495,7 @@ int pd_server_start(const pd_server_opts *o, pd_metrics *metrics, pd_server **ou
     s->adm = (listener){.srv = s, .admin = true};
     s->metrics = metrics;
     pthread_rwlock_init(&s->lock, NULL);
+    pthread_mutex_init(&s->mirror_mu, NULL);
     pthread_mutex_init(&s->grammar_mu, NULL);
     pthread_mutex_init(&s->active_mu, NULL);
     cond_init_monotonic(&s->active_cv);
@@ -1596,6 +1640,7 @@ void pd_server_stop(pd_server *s) {
     if (s->admin_mhd) MHD_stop_daemon(s->admin_mhd);
     if (s->mhd) MHD_stop_daemon(s->mhd);
     pthread_rwlock_destroy(&s->lock);
+    pthread_mutex_destroy(&s->mirror_mu);
     pthread_mutex_lock(&s->grammar_mu);
     atomic_store(&s->warm_stop, true);
     pthread_cond_broadcast(&s->warm_cv);

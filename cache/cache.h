@@ -171,6 +171,15 @@ void pd_prefix_ref_release(pd_prefix_ref *r);
  * record (nothing damaged is ever exported). */
 int pd_store_export(pd_store *s, const pd_prefix_id *id, uint8_t **out, size_t *len, pd_prefix_info *info,
                     pd_error *err);
+/* What a shared index needs of a stored prefix besides its info: the key
+ * the lookup index files it under and its token ids after the last whole
+ * block (n_tokens % PD_LOOKUP_BLOCK of them), which that key does not cover. */
+typedef struct pd_prefix_lookup_entry {
+    uint8_t key[PD_SHA256_LEN];
+    int32_t n_tail;
+    pd_token tail[PD_LOOKUP_BLOCK];
+} pd_prefix_lookup_entry;
+int pd_store_lookup_entry(pd_store *s, const pd_prefix_id *id, pd_prefix_lookup_entry *out, pd_error *err);
 /* Store an exported blob after verifying everything a read verifies (the
  * blob's SHA-256, the header's checksum and that it hashes to the blob's
  * id, every page of every stream, the calibration curve): one write

@@ -1012,6 +1012,29 @@ done:
     return PD_OK;
 }
 
+int pd_store_lookup_entry(pd_store *s, const pd_prefix_id *id, pd_prefix_lookup_entry *out, pd_error *err) {
+    pd_error local;
+    if (!err) err = &local; /* internal code always has somewhere to write */
+    MDB_txn *txn;
+    int rc = read_begin(s, &txn, err);
+    if (rc) return rc;
+    cache_header h;
+    pd_token *toks = NULL;
+    if ((rc = load_header(s, txn, id, &h, err))) goto done;
+    if (!(toks = malloc((size_t)h.n_tokens * sizeof *toks))) {
+        rc = pd_errorf(err, PD_ENOMEM, "out of memory for %d token ids", h.n_tokens);
+        goto done;
+    }
+    memcpy(toks, h.tokens, (size_t)h.n_tokens * sizeof *toks);
+    if ((rc = cache_lookup_key(h.fingerprint, h.ns, h.ns_len, toks, h.n_tokens, out->key, err))) goto done;
+    out->n_tail = h.n_tokens % PD_LOOKUP_BLOCK;
+    memcpy(out->tail, toks + (h.n_tokens - out->n_tail), (size_t)out->n_tail * sizeof *toks);
+done:
+    free(toks);
+    mdb_txn_abort(txn);
+    return rc;
+}
+
 /* One entry of a transfer blob, bounds-checked. */
 static int xfer_entry(const uint8_t *blob, size_t end, size_t *at, uint32_t want_kind, int32_t layer, int32_t head,
                       const uint8_t **val, size_t *size, pd_error *err) {

@@ -60,7 +60,7 @@ typedef struct key_desc {
 #define ENUM_FIELD(member) \
     (offsetof(pd_config, member) + \
      0 * sizeof(_Generic(((pd_config *)0)->member, pd_backend_kind : 1, pd_log_level : 1, \
-                         pd_log_format : 1, pd_kv_cache_type : 1)))
+                         pd_log_format : 1, pd_kv_cache_type : 1, pd_cluster_role_cfg : 1)))
 
 #define INT_KEY(sec, key, lo, hi, def) \
     { .section = #sec, .name = #key, .kind = KIND_INT, .offset = FIELD(sec.key, int), \
@@ -103,6 +103,7 @@ static const retired_key retired_keys[] = {
 static const char *const log_level_names[] = {"error", "warn", "info", "debug", NULL};
 static const char *const kv_type_names[] = {"f16", "f32", NULL};
 static const char *const log_format_names[] = {"text", "json", "journal", NULL};
+static const char *const cluster_role_names[] = {"member", "publisher", "consumer", NULL};
 
 static const char *check_address(const char *s);
 static const char *check_secret(const char *s);
@@ -111,6 +112,8 @@ static const char *check_model_names(const char *s);
 static const char *check_cors_origins(const char *s);
 static const char *check_policy_spec(const char *s);
 static const char *check_quality_budget(double v);
+static const char *check_redis_url(const char *s);
+static const char *check_key_prefix(const char *s);
 
 /* Order here is the order of pd_config_print() and of the docs. Keys of one
  * section must be contiguous. */
@@ -155,6 +158,13 @@ static const key_desc keys[] = {
 
     INT_KEY(scheduler, max_batch, 1, 1024, "16"),
     INT_KEY(scheduler, max_queue, 0, 1048576, "256"),
+
+    STRING_KEY(cluster, redis_url, check_redis_url, true, ""),
+    STRING_KEY(cluster, password, check_secret, true, ""),
+    ENUM_KEY(cluster, role, cluster_role_names, "member"),
+    STRING_KEY(cluster, key_prefix, check_key_prefix, false, "prefixd:"),
+    INT_KEY(cluster, timeout_ms, 10, 60000, "250"),
+    INT_KEY(cluster, chunk_mb, 1, 512, "64"),
 
     ENUM_KEY(log, level, log_level_names, "info"),
     ENUM_KEY(log, format, log_format_names, "text"),
@@ -608,6 +618,28 @@ static const char *check_policy_spec(const char *s) {
         if (*s == '\0') return NULL;
         if (*s++ != ',') return problem;
     }
+}
+
+/* The forms cluster/ parses (it checks the details when it starts); the URL
+ * may hold a password, so it is a secret and never echoed. */
+static const char *check_redis_url(const char *s) {
+    if (!*s) return NULL;
+    for (const char *p = s; *p; p++)
+        if ((unsigned char)*p <= 0x20 || (unsigned char)*p >= 0x7f) return "must be printable ASCII without spaces";
+    if (strncmp(s, "rediss://", 9) == 0)
+        return "uses TLS (rediss://), which this build's hiredis lacks: run a TLS tunnel on localhost (HAProxy or "
+               "stunnel, docs/deployment.md) and write redis://127.0.0.1:PORT";
+    if (strncmp(s, "redis://", 8) == 0 && s[8] && s[8] != '/') return NULL;
+    if (strncmp(s, "unix:///", 8) == 0) return NULL;
+    return "must be redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] or unix:///PATH[?db=DB]";
+}
+
+static const char *check_key_prefix(const char *s) {
+    if (!*s) return "must not be empty (nodes of one cluster share it; e.g. prefixd:)";
+    if (strlen(s) > 100) return "is longer than 100 bytes";
+    for (; *s; s++)
+        if ((unsigned char)*s <= 0x20 || (unsigned char)*s >= 0x7f) return "must be printable ASCII without spaces";
+    return NULL;
 }
 
 /* pd_calib_tau_valid's rule (policies.h; config depends on util only). */

@@ -49,6 +49,15 @@ typedef enum pd_kv_cache_type {
     PD_KV_CACHE_F32 = 1,
 } pd_kv_cache_type;
 
+/* What a node does in the shared tier (cluster.role). The values equal
+ * pd_cluster_role's in cluster/cluster.h; config does not depend on
+ * cluster/, so the daemon converts between the two. */
+typedef enum pd_cluster_role_cfg {
+    PD_CLUSTER_ROLE_MEMBER = 0,    /* publishes its registrations and fetches the others' */
+    PD_CLUSTER_ROLE_PUBLISHER = 1, /* publishes only */
+    PD_CLUSTER_ROLE_CONSUMER = 2,  /* fetches only */
+} pd_cluster_role_cfg;
+
 /* pd_log_level and pd_log_format (log.level, log.format) are util/util.h's:
  * the logger every layer uses lives there. */
 
@@ -105,6 +114,14 @@ typedef struct pd_config {
         int max_batch;
         int max_queue;
     } scheduler;
+    struct {
+        char redis_url[PD_CONFIG_STR_CAP]; /* "" = no shared tier */
+        char password[PD_CONFIG_STR_CAP];  /* Redis AUTH; "" = the URL's, if any */
+        pd_cluster_role_cfg role;
+        char key_prefix[PD_CONFIG_STR_CAP];
+        int timeout_ms;                 /* connect and per-command timeout */
+        int chunk_mb;                   /* a record is split into Redis values of at most this */
+    } cluster;
     struct {
         pd_log_level level;
         pd_log_format format;

@@ -13,6 +13,7 @@
 #include <stdio.h>
 
 #include "cache/cache.h"
+#include "cluster/cluster.h"
 #include "engine/engine.h"
 #include "grammar/grammar.h"
 #include "policies/policies.h"
@@ -100,6 +101,10 @@ typedef struct pd_scheduler_opts {
     const pd_logger *logger; /* optional: warnings (a failed write of automatic blocks) */
     pd_store *store;         /* optional: stored prefixes to look up (not owned) */
     pd_hot *hot;             /* optional: hot tier over `store` (not owned) */
+    /* optional: the shared tier (not owned). A prompt that no stored prefix
+     * starts with, or a prefix_id the store lacks, is looked up there and
+     * fetched into `store` before the request is queued. */
+    pd_cluster *cluster;
     pd_metrics *metrics;     /* optional: the scheduler registers and updates its series */
     /* optional: called once, on the engine thread, when the model's device
      * fails for good (PD_EDEVICE, a sticky CUDA error). By then the error is
@@ -246,6 +251,10 @@ typedef struct pd_jobs_opts {
     bool kv_f32;                 /* the worker's KV cache in f32 (model.kv_type); default f16 */
     pd_store *store;             /* where prefixes go (not owned) */
     pd_hot *hot;                 /* optional: invalidated on delete (not owned) */
+    /* optional: the shared tier (not owned). A job whose prefix is already
+     * there is fetched instead of compressed; a stored prefix is published
+     * before its job is done. */
+    pd_cluster *cluster;
     int max_jobs;                /* jobs remembered, queued or finished (default 256) */
     const char *default_policy;  /* spec when a job names none (default "compactor") */
     pd_metrics *metrics;         /* optional: prefixd_prefix_jobs_total{state="done"|"failed"} and

@@ -43,6 +43,7 @@ struct pd_jobs {
     int n_threads;
     bool kv_f32;
     pd_store *store;
+    pd_cluster *cluster;         /* may be NULL */
     int max_jobs;
 
     pthread_mutex_t mu;
@@ -254,6 +255,25 @@ static int run_job(pd_jobs *j, job *jb, pd_prefix_info *info, bool *existed, dou
     q.retention = spec.retention;
     *chosen = spec.retention;
 
+    /* Stored here already, or compressed by another node (the shared
+     * tier): the work happened once; only the bookkeeping is left. */
+    memset(info, 0, sizeof *info);
+    pd_model_fingerprint(j->model, info->fingerprint);
+    if ((rc = key_spec(&spec, lay, info->spec, sizeof info->spec, err))) return rc;
+    snprintf(info->ns, sizeof info->ns, "%s", jb->ns);
+    pd_prefix_id id;
+    if ((rc = pd_prefix_id_compute(info->fingerprint, jb->tokens, jb->n, info->spec, info->ns, &id)))
+        return pd_errorf(err, rc, "out of memory hashing the prefix");
+    pd_error lerr;
+    bool here = pd_store_info(j->store, &id, info, &lerr) == PD_OK;
+    if (!here && j->cluster && pd_cluster_fetch_id(j->cluster, &id, &lerr) == PD_OK)
+        here = pd_store_info(j->store, &id, info, &lerr) == PD_OK;
+    if (here) {
+        if (jb->pin && !info->pinned && !(rc = pd_store_pin(j->store, &id, true, err))) info->pinned = true;
+        *existed = true;
+        return rc;
+    }
+
     if (!enter_phase(j, jb, "compressing", base)) return abandoned(err);
     layer_ctx h = {.j = j, .jb = jb, .base = base, .span = 0.95 - base};
     pd_kv_prefix *prefix = NULL;
@@ -264,18 +284,18 @@ static int run_job(pd_jobs *j, job *jb, pd_prefix_info *info, bool *existed, dou
         pd_kv_prefix_free(prefix);
         return abandoned(err);
     }
-    memset(info, 0, sizeof *info);
-    pd_model_fingerprint(j->model, info->fingerprint);
-    rc = key_spec(&spec, lay, info->spec, sizeof info->spec, err);
-    if (!rc) {
-        snprintf(info->ns, sizeof info->ns, "%s", jb->ns);
-        info->dtype = jb->dtype;
-        info->quality = q;
-        info->pinned = jb->pin;
-        rc = pd_store_put(j->store, info, jb->tokens, jb->n, prefix, existed, err);
-        if (rc) pd_error_prefix(err, "storing the prefix");
-    }
+    info->dtype = jb->dtype;
+    info->quality = q;
+    info->pinned = jb->pin;
+    rc = pd_store_put(j->store, info, jb->tokens, jb->n, prefix, existed, err);
+    if (rc) pd_error_prefix(err, "storing the prefix");
     pd_kv_prefix_free(prefix);
+    /* Published before the job is done, so a client that waited for it
+     * finds it on every node. Redis being away only delays that: the node
+     * publishes what it holds when it reconnects. */
+    pd_error perr;
+    if (!rc && j->cluster && pd_cluster_publish(j->cluster, &info->id, &perr) != PD_OK)
+        pd_log(j->logger, PD_LOG_WARN, "the prefix is stored here but not in the shared tier yet: %s", perr.msg);
     return rc;
 }
 
@@ -406,6 +426,7 @@ int pd_jobs_create(const pd_jobs_opts *o, pd_jobs **out, pd_error *err) {
     j->kv_f32 = o->kv_f32;
     j->device = o->device;
     j->store = o->store;
+    j->cluster = o->cluster;
     j->max_jobs = o->max_jobs;
     j->next_id = 1;
     j->paused = o->start_paused;

@@ -437,9 +437,15 @@ static void prefix_lookup(pd_scheduler *s, pd_sched_request *r) {
     int32_t matched = 0;
     pd_error err = {0};
     /* n_prompt - 1: a prefix keeps K/V, not its last token's logits */
-    if (pd_store_lookup(s->o.store, s->fingerprint, r->ns, r->spec, r->prompt, r->n_prompt - 1, &id, &matched,
-                        &err) != PD_OK)
-        return;
+    int rc = pd_store_lookup(s->o.store, s->fingerprint, r->ns, r->spec, r->prompt, r->n_prompt - 1, &id, &matched,
+                             &err);
+    /* A local miss asks the shared tier, which stores what it finds here
+     * (so the next request is a local hit); Redis being down is a miss. */
+    if (rc == PD_ENOTFOUND && s->o.cluster &&
+        pd_cluster_fetch(s->o.cluster, s->fingerprint, r->ns, r->spec, r->prompt, r->n_prompt - 1, &err) == PD_OK)
+        rc = pd_store_lookup(s->o.store, s->fingerprint, r->ns, r->spec, r->prompt, r->n_prompt - 1, &id, &matched,
+                             &err);
+    if (rc != PD_OK) return;
     (void)prefix_acquire(s, r, &id, &err);
 }
 
@@ -537,6 +543,9 @@ int pd_scheduler_submit(pd_scheduler *s, const pd_sched_params *p, pd_sched_sink
             rc = pd_errorf(err, PD_EINVAL, "prefix_id was given but the server has no prefix store");
         } else {
             rc = prefix_acquire(s, r, &p->prefix_id, err);
+            pd_error cerr;
+            if (rc == PD_ENOTFOUND && s->o.cluster && pd_cluster_fetch_id(s->o.cluster, &p->prefix_id, &cerr) == PD_OK)
+                rc = prefix_acquire(s, r, &p->prefix_id, err);
             if (rc == PD_ENOTFOUND) {
                 char hex[PD_PREFIX_ID_HEX];
                 pd_prefix_id_hex(&p->prefix_id, hex);

@@ -148,6 +148,11 @@ Test(config, defaults_validate_and_match_docs) {
     cr_assert_eq(cfg.compression.quality_budget, 0.0);
     cr_assert_eq(cfg.scheduler.max_batch, 16);
     cr_assert_eq(cfg.scheduler.max_queue, 256);
+    cr_assert_str_eq(cfg.cluster.redis_url, "");
+    cr_assert_eq(cfg.cluster.role, PD_CLUSTER_ROLE_MEMBER);
+    cr_assert_str_eq(cfg.cluster.key_prefix, "prefixd:");
+    cr_assert_eq(cfg.cluster.timeout_ms, 250);
+    cr_assert_eq(cfg.cluster.chunk_mb, 64);
     cr_assert_eq(cfg.log.level, PD_LOG_INFO);
     cr_assert_eq(cfg.log.format, PD_LOG_TEXT);
     cr_assert_str_eq(pd_backend_kind_name(cfg.model.device), "auto");
@@ -319,7 +324,7 @@ Test(config_errors, unknown_section_lists_valid_sections, .init = setup_dir,
      .fini = teardown_dir) {
     expect_file_error("[server]\nport = 8080\n[srever]\nport = 1\n",
                       "bad.conf:3: unknown section [srever]",
-                      "server, admin, model, cache, compression, scheduler, log", NULL);
+                      "server, admin, model, cache, compression, scheduler, cluster, log", NULL);
     /* inih never calls back for an empty section; it must still be caught. */
     expect_file_error("[server]\nport = 8080\n\n[caches]\n", "bad.conf:4:",
                       "unknown section [caches]", NULL);
@@ -720,6 +725,12 @@ static const char *const every_key_changed[] = {
     "compression.quality_budget=1.2345678901234567",
     "scheduler.max_batch=64",
     "scheduler.max_queue=0",
+    "cluster.redis_url=redis://:s3cret@redis.internal:6380/2",
+    "cluster.password=another-s3cret",
+    "cluster.role=consumer",
+    "cluster.key_prefix=tenant-a:",
+    "cluster.timeout_ms=1000",
+    "cluster.chunk_mb=16",
     "log.level=debug",
     "log.format=json",
 };
@@ -965,4 +976,30 @@ Test(config_cli, help_version_and_usage_errors) {
     cr_assert_eq(th_run(cmd, &out), 2);
     cr_assert(contains(out, "stray-argument"), "%s", out);
     free(out);
+}
+
+/* cluster.redis_url: the forms the shared tier parses; TLS is refused with
+ * the tunnel to use instead; a URL (which may carry a password) is never
+ * echoed. */
+Test(config_cluster, redis_url_forms_and_errors) {
+    pd_config cfg;
+    pd_config_defaults(&cfg);
+    set_ok(&cfg, "cluster.redis_url=redis://127.0.0.1:6379/0");
+    set_ok(&cfg, "cluster.redis_url=redis://redis.internal");
+    set_ok(&cfg, "cluster.redis_url=redis://user:pw@[::1]:7000/3");
+    set_ok(&cfg, "cluster.redis_url=unix:///run/redis/redis.sock?db=1");
+    set_ok(&cfg, "cluster.redis_url=");
+    expect_set_error("cluster.redis_url=rediss://:hunter2@host:6380", "TLS", "tunnel", NULL);
+    expect_set_error("cluster.redis_url=http://host:6379", "redis://", "unix:///", NULL);
+    expect_set_error("cluster.redis_url=redis:///0", "redis://", NULL);
+    pd_config c2;
+    pd_config_defaults(&c2);
+    pd_error err = {0};
+    cr_assert_neq(pd_config_set(&c2, "cluster.redis_url=rediss://:hunter2@host", &err), PD_OK);
+    cr_assert(!contains(err.msg, "hunter2"), "secret leaked: %s", err.msg);
+    expect_set_error("cluster.role=leader", "member", "publisher", "consumer", NULL);
+    expect_set_error("cluster.key_prefix=", "must not be empty", NULL);
+    expect_set_error("cluster.key_prefix=a b", "printable ASCII", NULL);
+    expect_set_error("cluster.timeout_ms=5", "10..60000", NULL);
+    expect_set_error("cluster.chunk_mb=513", "1..512", NULL);
 }

@@ -29,14 +29,16 @@ ALLOWED = {
     "engine": {"kernels", "util"},
     "policies": {"engine", "kernels", "util"},
     "cache": {"engine", "kernels", "util"},
-    "daemon": {"policies", "cache", "engine", "grammar", "kernels", "util"},
-    "api": {"daemon", "policies", "cache", "engine", "grammar", "kernels", "util"},
-    "cmd": {"api", "daemon", "config", "policies", "cache", "engine", "grammar", "kernels", "util"},
+    "cluster": {"cache", "engine", "kernels", "util"},
+    "daemon": {"cluster", "policies", "cache", "engine", "grammar", "kernels", "util"},
+    "api": {"daemon", "cluster", "policies", "cache", "engine", "grammar", "kernels", "util"},
+    "cmd": {"api", "daemon", "config", "cluster", "policies", "cache", "engine", "grammar", "kernels", "util"},
 }
 LIBS = {"util": ["util/libpd_util.a"], "kernels": ["kernels/libpd_kernels.a", "kernels/libpd_kernels_cuda.a",
                                                         "kernels/libpd_kernels_cudaemu.a"],
         "config": ["config/libpd_config.a"], "grammar": ["grammar/libpd_grammar.a"], "engine": ["engine/libpd_engine.a"],
         "policies": ["policies/libpd_policies.a"], "cache": ["cache/libpd_cache.a"],
+        "cluster": ["cluster/libpd_cluster.a"],
         "daemon": ["daemon/libpd_daemon.a"], "api": ["api/libpd_api.a"]}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 

@@ -19,6 +19,7 @@
 
 #include "api/api.h"
 #include "cache/cache.h"
+#include "cluster/cluster.h"
 #include "config/config.h"
 #include "daemon/daemon.h"
 #include "engine/engine.h"
@@ -264,6 +265,7 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
     pd_model *model = NULL;
     pd_store *store = NULL;
     pd_hot *hot = NULL;
+    pd_cluster *cluster = NULL;
     pd_scheduler *sched = NULL;
     pd_jobs *jobs = NULL;
     int rc = pd_metrics_create(&metrics, &err);
@@ -316,6 +318,21 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
     sto.page_tokens = cfg->cache.page_tokens;
     if (!rc) rc = pd_store_open(&sto, &store, &err);
     if (!rc && cfg->cache.hot_tier_mb > 0) rc = pd_hot_create(store, (uint64_t)cfg->cache.hot_tier_mb << 20, &hot, &err);
+    if (!rc && cfg->cluster.redis_url[0]) {
+        pd_cluster_opts clo;
+        pd_cluster_opts_default(&clo);
+        clo.redis_url = cfg->cluster.redis_url;
+        clo.password = cfg->cluster.password;
+        clo.key_prefix = cfg->cluster.key_prefix;
+        _Static_assert((int)PD_CLUSTER_ROLE_CONSUMER == (int)PD_CLUSTER_CONSUMER, "config and cluster roles agree");
+        clo.role = (pd_cluster_role)cfg->cluster.role;
+        clo.timeout_ms = cfg->cluster.timeout_ms;
+        clo.chunk_bytes = (size_t)cfg->cluster.chunk_mb << 20;
+        clo.store = store;
+        clo.hot = hot;
+        clo.logger = lg;
+        rc = pd_cluster_create(&clo, &cluster, &err);
+    }
 
     pd_scheduler_opts sco;
     pd_scheduler_opts_default(&sco);
@@ -327,6 +344,7 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
     sco.logger = lg;
     sco.store = store;
     sco.hot = hot;
+    sco.cluster = cluster;
     sco.metrics = metrics;
     sco.on_device_failure = wake_on_device_failure;
     bool device_failed = false;
@@ -343,6 +361,7 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
                                                        : (pd_device){PD_DEVICE_CPU, 0};
     jo.store = store;
     jo.hot = hot;
+    jo.cluster = cluster;
     jo.default_policy = cfg->compression.policy;
     jo.metrics = metrics;
     jo.logger = lg;
@@ -352,6 +371,7 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
     if (!rc) {
         pd_server_backend b = {.model = model, .sched = sched, .family = pd_model_chat_family(model),
                                .created = (int64_t)time(NULL), .jobs = jobs, .store = store, .hot = hot,
+                               .cluster = cluster,
                                .default_policy = cfg->compression.policy,
                                .quality_budget = cfg->compression.quality_budget};
         b.n_ctx = pd_scheduler_n_ctx(sched);
@@ -394,6 +414,8 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
     pd_server_stop(server);
     /* After the server: no connection can reach the jobs any more. */
     pd_jobs_free(jobs);
+    /* Before the hot tier and the store, which its event thread uses. */
+    pd_cluster_free(cluster);
     if (hot) pd_hot_free(hot);
     pd_store_close(store);
     pd_model_free(model);
