@@ -100,12 +100,15 @@ static int load_config(const options *opt, pd_config *cfg, pd_error *err) {
  * (the file may be shared on purpose, so this does not stop the start). */
 static void warn_exposed_secrets(const pd_logger *lg, const options *opt, const pd_config *cfg) {
     struct stat st;
-    if (!opt->config_path || (!cfg->server.api_key[0] && !cfg->admin.token[0]) || stat(opt->config_path, &st) != 0 ||
-        !(st.st_mode & 077))
+    /* A Redis URL holds a password only after "user:" and before "@". */
+    const bool redis_secret = cfg->cluster.password[0] || strchr(cfg->cluster.redis_url, '@');
+    if (!opt->config_path || (!cfg->server.api_key[0] && !cfg->admin.token[0] && !redis_secret) ||
+        stat(opt->config_path, &st) != 0 || !(st.st_mode & 077))
         return;
     pd_log(lg, PD_LOG_WARN,
              "config file %s is readable by %s (mode %04o) and the configuration holds secrets "
-             "(server.api_key, admin.token): chmod 600 %s, or 640 with a group only the service is in",
+             "(server.api_key, admin.token, the Redis password): chmod 600 %s, or 640 with a group only the service "
+             "is in",
              opt->config_path, st.st_mode & 004 ? "everyone" : "its group", (unsigned)(st.st_mode & 07777),
              opt->config_path);
 }
