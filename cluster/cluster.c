@@ -505,8 +505,17 @@ static void drop_local(pd_cluster *c, const pd_prefix_id *id) {
 static int fetch_record(pd_cluster *c, redisContext *ctx, const rec_meta *m, pd_error *err) {
     char idhex[PD_PREFIX_ID_HEX], key[KEY_MAX];
     pd_prefix_id_hex(&m->id, idhex);
-    if (m->bytes > SIZE_MAX / 2 || m->chunks > m->bytes)
-        return pd_errorf(err, PD_EFORMAT, "prefix %s in the shared tier has a malformed size", idhex);
+    /* The size comes from Redis: never allocate more than the local store
+     * could hold anyway. */
+    pd_store_stats ss;
+    if (pd_store_stats_get(c->o.store, &ss, err)) return err->code;
+    if (m->bytes > SIZE_MAX / 2 || m->bytes > ss.map_size || m->chunks > m->bytes) {
+        atomic_fetch_add(&c->rejected, 1);
+        pd_errorf(err, PD_EFORMAT, "prefix %s from the shared tier was not used: it claims %" PRIu64 " bytes in %" PRIu64
+                  " chunks, more than this store's map of %" PRIu64 " bytes", idhex, m->bytes, m->chunks, ss.map_size);
+        pd_log(c->o.logger, PD_LOG_WARN, "%s", err->msg);
+        return PD_EFORMAT;
+    }
     uint8_t *blob = malloc((size_t)m->bytes);
     redisReply **rs = calloc((size_t)m->chunks + 1, sizeof *rs);
     int rc = PD_OK;
