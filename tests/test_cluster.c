@@ -401,3 +401,39 @@ Test(cluster, bad_urls_are_refused_with_the_forms) {
     pd_cluster_free(c);
     pd_store_close(a);
 }
+
+/* A consumer never writes records to Redis; a publisher never fetches. */
+Test(cluster, roles_limit_what_a_node_does) {
+    pd_store *a = open_store("a"), *b = open_store("b"), *p = open_store("p");
+    char url[64];
+    snprintf(url, sizeof url, "redis://127.0.0.1:%d", redis_port);
+    pd_cluster_opts o;
+    pd_cluster_opts_default(&o);
+    o.redis_url = url;
+    o.timeout_ms = 200;
+    o.retry_s = 0.2;
+    pd_cluster *consumer = NULL, *publisher = NULL;
+    pd_error err = {0};
+    o.store = a;
+    o.role = PD_CLUSTER_CONSUMER;
+    cr_assert_eq(pd_cluster_create(&o, &consumer, &err), PD_OK, "%s", err.msg);
+    o.store = p;
+    o.role = PD_CLUSTER_PUBLISHER;
+    cr_assert_eq(pd_cluster_create(&o, &publisher, &err), PD_OK, "%s", err.msg);
+    pd_cluster *member = join(b, 1 << 20);
+    pd_token *t = tokens_of(40, 12);
+    const pd_prefix_id from_consumer = put_record(a, t, 30, "", 1);
+    cr_assert_eq(pd_cluster_publish(consumer, &from_consumer, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(redis_count("prefixd:rec:*"), 0, "a consumer published");
+    cr_assert_eq(pd_cluster_fetch_id(member, &from_consumer, &err), PD_ENOTFOUND);
+
+    const pd_prefix_id from_member = put_record(b, t, 33, "", 2);
+    cr_assert_eq(pd_cluster_publish(member, &from_member, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_cluster_fetch(publisher, FP, "", NULL, t, 40, &err), PD_ENOTFOUND, "a publisher fetched");
+    cr_assert(!held(p, &from_member));
+    cr_assert_eq(pd_cluster_fetch(consumer, FP, "", NULL, t, 40, &err), PD_OK, "%s", err.msg);
+    cr_assert(held(a, &from_member));
+    pd_cluster_free(member), pd_cluster_free(publisher), pd_cluster_free(consumer);
+    pd_store_close(p), pd_store_close(b), pd_store_close(a);
+    free(t);
+}
