@@ -7,8 +7,9 @@ loopback ports, all stopped at the end. In order:
               routes to node 3 (cached_tokens > 0) with no job run on node 3;
               one routing key always lands on one node
   delete      a delete on node 2 makes every node miss within a second
-  kill        SIGKILL of node 2 under load: only requests node 2 was
-              answering fail; every request sent after the kill succeeds
+  kill        SIGKILL of node 2 under load: only requests in flight on
+              node 2 may fail (HAProxy replays those it had not begun to
+              answer); every request sent after it died succeeds
   redis_down  with Redis stopped, every live node serves and registers
 
 Exit 0 when all pass, 1 otherwise, 77 (skip) without redis-server, haproxy
@@ -133,7 +134,7 @@ def test_kill(c, state):
           [r[2] for r in after if r[2] != 200])
     check(len(failed) <= 6, "%d requests failed; at most the 6 in flight may" % len(failed))
     check(all(r[0] <= dead_at and r[1] >= kill_at for r in failed), "a failed request was not in flight at the kill")
-    print("  kill: %d requests, %d after the kill, %d failed (in flight on node 2)" %
+    print("  kill: %d requests, %d after the kill, %d failed (in flight on node 2, not replayed)" %
           (len(results), len(after), len(failed)))
 
 
