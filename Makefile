@@ -15,7 +15,7 @@ export PATH := $(PATH):/usr/local/cuda/bin
 
 DEFAULT_MODEL := $(if $(wildcard $(SHARED)/tinystories/stories260K.gguf),$(SHARED)/tinystories/stories260K.gguf,models/default.gguf)
 
-.PHONY: all deps build test test-asan test-cudaemu run bench bench-gpu bench-store eval fuzz clean bench-serve bench-peer bench-conn screenshots
+.PHONY: all deps build test test-asan test-cudaemu run bench bench-gpu bench-store eval fuzz clean bench-serve bench-peer bench-conn bench-cluster screenshots
 
 all: build
 
@@ -180,3 +180,9 @@ bench-peer: build
 # completion must answer within 1 s, 64 streams must finish (docs/deployment.md).
 bench-conn: build
 	tools/slowloris-bench.py --prefixd $(BUILD)/prefixd --model $(DEFAULT_MODEL)
+
+# Prefix-affinity routing against round-robin on a 3-node cluster on this
+# machine (redis-server, three prefixd, HAProxy; docs/deployment.md "Several nodes").
+bench-cluster: build
+	PD_SHARED_MODELS=$(SHARED) tools/cluster-bench.py --prefixd $(BUILD)/prefixd --prefixctl $(BUILD)/tools/prefixctl \
+	  --rounds 3 --modes affinity,roundrobin,affinity-unbounded
