@@ -15,6 +15,7 @@
 #define JOBS_URL "/admin/v1/jobs/"
 #define PREFIXES_URL "/admin/v1/prefixes"
 #define POLICIES_URL "/admin/v1/policies"
+#define SHARED_URL "/admin/v1/shared/prefixes"
 
 #define BAD(e, param, ...) pd_api_errorf((e), 400, PD_API_ERR_INVALID, (param), NULL, __VA_ARGS__)
 
@@ -554,13 +555,54 @@ static int handle_list(const pd_admin_ctx *ctx, const char *ns, pd_admin_reply *
     return reply(json_pack("{s:s,s:o}", "object", "list", "data", l.data), 200, out, e);
 }
 
-/* A change the shared tier must carry to every node could not reach Redis:
- * 503 with its own code, so a client knows to retry the same call. */
+/* Redis could not be reached for something only it knows, or must carry
+ * to every node: 503 with its own code, so a client knows to retry. */
 static int shared_tier_error(pd_api_error *e, const pd_error *err) {
     if (err->code == PD_EUNAVAILABLE)
         return pd_api_errorf(e, 503, PD_API_ERR_OVERLOADED, NULL, "shared_tier_unavailable", "%s; retry", err->msg);
     return pd_api_error_from(e, err, NULL);
 }
+
+typedef struct shared_list_ctx {
+    const pd_admin_ctx *admin;
+    json_t *data;
+    const char *ns;
+} shared_list_ctx;
+
+static int shared_one(void *vctx, const pd_cluster_entry *e) {
+    shared_list_ctx *l = vctx;
+    char hex[PD_PREFIX_ID_HEX];
+    pd_prefix_id_hex(&e->id, hex);
+    pd_prefix_info info;
+    pd_error err;
+    const bool here = pd_store_info(l->admin->b.store, &e->id, &info, &err) == PD_OK;
+    json_t *o = json_pack("{s:s,s:s,s:I,s:s,s:s,s:b,s:I,s:I,s:b}", "id", hex, "object", "shared_prefix", "tokens",
+                          (json_int_t)e->n_tokens, "policy", e->spec, "namespace", l->ns, "pinned", (int)e->pinned,
+                          "bytes", (json_int_t)(e->bytes > INT64_MAX ? INT64_MAX : e->bytes), "created_at",
+                          (json_int_t)e->created_at, "held_here", (int)here);
+    return o && json_array_append_new(l->data, o) == 0 ? 0 : PD_ENOMEM;
+}
+
+/* GET /admin/v1/shared/prefixes: what the shared tier holds for the served
+ * model in one namespace, and which of it this node holds too. */
+static int handle_shared_list(const pd_admin_ctx *ctx, const char *ns, pd_admin_reply *out, pd_api_error *e) {
+    if (!ctx->b.cluster)
+        return pd_api_errorf(e, 404, PD_API_ERR_NOT_FOUND, NULL, "no_shared_tier",
+                             "this node has no shared tier: set cluster.redis_url (docs/deployment.md, \"Several nodes\")");
+    uint8_t fp[PD_SHA256_LEN];
+    pd_model_fingerprint(ctx->b.model, fp);
+    shared_list_ctx l = {.admin = ctx, .data = json_array(), .ns = ns ? ns : ""};
+    if (!l.data) return reply(NULL, 0, out, e);
+    pd_error err = {0};
+    const int rc = pd_cluster_list(ctx->b.cluster, fp, l.ns, shared_one, &l, &err);
+    if (rc) {
+        json_decref(l.data);
+        if (rc == PD_ENOMEM && !err.msg[0]) return reply(NULL, 0, out, e);
+        return shared_tier_error(e, &err);
+    }
+    return reply(json_pack("{s:s,s:o}", "object", "list", "data", l.data), 200, out, e);
+}
+
 
 /* PATCH {"pinned": bool}: the only mutable part of a stored prefix. */
 static int handle_patch(const pd_admin_ctx *ctx, const pd_prefix_id *id, const char *body, size_t len,
@@ -792,6 +834,11 @@ int pd_admin_handle(const pd_admin_ctx *ctx, const char *method, const char *url
     }
     if (strncmp(url, PREFIXES_URL "/", strlen(PREFIXES_URL "/")) == 0)
         return handle_prefix(ctx, method, url + strlen(PREFIXES_URL "/"), body, len, out, e);
+    if (strcmp(url, SHARED_URL) == 0) {
+        if (strcmp(method, "GET") != 0)
+            return pd_api_errorf(e, 405, PD_API_ERR_INVALID, NULL, "method_not_allowed", "use GET on " SHARED_URL);
+        return handle_shared_list(ctx, query_namespace, out, e);
+    }
     if (strcmp(url, POLICIES_URL) == 0) {
         if (strcmp(method, "GET") != 0)
             return pd_api_errorf(e, 405, PD_API_ERR_INVALID, NULL, "method_not_allowed", "use GET on " POLICIES_URL);

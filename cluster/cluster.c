@@ -806,6 +806,64 @@ int pd_cluster_pin(pd_cluster *c, const pd_prefix_id *id, bool pinned, pd_error 
     return rc;
 }
 
+/* ---- list ------------------------------------------------------------------------------ */
+
+int pd_cluster_list(pd_cluster *c, const uint8_t fingerprint[PD_SHA256_LEN], const char *ns, pd_cluster_visit_fn fn,
+                    void *ctx, pd_error *err) {
+    char fp[2 * PD_SHA256_LEN + 1], key[KEY_MAX];
+    pd_hex(fingerprint, PD_SHA256_LEN, fp);
+    key_of(c, key, "ids", fp, ns ? ns : "");
+    redisContext *rc_ctx = conn_get(c, err);
+    if (!rc_ctx) return err->code;
+    int rc = PD_OK;
+    redisReply *set = redisCommand(rc_ctx, "SMEMBERS %s", key), **metas = NULL;
+    size_t n = 0;
+    if (!set) {
+        rc = unavailable(c, rc_ctx->errstr, err);
+        goto done;
+    }
+    if (!reply_ok(c, set, err)) {
+        rc = err->code;
+        goto done;
+    }
+    n = set->type == REDIS_REPLY_ARRAY ? set->elements : 0;
+    rec_meta *m = n ? calloc(n, sizeof *m) : NULL;
+    if (n && (!m || !(metas = calloc(n, sizeof *metas)))) {
+        free(m);
+        n = 0;
+        rc = pd_errorf(err, PD_ENOMEM, "out of memory listing the shared tier");
+        goto done;
+    }
+    size_t asked = 0;
+    for (size_t i = 0; i < n; i++) {
+        const redisReply *e = set->element[i];
+        char idhex[PD_PREFIX_ID_HEX];
+        pd_error pe;
+        if (e->type != REDIS_REPLY_STRING || e->len != PD_PREFIX_ID_HEX - 1) continue;
+        memcpy(idhex, e->str, e->len);
+        idhex[e->len] = '\0';
+        if (pd_prefix_id_parse(idhex, &m[asked].id, &pe)) continue;
+        append_hmget(rc_ctx, c, idhex);
+        asked++;
+    }
+    if (!read_replies(c, rc_ctx, metas, asked, err)) rc = err->code;
+    /* An id whose hash is gone is a delete in progress: not listed. */
+    for (size_t i = 0; !rc && i < asked; i++) {
+        if (!rec_meta_decode(metas[i], &m[i])) continue;
+        pd_cluster_entry e = {.id = m[i].id, .n_tokens = m[i].n_tokens, .created_at = m[i].created_at,
+                              .bytes = m[i].bytes, .pinned = m[i].pinned};
+        snprintf(e.spec, sizeof e.spec, "%s", m[i].spec);
+        rc = fn(ctx, &e);
+    }
+    free_replies(metas, asked);
+    free(m);
+done:
+    free(metas);
+    if (set) freeReplyObject(set);
+    conn_put(c, rc_ctx);
+    return rc;
+}
+
 /* ---- the event thread -------------------------------------------------------------------- */
 
 static void apply_event(pd_cluster *c, const char *msg, size_t len) {

@@ -102,6 +102,23 @@ int pd_cluster_delete(pd_cluster *c, const pd_prefix_id *id, bool *existed, pd_e
 /* Pin or unpin it on every node that holds it. */
 int pd_cluster_pin(pd_cluster *c, const pd_prefix_id *id, bool pinned, pd_error *err);
 
+/* One prefix the shared tier holds, as its rec: hash describes it. */
+typedef struct pd_cluster_entry {
+    pd_prefix_id id;
+    int32_t n_tokens;
+    char spec[PD_PREFIX_SPEC_MAX];
+    int64_t created_at;      /* unix seconds, when it was compressed */
+    uint64_t bytes;          /* the transfer blob's size */
+    bool pinned;
+} pd_cluster_entry;
+
+/* Every prefix the shared tier holds for this model fingerprint and
+ * namespace (its ids:FP:NS index), in no particular order. A non-zero
+ * return from fn stops the walk and is returned. */
+typedef int (*pd_cluster_visit_fn)(void *ctx, const pd_cluster_entry *e);
+int pd_cluster_list(pd_cluster *c, const uint8_t fingerprint[PD_SHA256_LEN], const char *ns, pd_cluster_visit_fn fn,
+                    void *ctx, pd_error *err);
+
 typedef struct pd_cluster_stats {
     bool up;                /* the last attempt to reach Redis succeeded */
     int64_t errors;         /* failed Redis calls (outages, error replies) */

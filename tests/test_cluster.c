@@ -437,3 +437,48 @@ Test(cluster, roles_limit_what_a_node_does) {
     pd_store_close(p), pd_store_close(b), pd_store_close(a);
     free(t);
 }
+
+static int collect_entry(void *ctx, const pd_cluster_entry *e) {
+    pd_cluster_entry *out = ctx;
+    for (int i = 0; i < 4; i++)
+        if (out[i].n_tokens == 0) {
+            out[i] = *e;
+            return 0;
+        }
+    return 1;
+}
+
+/* The index per (model, namespace) lists what the shared tier holds. */
+Test(cluster, the_shared_tier_lists_a_namespace) {
+    pd_store *a = open_store("a");
+    pd_cluster *ca = join(a, 1 << 20);
+    pd_token *t = tokens_of(60, 21);
+    const pd_prefix_id x = put_record(a, t, 40, "ns1", 1), y = put_record(a, t, 20, "ns1", 2),
+                       z = put_record(a, t, 30, "ns2", 3);
+    pd_error err = {0};
+    cr_assert_eq(pd_cluster_publish(ca, &x, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_cluster_publish(ca, &y, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_cluster_publish(ca, &z, &err), PD_OK, "%s", err.msg);
+    pd_cluster_entry got[4];
+    memset(got, 0, sizeof got);
+    cr_assert_eq(pd_cluster_list(ca, FP, "ns1", collect_entry, got, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(got[2].n_tokens, 0, "ns2's prefix listed under ns1");
+    cr_assert_eq(got[0].n_tokens + got[1].n_tokens, 60);
+    const pd_cluster_entry *ex = got[0].n_tokens == 40 ? &got[0] : &got[1];
+    cr_assert(memcmp(ex->id.b, x.b, PD_PREFIX_ID_LEN) == 0);
+    cr_assert_str_eq(ex->spec, "knorm:retention=1");
+    cr_assert(ex->bytes > 0 && ex->created_at > 0 && !ex->pinned);
+    bool existed;
+    cr_assert_eq(pd_cluster_delete(ca, &x, &existed, &err), PD_OK);
+    memset(got, 0, sizeof got);
+    cr_assert_eq(pd_cluster_list(ca, FP, "ns1", collect_entry, got, &err), PD_OK);
+    cr_assert_eq(got[0].n_tokens, 20, "only y is left");
+    cr_assert_eq(got[1].n_tokens, 0);
+    uint8_t other[PD_SHA256_LEN] = {9};
+    memset(got, 0, sizeof got);
+    cr_assert_eq(pd_cluster_list(ca, other, "ns1", collect_entry, got, &err), PD_OK);
+    cr_assert_eq(got[0].n_tokens, 0, "another model's list is empty");
+    pd_cluster_free(ca);
+    pd_store_close(a);
+    free(t);
+}

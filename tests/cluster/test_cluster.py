@@ -27,7 +27,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from localcluster import LocalCluster, metrics, request, tools_present, wait_until  # noqa: E402
+from localcluster import ADMIN_TOKEN, LocalCluster, metrics, request, tools_present, wait_until  # noqa: E402
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the "
          "sunshine. One day, she saw a big tree with a red ball in it. She wanted the ball very much.")
@@ -76,6 +76,9 @@ def test_shared(c, state):
     check(m3.get("prefixd_cluster_fetched_total") == 1, "node 3 fetched %s" % m3.get("prefixd_cluster_fetched_total"))
     m1 = metrics(c.node_ports[0])
     check(m1.get("prefixd_cluster_published_total") == 1, "node 1 published %s" % m1)
+    status, _, body = request(c.node_ports[1], "GET", "/admin/v1/shared/prefixes", None,
+                              {"Authorization": "Bearer " + ADMIN_TOKEN})
+    check(status == 200 and [p["id"] for p in body["data"]] == [state["id"]], "the shared list: %s" % body)
 
 
 def test_delete(c, state):
