@@ -9,7 +9,7 @@ packages=(
   libmicrohttpd-dev libjansson-dev liblmdb-dev lmdb-utils libxxhash-dev libcriterion-dev
   libopenblas-dev liblapacke-dev libssl-dev libinih-dev libsystemd-dev
   libpcre2-dev libutf8proc-dev libcurl4-openssl-dev curl python3 systemd haproxy
-  libhiredis-dev redis-server
+  libhiredis-dev redis-server openssl
   chromium python3-websocket
 )
 

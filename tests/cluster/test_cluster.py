@@ -11,6 +11,9 @@ loopback ports, all stopped at the end. In order:
               node 2 may fail (HAProxy replays those it had not begun to
               answer); every request sent after it died succeeds
   redis_down  with Redis stopped, every live node serves and registers
+  tls         Redis with TLS and a password, reached through
+              deploy/cluster/redis-tls-tunnel.cfg: a prefix registered on one
+              node serves another
 
 Exit 0 when all pass, 1 otherwise, 77 (skip) without redis-server, haproxy
 or the shared models, except under CI=true, where that is a failure.
@@ -20,14 +23,14 @@ or the shared models, except under CI=true, where that is a failure.
 import argparse
 import os
 import shutil
-import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from localcluster import ADMIN_TOKEN, LocalCluster, metrics, request, tools_present, wait_until  # noqa: E402
+from localcluster import ADMIN_TOKEN, ROOT, LocalCluster, free_port, metrics, request, tools_present, wait_until  # noqa: E402,E501
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the "
          "sunshine. One day, she saw a big tree with a red ball in it. She wanted the ball very much.")
@@ -155,6 +158,51 @@ def test_redis_down(c, state):
     check(metrics(c.node_ports[0]).get("prefixd_cluster_up") == 0, "prefixd_cluster_up is not 0 on node 1")
 
 
+def test_tls(c, state, prefixd, model, workdir, sets):
+    """Redis over TLS through deploy/cluster/redis-tls-tunnel.cfg, with AUTH:
+    a prefix registered on one node serves another."""
+    if not shutil.which("openssl"):
+        raise AssertionError("openssl is needed to make the test certificate")
+    tdir = os.path.join(workdir, "tls")
+    os.makedirs(tdir)
+    key, cert = os.path.join(tdir, "key.pem"), os.path.join(tdir, "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True)
+    tls_port, tunnel_port = free_port(), free_port()
+    password = "tls-s3cret"
+    procs = []
+    try:
+        procs.append(subprocess.Popen(
+            ["redis-server", "--port", "0", "--tls-port", str(tls_port), "--bind", "127.0.0.1",
+             "--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", cert, "--tls-auth-clients", "no",
+             "--requirepass", password, "--save", "", "--appendonly", "no", "--dir", tdir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        env = dict(os.environ, REDIS_TUNNEL_LISTEN="127.0.0.1:%d" % tunnel_port,
+                   REDIS_TLS_ADDR="127.0.0.1:%d" % tls_port, REDIS_CA=cert, REDIS_NAME="localhost")
+        procs.append(subprocess.Popen(["haproxy", "-db", "-f", os.path.join(ROOT, "deploy", "cluster",
+                                                                          "redis-tls-tunnel.cfg")],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+        def answers():
+            r = subprocess.run(["redis-cli", "-p", str(tunnel_port), "--no-auth-warning", "-a", password, "ping"],
+                               capture_output=True, text=True)
+            return r.stdout.strip() == "PONG"
+        check(wait_until(answers, 10, 0.1), "Redis does not answer through the TLS tunnel")
+        with LocalCluster(prefixd, model, tdir, 2, sets + ["cluster.password=" + password]) as t:
+            t.redis_port = tunnel_port  # the nodes talk to the tunnel
+            t.start_node(0)
+            t.start_node(1)
+            status, _, body = t.register(0, STORY, policy="knorm", retention=0.5)
+            check(status == 201, "registration over TLS: %s %s" % (status, body))
+            status, _, body = completion(t.node_ports[1], STORY + " Then", max_tokens=1)
+            check(registered_tokens(body) > 0, "node 2 did not get the prefix over TLS: %s" % body)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefixd", default=os.environ.get("PD_PREFIXD", "build/prefixd"))
@@ -178,8 +226,9 @@ def main():
     try:
         with LocalCluster(a.prefixd, model, workdir, 3, sets) as c:
             c.start_all()
+            tls = lambda c, state: test_tls(c, state, a.prefixd, model, workdir, sets)  # noqa: E731
             for name, fn in (("shared", test_shared), ("delete", test_delete), ("kill", test_kill),
-                             ("redis_down", test_redis_down)):
+                             ("redis_down", test_redis_down), ("tls", tls)):
                 t = time.monotonic()
                 try:
                     fn(c, state)
