@@ -82,8 +82,8 @@ static int parse_url(pd_cluster *c, const char *url, pd_error *err) {
     c->port = 6379;
     if (strncmp(url, "rediss://", 9) == 0)
         return pd_errorf(err, PD_EUNSUPPORTED,
-                         "cluster.redis_url: rediss:// (TLS) is not supported by this build's hiredis; run a TLS "
-                         "tunnel on localhost (HAProxy or stunnel, docs/deployment.md) and give redis://127.0.0.1:PORT");
+                         "cluster.redis_url: rediss:// (TLS) is not supported by this build's hiredis; run the TLS "
+                         "tunnel deploy/cluster/redis-tls-tunnel.cfg on the node and give redis://127.0.0.1:PORT");
     if (strncmp(url, "unix://", 7) == 0) {
         const char *path = url + 7, *q = strchr(path, '?');
         const size_t len = q ? (size_t)(q - path) : strlen(path);

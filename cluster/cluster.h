@@ -55,8 +55,8 @@ typedef enum pd_cluster_role {
 
 typedef struct pd_cluster_opts {
     /* redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] or unix:///PATH[?db=DB].
-     * rediss:// (TLS) is refused: hiredis 0.14 has no TLS; put a TLS
-     * tunnel (HAProxy, stunnel) on localhost and point the URL at it. */
+     * rediss:// (TLS) is refused: hiredis 0.14 has no TLS; run the tunnel
+     * deploy/cluster/redis-tls-tunnel.cfg and point the URL at it. */
     const char *redis_url;
     const char *password;     /* NULL or "": the URL's, if any (AUTH) */
     const char *key_prefix;   /* every key and the channel start with it (default "prefixd:") */

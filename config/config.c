@@ -627,8 +627,8 @@ static const char *check_redis_url(const char *s) {
     for (const char *p = s; *p; p++)
         if ((unsigned char)*p <= 0x20 || (unsigned char)*p >= 0x7f) return "must be printable ASCII without spaces";
     if (strncmp(s, "rediss://", 9) == 0)
-        return "uses TLS (rediss://), which this build's hiredis lacks: run a TLS tunnel on localhost (HAProxy or "
-               "stunnel, docs/deployment.md) and write redis://127.0.0.1:PORT";
+        return "uses TLS (rediss://), which this build's hiredis lacks: run the TLS tunnel "
+               "deploy/cluster/redis-tls-tunnel.cfg on the node and write redis://127.0.0.1:PORT";
     if (strncmp(s, "redis://", 8) == 0 && s[8] && s[8] != '/') return NULL;
     if (strncmp(s, "unix:///", 8) == 0) return NULL;
     return "must be redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] or unix:///PATH[?db=DB]";
