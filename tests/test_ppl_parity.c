@@ -29,7 +29,8 @@
  * Under AddressSanitizer the matrix is F16 and Q4_K_M only and the
  * discrimination tests are skipped (they check the test, not the code).
  * Without ../shared/peer (llama.cpp's binaries), or on a CPU they cannot run
- * on (they are built for AVX-512), everything is skipped. */
+ * on (they are built for AVX-512), everything is skipped: the first cell to
+ * see the peer die notes it in the cache folder, and the rest skip at once. */
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 #include <dirent.h>
@@ -126,11 +127,56 @@ static const char *peer_dir(void) {
     return access(exe, X_OK) == 0 ? buf : NULL;
 }
 
+static const char *cache_dir(void);
+
+#define PEER_SIGILL_MSG                                                                                        \
+    "stopped with 'Illegal instruction': ../shared/peer is built for AVX-512, which this CPU lacks; perplexity " \
+    "parity not checked here"
+
+/* This CPU's feature flags (the /proc/cpuinfo line), "" where unknown. */
+static void cpu_flags(char *buf, size_t cap) {
+    buf[0] = '\0';
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f) return;
+    char line[8192];
+    while (fgets(line, sizeof line, f))
+        if (strncmp(line, "flags", 5) == 0) {
+            snprintf(buf, cap, "%s", line);
+            break;
+        }
+    fclose(f);
+}
+
+/* Each cell is its own process: the first that sees the peer die of SIGILL
+ * leaves a note (keyed by this CPU's flags) so the others skip at once
+ * instead of generating and quantizing models for nothing. */
+static void peer_sigill_note(void) {
+    char path[4200], flags[8192];
+    snprintf(path, sizeof path, "%s/peer-sigill", cache_dir());
+    cpu_flags(flags, sizeof flags);
+    FILE *f = fopen(path, "w");
+    if (!f) return;
+    fputs(flags, f);
+    fclose(f);
+}
+
+static bool peer_sigill_noted(void) {
+    char path[4200], flags[8192], noted[8192] = "";
+    snprintf(path, sizeof path, "%s/peer-sigill", cache_dir());
+    FILE *f = fopen(path, "r");
+    if (!f) return false;
+    const bool got = fgets(noted, sizeof noted, f) != NULL;
+    fclose(f);
+    cpu_flags(flags, sizeof flags);
+    return got && flags[0] && strcmp(flags, noted) == 0;
+}
+
 #define REQUIRE_PEER()                                                                                          \
     do {                                                                                                        \
         if (!peer_dir())                                                                                        \
             cr_skip_test("../shared/peer (llama.cpp's llama-perplexity, llama-quantize) is absent: perplexity " \
                          "parity not checked (set PD_PEER or PD_SHARED_MODELS)");                               \
+        if (peer_sigill_noted()) cr_skip_test("llama.cpp in ../shared/peer " PEER_SIGILL_MSG);                 \
     } while (0)
 
 static const char *cache_dir(void) {
@@ -399,8 +445,8 @@ static void quantize(const char *base, const char *mix, const char *dir, const c
     int rc = th_runf(&out, "%s/llama-quantize '%s' '%s' %s 2 2>&1", peer_dir(), base, out_path, mix);
     if (rc == 128 + 4) {
         free(out);
-        cr_skip_test("llama-quantize stopped with 'Illegal instruction': ../shared/peer is built for AVX-512, "
-                     "which this CPU lacks; perplexity parity not checked here");
+        peer_sigill_note();
+        cr_skip_test("llama-quantize " PEER_SIGILL_MSG);
     }
     if (rc != 0 && out && strstr(out, "unknown model architecture")) peer_lacks_arch(base, out);
     cr_assert_eq(rc, 0, "llama-quantize %s %s failed:\n%s", base, mix, out ? out : "");
@@ -417,8 +463,8 @@ static double llama_ppl(const char *model, int chunks) {
     const char *fin = out ? strstr(out, "Final estimate: PPL = ") : NULL;
     if (rc == 128 + 4) { /* SIGILL, as the shell reports it */
         free(out);
-        cr_skip_test("llama-perplexity stopped with 'Illegal instruction': ../shared/peer is built for AVX-512, "
-                     "which this CPU lacks; perplexity parity not checked here");
+        peer_sigill_note();
+        cr_skip_test("llama-perplexity " PEER_SIGILL_MSG);
     }
     if (rc != 0 && out && strstr(out, "unknown model architecture")) peer_lacks_arch(model, out);
     cr_assert(rc == 0 && fin, "llama-perplexity on %s failed (exit %d):\n%s", model, rc, out ? out : "");
