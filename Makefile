@@ -75,7 +75,8 @@ EMU_SUITES := test_cuda test_cuda_quant test_cuda_memory test_cuda_parity test_d
   test_cuda_attention
 
 test-cudaemu: deps $(EMU_BUILD)/build.ninja $(TSAN_EMU_BUILD)/build.ninja
-	meson compile -C $(EMU_BUILD) $(addprefix tests/,$(EMU_SUITES) store_writer) prefixd tools/prefixctl
+	meson compile -C $(EMU_BUILD) $(addprefix tests/,$(EMU_SUITES) store_writer) prefixd tools/prefixctl \
+	  tools/prefix-bench
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	  meson test -C $(EMU_BUILD) --no-rebuild --print-errorlogs --timeout-multiplier 4 $(EMU_SUITES)
 	meson compile -C $(TSAN_EMU_BUILD) tools/prefixctl tools/prefix-bench
