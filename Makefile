@@ -70,7 +70,8 @@ $(TSAN_EMU_BUILD)/build.ninja: | deps
 	  -Dbuildtype=debugoptimized -Dtests=false $(MESON_OPTS)
 
 # Only the GPU suites and what they run are built: the whole tree at -O2
-# under ASan took 12 of CI's minutes. `meson test --no-rebuild` keeps it so.
+# under ASan took 12 minutes on the 2-vCPU machine. `meson test --no-rebuild`
+# keeps it so.
 EMU_SUITES := test_cuda test_cuda_quant test_cuda_memory test_cuda_parity test_device test_cuda_fatal test_fused \
   test_cuda_attention
 
