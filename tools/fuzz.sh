@@ -20,7 +20,9 @@ if [ ! -f build-fuzz/build.ninja ]; then
   CC=clang meson setup build-fuzz -Dfuzz=true -Dtests=false -Dcuda=disabled \
     -Db_sanitize=address,undefined -Db_lundef=false -Dc_args=-fsanitize=fuzzer-no-link
 fi
-meson compile -C build-fuzz
+# Only what runs here: the fuzz targets, their seed writer and prefixctl.
+meson compile -C build-fuzz tests/fuzz/fuzz_gguf tests/fuzz/fuzz_tokenize tests/fuzz/fuzz_config \
+  tests/fuzz/fuzz_policy_spec tests/fuzz/fuzz_store_record tests/fuzz/gen_record_seeds tools/prefixctl
 mkdir -p build-fuzz/corpus build-fuzz/corpus-config build-fuzz/corpus-text build-fuzz/crashes \
   build-fuzz/corpus-spec build-fuzz/corpus-record
 cp -n tests/fuzz/corpus/* tests/fuzz/regressions/* build-fuzz/corpus/ 2>/dev/null || true
