@@ -144,6 +144,7 @@ static const key_desc keys[] = {
     INT_KEY(model, n_threads, 0, 1024, "0"),
     ENUM_KEY(model, kv_type, kv_type_names, "f16"),
     BOOL_KEY(model, mmap, "false"),
+    BOOL_KEY(model, cuda_graphs, "true"),
 
     STRING_KEY(cache, path, check_not_empty, false, "var/prefixd"),
     I64_KEY(cache, map_size_mb, 16, INT64_C(16777216), "4096"),

@@ -96,6 +96,7 @@ typedef struct pd_config {
         int n_threads;                  /* compute threads; 0 = number of CPUs */
         pd_kv_cache_type kv_type;       /* KV rows in memory (and the type stored prefixes are read as) */
         bool mmap;                      /* CPU: map the GGUF file instead of reading it into memory */
+        bool cuda_graphs;               /* CUDA: launch each decode step as one recorded graph */
     } model;
     struct {
         char path[PD_CONFIG_STR_CAP];   /* LMDB environment directory */

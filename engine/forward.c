@@ -136,6 +136,18 @@ static kv_stream *seq_stream(pd_seq *s, int layer, int head) {
     return &s->streams[(int64_t)layer * s->model->hp.n_head_kv + head];
 }
 
+/* Room for every entry's new rows in its streams of one layer. */
+static int reserve_kv(pd_model *m, const fwd_entry *es, int n_es, int layer, pd_error *err) {
+    const size_t row = (size_t)m->hp.head_dim * kv_elem_size(m->kv_type);
+    for (int i = 0; i < n_es; i++)
+        for (int h = 0; h < m->hp.n_head_kv; h++) {
+            kv_stream *st = seq_stream(es[i].seq, layer, h);
+            int rc = kv_stream_reserve(st, m->backend, st->len + es[i].n, row, err);
+            if (rc) return rc;
+        }
+    return PD_OK;
+}
+
 /* Append every entry's new K/V rows of one layer to its sequence's streams:
  * one batch of 2-D copies ([row][kv head][dim] -> [kv head][row][dim]). An
  * f16 cache takes the rows rounded once, for the whole batch, first. */
@@ -146,21 +158,20 @@ static int append_kv(pd_model *m, const fwd_entry *es, int n_es, int64_t R, int 
     const int hd = hp->head_dim, nkv = hp->n_head_kv;
     const size_t esz = kv_elem_size(m->kv_type), row = (size_t)hd * esz, src_pitch = (size_t)nkv * row;
     const char *ksrc = (const char *)b->k, *vsrc = (const char *)b->v;
+    int rc;
     if (m->kv_type == PD_TYPE_F16) {
         const int64_t n = R * nkv * hd;
-        int rc;
         if ((rc = pd_backend_convert(be, b->k16, PD_TYPE_F16, b->k, PD_TYPE_F32, n, err)) ||
             (rc = pd_backend_convert(be, b->v16, PD_TYPE_F16, b->v, PD_TYPE_F32, n, err)))
             return rc;
         ksrc = (const char *)b->k16, vsrc = (const char *)b->v16;
     }
+    if ((rc = reserve_kv(m, es, n_es, layer, err))) return rc;
     int64_t n_copies = 0;
     for (int i = 0; i < n_es; i++) {
         const fwd_entry *e = &es[i];
         for (int h = 0; h < nkv; h++) {
             kv_stream *st = seq_stream(e->seq, layer, h);
-            int rc = kv_stream_reserve(st, be, st->len + e->n, row, err);
-            if (rc) return rc;
             const size_t first = (size_t)((e->row0 * nkv + h) * hd) * esz, end = (size_t)st->len * row;
             b->copies[n_copies++] =
                 (pd_copy2d){(char *)st->k + end, ksrc + first, row, src_pitch, row, (size_t)e->n};
@@ -171,8 +182,7 @@ static int append_kv(pd_model *m, const fwd_entry *es, int n_es, int64_t R, int 
                                                     sizeof(int32_t), (size_t)e->n * sizeof(int32_t), 1};
         }
     }
-    int rc = pd_backend_copy2d_batch(be, b->copies, n_copies, err);
-    if (rc) return rc;
+    if ((rc = pd_backend_copy2d_batch(be, b->copies, n_copies, err))) return rc;
     /* Only now that the copies are queued do the lengths grow. */
     for (int i = 0; i < n_es; i++) {
         const fwd_entry *e = &es[i];
@@ -455,7 +465,13 @@ static int logits_staging(pd_model *m, pd_error *err) {
  * time: gather them, project, and copy each row to its logits slot. On a
  * device backend a chunk comes down in one copy into pinned memory, then
  * is scattered to the slots. */
-static int output_logits(pd_model *m, const fwd_entry *es, int n_es, fwd_bufs *b, float *logits, pd_error *err) {
+/* A step recorded as a device graph: RECORDING until output_logits ends
+ * the recording (before the first download, which must wait for the
+ * work), LAUNCHED once it ran. */
+typedef enum step_graph { GRAPH_NONE, GRAPH_RECORDING, GRAPH_LAUNCHED } step_graph;
+
+static int output_logits(pd_model *m, const fwd_entry *es, int n_es, fwd_bufs *b, float *logits, step_graph *graph,
+                         pd_error *err) {
     const pd_hparams *hp = &m->hp;
     pd_backend *be = m->backend;
     const int64_t d = hp->n_embd, V = hp->n_vocab;
@@ -478,6 +494,11 @@ static int output_logits(pd_model *m, const fwd_entry *es, int n_es, fwd_bufs *b
                 (hp->final_softcap > 0.0f && (rc = pd_backend_softcap(be, dst, n * V, hp->final_softcap, err))))
                 break;
             const size_t row_bytes = (size_t)V * sizeof(float);
+            if (*graph == GRAPH_RECORDING) {
+                *graph = GRAPH_NONE; /* ended, whatever the outcome */
+                if ((rc = pd_backend_graph_end(be, true, err))) break;
+                *graph = GRAPH_LAUNCHED;
+            }
             if (!host_backend(m)) {
                 if (!(rc = pd_backend_download(be, m->logits_staging, b->logits, (size_t)n * row_bytes, err)))
                     for (int64_t r = 0; r < n; r++)
@@ -492,7 +513,35 @@ static int output_logits(pd_model *m, const fwd_entry *es, int n_es, fwd_bufs *b
     return rc;
 }
 
-static int forward(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_opts *opts, float *logits, pd_error *err) {
+/* Drop every row at or past each entry's next_pos from layers [0, n_layers):
+ * the sequences are as they were before the call. */
+static void drop_step_rows(pd_model *m, const fwd_entry *es, int n_es, int n_layers) {
+    for (int i = 0; i < n_es; i++)
+        for (int l = 0; l < n_layers; l++)
+            for (int h = 0; h < m->hp.n_head_kv; h++) {
+                kv_stream *st = seq_stream(es[i].seq, l, h);
+                while (st->len > 0 && st->pos[st->len - 1] >= es[i].seq->next_pos) st->len--;
+            }
+}
+
+/* Whether a call is recorded as one device graph: a decode step (one token
+ * and its logits per entry, one output chunk) on a device backend, unless
+ * the model was loaded without graphs. */
+static bool graph_step(const pd_model *m, const fwd_entry *es, int n_es, const pd_prefill_opts *opts,
+                       const float *logits) {
+    if (m->no_graphs || host_backend(m) || opts || !logits || n_es > LOGIT_CHUNK || n_es > PD_GRAPH_BUCKETS)
+        return false;
+    for (int i = 0; i < n_es; i++)
+        if (es[i].n != 1 || es[i].n_out != 1) return false;
+    return true;
+}
+
+/* One pass, recorded as a device graph when try_graph and the backend
+ * records one. A failure of a recorded pass leaves the sequences as they
+ * were and sets *redo when none of the step ran and the device is fine:
+ * the caller runs it again without a graph. */
+static int forward_pass(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_opts *opts, float *logits,
+                        bool try_graph, bool *redo, pd_error *err) {
     const pd_hparams *hp = &m->hp;
     int64_t R = 0;
     for (int i = 0; i < n_es; i++) {
@@ -511,35 +560,56 @@ static int forward(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_opts *
         R += e->n;
     }
     fwd_bufs b;
+    step_graph graph = GRAPH_NONE;
+    pd_backend *be = m->backend;
     int rc = alloc_bufs(m, R, n_es, logits != NULL, opts, &b, err);
     if (rc) return rc;
+    /* A stream that grows (allocate, copy) inside a recording that is then
+     * dropped would be left half made: every stream grows first. */
+    for (int l = 0; try_graph && l < hp->n_layer; l++)
+        if ((rc = reserve_kv(m, es, n_es, l, err))) return rc;
+    if (try_graph && pd_backend_graph_begin(be, n_es, NULL) == PD_OK) graph = GRAPH_RECORDING;
 
-    pd_backend *be = m->backend;
     for (int i = 0; i < n_es; i++) {
         const fwd_entry *e = &es[i];
-        if ((rc = pd_backend_get_rows(be, &m->tok_embd, e->tokens, e->n, b.x + e->row0 * hp->n_embd, err))) return rc;
+        if ((rc = pd_backend_get_rows(be, &m->tok_embd, e->tokens, e->n, b.x + e->row0 * hp->n_embd, err))) goto fail;
         for (int64_t t = 0; t < e->n; t++) b.hpos[e->row0 + t] = e->seq->next_pos + (int32_t)t;
     }
-    if (hp->embd_scale != 1.0f && (rc = pd_backend_scale(be, b.x, R * hp->n_embd, hp->embd_scale, err))) return rc;
-    if ((rc = pd_backend_upload(be, b.pos, b.hpos, sizeof(int32_t) * (size_t)R, err))) return rc;
+    if (hp->embd_scale != 1.0f && (rc = pd_backend_scale(be, b.x, R * hp->n_embd, hp->embd_scale, err))) goto fail;
+    if ((rc = pd_backend_upload(be, b.pos, b.hpos, sizeof(int32_t) * (size_t)R, err))) goto fail;
 
     bool h_ready = false; /* b->h holds the next layer's attn_norm (run_layer) */
     for (int l = 0; l < hp->n_layer; l++) {
         if ((rc = run_layer(m, es, n_es, R, l, opts, &b, &h_ready, err))) {
             /* Leave every sequence as it was: drop this call's rows from all layers. */
-            for (int i = 0; i < n_es; i++)
-                for (int ll = 0; ll <= l; ll++)
-                    for (int h = 0; h < hp->n_head_kv; h++) {
-                        kv_stream *st = seq_stream(es[i].seq, ll, h);
-                        while (st->len > 0 && st->pos[st->len - 1] >= es[i].seq->next_pos) st->len--;
-                    }
-            return pd_error_prefix(err, "layer %d", l);
+            drop_step_rows(m, es, n_es, l + 1);
+            pd_error_prefix(err, "layer %d", l);
+            goto fail;
         }
     }
     /* A device backend reports late failures here rather than in the next call. */
     if (!logits && (rc = pd_backend_sync(be, err))) return rc;
     for (int i = 0; i < n_es; i++) es[i].seq->next_pos += (int32_t)es[i].n;
-    return logits ? output_logits(m, es, n_es, &b, logits, err) : PD_OK;
+    if (!logits) return PD_OK;
+    const bool recorded = graph == GRAPH_RECORDING;
+    if (!(rc = output_logits(m, es, n_es, &b, logits, &graph, err)) || !recorded || graph == GRAPH_LAUNCHED)
+        return rc;
+    /* The recorded step never ran: take it back. */
+    for (int i = 0; i < n_es; i++) es[i].seq->next_pos -= (int32_t)es[i].n;
+    drop_step_rows(m, es, n_es, hp->n_layer);
+    *redo = rc != PD_EDEVICE; /* graph_end failed, or an op while recording */
+fail:
+    if (graph == GRAPH_RECORDING) {
+        (void)pd_backend_graph_end(be, false, NULL);
+        *redo = rc != PD_EDEVICE;
+    }
+    return rc;
+}
+
+static int forward(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_opts *opts, float *logits, pd_error *err) {
+    bool redo = false;
+    const int rc = forward_pass(m, es, n_es, opts, logits, graph_step(m, es, n_es, opts, logits), &redo, err);
+    return rc && redo ? forward_pass(m, es, n_es, opts, logits, false, &redo, err) : rc;
 }
 
 int pd_prefill(pd_model *m, pd_seq *s, const pd_token *tokens, int64_t n, const pd_prefill_opts *opts, float *logits,

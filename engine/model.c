@@ -523,6 +523,7 @@ int pd_model_load(const char *path, const pd_model_params *params, pd_model **ou
         return PD_ENOMEM;
     }
     m->kv_type = params && params->kv_f32 ? PD_TYPE_F32 : PD_TYPE_F16;
+    m->no_graphs = params && params->no_graphs;
     /* The CPU computes from the file's bytes: read them into huge-page
      * memory. A device backend uploads them, so a mapping is enough. */
     const bool host = !params || !params->backend || pd_backend_host_memory(params->backend);

@@ -86,6 +86,8 @@ typedef struct pd_model_params {
     bool kv_f32;           /* keep KV rows in f32; false (the default, and NULL params): f16 */
     bool mmap_weights;     /* CPU: map the file instead of reading it into memory (faster start,
                               pages shared with other processes, slower decode: pd_gguf_load) */
+    bool no_graphs;        /* run decode steps op by op; false (the default): a backend with device
+                              graphs (CUDA) records each step and launches it as one graph */
 } pd_model_params;
 
 int pd_model_load(const char *path, const pd_model_params *params, pd_model **out, pd_error *err);

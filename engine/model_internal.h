@@ -58,6 +58,7 @@ struct pd_model {
     float *dev_norms; /* the same in backend memory (== norms on a host backend) */
     float *rope_freqs;     /* hp.rope's divisors (and hp.rope_swa's where they are the same), or NULL */
     pd_type kv_type; /* PD_TYPE_F16 or PD_TYPE_F32: its sequences' K/V rows */
+    bool no_graphs;  /* decode steps are not recorded as device graphs (pd_model_params) */
     fwd_scratch scratch;
     /* Pinned host rows the logits of a device backend come down into, all
      * of a chunk at once (forward.c; pd_backend_host_alloc). */

@@ -149,6 +149,16 @@ bool pd_backend_caches_weights(const pd_backend *be) { return be->ops->prepare_w
 
 bool pd_backend_has_token_scores(const pd_backend *be) { return be->ops->token_scores != NULL; }
 
+int pd_backend_graph_begin(pd_backend *be, int bucket, pd_error *err) {
+    if (!be->ops->graph_begin) return pd_errorf(err, PD_EUNSUPPORTED, "backend %s has no graphs", be->ops->name);
+    return be->ops->graph_begin(be, bucket, err);
+}
+
+int pd_backend_graph_end(pd_backend *be, bool launch, pd_error *err) {
+    if (!be->ops->graph_end) return pd_errorf(err, PD_EINVAL, "backend %s has no graphs to end", be->ops->name);
+    return be->ops->graph_end(be, launch, err);
+}
+
 void pd_backend_counters_get(const pd_backend *be, pd_backend_counters *out) {
     memset(out, 0, sizeof *out);
     if (be->ops->counters) be->ops->counters(be, out);

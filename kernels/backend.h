@@ -324,6 +324,22 @@ bool pd_backend_caches_weights(const pd_backend *be);
  * caller scores on the host). */
 bool pd_backend_has_token_scores(const pd_backend *be);
 
+/* Device graphs: a backend that has them (CUDA) records the work queued
+ * between graph_begin and graph_end instead of running it, and at
+ * graph_end(launch = true) runs it all as one graph: the graph of `bucket`
+ * (a decode step's batch size, 1..PD_GRAPH_BUCKETS) is updated in place
+ * when the recorded work has the same shape as last time, and rebuilt when
+ * not. Nothing may wait for the device in between (download, sync).
+ * graph_begin fails with PD_EUNSUPPORTED where there are no graphs (a host
+ * backend, a bucket out of range, or after a recording failed: the backend
+ * stops recording for good), and the caller just runs the work. graph_end
+ * with launch = false drops the recording. When graph_end(true) fails with
+ * PD_EUNSUPPORTED, none of the recorded work ran: the caller redoes it
+ * without a graph; any other code is a failure of the device itself. */
+#define PD_GRAPH_BUCKETS 32
+int pd_backend_graph_begin(pd_backend *be, int bucket, pd_error *err);
+int pd_backend_graph_end(pd_backend *be, bool launch, pd_error *err);
+
 /* What a device backend has done since it was created, for benchmarks and
  * for tests that check the serving path: a decode step should launch few
  * kernels, allocate nothing and copy through pinned memory only. A host
@@ -336,6 +352,8 @@ typedef struct pd_backend_counters {
     uint64_t downloads;       /* device -> host copies */
     uint64_t unstaged_copies; /* of those, to or from pageable memory without pinned staging */
     uint64_t syncs;           /* times the host waited for the stream */
+    uint64_t graph_launches;  /* device graphs launched (their recorded work counts in launches) */
+    uint64_t graph_builds;    /* graphs instantiated: a new bucket, or a step whose shape changed */
 } pd_backend_counters;
 void pd_backend_counters_get(const pd_backend *be, pd_backend_counters *out);
 

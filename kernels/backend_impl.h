@@ -12,7 +12,7 @@ extern "C" {
 #endif
 
 /* Bumped when an op is added, removed or changes meaning. */
-#define PD_BACKEND_OPS_VERSION 5
+#define PD_BACKEND_OPS_VERSION 6
 
 typedef struct pd_backend_ops {
     const char *name;
@@ -115,6 +115,10 @@ typedef struct pd_backend_ops {
     int (*qkv_bias_rope)(pd_backend *be, const pd_qkv_args *a, pd_error *err);
     /* Optional (NULL: the caller scores on the host): pd_token_score_args. */
     int (*token_scores)(pd_backend *be, const pd_token_score_args *a, pd_error *err);
+    /* Optional, both or neither (NULL: no graphs): pd_backend_graph_begin
+     * and pd_backend_graph_end. */
+    int (*graph_begin)(pd_backend *be, int bucket, pd_error *err);
+    int (*graph_end)(pd_backend *be, bool launch, pd_error *err);
     /* Optional (NULL: zeros): pd_backend_counters. */
     void (*counters)(const pd_backend *be, pd_backend_counters *out);
     /* Optional (NULL: malloc / free): host memory that downloads fill

@@ -411,3 +411,121 @@ Test(cuda_memory, scheduler_serves_from_the_pool_without_driver_allocations) {
     }
     free_pair(&p);
 }
+
+/* ---- decode steps as CUDA graphs (docs/gpu.md, CUDA graphs) ----------------- */
+
+/* The same model twice on two backends, one recording decode steps as
+ * graphs (the default), one op by op. */
+typedef struct graph_pair {
+    pd_backend *be_graph, *be_ops;
+    pd_model *graph, *ops;
+} graph_pair;
+
+static graph_pair load_graph_pair(void) {
+    TH_REQUIRE_SHARED();
+    char path[1024];
+    cr_assert(th_shared_file("tinystories/stories260K.gguf", path, sizeof path));
+    graph_pair g = {cuda_backend(), cuda_backend(), NULL, NULL};
+    pd_error err = {0};
+    pd_model_params gp = {.backend = g.be_graph}, op = {.backend = g.be_ops, .no_graphs = true};
+    cr_assert_eq(pd_model_load(path, &gp, &g.graph, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_model_load(path, &op, &g.ops, &err), PD_OK, "%s", err.msg);
+    return g;
+}
+
+static void free_graph_pair(graph_pair *g) {
+    pd_model_free(g->graph);
+    pd_model_free(g->ops);
+    pd_backend_free(g->be_graph);
+    pd_backend_free(g->be_ops);
+}
+
+#define GSEQ 5
+
+/* Decode steps over batches of the sizes in `sizes` (sequences 0..size-1,
+ * each prefilled with its own prompt first), on both models: the logits
+ * must be the same bits. A graph replays exactly the kernels the ops would
+ * launch, with the same arguments, so any difference is a graph that ran
+ * stale parameters or read an upload after it was overwritten. */
+static void decode_both(graph_pair *g, const int *sizes, int n_steps) {
+    pd_error err = {0};
+    const int64_t V = pd_model_hparams(g->graph)->n_vocab;
+    pd_seq *gs[GSEQ], *os[GSEQ];
+    float *gl = malloc(sizeof(float) * GSEQ * V), *ol = malloc(sizeof(float) * GSEQ * V);
+    cr_assert(gl && ol);
+    pd_token toks[GSEQ];
+    for (int i = 0; i < GSEQ; i++) {
+        cr_assert_eq(pd_seq_create(g->graph, 128, &gs[i], &err), PD_OK, "%s", err.msg);
+        cr_assert_eq(pd_seq_create(g->ops, 128, &os[i], &err), PD_OK, "%s", err.msg);
+        pd_token prompt[16];
+        for (int t = 0; t < 9 + i; t++) prompt[t] = (pd_token)(1 + (t * 41 + i * 97) % 500);
+        cr_assert_eq(pd_prefill(g->graph, gs[i], prompt, 9 + i, NULL, gl, &err), PD_OK, "%s", err.msg);
+        cr_assert_eq(pd_prefill(g->ops, os[i], prompt, 9 + i, NULL, ol, &err), PD_OK, "%s", err.msg);
+        cr_assert_eq(memcmp(gl, ol, sizeof(float) * V), 0, "prefill logits of sequence %d differ", i);
+        toks[i] = (pd_token)(3 + i);
+    }
+    for (int s = 0; s < n_steps; s++) {
+        const int n = sizes[s];
+        cr_assert_eq(pd_decode(g->graph, gs, toks, n, gl, &err), PD_OK, "%s", err.msg);
+        cr_assert_eq(pd_decode(g->ops, os, toks, n, ol, &err), PD_OK, "%s", err.msg);
+        for (int i = 0; i < n; i++) {
+            cr_assert_eq(memcmp(gl + i * V, ol + i * V, sizeof(float) * V), 0,
+                         "step %d (batch %d), sequence %d: a graph's logits differ from op by op", s, n, i);
+            int64_t best = 0;
+            for (int64_t v = 1; v < V; v++)
+                if (ol[i * V + v] > ol[i * V + best]) best = v;
+            toks[i] = (pd_token)best;
+        }
+    }
+    for (int i = 0; i < GSEQ; i++) {
+        pd_seq_free(gs[i]);
+        pd_seq_free(os[i]);
+    }
+    free(gl);
+    free(ol);
+}
+
+static const int graph_sizes[] = {1, 1, 1, 3, 3, 3, 1, 5, 5, 3, 3, 1};
+#define GRAPH_STEPS ((int)(sizeof graph_sizes / sizeof *graph_sizes))
+
+Test(cuda_memory, decode_steps_as_graphs_match_op_by_op_bit_for_bit) {
+    REQUIRE_CUDA();
+    graph_pair g = load_graph_pair();
+    const pd_backend_counters g0 = counters(g.be_graph), o0 = counters(g.be_ops);
+    decode_both(&g, graph_sizes, GRAPH_STEPS);
+    const pd_backend_counters g1 = counters(g.be_graph), o1 = counters(g.be_ops);
+    cr_assert_eq(g1.graph_launches - g0.graph_launches, GRAPH_STEPS, "every decode step is one graph launch");
+    /* One executable per batch size, kept across steps of the same size
+     * (updated in place) and across other sizes in between: 1, 3 and 5,
+     * plus a rebuild wherever a step's shape changed (the attention plan
+     * splits the growing context differently). */
+    const uint64_t builds = g1.graph_builds - g0.graph_builds;
+    cr_assert_geq(builds, 3);
+    cr_assert_lt(builds, GRAPH_STEPS / 2, "%llu graphs built for %d steps: updates in place do not work",
+                 (unsigned long long)builds, GRAPH_STEPS);
+    cr_assert_eq(o1.graph_launches, o0.graph_launches, "no_graphs still launched graphs");
+    /* The recorded work is the op-by-op work. */
+    cr_assert_eq(g1.launches - g0.launches, o1.launches - o0.launches);
+    cr_assert_eq(g1.device_allocs - g0.device_allocs, o1.device_allocs - o0.device_allocs);
+    /* Prefill is not recorded: many tokens per entry. */
+    free_graph_pair(&g);
+}
+
+Test(cuda_memory, a_failed_recording_reruns_the_step_without_a_graph) {
+    REQUIRE_CUDA();
+    pd_cuda_device_info info;
+    pd_error err = {0};
+    cr_assert_eq(pd_cuda_device_info_get(0, &info, &err), PD_OK, "%s", err.msg);
+    if (strncmp(info.name, "cudaemu", 7) != 0)
+        cr_skip_test("cuda:0 is a real GPU (%s): failures are injected only on cudaemu", info.name);
+    /* The third recording of the process fails as if an operation in it
+     * could not be recorded: that step runs op by op, and so does every
+     * later one (a recording that failed once would fail again). */
+    cr_assert_eq(setenv("CUDAEMU_FAIL_CAPTURE", "3", 1), 0);
+    graph_pair g = load_graph_pair();
+    const pd_backend_counters g0 = counters(g.be_graph);
+    decode_both(&g, graph_sizes, GRAPH_STEPS);
+    const pd_backend_counters g1 = counters(g.be_graph);
+    cr_assert_eq(g1.graph_launches - g0.graph_launches, 2, "two steps before the failure ran as graphs");
+    free_graph_pair(&g);
+}

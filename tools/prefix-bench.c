@@ -98,7 +98,7 @@ static void usage(FILE *f) {
     fputs("usage: prefix-bench [--model FILE | --preset NAME [--type T] [--n-vocab N] [--seed S]]\n"
           "                    [--device D] [--threads LIST] [--prompt N] [--gen N] [--reps N]\n"
           "                    [--decode-ctx N] [--bandwidth [--bw-mib M]] [--prefix LIST]\n"
-          "                    [--batches LIST] [--attn-keys LIST [--attn-chunk N]] [--json]\n"
+          "                    [--batches LIST] [--attn-keys LIST [--attn-chunk N]] [--no-graphs] [--json]\n"
           "  --preset    generate a model: tiny, stories260k, smollm2-135m, llama-3.2-1b, qwen2.5-0.5b\n"
           "  --type      weight type of the generated model (default q8_0)\n"
           "  --device    cpu (default), cuda, cuda:N, auto, or cpu-discrete (the CPU acting as a\n"
@@ -118,12 +118,14 @@ static void usage(FILE *f) {
           "              token, decode at batch 1 and 8 and uncompressed at batch 1, and on CUDA the\n"
           "              bandwidth bound)\n"
           "  --batches   decode steps at each batch size (e.g. 1,8,16,32): tok/s, step time\n"
-          "              p50/p99/max, host enqueue vs device time, logits time, launches,\n"
-          "              allocations and syncs per step, decode against the bound of weights + KV\n"
-          "              read per step (--bw-mib sizes the host bandwidth test off CUDA)\n"
+          "              p50/p99/max, host enqueue vs device time, logits time, launches, graph\n"
+          "              launches and builds, allocations and syncs per step, decode against the\n"
+          "              bound of weights + KV read per step (--bw-mib sizes the host bandwidth\n"
+          "              test off CUDA)\n"
           "  --attn-keys attention over that many synthetic f16 keys (e.g. 4096,16384): decode\n"
           "              queries at each --batches size and one prefill chunk, TFLOP/s\n"
           "  --attn-chunk  queries of that prefill chunk (default 512, at most the keys)\n"
+          "  --no-graphs run decode steps op by op, not as recorded CUDA graphs (model.cuda_graphs)\n"
           "  --json      machine-readable output\n",
           f);
 }
@@ -532,6 +534,7 @@ typedef struct steps_result {
     double wait_p50;          /* host blocked in download/sync */
     double nologits_p50;      /* wall time of the same step without logits */
     double launches, allocs, frees, syncs, uploads, downloads, unstaged; /* per step (counter deltas) */
+    double graphs, graph_builds; /* device graphs launched and instantiated per step */
     double kv_bytes;          /* KV read per step, mean over the timed steps */
 } steps_result;
 
@@ -589,6 +592,8 @@ static int decode_steps(pd_model *m, pd_backend_timer *tm, int batch, int n_prom
             out->uploads += (double)(c1.uploads - c0.uploads);
             out->downloads += (double)(c1.downloads - c0.downloads);
             out->unstaged += (double)(c1.unstaged_copies - c0.unstaged_copies);
+            out->graphs += (double)(c1.graph_launches - c0.graph_launches);
+            out->graph_builds += (double)(c1.graph_builds - c0.graph_builds);
             /* The same step without logits (pd_decode syncs instead). */
             const double t0 = pd_now_seconds();
             rc = pd_decode(m, seqs, toks, batch, NULL, err);
@@ -609,6 +614,8 @@ static int decode_steps(pd_model *m, pd_backend_timer *tm, int batch, int n_prom
         out->uploads /= n;
         out->downloads /= n;
         out->unstaged /= n;
+        out->graphs /= n;
+        out->graph_builds /= n;
         out->wall = percentiles(wall, n);
         out->enqueue_p50 = percentiles(enq, n).p50;
         out->device_p50 = percentiles(dev, n).p50;
@@ -784,16 +791,17 @@ static void print_steps_table(const char *dev_name, const bound_info *bd, long n
         printf("device weights: %.3g GB (quantized types in their file blocks)\n", (double)bd->device_bytes / 1e9);
     printf("bound: (%.3g GB of weights + the KV bytes read) per step / %.1f GB/s %s\n", (double)bd->weight_bytes / 1e9,
            bd->bandwidth / 1e9, bd->bandwidth_what);
-    printf("%5s %10s %8s %8s %8s %10s %8s %8s %9s %9s %7s %6s %8s %10s %9s\n", "batch", "tok/s", "p50 ms", "p99 ms",
-           "max ms", "enqueue ms", "gpu ms", "wait ms", "logits ms", "launches", "allocs", "syncs", "KV MB",
-           "bound t/s", "dec/bound");
+    printf("%5s %10s %8s %8s %8s %10s %8s %8s %9s %9s %6s %6s %7s %6s %8s %10s %9s\n", "batch", "tok/s", "p50 ms",
+           "p99 ms", "max ms", "enqueue ms", "gpu ms", "wait ms", "logits ms", "launches", "graphs", "builds", "allocs",
+           "syncs", "KV MB", "bound t/s", "dec/bound");
     for (int i = 0; i < n; i++) {
         const steps_result *r = &rs[i];
         const double bound = r->batch * bd->bandwidth / ((double)bd->weight_bytes + r->kv_bytes);
-        printf("%5d %10.1f %8.3f %8.3f %8.3f %10.3f %8.3f %8.3f %9.3f %9.1f %7.2f %6.2f %8.2f %10.1f %9.3f\n",
+        printf("%5d %10.1f %8.3f %8.3f %8.3f %10.3f %8.3f %8.3f %9.3f %9.1f %6.2f %6.2f %7.2f %6.2f %8.2f %10.1f %9.3f\n",
                r->batch, r->tps, 1e3 * r->wall.p50, 1e3 * r->wall.p99, 1e3 * r->wall.max, 1e3 * r->enqueue_p50,
                1e3 * r->device_p50, 1e3 * r->wait_p50, 1e3 * (r->wall.p50 - r->nologits_p50), r->launches,
-               r->allocs, r->syncs, r->kv_bytes / 1e6, bound, bound > 0 ? r->tps / bound : 0);
+               r->graphs, r->graph_builds, r->allocs, r->syncs, r->kv_bytes / 1e6, bound,
+               bound > 0 ? r->tps / bound : 0);
     }
     fflush(stdout);
 }
@@ -812,11 +820,13 @@ static void print_steps_json(const bound_info *bd, long n_prompt, long n_gen, lo
                "\"nologits_p50_ms\": %.4f, \"logits_ms\": %.4f, \"launches_per_step\": %.2f, "
                "\"device_allocs_per_step\": %.3f, \"device_frees_per_step\": %.3f, \"syncs_per_step\": %.3f, "
                "\"uploads_per_step\": %.3f, \"downloads_per_step\": %.3f, \"unstaged_copies_per_step\": %.3f, "
+               "\"graph_launches_per_step\": %.3f, \"graph_builds_per_step\": %.3f, "
                "\"kv_bytes_per_step\": %.6g, \"bound_tps\": %.3f, \"decode_over_bound\": %.4f}",
                i ? "," : "", r->batch, r->steps, r->tps, 1e3 * r->wall.p50, 1e3 * r->wall.p99, 1e3 * r->wall.max,
                1e3 * r->enqueue_p50, 1e3 * r->device_p50, 1e3 * r->wait_p50, 1e3 * r->nologits_p50,
                1e3 * (r->wall.p50 - r->nologits_p50), r->launches, r->allocs, r->frees, r->syncs, r->uploads,
-               r->downloads, r->unstaged, r->kv_bytes, bound, bound > 0 ? r->tps / bound : 0);
+               r->downloads, r->unstaged, r->graphs, r->graph_builds, r->kv_bytes, bound,
+               bound > 0 ? r->tps / bound : 0);
     }
     printf("\n]}");
 }
@@ -884,12 +894,13 @@ int main(int argc, char **argv) {
         {"decode-ctx", required_argument, 0, 'D'}, {"bandwidth", no_argument, 0, 'B'},
         {"bw-mib", required_argument, 0, 'M'},  {"kv-type", required_argument, 0, 'K'},
         {"batches", required_argument, 0, 'b'}, {"attn-keys", required_argument, 0, 'A'},
-        {"attn-chunk", required_argument, 0, 'C'}, {"help", no_argument, 0, 'h'},
+        {"attn-chunk", required_argument, 0, 'C'}, {"no-graphs", no_argument, 0, 'G'},
+        {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     const char *model = NULL, *preset = NULL, *type_name = "q8_0", *threads = "1,2";
     const char *device_text = "cpu", *prefix_text = NULL, *batches_text = NULL, *attn_text = NULL;
     long n_vocab = 0, seed = 1, n_prompt = 256, n_gen = 64, reps = 3, decode_ctx = -1, bw_mib = 0, attn_chunk = 512;
-    bool json = false, bandwidth_on = false, kv_f32 = false;
+    bool json = false, bandwidth_on = false, kv_f32 = false, no_graphs = false;
     int c;
     while ((c = getopt_long(argc, argv, "m:h", opts, NULL)) != -1) {
         switch (c) {
@@ -911,6 +922,7 @@ int main(int argc, char **argv) {
         case 'b': batches_text = optarg; break;
         case 'A': attn_text = optarg; break;
         case 'C': attn_chunk = strtol(optarg, NULL, 10); break;
+        case 'G': no_graphs = true; break;
         case 'K':
             if (strcmp(optarg, "f16") != 0 && strcmp(optarg, "f32") != 0) {
                 fprintf(stderr, "prefix-bench: --kv-type '%s': use f16 (the default) or f32\n", optarg);
@@ -1029,7 +1041,7 @@ int main(int argc, char **argv) {
     for (int ti = 0; ti < n_rows; ti++) {
         const long nt = dev_be ? thread_counts[n_threads - 1] : thread_counts[ti];
         pd_model *m = NULL;
-        pd_model_params mp = {.n_threads = (int)nt, .backend = dev_be, .kv_f32 = kv_f32};
+        pd_model_params mp = {.n_threads = (int)nt, .backend = dev_be, .kv_f32 = kv_f32, .no_graphs = no_graphs};
         if (pd_model_load(model, &mp, &m, &err)) {
             fprintf(stderr, "prefix-bench: %s\n", err.msg);
             return 1;

@@ -309,7 +309,7 @@ static int run(const pd_logger *lg, const pd_config *cfg) {
         rc = pd_errorf(&err, PD_EINVAL, "model.path is not set: give a GGUF file (--set model.path=FILE)");
     const bool kv_f32 = cfg->model.kv_type == PD_KV_CACHE_F32;
     pd_model_params mp = {.n_threads = cfg->model.n_threads, .backend = backend, .kv_f32 = kv_f32,
-                          .mmap_weights = cfg->model.mmap};
+                          .mmap_weights = cfg->model.mmap, .no_graphs = !cfg->model.cuda_graphs};
     if (!rc) rc = pd_model_load(cfg->model.path, &mp, &model, &err);
     if (!rc) rc = warm_up(lg, model, &err);
 

@@ -226,6 +226,8 @@ static int cuda_gather_op(pd_backend *be, void *dst, const void *src, const int3
 
 static int cuda_sync_op(pd_backend *be, pd_error *err) {
     cuda_backend *cb = cuda_impl(be);
+    if (cb->capturing)
+        return pd_errorf(err, PD_EINVAL, "cuda backend: sync while a graph is being recorded (end it first)");
     int rc = cuda_enter(cb, err);
     if (rc) return rc;
     rc = cuda_take_deferred(cb, err);
@@ -257,6 +259,7 @@ static void cuda_destroy(cuda_backend *cb) {
     }
     if (cb->cusolver) (void)cusolverDnDestroy(cb->cusolver);
     if (cb->cublas) (void)cublasDestroy(cb->cublas);
+    cuda_graphs_destroy(cb);
     if (cb->stream) (void)cudaStreamDestroy(cb->stream);
     (void)cudaGetLastError();
     free(cb);
@@ -303,6 +306,8 @@ static pd_backend_ops make_cuda_ops(void) {
     o.matmul_glu = cuda_matmul_glu;
     o.qkv_bias_rope = cuda_qkv_bias_rope;
     o.token_scores = cuda_token_scores;
+    o.graph_begin = cuda_graph_begin;
+    o.graph_end = cuda_graph_end;
     o.counters = cuda_counters_op;
     o.host_alloc = cuda_host_alloc_op;
     o.host_free = cuda_host_free_op;
@@ -394,6 +399,7 @@ extern "C" int pd_backend_cuda_create(int index, pd_backend **out, pd_error *err
         CREATE_TRY(cudaEventCreateWithFlags(&cb->pinned_done[i], cudaEventDisableTiming), "cudaEventCreate");
     }
     if ((rc = cuda_ring_create(cb, err))) goto fail;
+    if ((rc = cuda_graphs_create(cb, err))) goto fail;
 
     cb->base.ops = cuda_ops();
     cb->base.impl = cb;

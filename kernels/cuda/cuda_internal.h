@@ -40,16 +40,18 @@ typedef struct cuda_block {
 } cuda_block;
 
 // One in-flight upload out of the staging ring: the ring bytes
-// [start, end) stay untouched until `done` has passed on the stream.
+// [start, end) stay untouched until its event has passed on the stream:
+// ring_done[slot], or graph_done for a copy recorded into a graph.
 typedef struct cuda_ring_rec {
     size_t start, end;
+    bool in_graph;
 } cuda_ring_rec;
 
 // Staging ring for uploads (runtime.cu): bytes, largest piece per copy,
 // in-flight records it tracks at most.
 #define CUDA_RING_BYTES ((size_t)16 << 20)
 #define CUDA_RING_PIECE ((size_t)4 << 20)
-#define CUDA_RING_RECORDS 256
+#define CUDA_RING_RECORDS 1024
 
 typedef struct cuda_backend {
     pd_backend base;
@@ -89,6 +91,18 @@ typedef struct cuda_backend {
     cuda_ring_rec ring_rec[CUDA_RING_RECORDS];
     cudaEvent_t ring_done[CUDA_RING_RECORDS];
     int ring_first, ring_count; // FIFO of in-flight records (oldest first)
+    // The newest ring_pending records were staged while a graph is being
+    // recorded: their copies run only when it is launched, so they cannot
+    // be retired before (graph.cu).
+    int ring_pending;
+    // CUDA graphs (graph.cu): while `capturing`, work queued on the stream
+    // is recorded for one decode step, launched as one graph at graph_end.
+    bool capturing;
+    bool graphs_off; // a recording failed: steps run without graphs from then on
+    int capture_bucket;
+    cudaGraphExec_t graph_exec[PD_GRAPH_BUCKETS]; // by batch size - 1
+    cudaEvent_t graph_done;                       // recorded after every graph launch
+    void *blas_workspace;                         // cuBLAS's, so a recorded GEMM allocates nothing
     // What pd_backend_counters_get reports; bumped by the thread using the backend.
     pd_backend_counters counters;
 } cuda_backend;
@@ -274,6 +288,11 @@ int cuda_attention(pd_backend *be, const pd_attn_args *a, pd_error *err);
 int cuda_token_scores(pd_backend *be, const pd_token_score_args *a, pd_error *err);
 // timing.cu: pd_backend_timer's marks (timing events on the stream).
 extern const pd_backend_timer_ops cuda_timer_ops;
+// graph.cu: the graph ops, and their state's setup and teardown.
+int cuda_graph_begin(pd_backend *be, int bucket, pd_error *err);
+int cuda_graph_end(pd_backend *be, bool launch, pd_error *err);
+int cuda_graphs_create(cuda_backend *cb, pd_error *err);
+void cuda_graphs_destroy(cuda_backend *cb);
 
 } // extern "C"
 

@@ -156,6 +156,10 @@ static int weight_get(cuda_backend *cb, const pd_weight *w, const cuda_weight_en
         return pd_errorf(err, PD_EINVAL, "cuda backend: empty weight (%lld x %lld)", (long long)w->rows,
                          (long long)w->cols);
     const cuda_weight_entry *e = cuda_weight_find(cb, w->data);
+    // Recorded, the upload would only run with the graph, while the table
+    // says the copy exists: the step is redone without a graph instead.
+    if (!e && cb->capturing)
+        return pd_errorf(err, PD_EUNSUPPORTED, "cuda backend: a weight's first upload cannot be recorded in a graph");
     if (!e) return weight_upload(cb, w, out, err);
     if (e->type != w->type || e->rows != w->rows || e->cols != w->cols) {
         const pd_type_traits *a = pd_type_get((uint32_t)e->type), *b = pd_type_get((uint32_t)w->type);

@@ -466,7 +466,11 @@ static int ring_reserve(cuda_backend *cb, size_t len, size_t *at, pd_error *err)
         // in the way are always the oldest.
         const bool in_way = wrap ? (r->start >= head || r->start < len) : (r->start < off + len && r->end > off);
         if (!in_way && cb->ring_count < CUDA_RING_RECORDS) break;
-        const cudaError_t e = cuda_event_wait(cb, cb->ring_done[cb->ring_first]);
+        if (cb->ring_count <= cb->ring_pending)
+            return pd_errorf(err, PD_EUNSUPPORTED,
+                             "cuda backend: the uploads of one recorded graph do not fit the staging ring");
+        const cudaError_t e =
+            cuda_event_wait(cb, r->in_graph ? cb->graph_done : cb->ring_done[cb->ring_first]);
         if (e != cudaSuccess) return cuda_fail(err, e, "upload (waiting for the staging ring)");
         cb->ring_first = (cb->ring_first + 1) % CUDA_RING_RECORDS;
         cb->ring_count--;
@@ -493,9 +497,13 @@ int cuda_upload(cuda_backend *cb, void *dst, const void *src, size_t bytes, pd_e
         cudaError_t e = cudaMemcpyAsync(d + off, cb->ring + at, len, cudaMemcpyHostToDevice, cb->stream);
         if (e != cudaSuccess) return cuda_fail(err, e, "upload (cudaMemcpyAsync from the staging ring)");
         const int slot = (cb->ring_first + cb->ring_count) % CUDA_RING_RECORDS;
-        e = cudaEventRecord(cb->ring_done[slot], cb->stream);
-        if (e != cudaSuccess) return cuda_fail(err, e, "upload (cudaEventRecord)");
-        cb->ring_rec[slot] = cuda_ring_rec{at, at + room};
+        // Recorded into a graph, the copy runs at its launch, after which
+        // graph_done is recorded (an event recorded during a capture marks
+        // no point in time).
+        if (!cb->capturing && (e = cudaEventRecord(cb->ring_done[slot], cb->stream)) != cudaSuccess)
+            return cuda_fail(err, e, "upload (cudaEventRecord)");
+        cb->ring_rec[slot] = cuda_ring_rec{at, at + room, cb->capturing};
+        cb->ring_pending += cb->capturing;
         cb->ring_count++;
         cb->ring_head = at + room;
         off += len;
@@ -504,6 +512,8 @@ int cuda_upload(cuda_backend *cb, void *dst, const void *src, size_t bytes, pd_e
 }
 
 int cuda_download(cuda_backend *cb, void *dst, const void *src, size_t bytes, pd_error *err) {
+    if (cb->capturing)
+        return pd_errorf(err, PD_EINVAL, "cuda backend: download while a graph is being recorded (end it first)");
     int rc = cuda_take_deferred(cb, err);
     if (rc) return rc;
     cudaError_t e;

@@ -560,7 +560,7 @@ cublasStatus_t gemm_submit(const char *fn, cublasHandle_t h, GemmBatch batch, co
         if (!check_no_conflicts(fn, regs)) return CUBLAS_STATUS_INVALID_VALUE;
         if (!touches_c) return CUBLAS_STATUS_SUCCESS;
         library_calls.fetch_add(1);
-        cudaemu_enqueue(stream, [fn, batch = std::move(batch), a, b] { run_gemms<Acc>(fn, batch, a, b); });
+        cudaemu_enqueue(stream, [fn, batch = std::move(batch), a, b] { run_gemms<Acc>(fn, batch, a, b); }, fn);
         return CUBLAS_STATUS_SUCCESS;
     }
     {
@@ -590,7 +590,7 @@ cublasStatus_t gemm_submit(const char *fn, cublasHandle_t h, GemmBatch batch, co
         const std::string e = conflict_error(std::move(regs));
         if (!e.empty()) fault(fn, e);
         run_gemms<Acc>(fn, batch, a, b);
-    });
+    }, fn);
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -729,6 +729,20 @@ cublasStatus_t cublasDestroy_v2(cublasHandle_t handle) {
 cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, cudaStream_t streamId) {
     if (!blas_handle_ok("cublasSetStream", handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
     handle->stream = streamId;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t handle, void *workspace, size_t workspaceSizeInBytes) {
+    if (!blas_handle_ok("cublasSetWorkspace", handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (workspaceSizeInBytes && !cudaemu_is_device_range(workspace, workspaceSizeInBytes)) {
+        complain("cublasSetWorkspace", "workspace %p (+%zu bytes) is not inside one device allocation", workspace,
+                 workspaceSizeInBytes);
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    if ((uintptr_t)workspace % 256 != 0) {
+        complain("cublasSetWorkspace", "workspace %p is not 256-byte aligned", workspace);
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
     return CUBLAS_STATUS_SUCCESS;
 }
 

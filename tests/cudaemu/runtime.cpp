@@ -151,6 +151,11 @@ static cudaError_t fail(cudaError_t e, const char *fmt, ...) {
  * CUDAEMU_FAIL_ARM=PATH counts launches only from the first one that finds
  * PATH existing, so a test can place the fault after a state it has reached
  * (a request running, another queued) instead of guessing a launch number.
+ *
+ * CUDAEMU_FAIL_CAPTURE=N invalidates the N-th stream capture of the process
+ * (from 1): its cudaStreamEndCapture fails with
+ * cudaErrorStreamCaptureInvalidated, as when an operation in it could not
+ * be recorded. No sticky error.
  * ------------------------------------------------------------------------ */
 
 static const cudaError_t emu_errors[] = {
@@ -184,13 +189,16 @@ struct fault_plan {
     uint64_t launch; // 0: none
     cudaError_t error;
     const char *arm_path; // NULL: counting from the first launch
+    uint64_t capture; // 0: none
 };
 
 const fault_plan &fault() {
     static const fault_plan plan = [] {
-        fault_plan p = {0, cudaErrorIllegalAddress, nullptr};
+        fault_plan p = {0, cudaErrorIllegalAddress, nullptr, 0};
         const char *n = getenv("CUDAEMU_FAIL_LAUNCH");
         if (n && *n) p.launch = strtoull(n, nullptr, 10);
+        const char *c = getenv("CUDAEMU_FAIL_CAPTURE");
+        if (c && *c) p.capture = strtoull(c, nullptr, 10);
         const char *arm = getenv("CUDAEMU_FAIL_ARM");
         if (arm && *arm) p.arm_path = arm;
         const char *name = getenv("CUDAEMU_FAIL_ERROR");
@@ -213,6 +221,7 @@ const fault_plan &fault() {
 
 std::atomic<int> sticky_error{cudaSuccess};
 std::atomic<uint64_t> launches{0};
+std::atomic<uint64_t> captures{0};
 std::atomic<bool> armed{false};
 } // namespace
 
@@ -531,6 +540,13 @@ static cudaError_t copy_sides(void *dst, const void *src, size_t bytes, cudaMemc
  * non-blocking, so it does not wait for them either.
  * ------------------------------------------------------------------------ */
 
+// One piece of recorded work: what it runs, and what it is (a kernel's
+// function, a library call's name, a copy or memset) for graph updates.
+struct cudaemu_graph_node {
+    std::function<void()> work;
+    const void *what;
+};
+
 struct cudaemu_stream {
     int id;
     std::mutex mu;
@@ -539,7 +555,22 @@ struct cudaemu_stream {
     uint64_t enqueued = 0, completed = 0;
     bool stop = false;
     std::thread worker;
+    // Stream capture: while `capture` is Active, enqueued work goes into
+    // `recorded` instead of the queue; an operation that cannot be recorded
+    // turns it Invalidated (cudaStreamEndCapture then fails).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    std::vector<cudaemu_graph_node> recorded;
 };
+
+struct cudaemu_graph {
+    std::vector<cudaemu_graph_node> nodes;
+};
+struct cudaemu_graph_exec {
+    std::vector<cudaemu_graph_node> nodes;
+};
+
+// What copies and memsets are, as graph nodes.
+static const char node_memcpy[] = "memcpy", node_memset[] = "memset", node_host[] = "host work";
 
 namespace {
 struct stream_table {
@@ -575,11 +606,35 @@ void stream_loop(cudaemu_stream *s) {
     }
 }
 
-uint64_t stream_enqueue(cudaemu_stream *s, std::function<void()> work) {
+// The work's place in the stream's order (0: recorded by a capture, or
+// dropped by an invalidated one: nothing to wait for).
+uint64_t stream_enqueue(cudaemu_stream *s, std::function<void()> work, const void *what = node_host) {
     std::lock_guard<std::mutex> g(s->mu);
+    if (s->capture == cudaStreamCaptureStatusActive) {
+        s->recorded.push_back(cudaemu_graph_node{std::move(work), what});
+        return 0;
+    }
+    if (s->capture == cudaStreamCaptureStatusInvalidated) return 0;
     s->queue.push_back(std::move(work));
     s->has_work.notify_one();
     return ++s->enqueued;
+}
+
+bool capturing(cudaemu_stream *s) {
+    if (!s) return false;
+    std::lock_guard<std::mutex> g(s->mu);
+    return s->capture != cudaStreamCaptureStatusNone;
+}
+
+// An operation a capture cannot record (a host wait, a copy from or to
+// pageable memory): the capture is invalidated, as the runtime does.
+cudaError_t capture_refuses(cudaemu_stream *s, const char *what) {
+    {
+        std::lock_guard<std::mutex> g(s->mu);
+        s->capture = cudaStreamCaptureStatusInvalidated;
+        s->recorded.clear();
+    }
+    return fail(cudaErrorStreamCaptureUnsupported, "%s on stream %p while it is being captured", what, (void *)s);
 }
 
 void stream_wait(cudaemu_stream *s, uint64_t seq) {
@@ -609,13 +664,13 @@ void drain_all() {
 
 } // namespace
 
-void cudaemu_enqueue(cudaStream_t s, std::function<void()> work) {
+void cudaemu_enqueue(cudaStream_t s, std::function<void()> work, const void *what) {
     if (!s) {
         work();
         return;
     }
     if (!stream_ok(s)) cudaemu_device_fault("cudaemu: work enqueued on stream %p, which is not live", (void *)s);
-    stream_enqueue(s, std::move(work));
+    stream_enqueue(s, std::move(work), what ? what : node_host);
 }
 
 void cudaemu_device_fault(const char *fmt, ...) {
@@ -633,6 +688,7 @@ struct cudaemu_event {
     uint64_t seq;
     bool recorded;
     unsigned flags;
+    bool captured; // last recorded on a capturing stream: not a point in time
 };
 
 extern "C" {
@@ -660,16 +716,18 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpy
         memmove(dst, src, bytes);
         return cudaSuccess;
     }
+    if (((!sd && !is_pinned_range(src, bytes)) || (!dd && !is_pinned_range(dst, bytes))) && capturing(s))
+        return capture_refuses(s, "cudaMemcpyAsync to or from pageable host memory");
     if (!sd && !is_pinned_range(src, bytes)) {
         // The staged copy belongs to the work alone (no shared_ptr: this file
         // is uninstrumented under TSan, which would not see its atomics).
         std::vector<unsigned char> staged((const unsigned char *)src, (const unsigned char *)src + bytes);
-        stream_enqueue(s, [dst, staged = std::move(staged)] { memcpy(dst, staged.data(), staged.size()); });
+        stream_enqueue(s, [dst, staged = std::move(staged)] { memcpy(dst, staged.data(), staged.size()); }, node_memcpy);
     } else if (!dd && !is_pinned_range(dst, bytes)) {
         stream_drain(s);
         memmove(dst, src, bytes);
     } else {
-        stream_enqueue(s, [dst, src, bytes] { memmove(dst, src, bytes); });
+        stream_enqueue(s, [dst, src, bytes] { memmove(dst, src, bytes); }, node_memcpy);
     }
     return cudaSuccess;
 }
@@ -702,7 +760,7 @@ cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t s) {
     if (sticky()) return sticky();
     if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaMemsetAsync: stream %p is not live", (void *)s);
     const cudaError_t e = check_memset("cudaMemsetAsync", p, bytes);
-    if (e == cudaSuccess && bytes) cudaemu_enqueue(s, [p, value, bytes] { memset(p, value, bytes); });
+    if (e == cudaSuccess && bytes) cudaemu_enqueue(s, [p, value, bytes] { memset(p, value, bytes); }, node_memset);
     return e;
 }
 
@@ -742,13 +800,117 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamSynchronize: stream %p is not live", (void *)s);
+    if (capturing(s)) return capture_refuses(s, "cudaStreamSynchronize");
     if (s) stream_drain(s);
     return sticky();
 }
 
+/* Stream capture and graphs. A graph is the recorded work in order; a
+ * launch queues a copy of each piece on the stream, so an executable graph
+ * may be updated or destroyed while a launch of it is still running. Host
+ * memory a recorded copy reads (pinned, or capture refuses it) is read when
+ * the launch runs, not when it was recorded, as on a GPU. */
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
+    if (sticky()) return sticky();
+    if (!s) return fail(cudaErrorStreamCaptureUnsupported, "cudaStreamBeginCapture: the null stream cannot be captured");
+    if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamBeginCapture: stream %p is not live", (void *)s);
+    if ((int)mode < 0 || (int)mode > 2) return fail(cudaErrorInvalidValue, "cudaStreamBeginCapture: mode %d", (int)mode);
+    std::lock_guard<std::mutex> g(s->mu);
+    if (s->capture != cudaStreamCaptureStatusNone)
+        return fail(cudaErrorIllegalState, "cudaStreamBeginCapture: stream %p is already being captured", (void *)s);
+    s->capture = cudaStreamCaptureStatusActive;
+    s->recorded.clear();
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *graph) {
+    *graph = nullptr;
+    if (!s || !stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamEndCapture: stream %p is not live", (void *)s);
+    std::vector<cudaemu_graph_node> nodes;
+    cudaStreamCaptureStatus was;
+    {
+        std::lock_guard<std::mutex> g(s->mu);
+        was = s->capture;
+        nodes.swap(s->recorded);
+        s->capture = cudaStreamCaptureStatusNone;
+    }
+    if (was == cudaStreamCaptureStatusNone)
+        return fail(cudaErrorIllegalState, "cudaStreamEndCapture: stream %p is not being captured", (void *)s);
+    const uint64_t nth = captures.fetch_add(1) + 1;
+    if (fault().capture && nth == fault().capture) {
+        fprintf(stderr, "cudaemu: capture %llu is invalidated (CUDAEMU_FAIL_CAPTURE)\n", (unsigned long long)nth);
+        was = cudaStreamCaptureStatusInvalidated;
+    }
+    if (was == cudaStreamCaptureStatusInvalidated)
+        return fail(cudaErrorStreamCaptureInvalidated, "cudaStreamEndCapture: the capture was invalidated");
+    if (sticky()) return sticky();
+    *graph = new cudaemu_graph{std::move(nodes)};
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus *status) {
+    if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaStreamIsCapturing: stream %p is not live", (void *)s);
+    *status = cudaStreamCaptureStatusNone;
+    if (s) {
+        std::lock_guard<std::mutex> g(s->mu);
+        *status = s->capture;
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *exec, cudaGraph_t graph, unsigned long long flags) {
+    *exec = nullptr;
+    if (sticky()) return sticky();
+    if (!graph || flags) return fail(cudaErrorInvalidValue, "cudaGraphInstantiateWithFlags: no graph, or flags");
+    *exec = new cudaemu_graph_exec{graph->nodes};
+    return cudaSuccess;
+}
+
+// Succeeds when the graphs have the same nodes in the same order, each of
+// the same kind (the same kernel function or library call); then the
+// executable takes the new graph's parameters.
+cudaError_t cudaGraphExecUpdate(cudaGraphExec_t exec, cudaGraph_t graph, cudaGraphExecUpdateResultInfo *info) {
+    if (sticky()) return sticky();
+    if (!exec || !graph || !info) return fail(cudaErrorInvalidValue, "cudaGraphExecUpdate: a NULL argument");
+    info->errorNode = info->errorFromNode = nullptr;
+    if (exec->nodes.size() != graph->nodes.size()) {
+        info->result = cudaGraphExecUpdateErrorTopologyChanged;
+        cudaemu_set_error(cudaErrorGraphExecUpdateFailure, nullptr); // an expected outcome: no message
+        return cudaErrorGraphExecUpdateFailure;
+    }
+    for (size_t i = 0; i < exec->nodes.size(); i++)
+        if (exec->nodes[i].what != graph->nodes[i].what) {
+            info->result = cudaGraphExecUpdateErrorFunctionChanged;
+            cudaemu_set_error(cudaErrorGraphExecUpdateFailure, nullptr);
+            return cudaErrorGraphExecUpdateFailure;
+        }
+    exec->nodes = graph->nodes;
+    info->result = cudaGraphExecUpdateSuccess;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+    if (sticky()) return sticky();
+    if (!exec) return fail(cudaErrorInvalidValue, "cudaGraphLaunch: no executable graph");
+    if (!s || !stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaGraphLaunch: stream %p is not live", (void *)s);
+    for (const cudaemu_graph_node &n : exec->nodes) stream_enqueue(s, n.work, n.what);
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+    delete graph;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+    delete exec;
+    return cudaSuccess;
+}
+
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) {
     if (sticky()) return sticky();
-    *e = new cudaemu_event{std::chrono::steady_clock::time_point(), nullptr, 0, false, flags};
+    *e = new cudaemu_event{std::chrono::steady_clock::time_point(), nullptr, 0, false, flags, false};
     return cudaSuccess;
 }
 cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
@@ -762,6 +924,14 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     if (sticky()) return sticky();
     if (!stream_ok(s)) return fail(cudaErrorInvalidResourceHandle, "cudaEventRecord: stream %p is not live", (void *)s);
+    if (capturing(s)) {
+        // A captured record orders work inside the capture only; the event
+        // marks no point in time until it is recorded outside one.
+        e->captured = true;
+        e->recorded = false;
+        return cudaSuccess;
+    }
+    e->captured = false;
     e->recorded = true;
     e->stream = s;
     if (!s) {
@@ -773,6 +943,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    if (e->captured) return fail(cudaErrorCapturedEvent, "cudaEventSynchronize: the event was recorded in a capture");
     if (e->recorded && e->stream) {
         if (!stream_ok(e->stream)) return cudaSuccess; // destroyed: its work is done
         stream_wait(e->stream, e->seq);
@@ -783,12 +954,15 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
 // cudaErrorNotReady before (a poisoned context wins, as on a GPU).
 cudaError_t cudaEventQuery(cudaEvent_t e) {
     if (sticky()) return sticky();
+    if (e->captured) return fail(cudaErrorCapturedEvent, "cudaEventQuery: the event was recorded in a capture");
     if (!e->recorded || !e->stream || !stream_ok(e->stream)) return cudaSuccess;
     std::lock_guard<std::mutex> g(e->stream->mu);
     return e->stream->completed >= e->seq ? cudaSuccess : cudaErrorNotReady;
 }
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t stop) {
     if (sticky()) return sticky();
+    if (start->captured || stop->captured)
+        return fail(cudaErrorCapturedEvent, "cudaEventElapsedTime: an event was recorded in a capture");
     if (!start->recorded || !stop->recorded || (start->flags | stop->flags) & cudaEventDisableTiming)
         return fail(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime: event not recorded or without timing");
     cudaEventSynchronize(start);
@@ -829,6 +1003,12 @@ const char *cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidAddressSpace: return "cudaErrorInvalidAddressSpace";
     case cudaErrorInvalidPc: return "cudaErrorInvalidPc";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorIllegalState: return "cudaErrorIllegalState";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorStreamCaptureUnmatched: return "cudaErrorStreamCaptureUnmatched";
+    case cudaErrorCapturedEvent: return "cudaErrorCapturedEvent";
+    case cudaErrorGraphExecUpdateFailure: return "cudaErrorGraphExecUpdateFailure";
     }
     return "cudaErrorUnknown";
 }
@@ -1276,7 +1456,7 @@ void run_grid(const launch_cfg &c, const char *kernel, const void *fn, const std
         w.threads = (int)threads;
         w.n_blocks = (uint64_t)c.grid.x * c.grid.y * c.grid.z;
         pool().run(w);
-    });
+    }, fn);
 }
 
 void *dynamic_smem() {

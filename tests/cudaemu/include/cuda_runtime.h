@@ -26,6 +26,7 @@ typedef enum cudaError {
     cudaErrorNoKernelImageForDevice = 209,
     cudaErrorECCUncorrectable = 214,
     cudaErrorInvalidResourceHandle = 400,
+    cudaErrorIllegalState = 401,
     cudaErrorNotReady = 600,
     cudaErrorIllegalAddress = 700,
     cudaErrorLaunchTimeout = 702,
@@ -36,10 +37,44 @@ typedef enum cudaError {
     cudaErrorInvalidAddressSpace = 717,
     cudaErrorInvalidPc = 718,
     cudaErrorLaunchFailure = 719,
+    cudaErrorStreamCaptureUnsupported = 900,
+    cudaErrorStreamCaptureInvalidated = 901,
+    cudaErrorStreamCaptureUnmatched = 903,
+    cudaErrorCapturedEvent = 907,
+    cudaErrorGraphExecUpdateFailure = 910,
 } cudaError_t;
 
 typedef struct cudaemu_stream *cudaStream_t;
 typedef struct cudaemu_event *cudaEvent_t;
+typedef struct cudaemu_graph *cudaGraph_t;
+typedef struct cudaemu_graph_exec *cudaGraphExec_t;
+typedef struct cudaemu_graph_node *cudaGraphNode_t;
+
+// Stream capture (CUDA graphs): work queued on a capturing stream is
+// recorded into a graph instead of run; an instantiated graph runs it all,
+// in order, each time it is launched. Only the modes and results used here.
+typedef enum cudaStreamCaptureMode {
+    cudaStreamCaptureModeGlobal = 0,
+    cudaStreamCaptureModeThreadLocal = 1,
+    cudaStreamCaptureModeRelaxed = 2,
+} cudaStreamCaptureMode;
+typedef enum cudaStreamCaptureStatus {
+    cudaStreamCaptureStatusNone = 0,
+    cudaStreamCaptureStatusActive = 1,
+    cudaStreamCaptureStatusInvalidated = 2,
+} cudaStreamCaptureStatus;
+typedef enum cudaGraphExecUpdateResult {
+    cudaGraphExecUpdateSuccess = 0,
+    cudaGraphExecUpdateError = 1,
+    cudaGraphExecUpdateErrorTopologyChanged = 2,
+    cudaGraphExecUpdateErrorNodeTypeChanged = 3,
+    cudaGraphExecUpdateErrorFunctionChanged = 4,
+} cudaGraphExecUpdateResult;
+typedef struct cudaGraphExecUpdateResultInfo {
+    cudaGraphExecUpdateResult result;
+    cudaGraphNode_t errorNode;
+    cudaGraphNode_t errorFromNode;
+} cudaGraphExecUpdateResultInfo;
 
 typedef enum cudaMemcpyKind {
     cudaMemcpyHostToHost = 0,
@@ -147,6 +182,15 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags);
 cudaError_t cudaStreamDestroy(cudaStream_t s);
 cudaError_t cudaStreamSynchronize(cudaStream_t s);
 
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *graph);
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus *status);
+cudaError_t cudaGraphInstantiateWithFlags(cudaGraphExec_t *exec, cudaGraph_t graph, unsigned long long flags);
+cudaError_t cudaGraphExecUpdate(cudaGraphExec_t exec, cudaGraph_t graph, cudaGraphExecUpdateResultInfo *info);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s);
+cudaError_t cudaGraphDestroy(cudaGraph_t graph);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
+
 cudaError_t cudaEventCreate(cudaEvent_t *e);
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags);
 cudaError_t cudaEventDestroy(cudaEvent_t e);
@@ -173,7 +217,10 @@ void cudaemu_set_error(cudaError_t e, const char *why);
 // Emulator internals for the library calls (blas.cpp) and kernel launches:
 // run `work` on stream s after everything enqueued there before it, on the
 // stream's own thread (at once, on the calling thread, for the null stream).
-void cudaemu_enqueue(cudaStream_t s, std::function<void()> work);
+// `what` names the work for graph updates (a kernel's function, a
+// library call's name): a graph whose nodes differ in it is not
+// topologically the same. Work on a capturing stream is recorded instead.
+void cudaemu_enqueue(cudaStream_t s, std::function<void()> work, const void *what = nullptr);
 // A fault found while enqueued work runs (an operand that is not device
 // memory, ...): prints the message and aborts, as a GPU's sticky error
 // would poison the context.
