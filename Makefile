@@ -32,9 +32,12 @@ test: build
 	@rc=0; meson test -C $(BUILD) --print-errorlogs || rc=$$?; \
 	  tools/test-summary.sh $(BUILD); exit $$rc
 
+# Without nvcc: with no GPU its code runs nowhere here, and it took a third
+# of this build's compile time (the CUDA sources run under ASan in
+# test-cudaemu instead). The CPU kernels are built at -O1 (kernels/meson.build).
 $(ASAN_BUILD)/build.ninja: | deps
 	meson setup $(ASAN_BUILD) -Dwerror=true -Db_sanitize=address,undefined -Db_lundef=false \
-	  -Dbuildtype=debug $(MESON_OPTS)
+	  -Dbuildtype=debug -Dcuda=disabled $(MESON_OPTS)
 
 # The same tests under AddressSanitizer + UndefinedBehaviorSanitizer.
 test-asan: deps $(ASAN_BUILD)/build.ninja
@@ -128,10 +131,13 @@ bench: build
 # per step, decode against the bound of native weight bytes + KV); attention
 # TFLOP/s at 4K and 16K keys; then Compactor compression, time to first token
 # and decode with 4096- and 16384-token compressed prefixes (docs/gpu.md,
-# "Benchmark", says which figure proves what).
+# "Benchmark", says which figure proves what). Then the decode steps again
+# op by op (--no-graphs): what CUDA graphs gain.
 bench-gpu: build
 	$(BUILD)/tools/prefix-bench --preset llama-3.2-1b --type bf16 --device cuda:0 --prefix 4096,16384 \
 	  --gen 64 --reps 2 --batches 1,8,16,32 --attn-keys 4096,16384 --attn-chunk 2048
+	$(BUILD)/tools/prefix-bench --preset llama-3.2-1b --type bf16 --device cuda:0 --gen 64 --reps 2 \
+	  --batches 1,8,16,32 --no-graphs
 
 # Prefix store throughput: write/read MB/s, hot tier, lookup time with 10k
 # stored prefixes (docs/store.md).

@@ -461,14 +461,15 @@ static int logits_staging(pd_model *m, pd_error *err) {
     return PD_OK;
 }
 
+/* A step recorded as a device graph: RECORDING until output_logits ends
+ * the recording (before the first download, which must wait for the
+ * work), LAUNCHED once it was launched. */
+typedef enum step_graph { GRAPH_NONE, GRAPH_RECORDING, GRAPH_LAUNCHED } step_graph;
+
 /* Final norm and output projection of the wanted rows, LOGIT_CHUNK at a
  * time: gather them, project, and copy each row to its logits slot. On a
  * device backend a chunk comes down in one copy into pinned memory, then
  * is scattered to the slots. */
-/* A step recorded as a device graph: RECORDING until output_logits ends
- * the recording (before the first download, which must wait for the
- * work), LAUNCHED once it ran. */
-typedef enum step_graph { GRAPH_NONE, GRAPH_RECORDING, GRAPH_LAUNCHED } step_graph;
 
 static int output_logits(pd_model *m, const fwd_entry *es, int n_es, fwd_bufs *b, float *logits, step_graph *graph,
                          pd_error *err) {
@@ -495,9 +496,9 @@ static int output_logits(pd_model *m, const fwd_entry *es, int n_es, fwd_bufs *b
                 break;
             const size_t row_bytes = (size_t)V * sizeof(float);
             if (*graph == GRAPH_RECORDING) {
-                *graph = GRAPH_NONE; /* ended, whatever the outcome */
-                if ((rc = pd_backend_graph_end(be, true, err))) break;
-                *graph = GRAPH_LAUNCHED;
+                rc = pd_backend_graph_end(be, true, err);
+                *graph = rc == PD_EUNSUPPORTED ? GRAPH_NONE : GRAPH_LAUNCHED; /* PD_EUNSUPPORTED: none of it ran */
+                if (rc) break;
             }
             if (!host_backend(m)) {
                 if (!(rc = pd_backend_download(be, m->logits_staging, b->logits, (size_t)n * row_bytes, err)))
@@ -594,10 +595,11 @@ static int forward_pass(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_o
     const bool recorded = graph == GRAPH_RECORDING;
     if (!(rc = output_logits(m, es, n_es, &b, logits, &graph, err)) || !recorded || graph == GRAPH_LAUNCHED)
         return rc;
-    /* The recorded step never ran: take it back. */
+    /* The recorded step never ran (an op failed while recording, or the
+     * recording could not be launched): take it back. */
     for (int i = 0; i < n_es; i++) es[i].seq->next_pos -= (int32_t)es[i].n;
     drop_step_rows(m, es, n_es, hp->n_layer);
-    *redo = rc != PD_EDEVICE; /* graph_end failed, or an op while recording */
+    *redo = rc != PD_EDEVICE;
 fail:
     if (graph == GRAPH_RECORDING) {
         (void)pd_backend_graph_end(be, false, NULL);

@@ -739,7 +739,8 @@ static void check_gpu_figures(const char *device, bool counts_launches, bool wit
         cr_assert_eq(status, 0, "status %d, output:\n%s", status, out ? out : "");
         static const char *columns[] = {
             "decode steps on ", "p50 ms", "p99 ms", "max ms", "enqueue ms", "gpu ms", "wait ms", "logits ms",
-            "launches", "allocs", "KV MB", "bound t/s", "dec/bound", "\nbound: (", " GB of weights + the KV bytes read",
+            "launches", "graphs", "builds", "allocs", "KV MB", "bound t/s", "dec/bound", "\nbound: (",
+            " GB of weights + the KV bytes read",
             "\nattention on ", "TFLOP/s", " decode ", " prefill-chunk ", "\ncompressed prefix: ", "comp/pre",
             "full b1 t/s", "comp/full"};
         for (size_t i = 0; i < sizeof columns / sizeof *columns; i++)
@@ -800,6 +801,15 @@ static void check_gpu_figures(const char *device, bool counts_launches, bool wit
         else
             cr_assert_eq(jnum(r, "launches_per_step"), 0);
         cr_assert(jnum(r, "syncs_per_step") >= 0 && jnum(r, "device_allocs_per_step") >= 0);
+        /* On CUDA every timed step (one token per sequence, with logits)
+         * is one graph; the kept graphs are rebuilt only when a step's
+         * shape changes. No graphs elsewhere. */
+        const double graphs = jnum(r, "graph_launches_per_step"), builds = jnum(r, "graph_builds_per_step");
+        if (strncmp(device, "cuda", 4) == 0)
+            cr_assert_eq(graphs, 1.0, "batch %g: %g graph launches per step", batch, graphs);
+        else
+            cr_assert_eq(graphs, 0.0);
+        cr_assert(builds >= 0 && builds <= graphs, "builds %g, graphs %g", builds, graphs);
     }
 
     json_t *attn = json_object_get(doc, "attention");

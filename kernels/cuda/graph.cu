@@ -117,30 +117,30 @@ int cuda_graph_end(pd_backend *be, bool launch, pd_error *err) {
     cb->capturing = false;
     // The staged uploads become ordinary in-flight records: they retire on
     // graph_done, recorded below after a launch (dropped, they were never
-    // copied, and an event not recorded since has passed).
+    // copied, and waiting for an older graph is merely early).
     cb->ring_pending = 0;
-    if (rc) goto done;
-    if (e != cudaSuccess) {
+    if (!rc && e != cudaSuccess)
         rc = cuda_fail(err, e, "cudaStreamEndCapture (an operation of the step could not be recorded)");
-        goto done;
-    }
-    if (!launch) goto done;
-    if ((rc = bucket_exec(cb, g, &exec, err))) goto done;
-    if ((e = cudaGraphLaunch(exec, cb->stream)) != cudaSuccess) {
+    if (!rc && launch && !(rc = bucket_exec(cb, g, &exec, err)) &&
+        (e = cudaGraphLaunch(exec, cb->stream)) != cudaSuccess)
         rc = cuda_fail(err, e, "cudaGraphLaunch");
-        goto done;
-    }
-    cb->counters.graph_launches++;
-    if ((e = cudaEventRecord(cb->graph_done, cb->stream)) != cudaSuccess) rc = cuda_fail(err, e, "cudaEventRecord (graphs)");
-done:
     if (g) (void)cudaGraphDestroy(g);
-    // Anything but a dead device: this step runs again without a graph, and
-    // so do the later ones (a recording that failed once would again).
-    if (rc && rc != PD_EDEVICE) {
+    if (rc) {
+        // Nothing ran. Unless the device is dead, the step runs again
+        // without a graph, and so do later ones (a recording that failed
+        // once would again).
+        if (rc == PD_EDEVICE) return rc;
         cb->graphs_off = true;
         pd_error_prefix(err, "CUDA graph (the step runs without one)");
         if (err) err->code = PD_EUNSUPPORTED;
-        rc = PD_EUNSUPPORTED;
+        return PD_EUNSUPPORTED;
     }
-    return rc;
+    if (!launch) return PD_OK;
+    cb->counters.graph_launches++;
+    if (cudaEventRecord(cb->graph_done, cb->stream) == cudaSuccess) return PD_OK;
+    // Without the event the ring cannot tell when the graph's copies are
+    // done: wait for them here.
+    (void)cudaGetLastError();
+    e = cuda_stream_wait(cb);
+    return e == cudaSuccess ? PD_OK : cuda_fail(err, e, "waiting for a graph");
 }

@@ -81,9 +81,14 @@ typedef ucontext_t fiber_context;
 static inline void switch_context(fiber_context *save, fiber_context *load) { swapcontext(save, load); }
 #endif
 
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/common_interface_defs.h>
+// Under ASan the kernels (instrumented) run on fiber stacks, which ASan must
+// be told about. meson builds this file itself uninstrumented and defines
+// CUDAEMU_ASAN there (kernels/meson.build).
+#if defined(__SANITIZE_ADDRESS__) && !defined(CUDAEMU_ASAN)
 #define CUDAEMU_ASAN 1
+#endif
+#ifdef CUDAEMU_ASAN
+#include <sanitizer/common_interface_defs.h>
 #endif
 
 // Under ThreadSanitizer (meson defines CUDAEMU_TSAN and builds this file
