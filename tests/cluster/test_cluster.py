@@ -72,7 +72,15 @@ def test_shared(c, state):
             break
     check(key, "no key of 200 was routed to node3")
     for _ in range(5):
-        _, headers, _ = completion(c.proxy_port, prompt, key, max_tokens=1)
+        # Bounded load (hash-balance-factor 150) spills a request while the
+        # key's node still counts one: HAProxy may not have closed the
+        # previous request's stream yet (seen once in a clean-clone .ci/run here).
+        # Once the node is idle again the key must land on it.
+        for _attempt in range(3):
+            _, headers, _ = completion(c.proxy_port, prompt, key, max_tokens=1)
+            if headers.get("x-served-by") == "node3":
+                break
+            time.sleep(0.2)
         check(headers.get("x-served-by") == "node3", "key %s moved to %s" % (key, headers.get("x-served-by")))
     m3 = metrics(c.node_ports[2])
     check(m3.get('prefixd_prefix_jobs_total{state="done"}', -1) == 0, "node 3 ran a job: %s" % m3)
