@@ -470,7 +470,6 @@ typedef enum step_graph { GRAPH_NONE, GRAPH_RECORDING, GRAPH_LAUNCHED } step_gra
  * time: gather them, project, and copy each row to its logits slot. On a
  * device backend a chunk comes down in one copy into pinned memory, then
  * is scattered to the slots. */
-
 static int output_logits(pd_model *m, const fwd_entry *es, int n_es, fwd_bufs *b, float *logits, step_graph *graph,
                          pd_error *err) {
     const pd_hparams *hp = &m->hp;
