@@ -560,7 +560,6 @@ static int forward_pass(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_o
         R += e->n;
     }
     fwd_bufs b;
-    step_graph graph = GRAPH_NONE;
     pd_backend *be = m->backend;
     int rc = alloc_bufs(m, R, n_es, logits != NULL, opts, &b, err);
     if (rc) return rc;
@@ -568,7 +567,8 @@ static int forward_pass(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_o
      * dropped would be left half made: every stream grows first. */
     for (int l = 0; try_graph && l < hp->n_layer; l++)
         if ((rc = reserve_kv(m, es, n_es, l, err))) return rc;
-    if (try_graph && pd_backend_graph_begin(be, n_es, NULL) == PD_OK) graph = GRAPH_RECORDING;
+    const bool recorded = try_graph && pd_backend_graph_begin(be, n_es, NULL) == PD_OK;
+    step_graph graph = recorded ? GRAPH_RECORDING : GRAPH_NONE;
 
     for (int i = 0; i < n_es; i++) {
         const fwd_entry *e = &es[i];
@@ -591,19 +591,15 @@ static int forward_pass(pd_model *m, fwd_entry *es, int n_es, const pd_prefill_o
     if (!logits && (rc = pd_backend_sync(be, err))) return rc;
     for (int i = 0; i < n_es; i++) es[i].seq->next_pos += (int32_t)es[i].n;
     if (!logits) return PD_OK;
-    const bool recorded = graph == GRAPH_RECORDING;
     if (!(rc = output_logits(m, es, n_es, &b, logits, &graph, err)) || !recorded || graph == GRAPH_LAUNCHED)
         return rc;
     /* The recorded step never ran (an op failed while recording, or the
      * recording could not be launched): take it back. */
     for (int i = 0; i < n_es; i++) es[i].seq->next_pos -= (int32_t)es[i].n;
     drop_step_rows(m, es, n_es, hp->n_layer);
-    *redo = rc != PD_EDEVICE;
 fail:
-    if (graph == GRAPH_RECORDING) {
-        (void)pd_backend_graph_end(be, false, NULL);
-        *redo = rc != PD_EDEVICE;
-    }
+    if (graph == GRAPH_RECORDING) (void)pd_backend_graph_end(be, false, NULL);
+    *redo = recorded && rc != PD_EDEVICE;
     return rc;
 }
 

@@ -1,6 +1,7 @@
 #include "helpers.h"
 #include "helpers_json.h"
 #include "engine/engine.h"
+#include "kernels/kernels.h"
 
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
@@ -266,4 +267,13 @@ pd_tokenizer *th_tokenizer(const char *path) {
     cr_assert_eq(pd_tokenizer_load(g, &t, &err), PD_OK, "%s", err.msg);
     pd_gguf_close(g);
     return t;
+}
+
+void th_require_cudaemu(void) {
+    if (!pd_cuda_compiled() || pd_cuda_device_count() < 1) cr_skip_test("no CUDA device");
+    pd_cuda_device_info info;
+    pd_error err = {0};
+    cr_assert_eq(pd_cuda_device_info_get(0, &info, &err), PD_OK, "%s", err.msg);
+    if (strncmp(info.name, "cudaemu", 7) != 0)
+        cr_skip_test("cuda:0 is a real GPU (%s): faults are injected only on cudaemu", info.name);
 }

@@ -43,6 +43,9 @@ struct pd_tokenizer *th_tokenizer(const char *path);
         if (!th_shared_models())                                                              \
             cr_skip_test("../shared/models is absent (set PD_SHARED_MODELS); skipping");      \
     } while (0)
+/* Skip the running test unless cuda:0 is cudaemu: faults are injected only
+ * into the emulator (CUDAEMU_FAIL_*). */
+void th_require_cudaemu(void);
 
 
 

@@ -28,15 +28,6 @@
 
 static bool contains(const char *haystack, const char *needle) { return haystack && strstr(haystack, needle); }
 
-/* Faults can be injected only into the emulator. */
-static void require_cudaemu(void) {
-    if (!pd_cuda_compiled() || pd_cuda_device_count() < 1) cr_skip_test("no CUDA device");
-    pd_cuda_device_info info;
-    pd_error err = {0};
-    cr_assert_eq(pd_cuda_device_info_get(0, &info, &err), PD_OK, "%s", err.msg);
-    if (strncmp(info.name, "cudaemu", 7) != 0)
-        cr_skip_test("cuda:0 is a real GPU (%s): faults are injected only on cudaemu", info.name);
-}
 
 /* Before the process's first launch: the emulator reads these once. */
 static void inject(const char *launch, const char *error) {
@@ -98,7 +89,7 @@ ParameterizedTestParameters(cuda_fatal, injected_launch_error_maps_by_its_code) 
 }
 
 ParameterizedTest(fault_case *fc, cuda_fatal, injected_launch_error_maps_by_its_code, .timeout = 60) {
-    require_cudaemu();
+    th_require_cudaemu();
     inject("1", fc->error);
     pd_backend *be = cuda_backend();
     pd_error err = {0};
@@ -178,7 +169,7 @@ typedef struct failure_count {
 static void count_failure(void *ctx) { ((failure_count *)ctx)->n++; }
 
 Test(cuda_fatal, scheduler_fails_running_and_queued_requests_and_refuses_new_ones, .timeout = 300) {
-    require_cudaemu();
+    th_require_cudaemu();
     /* Armed while A's engine thread waits in A's first token (B queued),
      * so the 30th launch after that falls in A's next steps, whatever the
      * model load and the scheduler's KV pool warm-up launched before. */
@@ -292,7 +283,7 @@ static int wait_exit(pid_t pid, int max_seconds) {
 }
 
 Test(cuda_fatal, prefixd_fails_requests_with_503_and_exits_3, .timeout = 400) {
-    require_cudaemu();
+    th_require_cudaemu();
     if (system("curl --version >/dev/null 2>&1") != 0) cr_skip_test("curl is not installed");
     TH_REQUIRE_SHARED();
     char model[1024];
@@ -384,7 +375,7 @@ Test(cuda_fatal, prefixd_fails_requests_with_503_and_exits_3, .timeout = 400) {
 }
 
 Test(cuda_fatal, prefixd_exits_3_when_the_gpu_fails_while_warming_up, .timeout = 120) {
-    require_cudaemu();
+    th_require_cudaemu();
     TH_REQUIRE_SHARED();
     char model[1024];
     cr_assert(th_shared_file("tinystories/stories260K.gguf", model, sizeof model));
@@ -407,7 +398,7 @@ Test(cuda_fatal, prefixd_exits_3_when_the_gpu_fails_while_warming_up, .timeout =
  * context: its sticky error kills serving too, so prefixd exits 3 even with
  * no request in flight. */
 Test(cuda_fatal, prefixd_exits_3_when_the_gpu_fails_in_a_precompression_job, .timeout = 300) {
-    require_cudaemu();
+    th_require_cudaemu();
     if (system("curl --version >/dev/null 2>&1") != 0) cr_skip_test("curl is not installed");
     TH_REQUIRE_SHARED();
     char model[1024];
@@ -466,7 +457,7 @@ Test(cuda_fatal, cuda_info_runs_a_kernel_self_test, .timeout = 120) {
 }
 
 Test(cuda_fatal, cuda_info_names_the_gpu_sm_fix_when_the_build_has_no_code_for_the_gpu, .timeout = 120) {
-    require_cudaemu();
+    th_require_cudaemu();
     const char *ctl = getenv("PD_PREFIXCTL");
     cr_assert_not_null(ctl);
     char *out = NULL;

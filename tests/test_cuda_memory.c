@@ -515,12 +515,7 @@ Test(cuda_memory, decode_steps_as_graphs_match_op_by_op_bit_for_bit) {
 }
 
 Test(cuda_memory, a_failed_recording_reruns_the_step_without_a_graph) {
-    REQUIRE_CUDA();
-    pd_cuda_device_info info;
-    pd_error err = {0};
-    cr_assert_eq(pd_cuda_device_info_get(0, &info, &err), PD_OK, "%s", err.msg);
-    if (strncmp(info.name, "cudaemu", 7) != 0)
-        cr_skip_test("cuda:0 is a real GPU (%s): failures are injected only on cudaemu", info.name);
+    th_require_cudaemu();
     /* The third recording of the process fails as if an operation in it
      * could not be recorded: that step runs op by op, and so does every
      * later one (a recording that failed once would fail again). */
