@@ -113,7 +113,7 @@ PD_UNROLL
             _mm_storeu_ps(y + (t0 + j) * ldy, s);
         } else {
 PD_UNROLL
-            for (int i = 0; i < nr; i++) y[(t0 + j) * ldy + i] = _mm512_reduce_add_ps(acc[i][j]);
+            for (int i = 0; i < nr; i++) y[(t0 + j) * ldy + i] = pd_hsum_ps_avx512(acc[i][j]);
         }
     }
 }
@@ -205,21 +205,21 @@ PD_UNROLL
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cv, wv, xv)), dv, acc[j]);
         }
     }
-    if (p < nb) { /* odd block count */
+    if (p < nb) { /* odd block count: the tile kernel's arithmetic, bit for bit */
         const uint8_t *blk = w + Q8_0_BYTES * (size_t)p;
-        const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), x80);
-        const float dw = _cvtsh_ss(pd_ld16(blk));
+        const __m512i wv = _mm512_zextsi256_si512(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), x80));
+        const __m512 dw = _mm512_set1_ps(_cvtsh_ss(pd_ld16(blk)));
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)(q->qs + (t0 + j) * q->cols + 32 * p));
-            const __m256i cv = _mm256_maskz_mov_epi32((__mmask8)1, _mm256_set1_epi32(q->c[(t0 + j) * nb + p]));
-            const __m256 sv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(cv, wv, xv)),
-                                            _mm256_set1_ps(dw * q->d[(t0 + j) * nb + p]));
-            acc[j] = _mm512_add_ps(acc[j], _mm512_zextps256_ps512(sv));
+            const __m512i xv = _mm512_zextsi256_si512(
+                _mm256_loadu_si256((const __m256i *)(const void *)(q->qs + (t0 + j) * q->cols + 32 * p)));
+            const __m512i cv = _mm512_maskz_mov_epi32((__mmask16)0x0001, _mm512_set1_epi32(q->c[(t0 + j) * nb + p]));
+            const __m512 dx = _mm512_maskz_mov_ps((__mmask16)0x00ff, _mm512_set1_ps(q->d[(t0 + j) * nb + p]));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(cv, wv, xv)), _mm512_mul_ps(dw, dx), acc[j]);
         }
     }
 PD_UNROLL
-    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]);
+    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = pd_hsum_ps_avx512(acc[j]);
 }
 
 /* q4_0 against activations in the layout cpu_quant_q8_0_q4_avx512 writes: per group of

@@ -111,6 +111,16 @@ PD_TARGET_AVX512 static inline __m128 pd_reduce4_ps_avx512(__m512 a, __m512 b, _
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* The sum of one register in pd_reduce4_ps_avx512's order (pairs 2 apart in
+ * each 128-bit lane, then the two pair sums, then lanes 0+2 and 1+3), so a
+ * row reduced alone has the bits it has when reduced with three others. */
+PD_TARGET_AVX512 static inline float pd_hsum_ps_avx512(__m512 a) {
+    const __m512 p = _mm512_add_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m512 s = _mm512_add_ps(p, _mm512_permute_ps(p, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
 /* Lane mask for the first `rem` (capped at 8) of 8 lanes, for maskload. */
 PD_TARGET_AVX2 static inline __m256i pd_tail_mask8(int64_t rem) {
     const int r = rem > 8 ? 8 : (int)rem;
