@@ -322,12 +322,24 @@ Test(fused, matmul_multi_equals_separate_matmuls_every_type) {
             free(ws[j].data);
         }
     }
-    /* Mixed types: one launch cannot serve them, the result is the same. */
-    tweight mixed[3] = {make_weight(PD_TYPE_BF16, 32, cols, 1), make_weight(PD_TYPE_Q8_0, 8, cols, 2),
-                        make_weight(PD_TYPE_F32, 8, cols, 3)};
-    for (int i = 0; i < nb; i++) check_multi(be[i], mixed, 3, 4);
+    /* Mixed types: one launch cannot serve them, the result is the same.
+     * On the CPU the second set needs three activation layouts in one job
+     * (q8_K reordered for q4_K on AVX-512, q8_K, q8_0), the third shares
+     * one between q4_K and q5_K. */
+    const pd_type sets[3][3] = {{PD_TYPE_BF16, PD_TYPE_Q8_0, PD_TYPE_F32},
+                                {PD_TYPE_Q4_K, PD_TYPE_Q6_K, PD_TYPE_Q8_0},
+                                {PD_TYPE_Q4_K, PD_TYPE_Q5_K, PD_TYPE_Q6_K}};
+    for (int k = 0; k < 3; k++) {
+        tweight mixed[3] = {make_weight(sets[k][0], 32, cols, 1), make_weight(sets[k][1], 8, cols, 2),
+                            make_weight(sets[k][2], 8, cols, 3)};
+        for (int i = 0; i < nb; i++) {
+            check_multi(be[i], mixed, 3, 1);
+            check_multi(be[i], mixed, 3, 4);
+            for (int j = 0; j < 3; j++) pd_backend_forget_weight(be[i], &mixed[j].w);
+        }
+        for (int j = 0; j < 3; j++) free(mixed[j].data);
+    }
     close_all(be, nb);
-    for (int j = 0; j < 3; j++) free(mixed[j].data);
 }
 
 /* ------------------------------------------------------------------------

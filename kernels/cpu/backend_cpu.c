@@ -410,20 +410,15 @@ static int cpu_add_rmsnorm(pd_backend *be, float *x, const float *h, const float
     return PD_OK;
 }
 
-static int cpu_matmul_multi(pd_backend *be, const pd_weight *const *w, int n_w, const float *x, int64_t n,
-                            float *const *y, pd_error *err) {
-    int rc = PD_OK;
-    for (int j = 0; j < n_w && !rc; j++) rc = cpu_matmul(be, w[j], x, n, y[j], err);
-    return rc;
-}
-
 static int cpu_matmul_glu(pd_backend *be, const pd_weight *w_gate, const pd_weight *w_up, const float *x, int64_t n,
                           pd_glu act, float *out, float *up, pd_error *err) {
     if (act != PD_GLU_SILU && act != PD_GLU_GELU)
         return pd_errorf(err, PD_EINVAL, "matmul_glu: unknown activation %d", (int)act);
     if (!up) return pd_errorf(err, PD_EINVAL, "matmul_glu: NULL up scratch");
     int rc;
-    if ((rc = cpu_matmul(be, w_gate, x, n, out, err)) || (rc = cpu_matmul(be, w_up, x, n, up, err))) return rc;
+    const pd_weight *const w[2] = {w_gate, w_up};
+    float *const y[2] = {out, up};
+    if ((rc = cpu_matmul_multi(be, w, 2, x, n, y, err))) return rc;
     const int64_t count = n * w_gate->rows;
     return act == PD_GLU_SILU ? cpu_swiglu(be, out, up, count, out, err) : cpu_geglu(be, out, up, count, out, err);
 }
@@ -544,6 +539,7 @@ static void cpu_free(pd_backend *be) {
     if (!be) return;
     cpu_backend *cb = be->impl;
     pd_threadpool_free(cb->tp);
+    free(cb->runs);
     free(cb->act);
     free(cb->work);
     free(cb);
@@ -608,6 +604,12 @@ int pd_backend_cpu_create(int n_threads, pd_backend **out, pd_error *err) {
         return rc;
     }
     cb->n_threads = pd_threadpool_size(cb->tp);
+    cb->runs = aligned_alloc(64, (size_t)cb->n_threads * sizeof *cb->runs);
+    if (!cb->runs) {
+        pd_threadpool_free(cb->tp);
+        free(cb);
+        return pd_errorf(err, PD_ENOMEM, "cpu backend: out of memory");
+    }
     switch (level) {
 #if PD_X86
     case CPU_SIMD_AVX512: cpu_kernels_avx512(&cb->k); break;

@@ -294,6 +294,12 @@ void cpu_quant_q8_K4_avx512(const float *x, int64_t cols, int8_t *qs, float *d, 
 void cpu_quant_q8_0_q4_avx512(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c, int16_t *bsums);
 #endif
 
+/* A thread's run of matmul chunks, [lo, hi) packed as hi << 32 | lo, on
+ * its own cache line (matmul.c). */
+typedef struct cpu_mm_run {
+    _Alignas(64) atomic_ullong lohi;
+} cpu_mm_run;
+
 /* The CPU backend object (pd_backend.impl points at it). Used by one
  * thread at a time; the scratch buffers only grow. */
 typedef struct cpu_backend {
@@ -302,6 +308,7 @@ typedef struct cpu_backend {
     int n_threads;
     cpu_kernels k;
     int64_t gemm_min_n[PD_TYPE_COUNT]; /* n at which dequantize + sgemm takes over */
+    cpu_mm_run *runs;   /* n_threads */
     void *act;          /* quantized activations */
     size_t act_cap;
     float *work;        /* per-thread float scratch (dequantized tiles, attention) */
@@ -315,6 +322,8 @@ int cpu_scratch_reserve(void **buf, size_t *cap, size_t bytes, pd_error *err);
 /* matmul.c */
 int cpu_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y,
                pd_error *err);
+int cpu_matmul_multi(pd_backend *be, const pd_weight *const *w, int n_w, const float *x, int64_t n,
+                     float *const *y, pd_error *err);
 /* attention.c */
 int cpu_attention(pd_backend *be, const pd_attn_args *a, pd_error *err);
 

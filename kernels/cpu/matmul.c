@@ -9,8 +9,17 @@
  *  - dequantize + sgemm (large n): each thread dequantizes a tile of weight
  *    rows into its own f32 buffer and calls a single-threaded OpenBLAS
  *    sgemm for y[:, tile].
- * Threads take row chunks from an atomic counter, so a slow thread (another
- * process on its core) does not hold everyone up. */
+ * The dot-product path cuts the rows into chunks. Each thread owns a
+ * contiguous run of them and takes it front to back, so it reads one
+ * sequential stream that the hardware prefetcher follows; a thread done
+ * with its run takes chunks from the back of the others' runs, so a slow
+ * thread (another process on its core) does not hold everyone up. The
+ * sgemm path takes tiles from one atomic counter.
+ *
+ * pd_backend_matmul_multi and _glu (several weights, one x) are one job:
+ * x is quantized once per activation layout and the chunks of all the
+ * weights are split between the threads together, one pool dispatch
+ * instead of one per weight. A row's result is the same either way. */
 #include <cblas.h>
 #include <stdatomic.h>
 #include <string.h>
@@ -23,24 +32,51 @@
  * row-chunk scheduling
  * ------------------------------------------------------------------------ */
 
-typedef struct mm_ctx {
+/* The weights of one call (1 for matmul, up to 3 for matmul_multi). */
+#define MM_MAX_PARTS 3
+
+typedef struct mm_part {
     cpu_mm m;
     cpu_mm_fn fn;
-    int64_t rows, chunk, nchunks;
-    atomic_llong next;
+    int64_t rows, chunk, first; /* first: index of its first chunk */
+} mm_part;
+
+typedef struct mm_ctx {
+    mm_part part[MM_MAX_PARTS];
+    int nparts;
+    int64_t nchunks;
+    cpu_mm_run *run; /* per thread: the chunk indices it owns */
 } mm_ctx;
 
-static void mm_worker(void *p, int ith, int nth) {
-    (void)ith;
-    (void)nth;
-    mm_ctx *c = p;
+/* A run is [lo, hi) in one 64-bit word: the owner takes lo, others hi - 1. */
+static bool take_chunk(cpu_mm_run *r, bool front, int64_t *i) {
+    unsigned long long v = atomic_load_explicit(&r->lohi, memory_order_relaxed);
     for (;;) {
-        const int64_t i = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed);
-        if (i >= c->nchunks) break;
-        const int64_t r0 = i * c->chunk;
-        const int64_t r1 = r0 + c->chunk < c->rows ? r0 + c->chunk : c->rows;
-        c->fn(&c->m, r0, r1);
+        const uint32_t lo = (uint32_t)v, hi = (uint32_t)(v >> 32);
+        if (lo >= hi) return false;
+        const unsigned long long nv = front ? v + 1 : ((unsigned long long)(hi - 1) << 32) | lo;
+        if (atomic_compare_exchange_weak_explicit(&r->lohi, &v, nv, memory_order_relaxed, memory_order_relaxed)) {
+            *i = front ? lo : hi - 1;
+            return true;
+        }
     }
+}
+
+static void run_chunk(const mm_ctx *c, int64_t i) {
+    int k = 0;
+    while (k + 1 < c->nparts && i >= c->part[k + 1].first) k++;
+    const mm_part *p = &c->part[k];
+    const int64_t r0 = (i - p->first) * p->chunk;
+    const int64_t r1 = r0 + p->chunk < p->rows ? r0 + p->chunk : p->rows;
+    p->fn(&p->m, r0, r1);
+}
+
+static void mm_worker(void *p, int ith, int nth) {
+    mm_ctx *c = p;
+    int64_t i;
+    while (take_chunk(&c->run[ith], true, &i)) run_chunk(c, i);
+    for (int k = 1; k < nth; k++)
+        while (take_chunk(&c->run[(ith + k) % nth], false, &i)) run_chunk(c, i);
 }
 
 /* Rows per chunk: a multiple of `mult`, about `per_thread` chunks per
@@ -82,35 +118,40 @@ static bool uses_q8_K(pd_type wt) {
     return pd_type_get((uint32_t)wt)->block_size == PD_QK_K;
 }
 
-static int quantize_acts(cpu_backend *cb, pd_type wt, const float *x, int64_t n, int64_t cols,
-                         cpu_qact *q, pd_error *err) {
+static cpu_quant_fn act_quant_fn(const cpu_backend *cb, pd_type wt) {
+    if (cb->k.quant_act[wt]) return cb->k.quant_act[wt];
+    return uses_q8_K(wt) ? cb->k.quant_q8_K : cb->k.quant_q8_0;
+}
+
+/* Bytes of scratch quantized activations of n rows take. */
+static size_t qact_bytes(bool kq, int64_t n, int64_t cols) {
+    const int64_t nblocks = cols / (kq ? PD_QK_K : 32);
+    return ALIGN64((size_t)n * (size_t)cols) + ALIGN64((size_t)n * (size_t)nblocks * sizeof(float)) +
+           (kq ? ALIGN64((size_t)n * (size_t)(cols / 16) * sizeof(int16_t))
+               : ALIGN64((size_t)n * (size_t)nblocks * sizeof(int32_t)));
+}
+
+/* x quantized for weights of type wt into base (qact_bytes of it). */
+static void quantize_acts(cpu_backend *cb, pd_type wt, const float *x, int64_t n, int64_t cols, uint8_t *base,
+                          cpu_qact *q) {
     const bool kq = uses_q8_K(wt);
-    const int64_t bs = kq ? PD_QK_K : 32;
     memset(q, 0, sizeof *q);
     q->n = n;
     q->cols = cols;
-    q->nblocks = cols / bs;
+    q->nblocks = cols / (kq ? PD_QK_K : 32);
     const size_t qs_bytes = ALIGN64((size_t)n * (size_t)cols);
     const size_t d_bytes = ALIGN64((size_t)n * (size_t)q->nblocks * sizeof(float));
-    const size_t x_bytes = kq ? ALIGN64((size_t)n * (size_t)(cols / 16) * sizeof(int16_t))
-                              : ALIGN64((size_t)n * (size_t)q->nblocks * sizeof(int32_t));
-    int rc = cpu_scratch_reserve(&cb->act, &cb->act_cap, qs_bytes + d_bytes + x_bytes, err);
-    if (rc) return rc;
-    uint8_t *base = cb->act;
     q->qs = (int8_t *)base;
     q->d = (float *)(void *)(base + qs_bytes);
     if (kq)
         q->bsums = (int16_t *)(void *)(base + qs_bytes + d_bytes);
     else
         q->c = (int32_t *)(void *)(base + qs_bytes + d_bytes);
-    cpu_quant_fn fn = kq ? cb->k.quant_q8_K : cb->k.quant_q8_0;
-    if (cb->k.quant_act[wt]) fn = cb->k.quant_act[wt];
-    quant_ctx c = {x, q, fn, cols / 16};
+    quant_ctx c = {x, q, act_quant_fn(cb, wt), cols / 16};
     if (n >= 4 && n * cols >= 65536)
         pd_threadpool_run(cb->tp, quant_worker, &c);
     else
         quant_rows(&c, 0, n);
-    return PD_OK;
 }
 
 /* ------------------------------------------------------------------------
@@ -197,61 +238,139 @@ static int matmul_gemm(cpu_backend *cb, const pd_weight *w, const float *x, int6
  * entry point
  * ------------------------------------------------------------------------ */
 
-int cpu_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y,
-               pd_error *err) {
-    cpu_backend *cb = be->impl;
-    if (!w) return pd_errorf(err, PD_EINVAL, "matmul: NULL weight");
+/* What pd_backend_matmul refuses; PD_OK for a weight it computes. */
+static int check_weight(const cpu_backend *cb, const pd_weight *w, const char *op, pd_error *err) {
+    if (!w) return pd_errorf(err, PD_EINVAL, "%s: NULL weight", op);
     const pd_type_traits *tr = pd_type_get((uint32_t)w->type);
     if (!tr || (uint32_t)w->type >= PD_TYPE_COUNT || !cb->k.mm[w->type])
         return pd_errorf(err, PD_EUNSUPPORTED,
-                         "matmul: weights of type %s are not supported by the CPU backend "
+                         "%s: weights of type %s are not supported by the CPU backend "
                          "(supported: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, q2_k, q3_k, q4_k, q5_k, "
                          "q6_k, iq4_xs)",
-                         tr ? tr->name : "(unknown)");
-    if (n < 0 || w->rows < 0 || w->cols < 0)
-        return pd_errorf(err, PD_EINVAL, "matmul: negative size (n %lld, weight %lld x %lld)",
-                         (long long)n, (long long)w->rows, (long long)w->cols);
+                         op, tr ? tr->name : "(unknown)");
+    if (w->rows < 0 || w->cols < 0)
+        return pd_errorf(err, PD_EINVAL, "%s: negative size (weight %lld x %lld)", op, (long long)w->rows,
+                         (long long)w->cols);
     if (w->cols % tr->block_size != 0)
-        return pd_errorf(err, PD_EINVAL, "matmul: %lld columns is not a multiple of the %s block size %u",
+        return pd_errorf(err, PD_EINVAL, "%s: %lld columns is not a multiple of the %s block size %u", op,
                          (long long)w->cols, tr->name, tr->block_size);
-    if (w->cols > INT32_MAX || w->rows > INT32_MAX || n > INT32_MAX)
-        return pd_errorf(err, PD_ERANGE, "matmul: dimensions above 2^31 are not supported");
+    if (w->cols > INT32_MAX || w->rows > INT32_MAX)
+        return pd_errorf(err, PD_ERANGE, "%s: dimensions above 2^31 are not supported", op);
     const uint64_t need = (uint64_t)w->cols / tr->block_size * tr->type_size;
     if (w->row_bytes < need)
-        return pd_errorf(err, PD_EINVAL, "matmul: row_bytes %zu is less than the %llu bytes of a %s row of %lld",
+        return pd_errorf(err, PD_EINVAL, "%s: row_bytes %zu is less than the %llu bytes of a %s row of %lld", op,
                          w->row_bytes, (unsigned long long)need, tr->name, (long long)w->cols);
+    if (!w->data && w->cols > 0 && w->rows > 0) return pd_errorf(err, PD_EINVAL, "%s: NULL weight data", op);
+    return PD_OK;
+}
+
+/* Whether n rows of x against w take the dot-product kernels (else
+ * dequantize + sgemm, or nothing to compute). */
+static bool on_dot_kernels(const cpu_backend *cb, const pd_weight *w, int64_t n) {
+    return w->rows > 0 && w->cols > 0 && (n < cb->gemm_min_n[w->type] || cb->k.mm_any_n[w->type]);
+}
+
+/* y[j] = x . w[j]^T for weights that all take the dot-product kernels, in
+ * one pool dispatch. */
+static int matmul_dot(cpu_backend *cb, const pd_weight *const *w, int nw, const float *x, int64_t n,
+                      float *const *y, pd_error *err) {
+    mm_ctx c = {.nparts = nw};
+    /* one quantized x per activation layout */
+    cpu_quant_fn qfn[MM_MAX_PARTS];
+    int qof[MM_MAX_PARTS]; /* part j uses the x quantized for part qof[j] */
+    size_t off[MM_MAX_PARTS + 1] = {0};
+    for (int j = 0; j < nw; j++) {
+        qof[j] = j;
+        off[j + 1] = off[j];
+        if (cpu_type_is_float(w[j]->type)) continue;
+        qfn[j] = act_quant_fn(cb, w[j]->type);
+        for (int k = 0; k < j; k++)
+            if (!cpu_type_is_float(w[k]->type) && qof[k] == k && qfn[k] == qfn[j] &&
+                uses_q8_K(w[k]->type) == uses_q8_K(w[j]->type))
+                qof[j] = k;
+        if (qof[j] == j) off[j + 1] += qact_bytes(uses_q8_K(w[j]->type), n, w[j]->cols);
+    }
+    if (off[nw]) {
+        int rc = cpu_scratch_reserve(&cb->act, &cb->act_cap, off[nw], err);
+        if (rc) return rc;
+    }
+    cpu_qact q[MM_MAX_PARTS];
+    /* Chunks of whole 4-row tiles, several per thread (a thread that is
+     * done early takes over a slow one's last ones); with many tokens the
+     * chunks can be smaller (more work per row). */
+    const int nth = cb->n_threads;
+    for (int j = 0; j < nw; j++) {
+        mm_part *p = &c.part[j];
+        p->fn = cb->k.mm[w[j]->type];
+        p->rows = w[j]->rows;
+        p->m = (cpu_mm){.w = w[j]->data, .rb = w[j]->row_bytes, .cols = w[j]->cols, .n = n, .x = x, .y = y[j],
+                        .ldy = w[j]->rows};
+        if (!cpu_type_is_float(w[j]->type)) {
+            if (qof[j] == j) quantize_acts(cb, w[j]->type, x, n, w[j]->cols, (uint8_t *)cb->act + off[j], &q[j]);
+            p->m.q = &q[qof[j]];
+        }
+        p->chunk = pick_chunk(p->rows, nth, 8, 16, 4);
+        p->first = c.nchunks;
+        c.nchunks += (p->rows + p->chunk - 1) / p->chunk;
+    }
+    if (c.nchunks == 1 || nth == 1) {
+        for (int64_t i = 0; i < c.nchunks; i++) run_chunk(&c, i);
+        return PD_OK;
+    }
+    c.run = cb->runs;
+    for (int t = 0; t < nth; t++) {
+        const unsigned long long lo = (unsigned long long)(c.nchunks * t / nth);
+        const unsigned long long hi = (unsigned long long)(c.nchunks * (t + 1) / nth);
+        atomic_store_explicit(&c.run[t].lohi, hi << 32 | lo, memory_order_relaxed);
+    }
+    pd_threadpool_run(cb->tp, mm_worker, &c);
+    return PD_OK;
+}
+
+/* One weight: validated by the caller. */
+static int matmul_one(cpu_backend *cb, const pd_weight *w, const float *x, int64_t n, float *y, pd_error *err) {
     if (n == 0 || w->rows == 0) return PD_OK;
-    if (!x || !y || (!w->data && w->cols > 0))
-        return pd_errorf(err, PD_EINVAL, "matmul: NULL input, output or weight data");
     if (w->cols == 0) {
         memset(y, 0, (size_t)n * (size_t)w->rows * sizeof(float));
         return PD_OK;
     }
+    if (!on_dot_kernels(cb, w, n)) return matmul_gemm(cb, w, x, n, y, err);
+    return matmul_dot(cb, &w, 1, x, n, &y, err);
+}
 
-    if (n >= cb->gemm_min_n[w->type] && !cb->k.mm_any_n[w->type]) return matmul_gemm(cb, w, x, n, y, err);
-
-    mm_ctx c = {.fn = cb->k.mm[w->type], .rows = w->rows};
-    cpu_qact q;
-    c.m.w = w->data;
-    c.m.rb = w->row_bytes;
-    c.m.cols = w->cols;
-    c.m.n = n;
-    c.m.x = x;
-    c.m.y = y;
-    c.m.ldy = w->rows;
-    if (!cpu_type_is_float(w->type)) {
-        int rc = quantize_acts(cb, w->type, x, n, w->cols, &q, err);
-        if (rc) return rc;
-        c.m.q = &q;
-    }
-    /* Chunks of whole 4-row tiles, a few per thread; with many tokens the
-     * chunks can be smaller (more work per row). */
-    c.chunk = pick_chunk(w->rows, cb->n_threads, 4, n >= 16 ? 16 : 32, 4);
-    c.nchunks = (w->rows + c.chunk - 1) / c.chunk;
-    atomic_init(&c.next, 0);
-    if (c.nchunks == 1)
-        mm_worker(&c, 0, 1);
-    else
-        pd_threadpool_run(cb->tp, mm_worker, &c);
+static int check_call(const float *x, int64_t n, int nw, float *const *y, const char *op, pd_error *err) {
+    if (n < 0) return pd_errorf(err, PD_EINVAL, "%s: negative token count %lld", op, (long long)n);
+    if (n > INT32_MAX) return pd_errorf(err, PD_ERANGE, "%s: dimensions above 2^31 are not supported", op);
+    if (n == 0) return PD_OK;
+    if (!x) return pd_errorf(err, PD_EINVAL, "%s: NULL input", op);
+    for (int j = 0; j < nw; j++)
+        if (!y[j]) return pd_errorf(err, PD_EINVAL, "%s: NULL output", op);
     return PD_OK;
+}
+
+int cpu_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y, pd_error *err) {
+    cpu_backend *cb = be->impl;
+    int rc;
+    if ((rc = check_weight(cb, w, "matmul", err)) || (rc = check_call(x, n, 1, &y, "matmul", err))) return rc;
+    return matmul_one(cb, w, x, n, y, err);
+}
+
+int cpu_matmul_multi(pd_backend *be, const pd_weight *const *w, int n_w, const float *x, int64_t n,
+                     float *const *y, pd_error *err) {
+    cpu_backend *cb = be->impl;
+    if (n_w < 0 || n_w > MM_MAX_PARTS)
+        return pd_errorf(err, PD_EINVAL, "matmul_multi: %d weights, at most %d", n_w, MM_MAX_PARTS);
+    int rc = check_call(x, n, n_w, y, "matmul_multi", err);
+    bool fused = n > 0;
+    for (int j = 0; j < n_w && !rc; j++) {
+        rc = check_weight(cb, w[j], "matmul_multi", err);
+        if (!rc && w[j]->cols != w[0]->cols)
+            rc = pd_errorf(err, PD_EINVAL, "matmul_multi: weight %d has %lld columns, weight 0 %lld", j,
+                           (long long)w[j]->cols, (long long)w[0]->cols);
+        if (!rc && !on_dot_kernels(cb, w[j], n)) fused = false;
+    }
+    if (rc) return rc;
+    if (fused) return matmul_dot(cb, w, n_w, x, n, y, err);
+    for (int j = 0; j < n_w && !rc; j++) rc = matmul_one(cb, w[j], x, n, y[j], err);
+    return rc;
 }
