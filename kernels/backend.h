@@ -409,7 +409,11 @@ void pd_backend_free(pd_backend *be);
  * OpenBLAS single-threaded). Programs call this first thing in main: unless
  * OPENBLAS_NUM_THREADS is set it sets it to 1 and re-executes the program
  * (/proc/self/exe) so the setting is seen at load time; where re-execution
- * is impossible it returns and the program runs on. */
+ * is impossible it returns and the program runs on. It also has glibc keep
+ * freed memory below 32 MiB (up to 1 GiB of it) for reuse instead of
+ * unmapping it: sequences' KV rows are allocated and freed per request, and
+ * refaulting them page by page made a cached prompt's admission 10x slower
+ * in a VM. */
 void pd_cpu_prepare_process(char **argv);
 /* Which SIMD path a CPU backend created now would pick ("avx512vnni",
  * "avx2", "scalar"): the best the CPU supports, capped by $PD_CPU_SIMD. */
