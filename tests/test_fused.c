@@ -339,6 +339,15 @@ Test(fused, matmul_multi_equals_separate_matmuls_every_type) {
         }
         for (int j = 0; j < 3; j++) free(mixed[j].data);
     }
+    /* weights of different widths cannot share x: refused, not misread */
+    tweight narrow = make_weight(PD_TYPE_Q8_0, 8, cols, 4), wide = make_weight(PD_TYPE_Q8_0, 8, 2 * cols, 5);
+    const pd_weight *pair[2] = {&narrow.w, &wide.w};
+    float x[2 * 256] = {0}, y0[8], y1[8];
+    float *ys[2] = {y0, y1};
+    pd_error err = {0};
+    cr_assert_eq(pd_backend_matmul_multi(be[0], pair, 2, x, 1, ys, &err), PD_EINVAL);
+    cr_assert(strstr(err.msg, "columns") != NULL, "message: %s", err.msg);
+    free(narrow.data), free(wide.data);
     close_all(be, nb);
 }
 

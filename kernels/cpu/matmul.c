@@ -32,8 +32,9 @@
  * row-chunk scheduling
  * ------------------------------------------------------------------------ */
 
-/* The weights of one call (1 for matmul, up to 3 for matmul_multi). */
-#define MM_MAX_PARTS 3
+/* The weights of one call: 1 for matmul, 2 for matmul_glu, up to
+ * PD_MATMUL_MULTI_MAX for matmul_multi (kernels/backend.c checks n_w). */
+#define MM_MAX_PARTS PD_MATMUL_MULTI_MAX
 
 typedef struct mm_part {
     cpu_mm m;
@@ -295,9 +296,8 @@ static int matmul_dot(cpu_backend *cb, const pd_weight *const *w, int nw, const 
         if (rc) return rc;
     }
     cpu_qact q[MM_MAX_PARTS];
-    /* Chunks of whole 4-row tiles, several per thread (a thread that is
-     * done early takes over a slow one's last ones); with many tokens the
-     * chunks can be smaller (more work per row). */
+    /* Chunks of whole 4-row tiles, about 8 per thread, so that a thread
+     * done early can take over a slow one's last ones. */
     const int nth = cb->n_threads;
     for (int j = 0; j < nw; j++) {
         mm_part *p = &c.part[j];
@@ -358,8 +358,6 @@ int cpu_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, fl
 int cpu_matmul_multi(pd_backend *be, const pd_weight *const *w, int n_w, const float *x, int64_t n,
                      float *const *y, pd_error *err) {
     cpu_backend *cb = be->impl;
-    if (n_w < 0 || n_w > MM_MAX_PARTS)
-        return pd_errorf(err, PD_EINVAL, "matmul_multi: %d weights, at most %d", n_w, MM_MAX_PARTS);
     int rc = check_call(x, n, n_w, y, "matmul_multi", err);
     bool fused = n > 0;
     for (int j = 0; j < n_w && !rc; j++) {
