@@ -124,30 +124,32 @@ static cpu_quant_fn act_quant_fn(const cpu_backend *cb, pd_type wt) {
     return uses_q8_K(wt) ? cb->k.quant_q8_K : cb->k.quant_q8_0;
 }
 
-/* Bytes of scratch quantized activations of n rows take. */
-static size_t qact_bytes(bool kq, int64_t n, int64_t cols) {
+/* The scratch layout of n quantized rows: qs, then d at *d_off, then c or
+ * bsums at *x_off; returns the bytes it takes. */
+static size_t qact_layout(bool kq, int64_t n, int64_t cols, size_t *d_off, size_t *x_off) {
     const int64_t nblocks = cols / (kq ? PD_QK_K : 32);
-    return ALIGN64((size_t)n * (size_t)cols) + ALIGN64((size_t)n * (size_t)nblocks * sizeof(float)) +
-           (kq ? ALIGN64((size_t)n * (size_t)(cols / 16) * sizeof(int16_t))
-               : ALIGN64((size_t)n * (size_t)nblocks * sizeof(int32_t)));
+    *d_off = ALIGN64((size_t)n * (size_t)cols);
+    *x_off = *d_off + ALIGN64((size_t)n * (size_t)nblocks * sizeof(float));
+    return *x_off + (kq ? ALIGN64((size_t)n * (size_t)(cols / 16) * sizeof(int16_t))
+                        : ALIGN64((size_t)n * (size_t)nblocks * sizeof(int32_t)));
 }
 
-/* x quantized for weights of type wt into base (qact_bytes of it). */
+/* x quantized for weights of type wt into base (qact_layout's bytes). */
 static void quantize_acts(cpu_backend *cb, pd_type wt, const float *x, int64_t n, int64_t cols, uint8_t *base,
                           cpu_qact *q) {
     const bool kq = uses_q8_K(wt);
+    size_t d_off, x_off;
+    (void)qact_layout(kq, n, cols, &d_off, &x_off);
     memset(q, 0, sizeof *q);
     q->n = n;
     q->cols = cols;
     q->nblocks = cols / (kq ? PD_QK_K : 32);
-    const size_t qs_bytes = ALIGN64((size_t)n * (size_t)cols);
-    const size_t d_bytes = ALIGN64((size_t)n * (size_t)q->nblocks * sizeof(float));
     q->qs = (int8_t *)base;
-    q->d = (float *)(void *)(base + qs_bytes);
+    q->d = (float *)(void *)(base + d_off);
     if (kq)
-        q->bsums = (int16_t *)(void *)(base + qs_bytes + d_bytes);
+        q->bsums = (int16_t *)(void *)(base + x_off);
     else
-        q->c = (int32_t *)(void *)(base + qs_bytes + d_bytes);
+        q->c = (int32_t *)(void *)(base + x_off);
     quant_ctx c = {x, q, act_quant_fn(cb, wt), cols / 16};
     if (n >= 4 && n * cols >= 65536)
         pd_threadpool_run(cb->tp, quant_worker, &c);
@@ -289,7 +291,8 @@ static int matmul_dot(cpu_backend *cb, const pd_weight *const *w, int nw, const 
             if (!cpu_type_is_float(w[k]->type) && qof[k] == k && qfn[k] == qfn[j] &&
                 uses_q8_K(w[k]->type) == uses_q8_K(w[j]->type))
                 qof[j] = k;
-        if (qof[j] == j) off[j + 1] += qact_bytes(uses_q8_K(w[j]->type), n, w[j]->cols);
+        size_t d_off, x_off;
+        if (qof[j] == j) off[j + 1] += qact_layout(uses_q8_K(w[j]->type), n, w[j]->cols, &d_off, &x_off);
     }
     if (off[nw]) {
         int rc = cpu_scratch_reserve(&cb->act, &cb->act_cap, off[nw], err);
