@@ -511,6 +511,10 @@ int pd_gguf_load(const char *path, pd_gguf **out, pd_error *err) {
     return open_file(path, true, out, err);
 }
 
+int pd_gguf_set_writable(pd_gguf *g, bool writable, pd_error *err) {
+    return pd_mapped_file_set_writable(&g->map, writable, err);
+}
+
 void pd_gguf_close(pd_gguf *g) {
     if (!g) return;
     for (uint64_t i = 0; i < g->n_kv && g->kvs; i++) free(g->kvs[i].key);

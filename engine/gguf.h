@@ -98,6 +98,10 @@ int pd_gguf_open(const char *path, pd_gguf **out, pd_error *err);
 /* The same, read into private huge-page memory (pd_load_file): what the
  * CPU computes from, since decode streams the weights at memory speed. */
 int pd_gguf_load(const char *path, pd_gguf **out, pd_error *err);
+/* For a file opened with pd_gguf_load: let its tensor data be written in
+ * place (the model loader rearranges weights for the CPU backend), or make
+ * it read-only again. PD_EINVAL for a mapped file. */
+int pd_gguf_set_writable(pd_gguf *g, bool writable, pd_error *err);
 /* Parse a GGUF image already in memory (not copied; must outlive the handle).
  * Used by the fuzzer and by tests. */
 int pd_gguf_open_memory(const void *data, size_t size, pd_gguf **out, pd_error *err);

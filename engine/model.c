@@ -514,6 +514,31 @@ static int place_on_backend(pd_model *m, pd_error *err) {
     return pd_backend_sync(be, err);
 }
 
+static int pack_one(pd_backend *be, pd_weight *w, pd_error *err) {
+    return w->data ? pd_backend_pack_weight(be, w, (void *)(uintptr_t)w->data, err) : PD_OK;
+}
+
+/* The CPU computes some types faster with their rows rearranged
+ * (pd_backend_pack_weight), and the file's bytes in memory are the
+ * model's own: rearrange them there, no second copy. */
+static int pack_weights(pd_model *m, pd_error *err) {
+    pd_backend *be = m->backend;
+    int rc = pd_gguf_set_writable(m->gguf, true, err);
+    if (rc) return rc;
+    rc = pack_one(be, &m->tok_embd, err);
+    if (!rc && m->hp.tied_output) m->output = m->tok_embd; /* the same bytes: one pd_weight */
+    else if (!rc) rc = pack_one(be, &m->output, err);
+    for (int l = 0; l < m->hp.n_layer && !rc; l++) {
+        const pd_weight *ws[N_LAYER_MATRICES];
+        layer_matrices(&m->layers[l], ws);
+        for (size_t i = 0; i < N_LAYER_MATRICES && !rc; i++)
+            if ((rc = pack_one(be, (pd_weight *)(uintptr_t)ws[i], err))) pd_error_prefix(err, "layer %d", l);
+    }
+    pd_error e2 = {0};
+    const int rc2 = pd_gguf_set_writable(m->gguf, false, rc ? &e2 : err);
+    return rc ? rc : rc2;
+}
+
 int pd_model_load(const char *path, const pd_model_params *params, pd_model **out, pd_error *err) {
     *out = NULL;
     pd_model *m = calloc(1, sizeof *m);
@@ -548,6 +573,7 @@ int pd_model_load(const char *path, const pd_model_params *params, pd_model **ou
         }
     }
     if (!rc && (rc = place_on_backend(m, err))) pd_error_prefix(err, "%s: %s backend", path, pd_backend_name(m->backend));
+    if (!rc && in_memory && (rc = pack_weights(m, err))) pd_error_prefix(err, "%s: packing weights", path);
     if (rc) {
         pd_model_free(m);
         return rc;

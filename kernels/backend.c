@@ -73,6 +73,11 @@ void pd_backend_forget_weight(pd_backend *be, const pd_weight *w) {
     if (be->ops->forget_weight) be->ops->forget_weight(be, w);
 }
 
+int pd_backend_pack_weight(pd_backend *be, pd_weight *w, void *data, pd_error *err) {
+    if (!w || data != w->data) return pd_errorf(err, PD_EINVAL, "pack_weight: data is not the weight's bytes");
+    return be->ops->pack_weight && w->layout == PD_LAYOUT_GGUF ? be->ops->pack_weight(be, w, data, err) : PD_OK;
+}
+
 int pd_backend_matmul(pd_backend *be, const pd_weight *w, const float *x, int64_t n, float *y, pd_error *err) {
     return be->ops->matmul(be, w, x, n, y, err);
 }

@@ -35,8 +35,18 @@ extern "C" {
  * upload cost and out-of-memory show at load time) or on first use.
  * ------------------------------------------------------------------------ */
 
-/* A 2-D weight as GGUF stores it: `rows` rows of `cols` elements of `type`,
- * each row `row_bytes` long and contiguous. y = W x means
+/* How a weight's bytes are arranged. PD_LAYOUT_GGUF: as the file stores
+ * them. PD_LAYOUT_CPU_X16: rearranged in place by the CPU backend's
+ * pack_weight for its AVX-512 kernels (16 rows interleaved block by block;
+ * rows past the last whole 16 as in the file); only a CPU backend with
+ * those kernels computes with it. */
+typedef enum pd_weight_layout {
+    PD_LAYOUT_GGUF = 0,
+    PD_LAYOUT_CPU_X16 = 1,
+} pd_weight_layout;
+
+/* A 2-D weight: `rows` rows of `cols` elements of `type`, each row
+ * `row_bytes` long (in the GGUF layout, contiguous). y = W x means
  * y[r] = dot(W[r, :], x). */
 typedef struct pd_weight {
     pd_type type;
@@ -44,6 +54,7 @@ typedef struct pd_weight {
     int64_t rows;
     int64_t cols;
     size_t row_bytes;
+    pd_weight_layout layout;
 } pd_weight;
 
 /* Fill a pd_weight for a tensor of the given type and shape; checks that
@@ -232,6 +243,13 @@ int pd_backend_prepare_weight(pd_backend *be, const pd_weight *w, pd_error *err)
  * when a model is freed, since another file mapped later at the same
  * address must not find stale weights. */
 void pd_backend_forget_weight(pd_backend *be, const pd_weight *w);
+/* Rearrange a weight's bytes in place into the layout this backend
+ * computes fastest from, and set w->layout; `data` is w->data, writable
+ * (the caller's own copy of the file: every weight sharing those bytes
+ * must be the same pd_weight). Leaves w alone (PD_OK) where the backend
+ * has no such layout for its type, as on a device backend, which copies
+ * the GGUF layout instead. */
+int pd_backend_pack_weight(pd_backend *be, pd_weight *w, void *data, pd_error *err);
 /* y[i][r] = dot(W[r,:], x[i,:]) for i < n: y is [n][rows], x is [n][cols].
  * Small n uses quantized dot products directly, large n a GEMM.
  * Accuracy (CPU): f32/f16/bf16 weights use float x (relative error of

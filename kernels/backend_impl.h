@@ -60,6 +60,8 @@ typedef struct pd_backend_ops {
      * when a model is freed, since another file mapped later at the same
      * address must not find stale weights. */
     void (*forget_weight)(pd_backend *be, const pd_weight *w);
+    /* pd_backend_pack_weight (NULL: no layout of its own). */
+    int (*pack_weight)(pd_backend *be, pd_weight *w, void *data, pd_error *err);
 
     /* ---- compute ---- */
     /* y[i][r] = dot(W[r,:], x[i,:]) for i < n: y is [n][rows], x is [n][cols].

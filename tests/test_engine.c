@@ -506,9 +506,13 @@ static bool mapped_from(const void *p, const char *name) {
 }
 
 /* Weights read into memory (the CPU default) and mapped from the file
- * (mmap_weights) are the same bytes: bit-identical logits, prefill and
- * decode, for a quantized model; only the mapped model points into the
- * file. */
+ * (mmap_weights) are the same numbers: only the mapped model points into
+ * the file. Where this CPU packs the type (q4_K on AVX-512:
+ * pd_backend_pack_weight), the copy in memory is rearranged and its sums
+ * run in another order: float rounding, which can flip the rounding of an
+ * activation to int8 downstream (seen: one token's logits off by 0.0085,
+ * the others by 1e-7), so the logits agree to within that; elsewhere the
+ * bytes and the logits are bit-identical, prefill and decode. */
 Test(engine, weights_in_memory_equal_mapped_weights) {
     char path[1024];
     snprintf(path, sizeof path, "%s/mmap.gguf", tmpdir);
@@ -528,7 +532,13 @@ Test(engine, weights_in_memory_equal_mapped_weights) {
     float *a = malloc(sizeof(float) * V * (N + 3)), *b = malloc(sizeof(float) * V * (N + 3));
     run_prompt(mem, a, N);
     run_prompt(map, b, N);
-    cr_assert(memcmp(a, b, sizeof(float) * V * (N + 3)) == 0, "in-memory and mapped weights give other logits");
+    if (memcmp(tm->data, tp->data, (size_t)tm->n_bytes) == 0) {
+        cr_assert(memcmp(a, b, sizeof(float) * V * (N + 3)) == 0, "in-memory and mapped weights give other logits");
+    } else {
+        for (int64_t i = 0; i < (int64_t)V * (N + 3); i++)
+            cr_assert(fabsf(a[i] - b[i]) <= 0.03f * (1.0f + fabsf(b[i])), "logit %lld: packed %.9g, mapped %.9g",
+                      (long long)i, (double)a[i], (double)b[i]);
+    }
     free(a), free(b);
     pd_model_free(mem), pd_model_free(map);
 }

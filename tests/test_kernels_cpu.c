@@ -151,8 +151,10 @@ static const pd_type all_types[] = {PD_TYPE_F32,  PD_TYPE_F16,  PD_TYPE_BF16, PD
 
 /* Check the weight w against the reference for the batch sizes ns[0..n_ns)
  * (ascending) and 1 and 2 threads on the given SIMD level, with
- * activations drawn from *s. */
-static void check_weight(const pd_weight *w, const char *simd, uint64_t *s, const int64_t *ns, size_t n_ns) {
+ * activations drawn from *s; the reference reads ref_w (w in the GGUF
+ * layout), or w itself if NULL. */
+static void check_weight_as(const pd_weight *w, const pd_weight *ref_w, const char *simd, uint64_t *s,
+                            const int64_t *ns, size_t n_ns) {
     static const int threads[] = {1, 2};
     const int64_t rows = w->rows, cols = w->cols;
     const int64_t nmax = ns[n_ns - 1];
@@ -163,7 +165,7 @@ static void check_weight(const pd_weight *w, const char *simd, uint64_t *s, cons
     double *rs = malloc(sizeof(double) * (size_t)(nmax * rows));
     cr_assert(x && y && ref && bound && rs);
     fill_acts(s, x, nmax * cols);
-    ref_matmul(w, x, nmax, ref, bound, rs);
+    ref_matmul(ref_w ? ref_w : w, x, nmax, ref, bound, rs);
     const char *tn = pd_type_get(w->type)->name;
     for (size_t ti = 0; ti < sizeof threads / sizeof threads[0]; ti++) {
         pd_backend *be = make_backend(threads[ti], simd);
@@ -189,6 +191,10 @@ static void check_weight(const pd_weight *w, const char *simd, uint64_t *s, cons
     free(ref);
     free(bound);
     free(rs);
+}
+
+static void check_weight(const pd_weight *w, const char *simd, uint64_t *s, const int64_t *ns, size_t n_ns) {
+    check_weight_as(w, NULL, simd, s, ns, n_ns);
 }
 
 /* The same for random weights of type t quantized by pd_quantize_row. */
@@ -655,6 +661,137 @@ Test(matmul, quantized_types_give_a_token_the_same_bits_at_every_batch_size, .ti
         }
         pd_backend_free(be);
     }
+}
+
+/* ------------------------------------------------------------------------
+ * packed weights (PD_LAYOUT_CPU_X16)
+ * ------------------------------------------------------------------------ */
+
+/* The types the AVX-512 backend packs. */
+static const pd_type x16_types[] = {PD_TYPE_Q4_K};
+#define N_X16_TYPES (sizeof x16_types / sizeof x16_types[0])
+
+/* A packed copy of w (made by an AVX-512 backend) in *pw; returns its bytes. */
+static uint8_t *packed_copy(const pd_weight *w, pd_weight *pw) {
+    const size_t bytes = (size_t)w->rows * w->row_bytes;
+    uint8_t *data = malloc(bytes + 1);
+    cr_assert_not_null(data);
+    memcpy(data, w->data, bytes);
+    *pw = *w;
+    pw->data = data;
+    pd_backend *be = make_backend(1, "avx512");
+    pd_error err = {0};
+    cr_assert_eq(pd_backend_pack_weight(be, pw, data, &err), PD_OK, "%s", err.msg);
+    pd_backend_free(be);
+    return data;
+}
+
+/* Whole groups of 16 rows, a tail of rows in the GGUF layout after them,
+ * decode and prefill batches, 1 and 2 threads (chunks cut inside the
+ * packed rows and across their end). */
+Test(matmul, packed_weights_match_reference, .timeout = 120) {
+    if (!cpu_has("avx512")) cr_skip_test("this CPU has no avx512vnni");
+    static const int64_t ns[] = {1, 2, 3, 4, 5, 8, 9, 64};
+    const int64_t shapes[][2] = {{16, 256}, {37, 768}, {64, 512}, {131, 256}};
+    for (size_t i = 0; i < N_X16_TYPES; i++)
+        for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++) {
+            uint64_t s = 8100 + 10 * i + j;
+            pd_weight w, pw;
+            uint8_t *data = make_weights(&s, x16_types[i], shapes[j][0], shapes[j][1], &w);
+            uint8_t *packed = packed_copy(&w, &pw);
+            cr_assert_eq(pw.layout, PD_LAYOUT_CPU_X16, "%s is packed", pd_type_get(w.type)->name);
+            cr_assert(memcmp(packed, data, (size_t)w.rows * w.row_bytes) != 0, "packing moved bytes");
+            check_weight_as(&pw, &w, "avx512", &s, ns, sizeof ns / sizeof ns[0]);
+            free(packed);
+            free(data);
+        }
+}
+
+/* As for the GGUF layout: a token's product has the same bits whatever
+ * its batch, and rows of a packed weight fused with others agree with the
+ * weight alone; get_rows gives the rows the file has. */
+Test(matmul, packed_weights_are_batch_invariant_and_fuse, .timeout = 120) {
+    if (!cpu_has("avx512")) cr_skip_test("this CPU has no avx512vnni");
+    enum { ROWS = 53, COLS = 512, N = 40 };
+    pd_backend *be = make_backend(2, "avx512");
+    for (size_t i = 0; i < N_X16_TYPES; i++) {
+        uint64_t s = 8200 + i;
+        pd_weight w, pw, other;
+        uint8_t *data = make_weights(&s, x16_types[i], ROWS, COLS, &w);
+        uint8_t *odata = make_weights(&s, PD_TYPE_Q8_0, 24, COLS, &other);
+        uint8_t *packed = packed_copy(&w, &pw);
+        float *x = malloc(sizeof(float) * N * COLS), *all = malloc(sizeof(float) * N * ROWS),
+              *part = malloc(sizeof(float) * N * ROWS), *oy = malloc(sizeof(float) * N * 24),
+              *fy = malloc(sizeof(float) * N * ROWS);
+        cr_assert(x && all && part && oy && fy);
+        fill_acts(&s, x, N * COLS);
+        pd_error err = {0};
+        cr_assert_eq(pd_backend_matmul(be, &pw, x, N, all, &err), PD_OK, "%s", err.msg);
+        const int64_t splits[] = {1, 3, 4, 5, 17};
+        for (size_t k = 0; k < sizeof splits / sizeof splits[0]; k++) {
+            for (int64_t t0 = 0; t0 < N; t0 += splits[k]) {
+                const int64_t n = t0 + splits[k] <= N ? splits[k] : N - t0;
+                cr_assert_eq(pd_backend_matmul(be, &pw, x + t0 * COLS, n, part + t0 * ROWS, &err), PD_OK, "%s",
+                             err.msg);
+            }
+            cr_assert(memcmp(all, part, sizeof(float) * N * ROWS) == 0, "%s packed: calls of %lld differ",
+                      pd_type_get(w.type)->name, (long long)splits[k]);
+        }
+        const pd_weight *ws[] = {&other, &pw};
+        float *const ys[] = {oy, fy};
+        cr_assert_eq(pd_backend_matmul_multi(be, ws, 2, x, N, ys, &err), PD_OK, "%s", err.msg);
+        cr_assert(memcmp(all, fy, sizeof(float) * N * ROWS) == 0, "fused with a q8_0 weight");
+        const int32_t ids[] = {0, 15, 16, 47, 48, 52, 3};
+        float got[7 * COLS], want[COLS];
+        cr_assert_eq(pd_backend_get_rows(be, &pw, ids, 7, got, &err), PD_OK, "%s", err.msg);
+        for (int k = 0; k < 7; k++) {
+            cr_assert_eq(pd_dequantize_row(w.type, data + (size_t)ids[k] * w.row_bytes, want, COLS, &err), PD_OK);
+            cr_assert(memcmp(got + k * COLS, want, sizeof want) == 0, "get_rows row %d", ids[k]);
+        }
+        free(x), free(all), free(part), free(oy), free(fy);
+        free(packed), free(data), free(odata);
+    }
+    pd_backend_free(be);
+}
+
+/* What is not packed stays as it was; a packed weight is refused, with the
+ * fix named, by a backend without the kernels for it. */
+Test(matmul, packing_rules_and_errors) {
+    uint64_t s = 8300;
+    pd_error err = {0};
+    pd_backend *be = make_backend(1, NULL);
+    pd_weight w;
+    uint8_t *data = make_weights(&s, PD_TYPE_Q8_0, 32, 256, &w);
+    cr_assert_eq(pd_backend_pack_weight(be, &w, data, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(w.layout, PD_LAYOUT_GGUF, "q8_0 has no packed layout");
+    free(data);
+    data = make_weights(&s, PD_TYPE_Q4_K, 15, 256, &w); /* fewer rows than a group */
+    cr_assert_eq(pd_backend_pack_weight(be, &w, data, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(w.layout, PD_LAYOUT_GGUF);
+    uint8_t other[1];
+    cr_assert_eq(pd_backend_pack_weight(be, &w, other, &err), PD_EINVAL);
+    free(data);
+    pd_backend_free(be);
+    if (!cpu_has("avx512")) return;
+    data = make_weights(&s, PD_TYPE_Q4_K, 32, 256, &w);
+    pd_weight pw;
+    uint8_t *packed = packed_copy(&w, &pw);
+    pd_backend *scalar = make_backend(1, "scalar");
+    float x[256] = {0}, y[32];
+    cr_assert_eq(pd_backend_matmul(scalar, &pw, x, 1, y, &err), PD_EUNSUPPORTED);
+    cr_assert(strstr(err.msg, "packed") && strstr(err.msg, "backend that packed it"), "%s", err.msg);
+    /* packing twice is a no-op, not a second shuffle */
+    pd_backend *be512 = make_backend(1, "avx512");
+    cr_assert_eq(pd_backend_pack_weight(be512, &pw, packed, &err), PD_OK, "%s", err.msg);
+    float y1[32], y2[32];
+    fill_acts(&s, x, 256);
+    cr_assert_eq(pd_backend_matmul(be512, &pw, x, 1, y1, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_backend_matmul(be512, &w, x, 1, y2, &err), PD_OK, "%s", err.msg);
+    for (int r = 0; r < 32; r++) cr_assert(fabsf(y1[r] - y2[r]) <= 1e-4f * (fabsf(y2[r]) + 1.0f), "row %d", r);
+    pd_backend_free(be512);
+    pd_backend_free(scalar);
+    free(packed);
+    free(data);
 }
 
 Test(matmul, padded_rows_and_empty_shapes) {

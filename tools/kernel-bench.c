@@ -1,7 +1,7 @@
 /* kernel-bench: matmul micro-benchmark for the CPU backend.
  *
  *   kernel-bench [--threads 1,2] [--types q8_0,f32,...] [--n 1,256]
- *                [--shapes 576x576,192x576,...] [--time SECONDS] [--cold] [--attn]
+ *                [--shapes 576x576,192x576,...] [--time SECONDS] [--cold] [--packed] [--attn]
  *
  * For every (type, shape rows x cols, n, threads) it times
  * y[n][rows] = x[n][cols] . W^T and prints microseconds per call, GFLOP/s
@@ -15,7 +15,9 @@
  * --cold rotates through enough copies of each weight (256 MiB in all) that
  * every call reads its weights from memory, as a forward pass over a model
  * larger than the caches does; without it a matrix stays in cache between
- * calls. --attn also times attention for SmolLM2-135M's shape (9 query
+ * calls. --packed rearranges the weights as the model loader does for the
+ * CPU (pd_backend_pack_weight: PD_LAYOUT_CPU_X16 where this CPU has kernels
+ * for it; the type column then says e.g. q4_K/x16). --attn also times attention for SmolLM2-135M's shape (9 query
  * heads, 3 kv heads of 64): prefill of 256 tokens (causal) and decode of one
  * token over 256 and 2048 cached keys, with f32 and with f16 K/V rows.
  *
@@ -68,7 +70,7 @@ static const shape default_shapes[] = {{576, 576}, {192, 576}, {1536, 576}, {576
 static void usage(FILE *f) {
     fputs("usage: kernel-bench [--threads 1,2]\n"
           "                    [--types q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl,q2_k,q3_k,q4_k,q5_k,q6_k,iq4_xs,f32,f16,bf16]\n"
-          "                    [--n 1,256] [--shapes ROWSxCOLS,...] [--time SECONDS] [--cold]\n"
+          "                    [--n 1,256] [--shapes ROWSxCOLS,...] [--time SECONDS] [--cold] [--packed]\n"
           "                    [--attn]\n",
           f);
 }
@@ -167,7 +169,7 @@ int main(int argc, char **argv) {
     shape shapes[MAX_LIST];
     int n_shapes = (int)(sizeof default_shapes / sizeof default_shapes[0]);
     memcpy(shapes, default_shapes, sizeof default_shapes);
-    bool custom_shapes = false, cold = false, attn = false;
+    bool custom_shapes = false, cold = false, attn = false, packed = false;
     double min_time = 0.3;
     pd_error err = {0};
 
@@ -176,6 +178,7 @@ int main(int argc, char **argv) {
         {"n", required_argument, 0, 'n'},       {"shapes", required_argument, 0, 's'},
         {"time", required_argument, 0, 'T'},    {"help", no_argument, 0, 'h'},
         {"cold", no_argument, 0, 'c'},          {"attn", no_argument, 0, 'a'},
+        {"packed", no_argument, 0, 'p'},
         {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
@@ -224,6 +227,7 @@ int main(int argc, char **argv) {
             break;
         case 'c': cold = true; break;
         case 'a': attn = true; break;
+        case 'p': packed = true; break;
         case 'h': usage(stdout); return 0;
         default: goto bad;
         }
@@ -271,6 +275,16 @@ int main(int argc, char **argv) {
             for (long i = 0; i < cols * max_n; i++) x[i] = frand();
             for (long i = 0; i < n_copies; i++)
                 if (pd_weight_init(&w[i], t, wdata + wbytes * (size_t)i, rows, cols, &err)) goto fail;
+            if (packed) {
+                pd_backend *be;
+                if (pd_backend_cpu_create(1, &be, &err)) goto fail;
+                for (long i = 0; i < n_copies && !err.code; i++)
+                    (void)pd_backend_pack_weight(be, &w[i], wdata + wbytes * (size_t)i, &err);
+                pd_backend_free(be);
+                if (err.code) goto fail;
+            }
+            char tname[32];
+            snprintf(tname, sizeof tname, "%s%s", tr->name, w[0].layout == PD_LAYOUT_CPU_X16 ? "/x16" : "");
             for (int hi = 0; hi < n_threads; hi++) {
                 pd_backend *be;
                 if (pd_backend_cpu_create((int)threads[hi], &be, &err)) goto fail;
@@ -282,7 +296,7 @@ int main(int argc, char **argv) {
                     }
                     est[si][ni][hi] = sec;
                     const double flops = 2.0 * (double)rows * (double)cols * (double)ns[ni];
-                    printf("%-6s %5ldx%-6ld %5ld %3ld %12.1f %10.1f %9.2f\n", tr->name, rows, cols, ns[ni],
+                    printf("%-6s %5ldx%-6ld %5ld %3ld %12.1f %10.1f %9.2f\n", tname, rows, cols, ns[ni],
                            threads[hi], sec * 1e6, flops / sec * 1e-9, (double)rb * (double)rows / sec * 1e-9);
                     fflush(stdout);
                 }

@@ -95,6 +95,14 @@ int pd_load_file(const char *path, pd_mapped_file *out, pd_error *err) {
     out->size = size;
     out->region = region;
     out->region_size = len;
+    out->copied = true;
+    return PD_OK;
+}
+
+int pd_mapped_file_set_writable(pd_mapped_file *m, bool writable, pd_error *err) {
+    if (!m->copied) return pd_errorf(err, PD_EINVAL, "a file mapped from the page cache cannot be written in place");
+    if (mprotect(m->region, m->region_size, writable ? PROT_READ | PROT_WRITE : PROT_READ) != 0)
+        return pd_errorf(err, PD_EIO, "mprotect: %s", strerror(errno));
     return PD_OK;
 }
 

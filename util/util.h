@@ -66,6 +66,7 @@ typedef struct pd_mapped_file {
     size_t size;
     void *region;       /* what pd_unmap_file unmaps */
     size_t region_size;
+    bool copied;        /* read into memory of our own (pd_load_file) */
 } pd_mapped_file;
 int pd_map_file(const char *path, pd_mapped_file *out, pd_error *err);
 /* Read the file into private anonymous memory, 2 MiB aligned and marked
@@ -75,6 +76,9 @@ int pd_map_file(const char *path, pd_mapped_file *out, pd_error *err);
  * streams that stop at every page. Costs the read at open and the memory
  * of a copy (the page cache's pages stay reclaimable). */
 int pd_load_file(const char *path, pd_mapped_file *out, pd_error *err);
+/* Let a file read by pd_load_file be written (in place, by the owner) or
+ * make it read-only again; PD_EINVAL for a mapping of the file itself. */
+int pd_mapped_file_set_writable(pd_mapped_file *m, bool writable, pd_error *err);
 void pd_unmap_file(pd_mapped_file *m);
 
 /* Read a whole stream/file into a malloc'd, NUL-terminated buffer. */

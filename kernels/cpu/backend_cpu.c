@@ -102,6 +102,25 @@ int pd_weight_init(pd_weight *w, pd_type type, const void *data, int64_t rows, i
     w->rows = rows;
     w->cols = cols;
     w->row_bytes = (size_t)rb;
+    w->layout = PD_LAYOUT_GGUF;
+    return PD_OK;
+}
+
+/* ------------------------------------------------------------------------
+ * pack_weight: PD_LAYOUT_CPU_X16 for the types this CPU has kernels for
+ * ------------------------------------------------------------------------ */
+
+static int cpu_pack_weight(pd_backend *be, pd_weight *w, void *data, pd_error *err) {
+    const cpu_backend *cb = be->impl;
+    const pd_type_traits *tr = pd_type_get((uint32_t)w->type);
+    if (!tr || (uint32_t)w->type >= PD_TYPE_COUNT || !cb->k.mm_x16[w->type] || w->rows < CPU_X16 ||
+        w->row_bytes != (size_t)(w->cols / tr->block_size) * tr->type_size)
+        return PD_OK;
+    uint8_t *tmp = malloc(CPU_X16 * w->row_bytes);
+    if (!tmp) return pd_errorf(err, PD_ENOMEM, "pack_weight: out of memory");
+    cpu_x16_pack(w->type, data, w->rows, w->row_bytes, tmp);
+    free(tmp);
+    w->layout = PD_LAYOUT_CPU_X16;
     return PD_OK;
 }
 
@@ -119,23 +138,29 @@ static int cpu_get_rows(pd_backend *be, const pd_weight *w, const int32_t *ids, 
     if (n < 0) return pd_errorf(err, PD_EINVAL, "get_rows: negative count %lld", (long long)n);
     if (n > 0 && (!ids || !out)) return pd_errorf(err, PD_EINVAL, "get_rows: NULL ids or output");
     const cpu_dequant_fn fast = cb->k.dequant[w->type];
-    for (int64_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= w->rows)
-            return pd_errorf(err, PD_ERANGE, "get_rows: id %d at index %lld is outside [0, %lld)",
-                             (int)ids[i], (long long)i, (long long)w->rows);
+    uint8_t *unpacked = NULL; /* a packed row as the file has it */
+    if (n > 0 && w->layout == PD_LAYOUT_CPU_X16 && !(unpacked = malloc(w->row_bytes)))
+        return pd_errorf(err, PD_ENOMEM, "get_rows: out of memory");
+    int rc = PD_OK;
+    for (int64_t i = 0; i < n && !rc; i++) {
+        if (ids[i] < 0 || ids[i] >= w->rows) {
+            rc = pd_errorf(err, PD_ERANGE, "get_rows: id %d at index %lld is outside [0, %lld)", (int)ids[i],
+                           (long long)i, (long long)w->rows);
+            break;
+        }
         const uint8_t *row = (const uint8_t *)w->data + (size_t)ids[i] * w->row_bytes;
+        if (unpacked) {
+            cpu_x16_row(w->type, w->data, w->rows, w->row_bytes, ids[i], unpacked);
+            row = unpacked;
+        }
         float *dst = out + i * w->cols;
         if (fast)
             fast(row, w->cols, dst);
-        else {
-            int rc = pd_dequantize_row(w->type, row, dst, (uint64_t)w->cols, err);
-            if (rc) {
-                pd_error_prefix(err, "get_rows");
-                return rc;
-            }
-        }
+        else if ((rc = pd_dequantize_row(w->type, row, dst, (uint64_t)w->cols, err)))
+            pd_error_prefix(err, "get_rows");
     }
-    return PD_OK;
+    free(unpacked);
+    return rc;
 }
 
 /* ------------------------------------------------------------------------
@@ -561,6 +586,7 @@ static void cpu_free(pd_backend *be) {
     .sync = cpu_sync, \
     .prepare_weight = NULL, \
     .forget_weight = NULL, \
+    .pack_weight = cpu_pack_weight, \
     .matmul = cpu_matmul, \
     .get_rows = cpu_get_rows, \
     .rmsnorm = cpu_rmsnorm, \

@@ -100,6 +100,11 @@ static inline bool cpu_type_is_float(pd_type t) {
 typedef struct cpu_kernels {
     cpu_simd_level level;
     cpu_mm_fn mm[PD_TYPE_COUNT];       /* small-n (or any-n) kernels, NULL = unsupported */
+    /* Kernels for the whole 16-row groups of weights in PD_LAYOUT_CPU_X16
+     * (x16.c), at every n; a type with one is packed by pack_weight. Rows
+     * r0 and r1 are multiples of 16; the rows after the last group keep
+     * the GGUF layout and take mm. */
+    cpu_mm_fn mm_x16[PD_TYPE_COUNT];
     /* Types whose mm kernel serves every n, never dequant + GEMM: every
      * quantized type from AVX2 up (set once, in cpu_kernels_avx2), so a
      * token's result does not depend on its batch. */
@@ -154,7 +159,24 @@ void cpu_kernels_kq_scalar(cpu_kernels *k);
 #if PD_X86
 void cpu_kernels_kq_avx2(cpu_kernels *k);
 void cpu_kernels_kq_avx512(cpu_kernels *k);
+/* The mm_x16 entries (simd_x16_avx512.c). */
+void cpu_kernels_x16_avx512(cpu_kernels *k);
 #endif
+
+/* x16.c: the PD_LAYOUT_CPU_X16 arrangement. Rows go in groups of 16; a
+ * group's bytes are its blocks in order, and block b of a group holds the
+ * 4-byte words of block b of its 16 rows interleaved: word k of row i at
+ * (16 k + i) * 4. For q4_K (36 words) that puts d|dmin, the three scale
+ * words and the 32 code words of all 16 rows each in one 64-byte line. */
+#define CPU_X16 16
+#define CPU_Q4_K_BYTES 144
+/* Whether blocks of type t can be packed (their size is whole words). */
+bool cpu_x16_type_ok(pd_type t);
+/* Pack the whole groups of `rows` rows of row_bytes at data in place;
+ * tmp holds 16 * row_bytes. */
+void cpu_x16_pack(pd_type t, uint8_t *data, int64_t rows, size_t row_bytes, uint8_t *tmp);
+/* Row r of a packed weight as GGUF stores it, into out (row_bytes). */
+void cpu_x16_row(pd_type t, const uint8_t *data, int64_t rows, size_t row_bytes, int64_t r, uint8_t *out);
 
 /* Shared scalar helpers. */
 static inline uint16_t cpu_load_u16(const uint8_t *p) {

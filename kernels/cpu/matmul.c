@@ -38,8 +38,9 @@
 
 typedef struct mm_part {
     cpu_mm m;
-    cpu_mm_fn fn;
+    cpu_mm_fn fn, fn_x16;
     int64_t rows, chunk, first; /* first: index of its first chunk */
+    int64_t x16_rows;           /* rows [0, x16_rows) packed (PD_LAYOUT_CPU_X16) */
 } mm_part;
 
 typedef struct mm_ctx {
@@ -67,9 +68,13 @@ static void run_chunk(const mm_ctx *c, int64_t i) {
     int k = 0;
     while (k + 1 < c->nparts && i >= c->part[k + 1].first) k++;
     const mm_part *p = &c->part[k];
-    const int64_t r0 = (i - p->first) * p->chunk;
+    int64_t r0 = (i - p->first) * p->chunk;
     const int64_t r1 = r0 + p->chunk < p->rows ? r0 + p->chunk : p->rows;
-    p->fn(&p->m, r0, r1);
+    if (r0 < p->x16_rows) {
+        p->fn_x16(&p->m, r0, r1 < p->x16_rows ? r1 : p->x16_rows);
+        r0 = p->x16_rows;
+    }
+    if (r0 < r1) p->fn(&p->m, r0, r1);
 }
 
 static void mm_worker(void *p, int ith, int nth) {
@@ -264,13 +269,21 @@ static int check_weight(const cpu_backend *cb, const pd_weight *w, const char *o
         return pd_errorf(err, PD_EINVAL, "%s: row_bytes %zu is less than the %llu bytes of a %s row of %lld", op,
                          w->row_bytes, (unsigned long long)need, tr->name, (long long)w->cols);
     if (!w->data && w->cols > 0 && w->rows > 0) return pd_errorf(err, PD_EINVAL, "%s: NULL weight data", op);
+    if (w->layout == PD_LAYOUT_CPU_X16 && !cb->k.mm_x16[w->type])
+        return pd_errorf(err, PD_EUNSUPPORTED,
+                         "%s: the %s weight is packed for the CPU's AVX-512 kernels, which this backend does not use "
+                         "(PD_CPU_SIMD below avx512?); compute with the backend that packed it",
+                         op, tr->name);
+    if (w->layout != PD_LAYOUT_GGUF && w->layout != PD_LAYOUT_CPU_X16)
+        return pd_errorf(err, PD_EINVAL, "%s: unknown weight layout %d", op, (int)w->layout);
     return PD_OK;
 }
 
 /* Whether n rows of x against w take the dot-product kernels (else
  * dequantize + sgemm, or nothing to compute). */
 static bool on_dot_kernels(const cpu_backend *cb, const pd_weight *w, int64_t n) {
-    return w->rows > 0 && w->cols > 0 && (n < cb->gemm_min_n[w->type] || cb->k.mm_any_n[w->type]);
+    return w->rows > 0 && w->cols > 0 &&
+           (n < cb->gemm_min_n[w->type] || cb->k.mm_any_n[w->type] || w->layout == PD_LAYOUT_CPU_X16);
 }
 
 /* y[j] = x . w[j]^T for weights that all take the dot-product kernels, in
@@ -305,14 +318,16 @@ static int matmul_dot(cpu_backend *cb, const pd_weight *const *w, int nw, const 
     for (int j = 0; j < nw; j++) {
         mm_part *p = &c.part[j];
         p->fn = cb->k.mm[w[j]->type];
+        p->fn_x16 = cb->k.mm_x16[w[j]->type];
         p->rows = w[j]->rows;
+        p->x16_rows = w[j]->layout == PD_LAYOUT_CPU_X16 ? w[j]->rows / CPU_X16 * CPU_X16 : 0;
         p->m = (cpu_mm){.w = w[j]->data, .rb = w[j]->row_bytes, .cols = w[j]->cols, .n = n, .x = x, .y = y[j],
                         .ldy = w[j]->rows};
         if (!cpu_type_is_float(w[j]->type)) {
             if (qof[j] == j) quantize_acts(cb, w[j]->type, x, n, w[j]->cols, (uint8_t *)cb->act + off[j], &q[j]);
             p->m.q = &q[qof[j]];
         }
-        p->chunk = pick_chunk(p->rows, nth, 8, 16, 4);
+        p->chunk = pick_chunk(p->rows, nth, 8, 16, p->x16_rows ? CPU_X16 : 4);
         p->first = c.nchunks;
         c.nchunks += (p->rows + p->chunk - 1) / p->chunk;
     }

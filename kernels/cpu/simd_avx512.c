@@ -754,6 +754,7 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     k->f32_to_f16 = f32_to_f16;
     k->f16_to_f32 = f16_to_f32;
     cpu_kernels_kq_avx512(k);
+    cpu_kernels_x16_avx512(k);
     cpu_q32_kernels_avx512(k);
 }
 

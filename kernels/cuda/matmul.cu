@@ -155,6 +155,9 @@ static int weight_get(cuda_backend *cb, const pd_weight *w, const cuda_weight_en
     if (w->rows <= 0 || w->cols <= 0)
         return pd_errorf(err, PD_EINVAL, "cuda backend: empty weight (%lld x %lld)", (long long)w->rows,
                          (long long)w->cols);
+    if (w->layout != PD_LAYOUT_GGUF)
+        return pd_errorf(err, PD_EUNSUPPORTED, "cuda backend: the weight at %p was packed for the CPU backend; "
+                         "load the model for the cuda backend from the file", w->data);
     const cuda_weight_entry *e = cuda_weight_find(cb, w->data);
     // Recorded, the upload would only run with the graph, while the table
     // says the copy exists: the step is redone without a graph instead.

@@ -1,0 +1,164 @@
+/* AVX-512 VNNI kernels for weights packed 16 rows at a time (x16.c has the
+ * layout): each 32-bit lane of a register belongs to one of 16 rows, so a
+ * vpdpbusd of 4 codes of every row against 4 activation bytes broadcast to
+ * all lanes adds to 16 row sums at once. Nothing is reduced across lanes:
+ * the 16 results of a group leave in one store. Against one row at a time
+ * (simd_avx512.c's q4_K_row) this drops the packs, the per-block scale
+ * permutes and the horizontal sums, and the activations come from 4-byte
+ * broadcasts folded into vpdpbusd instead of 64-byte loads: about half the
+ * instructions per weight byte, which is what lets decode run at the
+ * memory's speed rather than the core's.
+ *
+ * q4_K (activations in cpu_quant_q8_K4_avx512's order and sums). A code
+ * register holds, per row, 4 bytes of qs: 4 elements of sub-block 2p in
+ * the low nibbles and the matching 4 of sub-block 2p + 1 in the high ones.
+ * The high nibbles are multiplied in place (codes times 16), so one AND
+ * unpacks each half; the low half's scale is taken times 16 to match and
+ * the block's sum carries a factor 16 that the float scale removes. The
+ * 4-byte sums per sub-block stay below 32 * 15 * 16 * 128 in magnitude and
+ * a block's total below 2^29. */
+#include "kernels/cpu/cpu_internal.h"
+
+#if PD_X86
+#include <immintrin.h>
+
+#include "kernels/cpu/simd_x86.h"
+
+/* At most this many tokens share a pass over a group's codes: two sums per
+ * token and sub-block pair, a block sum and an accumulator stay in
+ * registers (4 x 4 + the codes and scales fit the 32). */
+#define X16_NT 4
+
+/* Bytes ahead of the code line in use that are prefetched: at twice the
+ * row kernels' speed, DECODE_PF (4096) is only ~60 ns of work ahead, less
+ * than a miss takes; 8192 measured best (kernel-bench --cold, q4_K
+ * 8192x2048, 1 and 2 threads: 30.8 and 60 GB/s against 29 and 57 at 4096
+ * and 28 and 55 at 16384). */
+#define X16_PF 8192
+
+/* Where sub-block s's 32 activations sit in a q8_K4 block (sub-blocks 1
+ * and 2, 5 and 6 swapped). */
+static inline int q8k4_pos(int s) { return 32 * ((s & 4) | (s & 1) << 1 | (s >> 1 & 1)); }
+
+/* vpshufb controls: byte k of each dword zero-extended to the dword, or
+ * bytes k and k + 1 zero-extended to its two words (vpshufb indexes within
+ * a 128-bit lane, so dword j of a lane starts at byte 4j). */
+PD_TARGET_AVX512 static inline __m512i dword_bytes(unsigned ctrl) {
+    return _mm512_add_epi32(_mm512_set1_epi32((int)ctrl),
+                            _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x00040004, 0x00080008, 0x000c000c)));
+}
+PD_TARGET_AVX512 static inline __m512i byte_pick(int k) { return dword_bytes(0x80808000u | (unsigned)k); }
+PD_TARGET_AVX512 static inline __m512i word_pair_pick(int k) {
+    return dword_bytes(0x80008000u | (unsigned)k | ((unsigned)(k + 1) << 16));
+}
+
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
+q4_K_x16(const cpu_mm *m, int64_t g, int64_t t0, const int nt) {
+    const cpu_qact *q = m->q;
+    const int64_t nb = q->nblocks;
+    const uint8_t *w = m->w + (size_t)g * CPU_X16 * m->rb;
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), hi4 = _mm512_set1_epi8((char)0xf0);
+    const __m512i m6 = _mm512_set1_epi8(0x3f), m2h = _mm512_set1_epi8(0x30);
+    __m512 acc[X16_NT];
+PD_UNROLL
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)b * CPU_X16 * CPU_Q4_K_BYTES;
+        const __m512i dd = _mm512_loadu_si512((const void *)blk);
+        const __m512i s0 = _mm512_loadu_si512((const void *)(blk + 64));
+        const __m512i s1 = _mm512_loadu_si512((const void *)(blk + 128));
+        const __m512i s2 = _mm512_loadu_si512((const void *)(blk + 192));
+        /* scales 0-3 and 4-7, mins 0-3 and 4-7, a byte each per row */
+        const __m512i sc03 = _mm512_and_si512(s0, m6);
+        const __m512i sc47 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(s0, 2), m2h), s2, lo4, 0xf8);
+        const __m512i mn03 = _mm512_and_si512(s1, m6);
+        const __m512i mn47 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(s1, 2), m2h),
+                                                       _mm512_srli_epi32(s2, 4), lo4, 0xf8);
+        const int8_t *xb[X16_NT];
+        __m512i isum[X16_NT];
+PD_UNROLL
+        for (int t = 0; t < nt; t++) {
+            xb[t] = q->qs + (t0 + t) * q->cols + PD_QK_K * b;
+            isum[t] = _mm512_setzero_si512();
+        }
+PD_UNROLL
+        for (int p = 0; p < 4; p++) {
+            const __m512i sv = p < 2 ? sc03 : sc47;
+            const __m512i sc_lo = _mm512_slli_epi32(_mm512_shuffle_epi8(sv, byte_pick(2 * (p & 1))), 4);
+            const __m512i sc_hi = _mm512_shuffle_epi8(sv, byte_pick(2 * (p & 1) + 1));
+            const int olo = q8k4_pos(2 * p), ohi = q8k4_pos(2 * p + 1);
+            __m512i alo[X16_NT], ahi[X16_NT];
+PD_UNROLL
+            for (int t = 0; t < nt; t++) alo[t] = ahi[t] = _mm512_setzero_si512();
+PD_UNROLL
+            for (int k = 0; k < 8; k++) {
+                const uint8_t *cp = blk + 64 * (4 + 8 * p + k);
+                _mm_prefetch((const char *)cp + X16_PF, _MM_HINT_T0);
+                const __m512i r = _mm512_loadu_si512((const void *)cp);
+                const __m512i cl = _mm512_and_si512(r, lo4), ch = _mm512_and_si512(r, hi4);
+PD_UNROLL
+                for (int t = 0; t < nt; t++) {
+                    int32_t xl, xh;
+                    memcpy(&xl, xb[t] + olo + 4 * k, 4);
+                    memcpy(&xh, xb[t] + ohi + 4 * k, 4);
+                    alo[t] = _mm512_dpbusd_epi32(alo[t], cl, _mm512_set1_epi32(xl));
+                    ahi[t] = _mm512_dpbusd_epi32(ahi[t], ch, _mm512_set1_epi32(xh));
+                }
+            }
+PD_UNROLL
+            for (int t = 0; t < nt; t++)
+                isum[t] = _mm512_add_epi32(isum[t], _mm512_add_epi32(_mm512_mullo_epi32(alo[t], sc_lo),
+                                                                     _mm512_mullo_epi32(ahi[t], sc_hi)));
+        }
+        /* d and dmin of the 16 rows */
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
+        __m512i mw[4]; /* mins 2c and 2c + 1 as the two words of each lane */
+PD_UNROLL
+        for (int c = 0; c < 4; c++) mw[c] = _mm512_shuffle_epi8(c < 2 ? mn03 : mn47, word_pair_pick(2 * (c & 1)));
+PD_UNROLL
+        for (int t = 0; t < nt; t++) {
+            const int16_t *bs = q->bsums + (t0 + t) * (q->cols / 16) + 16 * (b & ~(int64_t)1) + 8 * (b & 1);
+            __m512i ms = _mm512_setzero_si512();
+PD_UNROLL
+            for (int c = 0; c < 4; c++) {
+                int32_t pair;
+                memcpy(&pair, bs + 2 * c, 4);
+                ms = _mm512_dpwssd_epi32(ms, mw[c], _mm512_set1_epi32(pair));
+            }
+            const float xd = q->d[(t0 + t) * nb + b];
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, _mm512_set1_ps(xd * 0.0625f)), acc[t]);
+            acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dmin, _mm512_set1_ps(xd)), acc[t]);
+        }
+    }
+PD_UNROLL
+    for (int t = 0; t < nt; t++) _mm512_storeu_ps(m->y + (t0 + t) * m->ldy + g * CPU_X16, acc[t]);
+}
+
+/* Groups [g0, g1) for every token, X16_NT tokens per pass; prefill takes
+ * a few groups at a time so their codes stay in L2 across the passes. */
+#define X16_PREFILL_GROUPS 4
+#define X16_GROUPS(KERNEL, m, g0, g1)                                                               \
+    for (int64_t ga = (g0); ga < (g1); ga += X16_PREFILL_GROUPS) {                                  \
+        const int64_t gz = ga + X16_PREFILL_GROUPS < (g1) ? ga + X16_PREFILL_GROUPS : (g1);         \
+        for (int64_t t0 = 0; t0 < (m)->n; t0 += X16_NT) {                                           \
+            const int64_t nt = (m)->n - t0 < X16_NT ? (m)->n - t0 : X16_NT;                         \
+            switch (nt) {                                                                           \
+            case 1: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 1); break;                   \
+            case 2: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 2); break;                   \
+            case 3: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 3); break;                   \
+            default: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 4); break;                  \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+/* Rows [r0, r1) of a packed weight, both multiples of 16. */
+PD_TARGET_AVX512 static void mm_q4_K_x16(const cpu_mm *m, int64_t r0, int64_t r1) {
+    X16_GROUPS(q4_K_x16, m, r0 / CPU_X16, r1 / CPU_X16)
+}
+
+void cpu_kernels_x16_avx512(cpu_kernels *k) {
+    k->mm_x16[PD_TYPE_Q4_K] = mm_q4_K_x16;
+}
+
+#endif /* PD_X86 */
