@@ -668,7 +668,7 @@ Test(matmul, quantized_types_give_a_token_the_same_bits_at_every_batch_size, .ti
  * ------------------------------------------------------------------------ */
 
 /* The types the AVX-512 backend packs. */
-static const pd_type x16_types[] = {PD_TYPE_Q4_K};
+static const pd_type x16_types[] = {PD_TYPE_Q4_K, PD_TYPE_Q6_K};
 #define N_X16_TYPES (sizeof x16_types / sizeof x16_types[0])
 
 /* A packed copy of w (made by an AVX-512 backend) in *pw; returns its bytes. */

@@ -165,13 +165,15 @@ void cpu_kernels_x16_avx512(cpu_kernels *k);
 
 /* x16.c: the PD_LAYOUT_CPU_X16 arrangement. Rows go in groups of 16; a
  * group's bytes are its blocks in order, and block b of a group holds the
- * 4-byte words of block b of its 16 rows interleaved: word k of row i at
- * (16 k + i) * 4. For q4_K (36 words) that puts d|dmin, the three scale
- * words and the 32 code words of all 16 rows each in one 64-byte line. */
+ * w = size / 4 whole 4-byte words of block b of its 16 rows interleaved
+ * (word k of row i at (16 k + i) * 4), then, for a block of 4w + 2 bytes,
+ * their last 2 bytes (row i's at 64 w + 2 i). For q4_K (36 words) that
+ * puts d|dmin, the three scale words and the 32 code words of all 16 rows
+ * each in one 64-byte line; for q6_K (52 words and d) the 32 words of low
+ * bits, the 16 of high bits and the 4 of scales, then the 16 d. */
 #define CPU_X16 16
 #define CPU_Q4_K_BYTES 144
-/* Whether blocks of type t can be packed (their size is whole words). */
-bool cpu_x16_type_ok(pd_type t);
+#define CPU_Q6_K_BYTES 210
 /* Pack the whole groups of `rows` rows of row_bytes at data in place;
  * tmp holds 16 * row_bytes. */
 void cpu_x16_pack(pd_type t, uint8_t *data, int64_t rows, size_t row_bytes, uint8_t *tmp);

@@ -24,9 +24,9 @@
 
 #include "kernels/cpu/simd_x86.h"
 
-/* At most this many tokens share a pass over a group's codes: two sums per
- * token and sub-block pair, a block sum and an accumulator stay in
- * registers (4 x 4 + the codes and scales fit the 32). */
+/* At most this many tokens share a pass over a group's codes (q4_K: two
+ * sums per token and sub-block pair, a block sum and an accumulator, 4 x 4
+ * registers beside the codes and scales; q6_K: four sums, 4 x 6). */
 #define X16_NT 4
 
 /* Bytes ahead of the code line in use that are prefetched: at twice the
@@ -40,12 +40,13 @@
  * and 2, 5 and 6 swapped). */
 static inline int q8k4_pos(int s) { return 32 * ((s & 4) | (s & 1) << 1 | (s >> 1 & 1)); }
 
-/* vpshufb controls: byte k of each dword zero-extended to the dword, or
- * bytes k and k + 1 zero-extended to its two words (vpshufb indexes within
- * a 128-bit lane, so dword j of a lane starts at byte 4j). */
+/* vpshufb controls, given for dword 0 of a 128-bit lane and moved to each
+ * dword j by adding 4j to every byte (vpshufb indexes within the lane; an
+ * index byte with the top bit set gives 0 either way): byte k of each
+ * dword zero-extended to the dword, or bytes k and k + 1 to its words. */
 PD_TARGET_AVX512 static inline __m512i dword_bytes(unsigned ctrl) {
     return _mm512_add_epi32(_mm512_set1_epi32((int)ctrl),
-                            _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x00040004, 0x00080008, 0x000c000c)));
+                            _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c)));
 }
 PD_TARGET_AVX512 static inline __m512i byte_pick(int k) { return dword_bytes(0x80808000u | (unsigned)k); }
 PD_TARGET_AVX512 static inline __m512i word_pair_pick(int k) {
@@ -135,6 +136,103 @@ PD_UNROLL
     for (int t = 0; t < nt; t++) _mm512_storeu_ps(m->y + (t0 + t) * m->ldy + g * CPU_X16, acc[t]);
 }
 
+/* q6_K (natural q8_K activations). Word k < 8 of a half h holds low
+ * nibbles of elements 128h + 4k.. (low) and 128h + 64 + 4k.. (high), word
+ * 8 + k those of 128h + 32 + 4k.. and 128h + 96 + 4k..; high-bit word k of
+ * the half has their top two bits at bits 0, 2, 4, 6. Each code (0..63,
+ * stored + 32) is put together with one AND and one ternary-logic merge
+ * (plus the shifts), and the four runs of a word go to four sums, one per
+ * 16-element sub-block. The + 32 comes off as 32 * sum(scale * bsum), word
+ * pairs of scales against pairs of sums in vpdpwssd. */
+
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
+q6_K_x16(const cpu_mm *m, int64_t g, int64_t t0, const int nt) {
+    const cpu_qact *q = m->q;
+    const int64_t nb = q->nblocks;
+    const uint8_t *w = m->w + (size_t)g * CPU_X16 * m->rb;
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), b45 = _mm512_set1_epi8(0x30);
+    __m512 acc[X16_NT];
+PD_UNROLL
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)b * CPU_X16 * CPU_Q6_K_BYTES;
+        const int8_t *xb[X16_NT];
+        __m512i isum[X16_NT];
+PD_UNROLL
+        for (int t = 0; t < nt; t++) {
+            xb[t] = q->qs + (t0 + t) * q->cols + PD_QK_K * b;
+            isum[t] = _mm512_setzero_si512();
+        }
+        /* scales 2i and 2i + 1 as sign-extended words of each lane */
+        __m512i sp[8];
+PD_UNROLL
+        for (int i = 0; i < 8; i++) {
+            const __m512i sw = _mm512_loadu_si512((const void *)(blk + 64 * (48 + i / 2)));
+            const unsigned k = 2u * (unsigned)(i & 1);
+            sp[i] = _mm512_srai_epi16(_mm512_shuffle_epi8(sw, dword_bytes(0x00800080u | k << 8 | (k + 1) << 24)), 8);
+        }
+PD_UNROLL
+        for (int h = 0; h < 2; h++) {
+PD_UNROLL
+            for (int kk = 0; kk < 2; kk++) {
+                __m512i a[4][X16_NT];
+PD_UNROLL
+                for (int j = 0; j < 4; j++)
+PD_UNROLL
+                    for (int t = 0; t < nt; t++) a[j][t] = _mm512_setzero_si512();
+PD_UNROLL
+                for (int k = 4 * kk; k < 4 * kk + 4; k++) {
+                    const uint8_t *la = blk + 64 * (16 * h + k), *lb = la + 64 * 8, *hp = blk + 64 * (32 + 8 * h + k);
+                    _mm_prefetch((const char *)la + X16_PF, _MM_HINT_T0);
+                    _mm_prefetch((const char *)lb + X16_PF, _MM_HINT_T0);
+                    _mm_prefetch((const char *)hp + X16_PF, _MM_HINT_T0);
+                    const __m512i ra = _mm512_loadu_si512((const void *)la), rb = _mm512_loadu_si512((const void *)lb);
+                    const __m512i rh = _mm512_loadu_si512((const void *)hp);
+                    __m512i c[4]; /* A | (B & C): 0xf8 */
+                    c[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(ra, lo4), _mm512_slli_epi32(rh, 4), b45, 0xf8);
+                    c[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(rb, lo4), _mm512_slli_epi32(rh, 2), b45, 0xf8);
+                    c[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(ra, 4), lo4), rh, b45, 0xf8);
+                    c[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(rb, 4), lo4),
+                                                     _mm512_srli_epi32(rh, 2), b45, 0xf8);
+PD_UNROLL
+                    for (int j = 0; j < 4; j++)
+PD_UNROLL
+                        for (int t = 0; t < nt; t++) {
+                            int32_t xv;
+                            memcpy(&xv, xb[t] + 128 * h + 32 * j + 4 * k, 4);
+                            a[j][t] = _mm512_dpbusd_epi32(a[j][t], c[j], _mm512_set1_epi32(xv));
+                        }
+                }
+PD_UNROLL
+                for (int j = 0; j < 4; j++) {
+                    const int s = 8 * h + 2 * j + kk; /* the sub-block of 16 */
+                    const __m512i sc = s & 1 ? _mm512_srai_epi32(sp[s / 2], 16)
+                                             : _mm512_srai_epi32(_mm512_slli_epi32(sp[s / 2], 16), 16);
+PD_UNROLL
+                    for (int t = 0; t < nt; t++) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(a[j][t], sc));
+                }
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(blk + 64 * 52)));
+PD_UNROLL
+        for (int t = 0; t < nt; t++) {
+            const int16_t *bs = q->bsums + (t0 + t) * (q->cols / 16) + 16 * b;
+            __m512i corr = _mm512_setzero_si512();
+PD_UNROLL
+            for (int i = 0; i < 8; i++) {
+                int32_t pair;
+                memcpy(&pair, bs + 2 * i, 4);
+                corr = _mm512_dpwssd_epi32(corr, sp[i], _mm512_set1_epi32(pair));
+            }
+            const __m512i si = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(corr, 5));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(q->d[(t0 + t) * nb + b])),
+                                     acc[t]);
+        }
+    }
+PD_UNROLL
+    for (int t = 0; t < nt; t++) _mm512_storeu_ps(m->y + (t0 + t) * m->ldy + g * CPU_X16, acc[t]);
+}
+
 /* Groups [g0, g1) for every token, X16_NT tokens per pass; prefill takes
  * a few groups at a time so their codes stay in L2 across the passes. */
 #define X16_PREFILL_GROUPS 4
@@ -157,8 +255,13 @@ PD_TARGET_AVX512 static void mm_q4_K_x16(const cpu_mm *m, int64_t r0, int64_t r1
     X16_GROUPS(q4_K_x16, m, r0 / CPU_X16, r1 / CPU_X16)
 }
 
+PD_TARGET_AVX512 static void mm_q6_K_x16(const cpu_mm *m, int64_t r0, int64_t r1) {
+    X16_GROUPS(q6_K_x16, m, r0 / CPU_X16, r1 / CPU_X16)
+}
+
 void cpu_kernels_x16_avx512(cpu_kernels *k) {
     k->mm_x16[PD_TYPE_Q4_K] = mm_q4_K_x16;
+    k->mm_x16[PD_TYPE_Q6_K] = mm_q6_K_x16;
 }
 
 #endif /* PD_X86 */

@@ -5,21 +5,21 @@
  * place; unpacking one row is what get_rows and the tests need. */
 #include "kernels/cpu/cpu_internal.h"
 
-bool cpu_x16_type_ok(pd_type t) {
-    const pd_type_traits *tr = pd_type_get((uint32_t)t);
-    return tr && !cpu_type_is_float(t) && tr->type_size % 4 == 0;
+/* Where byte o (even) of row i's block sits in a packed block of bb bytes. */
+static inline size_t x16_offset(size_t bb, size_t o, size_t i) {
+    const size_t words = bb / 4;
+    return o < 4 * words ? ((o / 4) * CPU_X16 + i) * 4 + o % 4 : 4 * words * CPU_X16 + 2 * i;
 }
 
 void cpu_x16_pack(pd_type t, uint8_t *data, int64_t rows, size_t row_bytes, uint8_t *tmp) {
-    const size_t bb = pd_type_get((uint32_t)t)->type_size, words = bb / 4;
-    const size_t nb = row_bytes / bb;
+    const size_t bb = pd_type_get((uint32_t)t)->type_size, nb = row_bytes / bb;
     for (int64_t g = 0; g + CPU_X16 <= rows; g += CPU_X16) {
         uint8_t *grp = data + (size_t)g * row_bytes;
         for (size_t b = 0; b < nb; b++)
-            for (int i = 0; i < CPU_X16; i++)
-                for (size_t k = 0; k < words; k++)
-                    memcpy(tmp + b * CPU_X16 * bb + (k * CPU_X16 + (size_t)i) * 4, grp + (size_t)i * row_bytes + b * bb + 4 * k,
-                           4);
+            for (size_t i = 0; i < CPU_X16; i++)
+                for (size_t o = 0; o < bb; o += o + 4 <= bb ? 4 : 2)
+                    memcpy(tmp + b * CPU_X16 * bb + x16_offset(bb, o, i), grp + i * row_bytes + b * bb + o,
+                           o + 4 <= bb ? 4 : 2);
         memcpy(grp, tmp, CPU_X16 * row_bytes);
     }
 }
@@ -29,10 +29,9 @@ void cpu_x16_row(pd_type t, const uint8_t *data, int64_t rows, size_t row_bytes,
         memcpy(out, data + (size_t)r * row_bytes, row_bytes);
         return;
     }
-    const size_t bb = pd_type_get((uint32_t)t)->type_size, words = bb / 4;
-    const size_t nb = row_bytes / bb, i = (size_t)(r % CPU_X16);
+    const size_t bb = pd_type_get((uint32_t)t)->type_size, nb = row_bytes / bb, i = (size_t)(r % CPU_X16);
     const uint8_t *grp = data + (size_t)(r - r % CPU_X16) * row_bytes;
     for (size_t b = 0; b < nb; b++)
-        for (size_t k = 0; k < words; k++)
-            memcpy(out + b * bb + 4 * k, grp + b * CPU_X16 * bb + (k * CPU_X16 + i) * 4, 4);
+        for (size_t o = 0; o < bb; o += o + 4 <= bb ? 4 : 2)
+            memcpy(out + b * bb + o, grp + b * CPU_X16 * bb + x16_offset(bb, o, i), o + 4 <= bb ? 4 : 2);
 }
