@@ -30,10 +30,10 @@
 #define X16_NT 4
 
 /* Bytes ahead of the code line in use that are prefetched: at twice the
- * row kernels' speed, DECODE_PF (4096) is only ~60 ns of work ahead, less
- * than a miss takes; 8192 measured best (kernel-bench --cold, q4_K
- * 8192x2048, 1 and 2 threads: 30.8 and 60 GB/s against 29 and 57 at 4096
- * and 28 and 55 at 16384). */
+ * row kernels' speed, DECODE_PF (4096) is only ~60 ns of work ahead, about
+ * what a miss takes. Of 4096 to 24576, 8192 was as good as any in
+ * kernel-bench --cold (q4_K 8192x2048, 1 and 2 threads, interleaved; the
+ * spread was mostly the machine's noise) and 4096 the lowest. */
 #define X16_PF 8192
 
 /* Where sub-block s's 32 activations sit in a q8_K4 block (sub-blocks 1
