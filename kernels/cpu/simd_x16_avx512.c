@@ -29,12 +29,15 @@
  * registers beside the codes and scales; q6_K: four sums, 4 x 6). */
 #define X16_NT 4
 
-/* Bytes ahead of the code line in use that are prefetched: at twice the
- * row kernels' speed, DECODE_PF (4096) is only ~60 ns of work ahead, about
- * what a miss takes. Of 4096 to 24576, 8192 was as good as any in
- * kernel-bench --cold (q4_K 8192x2048, 1 and 2 threads, interleaved; the
- * spread was mostly the machine's noise) and 4096 the lowest. */
-#define X16_PF 8192
+/* Each code line in use asks for the line 4 KiB ahead into L1 and the one
+ * 16 KiB ahead into L2. With one distance only, 8 KiB did best, and the
+ * pair gave 1.1x the decode speed of that on the Llama-3.2-1B Q4_K shape
+ * at 1 and 2 threads (prefix-bench, three interleaved rounds of five
+ * settings; 12-24 KiB for the far one were within the noise). */
+PD_TARGET_AVX512 static inline void x16_prefetch(const uint8_t *p) {
+    _mm_prefetch((const char *)p + 4096, _MM_HINT_T0);
+    _mm_prefetch((const char *)p + 16384, _MM_HINT_T1);
+}
 
 /* Where sub-block s's 32 activations sit in a q8_K4 block (sub-blocks 1
  * and 2, 5 and 6 swapped). */
@@ -94,7 +97,7 @@ PD_UNROLL
 PD_UNROLL
             for (int k = 0; k < 8; k++) {
                 const uint8_t *cp = blk + 64 * (4 + 8 * p + k);
-                _mm_prefetch((const char *)cp + X16_PF, _MM_HINT_T0);
+                x16_prefetch(cp);
                 const __m512i r = _mm512_loadu_si512((const void *)cp);
                 const __m512i cl = _mm512_and_si512(r, lo4), ch = _mm512_and_si512(r, hi4);
 PD_UNROLL
@@ -183,9 +186,9 @@ PD_UNROLL
 PD_UNROLL
                 for (int k = 4 * kk; k < 4 * kk + 4; k++) {
                     const uint8_t *la = blk + 64 * (16 * h + k), *lb = la + 64 * 8, *hp = blk + 64 * (32 + 8 * h + k);
-                    _mm_prefetch((const char *)la + X16_PF, _MM_HINT_T0);
-                    _mm_prefetch((const char *)lb + X16_PF, _MM_HINT_T0);
-                    _mm_prefetch((const char *)hp + X16_PF, _MM_HINT_T0);
+                    x16_prefetch(la);
+                    x16_prefetch(lb);
+                    x16_prefetch(hp);
                     const __m512i ra = _mm512_loadu_si512((const void *)la), rb = _mm512_loadu_si512((const void *)lb);
                     const __m512i rh = _mm512_loadu_si512((const void *)hp);
                     __m512i c[4]; /* A | (B & C): 0xf8 */

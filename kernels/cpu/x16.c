@@ -5,21 +5,26 @@
  * place; unpacking one row is what get_rows and the tests need. */
 #include "kernels/cpu/cpu_internal.h"
 
-/* Where byte o (even) of row i's block sits in a packed block of bb bytes. */
-static inline size_t x16_offset(size_t bb, size_t o, size_t i) {
+/* Copy row i's block of bb bytes (at row_block) into its places in the
+ * group's packed block (at packed) if `pack`, else back out of them. */
+static void x16_block(uint8_t *packed, uint8_t *row_block, size_t bb, size_t i, bool pack) {
     const size_t words = bb / 4;
-    return o < 4 * words ? ((o / 4) * CPU_X16 + i) * 4 + o % 4 : 4 * words * CPU_X16 + 2 * i;
+    for (size_t k = 0; k < words; k++) {
+        uint8_t *p = packed + (k * CPU_X16 + i) * 4, *r = row_block + 4 * k;
+        memcpy(pack ? p : r, pack ? r : p, 4);
+    }
+    if (bb % 4) {
+        uint8_t *p = packed + 4 * words * CPU_X16 + 2 * i, *r = row_block + 4 * words;
+        memcpy(pack ? p : r, pack ? r : p, 2);
+    }
 }
 
 void cpu_x16_pack(pd_type t, uint8_t *data, int64_t rows, size_t row_bytes, uint8_t *tmp) {
     const size_t bb = pd_type_get((uint32_t)t)->type_size, nb = row_bytes / bb;
     for (int64_t g = 0; g + CPU_X16 <= rows; g += CPU_X16) {
         uint8_t *grp = data + (size_t)g * row_bytes;
-        for (size_t b = 0; b < nb; b++)
-            for (size_t i = 0; i < CPU_X16; i++)
-                for (size_t o = 0; o < bb; o += o + 4 <= bb ? 4 : 2)
-                    memcpy(tmp + b * CPU_X16 * bb + x16_offset(bb, o, i), grp + i * row_bytes + b * bb + o,
-                           o + 4 <= bb ? 4 : 2);
+        for (size_t i = 0; i < CPU_X16; i++)
+            for (size_t b = 0; b < nb; b++) x16_block(tmp + b * CPU_X16 * bb, grp + i * row_bytes + b * bb, bb, i, true);
         memcpy(grp, tmp, CPU_X16 * row_bytes);
     }
 }
@@ -30,8 +35,6 @@ void cpu_x16_row(pd_type t, const uint8_t *data, int64_t rows, size_t row_bytes,
         return;
     }
     const size_t bb = pd_type_get((uint32_t)t)->type_size, nb = row_bytes / bb, i = (size_t)(r % CPU_X16);
-    const uint8_t *grp = data + (size_t)(r - r % CPU_X16) * row_bytes;
-    for (size_t b = 0; b < nb; b++)
-        for (size_t o = 0; o < bb; o += o + 4 <= bb ? 4 : 2)
-            memcpy(out + b * bb + o, grp + b * CPU_X16 * bb + x16_offset(bb, o, i), o + 4 <= bb ? 4 : 2);
+    uint8_t *grp = (uint8_t *)(uintptr_t)(data + (size_t)(r - r % CPU_X16) * row_bytes); /* only read */
+    for (size_t b = 0; b < nb; b++) x16_block(grp + b * CPU_X16 * bb, out + b * bb, bb, i, false);
 }
