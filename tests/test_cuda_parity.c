@@ -318,6 +318,29 @@ Test(cuda_parity, matmul_every_type_and_batch_size) {
  * get_rows
  * ------------------------------------------------------------------------ */
 
+#ifndef PD_PARITY_DISCRETE_CPU
+/* A weight the CPU backend packed (pd_backend_pack_weight, AVX-512) is not
+ * in the file's layout: the device refuses it by name instead of
+ * uploading bytes it would misread. */
+Test(cuda_parity, a_weight_packed_for_the_cpu_is_refused) {
+    REQUIRE_CUDA();
+    backends b = open_backends();
+    host_weight hw = make_weight(PD_TYPE_Q4_K, 32, 256, 77);
+    pd_error err = {0};
+    cr_assert_eq(pd_backend_pack_weight(b.cpu, &hw.w, hw.data, &err), PD_OK, "%s", err.msg);
+    if (hw.w.layout == PD_LAYOUT_GGUF) {
+        free_weight(&hw);
+        close_backends(&b);
+        cr_skip_test("this CPU does not pack q4_K (no AVX-512 VNNI)");
+    }
+    cr_assert_eq(pd_backend_prepare_weight(b.gpu, &hw.w, &err), PD_EUNSUPPORTED);
+    cr_assert(strstr(err.msg, "packed for the CPU") != NULL, "%s", err.msg);
+    pd_backend_forget_weight(b.gpu, &hw.w);
+    free_weight(&hw);
+    close_backends(&b);
+}
+#endif
+
 Test(cuda_parity, get_rows_every_type) {
     REQUIRE_CUDA();
     backends b = open_backends();

@@ -164,13 +164,14 @@ void cpu_kernels_x16_avx512(cpu_kernels *k);
 #endif
 
 /* x16.c: the PD_LAYOUT_CPU_X16 arrangement. Rows go in groups of 16; a
- * group's bytes are its blocks in order, and block b of a group holds the
- * w = size / 4 whole 4-byte words of block b of its 16 rows interleaved
- * (word k of row i at (16 k + i) * 4), then, for a block of 4w + 2 bytes,
- * their last 2 bytes (row i's at 64 w + 2 i). For q4_K (36 words) that
- * puts d|dmin, the three scale words and the 32 code words of all 16 rows
- * each in one 64-byte line; for q6_K (52 words and d) the 32 words of low
- * bits, the 16 of high bits and the 4 of scales, then the 16 d. */
+ * group's bytes are its blocks in order, and block b of a group holds, of
+ * block b of its 16 rows: the 2-byte d of each (q8_0, whose blocks start
+ * with it), then their 4-byte words interleaved (word k of row i at
+ * 64 k + 4 i from there), then, for a block of whole words plus 2 bytes
+ * (q6_K), the last 2 bytes of each. For q4_K (36 words) that puts d|dmin,
+ * the three scale words and the 32 code words of all 16 rows each in one
+ * 64-byte line; q6_K: the 32 words of low bits, the 16 of high bits, the 4
+ * of scales, then the 16 d; q8_0: the 16 d, then 8 lines of codes. */
 #define CPU_X16 16
 #define CPU_Q4_K_BYTES 144
 #define CPU_Q6_K_BYTES 210

@@ -236,6 +236,48 @@ PD_UNROLL
     for (int t = 0; t < nt; t++) _mm512_storeu_ps(m->y + (t0 + t) * m->ldy + g * CPU_X16, acc[t]);
 }
 
+/* q8_0 (q8_0 activations): the codes flipped to unsigned bytes (w + 128)
+ * for vpdpbusd, each block's sum starting at c = -128 * sum(x), as in the
+ * row kernel; one float scale step per block of 32. */
+#define Q8_0_BYTES 34
+
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
+q8_0_x16(const cpu_mm *m, int64_t g, int64_t t0, const int nt) {
+    const cpu_qact *q = m->q;
+    const int64_t nb = q->nblocks;
+    const uint8_t *w = m->w + (size_t)g * CPU_X16 * m->rb;
+    const __m512i x80 = _mm512_set1_epi8((char)0x80);
+    __m512 acc[X16_NT];
+PD_UNROLL
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (size_t)b * CPU_X16 * Q8_0_BYTES;
+        x16_prefetch(blk);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)blk));
+        __m512i s[X16_NT];
+PD_UNROLL
+        for (int t = 0; t < nt; t++) s[t] = _mm512_set1_epi32(q->c[(t0 + t) * nb + b]);
+PD_UNROLL
+        for (int k = 0; k < 8; k++) {
+            const uint8_t *cp = blk + 2 * CPU_X16 + 64 * k;
+            x16_prefetch(cp + 32);
+            const __m512i r = _mm512_xor_si512(_mm512_loadu_si512((const void *)cp), x80);
+PD_UNROLL
+            for (int t = 0; t < nt; t++) {
+                int32_t xv;
+                memcpy(&xv, q->qs + (t0 + t) * q->cols + 32 * b + 4 * k, 4);
+                s[t] = _mm512_dpbusd_epi32(s[t], r, _mm512_set1_epi32(xv));
+            }
+        }
+PD_UNROLL
+        for (int t = 0; t < nt; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]), _mm512_mul_ps(d, _mm512_set1_ps(q->d[(t0 + t) * nb + b])),
+                                     acc[t]);
+    }
+PD_UNROLL
+    for (int t = 0; t < nt; t++) _mm512_storeu_ps(m->y + (t0 + t) * m->ldy + g * CPU_X16, acc[t]);
+}
+
 /* Groups [g0, g1) for every token, X16_NT tokens per pass; prefill takes
  * a few groups at a time so their codes stay in L2 across the passes. */
 #define X16_PREFILL_GROUPS 4
@@ -262,7 +304,12 @@ PD_TARGET_AVX512 static void mm_q6_K_x16(const cpu_mm *m, int64_t r0, int64_t r1
     X16_GROUPS(q6_K_x16, m, r0 / CPU_X16, r1 / CPU_X16)
 }
 
+PD_TARGET_AVX512 static void mm_q8_0_x16(const cpu_mm *m, int64_t r0, int64_t r1) {
+    X16_GROUPS(q8_0_x16, m, r0 / CPU_X16, r1 / CPU_X16)
+}
+
 void cpu_kernels_x16_avx512(cpu_kernels *k) {
+    k->mm_x16[PD_TYPE_Q8_0] = mm_q8_0_x16;
     k->mm_x16[PD_TYPE_Q4_K] = mm_q4_K_x16;
     k->mm_x16[PD_TYPE_Q6_K] = mm_q6_K_x16;
 }
