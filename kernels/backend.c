@@ -74,7 +74,8 @@ void pd_backend_forget_weight(pd_backend *be, const pd_weight *w) {
 }
 
 int pd_backend_pack_weight(pd_backend *be, pd_weight *w, void *data, pd_error *err) {
-    if (!w || data != w->data) return pd_errorf(err, PD_EINVAL, "pack_weight: data is not the weight's bytes");
+    if (!w || !data || data != w->data)
+        return pd_errorf(err, PD_EINVAL, "pack_weight: data is not the weight's bytes (or NULL)");
     return be->ops->pack_weight && w->layout == PD_LAYOUT_GGUF ? be->ops->pack_weight(be, w, data, err) : PD_OK;
 }
 
