@@ -173,8 +173,6 @@ void cpu_kernels_x16_avx512(cpu_kernels *k);
  * 64-byte line; q6_K: the 32 words of low bits, the 16 of high bits, the 4
  * of scales, then the 16 d; q8_0: the 16 d, then 8 lines of codes. */
 #define CPU_X16 16
-#define CPU_Q4_K_BYTES 144
-#define CPU_Q6_K_BYTES 210
 /* Pack the whole groups of `rows` rows of row_bytes at data in place;
  * tmp holds 16 * row_bytes. */
 void cpu_x16_pack(pd_type t, uint8_t *data, int64_t rows, size_t row_bytes, uint8_t *tmp);
@@ -255,6 +253,17 @@ void cpu_q3k_scales(const uint8_t *s, int8_t out[16]);
 /* The values an iq4 nibble stands for (ggml's kvalues_iq4nl; iq4_nl and
  * iq4_xs share it; defined in quant_q32.c). */
 extern const int8_t cpu_iq4nl_values[16];
+
+/* Bytes per block of the types whose kernels several files hold (the
+ * layouts: quant.c, quant_kq.c). */
+#define CPU_Q8_0_BYTES 34
+#define CPU_Q4_0_BYTES 18
+#define CPU_Q4_K_BYTES 144
+#define CPU_Q6_K_BYTES 210
+#define CPU_Q2_K_BYTES 84
+#define CPU_Q3_K_BYTES 110
+#define CPU_Q5_K_BYTES 176
+#define CPU_IQ4_XS_BYTES 136
 
 /* Blocks of the 32-element 4- and 5-bit types, ggml's layouts: fp16 d;
  * q4_1 and q5_1 then fp16 m; q5_0 and q5_1 then 32 fifth bits qh (little

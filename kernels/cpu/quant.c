@@ -35,10 +35,6 @@
 
 #define QK4_0 32
 #define QK8_0 32
-#define Q8_0_BYTES 34
-#define Q4_0_BYTES 18
-#define Q4_K_BYTES 144
-#define Q6_K_BYTES 210
 
 /* ------------------------------------------------------------------------
  * small helpers
@@ -54,7 +50,7 @@ static inline void store_u16(uint8_t *p, uint16_t v) {
  * ------------------------------------------------------------------------ */
 
 static void quantize_q8_0(const float *x, uint8_t *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += QK8_0, y += Q8_0_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += QK8_0, y += CPU_Q8_0_BYTES) {
         float amax = 0.0f;
         for (int j = 0; j < QK8_0; j++) {
             const float a = fabsf(x[j]);
@@ -71,7 +67,7 @@ static void quantize_q8_0(const float *x, uint8_t *y, uint64_t nb) {
 }
 
 static void dequantize_q8_0(const uint8_t *x, float *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += Q8_0_BYTES, y += QK8_0) {
+    for (uint64_t i = 0; i < nb; i++, x += CPU_Q8_0_BYTES, y += QK8_0) {
         const float d = cpu_load_half(x);
         for (int j = 0; j < QK8_0; j++) {
             int8_t q;
@@ -86,7 +82,7 @@ static void dequantize_q8_0(const uint8_t *x, float *y, uint64_t nb) {
  * ------------------------------------------------------------------------ */
 
 static void quantize_q4_0(const float *x, uint8_t *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += QK4_0, y += Q4_0_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += QK4_0, y += CPU_Q4_0_BYTES) {
         /* The element of largest magnitude maps to -8 exactly, which uses
          * the asymmetric range [-8, 7] to its fullest (as ggml does). */
         float amax = 0.0f, max = 0.0f;
@@ -108,7 +104,7 @@ static void quantize_q4_0(const float *x, uint8_t *y, uint64_t nb) {
 }
 
 static void dequantize_q4_0(const uint8_t *x, float *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += Q4_0_BYTES, y += QK4_0) {
+    for (uint64_t i = 0; i < nb; i++, x += CPU_Q4_0_BYTES, y += QK4_0) {
         const float d = cpu_load_half(x);
         for (int j = 0; j < QK4_0 / 2; j++) {
             const int q0 = (int)(x[2 + j] & 0x0fu) - 8;
@@ -137,7 +133,7 @@ static float q4k_sub_err(const float *x, float dl, float dm) {
 }
 
 static void quantize_q4_K(const float *x, uint8_t *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += PD_QK_K, y += Q4_K_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += PD_QK_K, y += CPU_Q4_K_BYTES) {
         float scales[8], mins[8];
         float max_scale = 0.0f, max_min = 0.0f;
         for (int j = 0; j < 8; j++) {
@@ -198,7 +194,7 @@ static void quantize_q4_K(const float *x, uint8_t *y, uint64_t nb) {
 }
 
 static void dequantize_q4_K(const uint8_t *x, float *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += Q4_K_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += CPU_Q4_K_BYTES) {
         const float d = cpu_load_half(x);
         const float min = cpu_load_half(x + 2);
         const uint8_t *s = x + 4;
@@ -240,7 +236,7 @@ static float q6k_sub_err(const float *x, float dl) {
 }
 
 static void quantize_q6_K(const float *x, uint8_t *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += PD_QK_K, y += Q6_K_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += PD_QK_K, y += CPU_Q6_K_BYTES) {
         uint8_t *ql = y;
         uint8_t *qh = y + 128;
         uint8_t *sc8 = y + 192;
@@ -308,7 +304,7 @@ static void quantize_q6_K(const float *x, uint8_t *y, uint64_t nb) {
 }
 
 static void dequantize_q6_K(const uint8_t *x, float *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += Q6_K_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += CPU_Q6_K_BYTES) {
         const float d = cpu_load_half(x + 208);
         const uint8_t *ql = x;
         const uint8_t *qh = x + 128;

@@ -37,11 +37,6 @@
 
 #include "kernels/cpu/cpu_internal.h"
 
-#define Q2_K_BYTES 84
-#define Q3_K_BYTES 110
-#define Q5_K_BYTES 176
-#define IQ4_XS_BYTES 136
-
 /* ------------------------------------------------------------------------
  * helpers
  * ------------------------------------------------------------------------ */
@@ -128,7 +123,7 @@ static void pack_2bit(const uint8_t *L, uint8_t *qs) {
  * ------------------------------------------------------------------------ */
 
 void cpu_quantize_q2_K(const float *x, uint8_t *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += PD_QK_K, y += Q2_K_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += PD_QK_K, y += CPU_Q2_K_BYTES) {
         float scales[16], mins[16], max_scale = 0.0f, max_min = 0.0f;
         for (int j = 0; j < 16; j++) {
             affine_fit(x + 16 * j, 16, 3, &scales[j], &mins[j]);
@@ -151,7 +146,7 @@ void cpu_quantize_q2_K(const float *x, uint8_t *y, uint64_t nb) {
 }
 
 void cpu_dequantize_q2_K(const uint8_t *x, float *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += Q2_K_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += CPU_Q2_K_BYTES) {
         const float d = cpu_load_half(x + 80);
         const float min = cpu_load_half(x + 82);
         const uint8_t *sc = x;
@@ -189,7 +184,7 @@ static float q3k_err(const float *x, float dl) {
 }
 
 void cpu_quantize_q3_K(const float *x, uint8_t *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += PD_QK_K, y += Q3_K_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += PD_QK_K, y += CPU_Q3_K_BYTES) {
         uint8_t *hmask = y, *qs = y + 32, *sc = y + 96;
         /* each sub-block's extreme maps to -4; the largest scale to -32 */
         float scales[16];
@@ -249,7 +244,7 @@ void cpu_q3k_scales(const uint8_t *s, int8_t out[16]) {
 }
 
 void cpu_dequantize_q3_K(const uint8_t *x, float *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += Q3_K_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += CPU_Q3_K_BYTES) {
         const float d_all = cpu_load_half(x + 108);
         const uint8_t *hm = x;
         const uint8_t *q = x + 32;
@@ -277,7 +272,7 @@ void cpu_dequantize_q3_K(const uint8_t *x, float *y, uint64_t nb) {
  * ------------------------------------------------------------------------ */
 
 void cpu_quantize_q5_K(const float *x, uint8_t *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += PD_QK_K, y += Q5_K_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += PD_QK_K, y += CPU_Q5_K_BYTES) {
         float scales[8], mins[8], max_scale = 0.0f, max_min = 0.0f;
         for (int j = 0; j < 8; j++) {
             affine_fit(x + 32 * j, 32, 31, &scales[j], &mins[j]);
@@ -309,7 +304,7 @@ void cpu_quantize_q5_K(const float *x, uint8_t *y, uint64_t nb) {
 }
 
 void cpu_dequantize_q5_K(const uint8_t *x, float *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += Q5_K_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += CPU_Q5_K_BYTES) {
         const float d = cpu_load_half(x);
         const float min = cpu_load_half(x + 2);
         const uint8_t *s = x + 4, *qh = x + 16, *ql = x + 48;
@@ -367,7 +362,7 @@ static float iq4_err(const float *x, float dl) {
 }
 
 void cpu_quantize_iq4_xs(const float *x, uint8_t *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += PD_QK_K, y += IQ4_XS_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += PD_QK_K, y += CPU_IQ4_XS_BYTES) {
         /* each sub-block's extreme maps to the value -127; the largest
          * scale to the code -32 */
         float scales[8];
@@ -408,7 +403,7 @@ void cpu_quantize_iq4_xs(const float *x, uint8_t *y, uint64_t nb) {
 }
 
 void cpu_dequantize_iq4_xs(const uint8_t *x, float *y, uint64_t nb) {
-    for (uint64_t i = 0; i < nb; i++, x += IQ4_XS_BYTES) {
+    for (uint64_t i = 0; i < nb; i++, x += CPU_IQ4_XS_BYTES) {
         const float d = cpu_load_half(x);
         const unsigned scales_h = cpu_load_u16(x + 2);
         const uint8_t *scales_l = x + 4, *qs = x + 8;

@@ -12,11 +12,6 @@
 
 #include "kernels/cpu/simd_x86.h"
 
-#define Q8_0_BYTES 34
-#define Q4_0_BYTES 18
-#define Q4_K_BYTES 144
-#define Q6_K_BYTES 210
-
 /* ------------------------------------------------------------------------
  * activation quantizers (bit-identical to the scalar ones)
  * ------------------------------------------------------------------------ */
@@ -108,7 +103,7 @@ q8_0_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + Q8_0_BYTES * b;
+        const uint8_t *blk = w + CPU_Q8_0_BYTES * b;
         decode_prefetch(blk);
         const __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
         const __m256i aw = _mm256_sign_epi8(wv, wv);
@@ -154,7 +149,7 @@ q4_0_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + Q4_0_BYTES * b;
+        const uint8_t *blk = w + CPU_Q4_0_BYTES * b;
         decode_prefetch(blk);
         const __m256i qv = unpack_q4_0(blk + 2);
         const __m256 dw = _mm256_set1_ps(_cvtsh_ss(pd_ld16(blk)));
@@ -211,7 +206,7 @@ PD_UNROLL
         accm[j] = _mm_setzero_ps();
     }
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)Q4_K_BYTES * (size_t)b;
+        const uint8_t *blk = w + (size_t)CPU_Q4_K_BYTES * (size_t)b;
         decode_prefetch(blk);
         uint32_t u[4];
         q4k_scales_mins_u32(blk + 4, u);
@@ -279,7 +274,7 @@ q6_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)Q6_K_BYTES * (size_t)b;
+        const uint8_t *blk = w + (size_t)CPU_Q6_K_BYTES * (size_t)b;
         decode_prefetch(blk);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
         const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
@@ -395,7 +390,7 @@ MM_FLOAT_AVX2(mm_bf16, 2, load8_bf16, load1_bf16)
  * ------------------------------------------------------------------------ */
 
 PD_TARGET_AVX2 static void dequant_q8_0(const uint8_t *w, int64_t cols, float *out) {
-    for (int64_t b = 0; b < cols / 32; b++, w += Q8_0_BYTES, out += 32) {
+    for (int64_t b = 0; b < cols / 32; b++, w += CPU_Q8_0_BYTES, out += 32) {
         const __m256 d = _mm256_set1_ps(_cvtsh_ss(pd_ld16(w)));
         for (int j = 0; j < 32; j += 8) {
             const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + j)));
@@ -405,7 +400,7 @@ PD_TARGET_AVX2 static void dequant_q8_0(const uint8_t *w, int64_t cols, float *o
 }
 
 PD_TARGET_AVX2 static void dequant_q4_0(const uint8_t *w, int64_t cols, float *out) {
-    for (int64_t b = 0; b < cols / 32; b++, w += Q4_0_BYTES, out += 32) {
+    for (int64_t b = 0; b < cols / 32; b++, w += CPU_Q4_0_BYTES, out += 32) {
         const __m256 d = _mm256_set1_ps(_cvtsh_ss(pd_ld16(w)));
         const __m256i q = _mm256_sub_epi8(unpack_q4_0(w + 2), _mm256_set1_epi8(8));
         const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);

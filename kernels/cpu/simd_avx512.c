@@ -17,8 +17,6 @@
 
 #include "kernels/cpu/simd_x86.h"
 
-#define Q8_0_BYTES 34
-#define Q4_0_BYTES 18
 
 /* ------------------------------------------------------------------------
  * q8_0 x q8_0 tile kernel
@@ -64,17 +62,18 @@ PD_UNROLL
         if (pf) { /* stream the rows a later tile needs (decode reads weights once) */
             PD_UNROLL
             for (int i = 0; i < TILE_M; i++) {
-                _mm_prefetch((const char *)(pf + (size_t)i * rb + (size_t)Q8_0_BYTES * (size_t)p), _MM_HINT_T0);
-                _mm_prefetch((const char *)(pf + (size_t)i * rb + (size_t)Q8_0_BYTES * (size_t)p + 64), _MM_HINT_T0);
+                const uint8_t *next = pf + (size_t)i * rb + (size_t)CPU_Q8_0_BYTES * (size_t)p;
+                _mm_prefetch((const char *)next, _MM_HINT_T0);
+                _mm_prefetch((const char *)(next + 64), _MM_HINT_T0);
             }
         }
 PD_UNROLL
         for (int i = 0; i < nr; i++) {
-            const uint8_t *blk = w + (size_t)i * rb + (size_t)Q8_0_BYTES * (size_t)p;
+            const uint8_t *blk = w + (size_t)i * rb + (size_t)CPU_Q8_0_BYTES * (size_t)p;
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + Q8_0_BYTES + 2));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + CPU_Q8_0_BYTES + 2));
             const __m512i wv = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), x80);
-            const uint32_t h2 = (uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + Q8_0_BYTES) << 16);
+            const uint32_t h2 = (uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + CPU_Q8_0_BYTES) << 16);
             const __m128 dw2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h2));
             const __m512 dw = _mm512_permutexvar_ps(idx01, _mm512_castps128_ps512(dw2));
 PD_UNROLL
@@ -95,7 +94,7 @@ PD_UNROLL
         }
 PD_UNROLL
         for (int i = 0; i < nr; i++) {
-            const uint8_t *blk = w + (size_t)i * rb + (size_t)Q8_0_BYTES * (size_t)p;
+            const uint8_t *blk = w + (size_t)i * rb + (size_t)CPU_Q8_0_BYTES * (size_t)p;
             const __m512i wv = _mm512_xor_si512(
                 _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 2))), x80);
             const __m512 dw = _mm512_set1_ps(_cvtsh_ss(pd_ld16(blk)));
@@ -164,8 +163,6 @@ PD_TARGET_AVX512 static inline __m256i unpack_q4_0_512(const uint8_t *qs) {
 }
 
 
-#define Q4_K_BYTES 144
-#define Q6_K_BYTES 210
 
 /* ------------------------------------------------------------------------
  * Decode (n <= CPU_DECODE_MAX_N): one weight row at a time, front to back,
@@ -188,12 +185,12 @@ PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
     int64_t p = 0;
     for (; p + 2 <= nb; p += 2) {
-        const uint8_t *blk = w + Q8_0_BYTES * (size_t)p;
+        const uint8_t *blk = w + CPU_Q8_0_BYTES * (size_t)p;
         decode_prefetch(blk);
         const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), x80);
-        const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + Q8_0_BYTES + 2)), x80);
+        const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + CPU_Q8_0_BYTES + 2)), x80);
         const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
-        const uint32_t h2 = (uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + Q8_0_BYTES) << 16);
+        const uint32_t h2 = (uint32_t)pd_ld16(blk) | ((uint32_t)pd_ld16(blk + CPU_Q8_0_BYTES) << 16);
         const __m128 dw2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h2));
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
@@ -206,7 +203,7 @@ PD_UNROLL
         }
     }
     if (p < nb) { /* odd block count: the tile kernel's arithmetic, bit for bit */
-        const uint8_t *blk = w + Q8_0_BYTES * (size_t)p;
+        const uint8_t *blk = w + CPU_Q8_0_BYTES * (size_t)p;
         const __m512i wv = _mm512_zextsi256_si512(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), x80));
         const __m512 dw = _mm512_set1_ps(_cvtsh_ss(pd_ld16(blk)));
 PD_UNROLL
@@ -243,17 +240,17 @@ q4_0_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
-        const uint8_t *blk = w + (size_t)(Q4_0_GROUP * Q4_0_BYTES) * (size_t)g;
+        const uint8_t *blk = w + (size_t)(Q4_0_GROUP * CPU_Q4_0_BYTES) * (size_t)g;
         decode_prefetch(blk);
         decode_prefetch(blk + 64);
         __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(blk + 2)));
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(blk + Q4_0_BYTES + 2)), 1);
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(blk + 2 * Q4_0_BYTES + 2)), 2);
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(blk + 3 * Q4_0_BYTES + 2)), 3);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(blk + CPU_Q4_0_BYTES + 2)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(blk + 2 * CPU_Q4_0_BYTES + 2)), 2);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(blk + 3 * CPU_Q4_0_BYTES + 2)), 3);
         const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        const uint64_t h4 = (uint64_t)pd_ld16(blk) | ((uint64_t)pd_ld16(blk + Q4_0_BYTES) << 16) |
-                            ((uint64_t)pd_ld16(blk + 2 * Q4_0_BYTES) << 32) |
-                            ((uint64_t)pd_ld16(blk + 3 * Q4_0_BYTES) << 48);
+        const uint64_t h4 = (uint64_t)pd_ld16(blk) | ((uint64_t)pd_ld16(blk + CPU_Q4_0_BYTES) << 16) |
+                            ((uint64_t)pd_ld16(blk + 2 * CPU_Q4_0_BYTES) << 32) |
+                            ((uint64_t)pd_ld16(blk + 3 * CPU_Q4_0_BYTES) << 48);
         const __m128 dw4 = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)h4));
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
@@ -267,7 +264,7 @@ PD_UNROLL
         }
     }
     for (int64_t p = ng * Q4_0_GROUP; p < nb; p++) {
-        const uint8_t *blk = w + Q4_0_BYTES * (size_t)p;
+        const uint8_t *blk = w + CPU_Q4_0_BYTES * (size_t)p;
         const __m256i wv = unpack_q4_0_512(blk + 2);
         const float dw = _cvtsh_ss(pd_ld16(blk));
 PD_UNROLL
@@ -343,7 +340,7 @@ PD_UNROLL
     }
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
-        const uint8_t *b0 = w + (size_t)Q4_K_BYTES * (size_t)b, *b1 = b0 + Q4_K_BYTES;
+        const uint8_t *b0 = w + (size_t)CPU_Q4_K_BYTES * (size_t)b, *b1 = b0 + CPU_Q4_K_BYTES;
         decode_prefetch(b0);
         decode_prefetch(b0 + 64);
         decode_prefetch(b0 + 128);
@@ -372,7 +369,7 @@ PD_UNROLL
         }
     }
     if (b < nb) { /* odd block count: the last one alone */
-        const uint8_t *b0 = w + (size_t)Q4_K_BYTES * (size_t)b;
+        const uint8_t *b0 = w + (size_t)CPU_Q4_K_BYTES * (size_t)b;
         const __m512i sm = q4k_scales_mins2(b0 + 4, b0 + 4);
         const __m512i sa0 = _mm512_permutexvar_epi16(ia, sm), sb0 = _mm512_permutexvar_epi16(ib, sm);
         const __m256i mn = _mm256_zextsi128_si256(_mm512_castsi512_si128(_mm512_permutexvar_epi16(imn, sm)));
@@ -413,7 +410,7 @@ q6_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)Q6_K_BYTES * (size_t)b;
+        const uint8_t *blk = w + (size_t)CPU_Q6_K_BYTES * (size_t)b;
         decode_prefetch(blk);
         decode_prefetch(blk + 64);
         decode_prefetch(blk + 128);

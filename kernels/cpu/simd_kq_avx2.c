@@ -26,11 +26,6 @@
 
 #include "kernels/cpu/simd_x86.h"
 
-#define Q2_K_BYTES 84
-#define Q3_K_BYTES 110
-#define Q5_K_BYTES 176
-#define IQ4_XS_BYTES 136
-
 /* Words of lane 0 all equal to word w of v's lanes, of lane 1 to word
  * w + 1 (w even, v with the same 8 words in both lanes). */
 PD_TARGET_AVX2 static inline __m256i pair_of_words(__m256i v, int w) {
@@ -77,7 +72,7 @@ q2_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)Q2_K_BYTES * (size_t)b;
+        const uint8_t *blk = w + (size_t)CPU_Q2_K_BYTES * (size_t)b;
         decode_prefetch(blk);
         decode_prefetch(blk + 64);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(const void *)blk);
@@ -115,7 +110,7 @@ q3_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)Q3_K_BYTES * (size_t)b;
+        const uint8_t *blk = w + (size_t)CPU_Q3_K_BYTES * (size_t)b;
         decode_prefetch(blk);
         decode_prefetch(blk + 64);
         const __m256i sc16 = _mm256_cvtepi8_epi16(q3k_scales(blk));
@@ -156,7 +151,7 @@ q5_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)Q5_K_BYTES * (size_t)b;
+        const uint8_t *blk = w + (size_t)CPU_Q5_K_BYTES * (size_t)b;
         decode_prefetch(blk);
         decode_prefetch(blk + 64);
         decode_prefetch(blk + 128);
@@ -208,7 +203,7 @@ iq4_xs_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)IQ4_XS_BYTES * (size_t)b;
+        const uint8_t *blk = w + (size_t)CPU_IQ4_XS_BYTES * (size_t)b;
         decode_prefetch(blk);
         decode_prefetch(blk + 64);
         decode_prefetch(blk + 128);

@@ -29,11 +29,6 @@
 
 #include "kernels/cpu/simd_x86.h"
 
-#define Q2_K_BYTES 84
-#define Q3_K_BYTES 110
-#define Q5_K_BYTES 176
-#define IQ4_XS_BYTES 136
-
 /* Bytes 0..31 equal to a, bytes 32..63 to b. */
 PD_TARGET_AVX512 static inline __m512i halves_epi8(char a, char b) {
     return _mm512_inserti64x4(_mm512_set1_epi8(a), _mm256_set1_epi8(b), 1);
@@ -91,7 +86,7 @@ PD_UNROLL
         accm[j] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)Q2_K_BYTES * (size_t)b;
+        const uint8_t *blk = w + (size_t)CPU_Q2_K_BYTES * (size_t)b;
         decode_prefetch(blk);
         decode_prefetch(blk + 64);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(const void *)blk);
@@ -138,7 +133,7 @@ q3_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)Q3_K_BYTES * (size_t)b;
+        const uint8_t *blk = w + (size_t)CPU_Q3_K_BYTES * (size_t)b;
         decode_prefetch(blk);
         decode_prefetch(blk + 64);
         const __m256i sc16 = _mm256_cvtepi8_epi16(q3k_scales(blk));
@@ -197,7 +192,7 @@ PD_UNROLL
         accm[j] = _mm_setzero_ps();
     }
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)Q5_K_BYTES * (size_t)b;
+        const uint8_t *blk = w + (size_t)CPU_Q5_K_BYTES * (size_t)b;
         decode_prefetch(blk);
         decode_prefetch(blk + 64);
         decode_prefetch(blk + 128);
@@ -261,7 +256,7 @@ iq4_xs_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)IQ4_XS_BYTES * (size_t)b;
+        const uint8_t *blk = w + (size_t)CPU_IQ4_XS_BYTES * (size_t)b;
         decode_prefetch(blk);
         decode_prefetch(blk + 64);
         decode_prefetch(blk + 128);

@@ -13,14 +13,9 @@
  * activation scale in float. */
 #include "kernels/cpu/cpu_internal.h"
 
-#define Q2_K_BYTES 84
-#define Q3_K_BYTES 110
-#define Q5_K_BYTES 176
-#define IQ4_XS_BYTES 136
-
 static float dot_q2_K(const uint8_t *w, const int8_t *qs, const float *d, const int16_t *bsums, int64_t nb) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += Q2_K_BYTES, qs += PD_QK_K, bsums += 16) {
+    for (int64_t b = 0; b < nb; b++, w += CPU_Q2_K_BYTES, qs += PD_QK_K, bsums += 16) {
         const float dd = pd_fp16_to_fp32(cpu_load_u16(w + 80));
         const float dmin = pd_fp16_to_fp32(cpu_load_u16(w + 82));
         int32_t sumi = 0, summ = 0;
@@ -39,7 +34,7 @@ static float dot_q2_K(const uint8_t *w, const int8_t *qs, const float *d, const 
 
 static float dot_q3_K(const uint8_t *w, const int8_t *qs, const float *d, const int16_t *bsums, int64_t nb) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += Q3_K_BYTES, qs += PD_QK_K, bsums += 16) {
+    for (int64_t b = 0; b < nb; b++, w += CPU_Q3_K_BYTES, qs += PD_QK_K, bsums += 16) {
         const float dd = pd_fp16_to_fp32(cpu_load_u16(w + 108));
         int8_t sc[16];
         cpu_q3k_scales(w + 96, sc);
@@ -62,7 +57,7 @@ static float dot_q3_K(const uint8_t *w, const int8_t *qs, const float *d, const 
 
 static float dot_q5_K(const uint8_t *w, const int8_t *qs, const float *d, const int16_t *bsums, int64_t nb) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += Q5_K_BYTES, qs += PD_QK_K, bsums += 16) {
+    for (int64_t b = 0; b < nb; b++, w += CPU_Q5_K_BYTES, qs += PD_QK_K, bsums += 16) {
         const float dd = pd_fp16_to_fp32(cpu_load_u16(w));
         const float dmin = pd_fp16_to_fp32(cpu_load_u16(w + 2));
         const uint8_t *qh = w + 16, *ql = w + 48;
@@ -89,7 +84,7 @@ static float dot_q5_K(const uint8_t *w, const int8_t *qs, const float *d, const 
 static float dot_iq4_xs(const uint8_t *w, const int8_t *qs, const float *d, const int16_t *bsums, int64_t nb) {
     (void)bsums;
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += IQ4_XS_BYTES, qs += PD_QK_K) {
+    for (int64_t b = 0; b < nb; b++, w += CPU_IQ4_XS_BYTES, qs += PD_QK_K) {
         const float dd = pd_fp16_to_fp32(cpu_load_u16(w));
         const unsigned sh = cpu_load_u16(w + 2);
         int32_t sumi = 0;

@@ -6,10 +6,6 @@
 #include "kernels/cpu/cpu_internal.h"
 
 #define QK8_0 32
-#define Q8_0_BYTES 34
-#define Q4_0_BYTES 18
-#define Q4_K_BYTES 144
-#define Q6_K_BYTES 210
 
 /* ------------------------------------------------------------------------
  * activation quantizers
@@ -65,7 +61,7 @@ void cpu_quant_q8_K_scalar(const float *x, int64_t cols, int8_t *qs, float *d, i
 
 static float dot_q8_0(const uint8_t *w, const int8_t *qs, const float *d, int64_t nb) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += Q8_0_BYTES, qs += QK8_0) {
+    for (int64_t b = 0; b < nb; b++, w += CPU_Q8_0_BYTES, qs += QK8_0) {
         int32_t s = 0;
         for (int j = 0; j < QK8_0; j++) s += (int32_t)cpu_load_i8(w + 2 + j) * qs[j];
         acc += pd_fp16_to_fp32(cpu_load_u16(w)) * d[b] * (float)s;
@@ -75,7 +71,7 @@ static float dot_q8_0(const uint8_t *w, const int8_t *qs, const float *d, int64_
 
 static float dot_q4_0(const uint8_t *w, const int8_t *qs, const float *d, int64_t nb) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += Q4_0_BYTES, qs += QK8_0) {
+    for (int64_t b = 0; b < nb; b++, w += CPU_Q4_0_BYTES, qs += QK8_0) {
         int32_t s = 0;
         for (int j = 0; j < 16; j++) {
             s += ((int32_t)(w[2 + j] & 0x0fu) - 8) * qs[j];
@@ -89,7 +85,7 @@ static float dot_q4_0(const uint8_t *w, const int8_t *qs, const float *d, int64_
 static float dot_q4_K(const uint8_t *w, const int8_t *qs, const float *d, const int16_t *bsums,
                       int64_t nb) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += Q4_K_BYTES, qs += PD_QK_K, bsums += 16) {
+    for (int64_t b = 0; b < nb; b++, w += CPU_Q4_K_BYTES, qs += PD_QK_K, bsums += 16) {
         const float dd = pd_fp16_to_fp32(cpu_load_u16(w));
         const float dmin = pd_fp16_to_fp32(cpu_load_u16(w + 2));
         const uint8_t *sc = w + 4;
@@ -115,7 +111,7 @@ static float dot_q4_K(const uint8_t *w, const int8_t *qs, const float *d, const 
 static float dot_q6_K(const uint8_t *w, const int8_t *qs, const float *d, const int16_t *bsums,
                       int64_t nb) {
     float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += Q6_K_BYTES, qs += PD_QK_K, bsums += 16) {
+    for (int64_t b = 0; b < nb; b++, w += CPU_Q6_K_BYTES, qs += PD_QK_K, bsums += 16) {
         const float dd = pd_fp16_to_fp32(cpu_load_u16(w + 208));
         int32_t sumi = 0;
         for (int h = 0; h < 2; h++) {

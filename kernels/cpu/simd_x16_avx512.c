@@ -239,8 +239,6 @@ PD_UNROLL
 /* q8_0 (q8_0 activations): the codes flipped to unsigned bytes (w + 128)
  * for vpdpbusd, each block's sum starting at c = -128 * sum(x), as in the
  * row kernel; one float scale step per block of 32. */
-#define Q8_0_BYTES 34
-
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
 q8_0_x16(const cpu_mm *m, int64_t g, int64_t t0, const int nt) {
     const cpu_qact *q = m->q;
@@ -251,7 +249,7 @@ q8_0_x16(const cpu_mm *m, int64_t g, int64_t t0, const int nt) {
 PD_UNROLL
     for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)b * CPU_X16 * Q8_0_BYTES;
+        const uint8_t *blk = w + (size_t)b * CPU_X16 * CPU_Q8_0_BYTES;
         x16_prefetch(blk);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)blk));
         __m512i s[X16_NT];
