@@ -32,6 +32,9 @@ struct pd_cluster {
     char where[320]; /* the URL without its password, for messages */
 
     pthread_mutex_t mu; /* guards the pool and the tier state */
+    /* One publish at a time (a registration and the reconnect's republish
+     * may race): the check for the same bytes and the send are one step. */
+    pthread_mutex_t publish_mu;
     pthread_cond_t cv;
     redisContext *idle[POOL_MAX];
     int n_idle, n_out;
@@ -384,8 +387,17 @@ static int append_hmget(redisContext *ctx, const pd_cluster *c, const char *idhe
 
 /* ---- publish ------------------------------------------------------------------------- */
 
+static int publish_locked(pd_cluster *c, const pd_prefix_id *id, pd_error *err);
+
 int pd_cluster_publish(pd_cluster *c, const pd_prefix_id *id, pd_error *err) {
     if (c->o.role == PD_CLUSTER_CONSUMER) return PD_OK;
+    pthread_mutex_lock(&c->publish_mu);
+    const int rc = publish_locked(c, id, err);
+    pthread_mutex_unlock(&c->publish_mu);
+    return rc;
+}
+
+static int publish_locked(pd_cluster *c, const pd_prefix_id *id, pd_error *err) {
     uint8_t *blob = NULL;
     size_t len = 0;
     pd_prefix_info info;
@@ -881,8 +893,13 @@ static void apply_event(pd_cluster *c, const char *msg, size_t len) {
     }
 }
 
+typedef struct held_prefix {
+    pd_prefix_id id;
+    bool pinned;
+} held_prefix;
+
 typedef struct id_list {
-    pd_prefix_id *ids;
+    held_prefix *v;
     size_t n, cap;
 } id_list;
 
@@ -891,58 +908,63 @@ static int collect_id(void *ctx, const pd_prefix_id *id, const pd_prefix_info *i
     if (!info) return 0; /* damaged: verify's business */
     if (l->n == l->cap) {
         size_t cap = l->cap ? 2 * l->cap : 64;
-        pd_prefix_id *p = realloc(l->ids, cap * sizeof *p);
+        held_prefix *p = realloc(l->v, cap * sizeof *p);
         if (!p) return PD_ENOMEM;
-        l->ids = p;
+        l->v = p;
         l->cap = cap;
     }
-    l->ids[l->n++] = *id;
+    l->v[l->n++] = (held_prefix){.id = *id, .pinned = info->pinned};
     return 0;
 }
 
-/* After (re)subscribing: apply the deletes this node missed (tombstones)
- * and publish what it registered while Redis was away (or what a Redis
- * that lost its data no longer has). */
+/* After (re)subscribing: apply the deletes and pin changes this node
+ * missed (tombstones; a record's pinned field) and publish what it
+ * registered while Redis was away (or what a Redis that lost its data no
+ * longer has). Events published from here on arrive on the subscription,
+ * so nothing falls between the two. */
 static void reconcile(pd_cluster *c) {
     id_list l = {0};
     pd_error err = {0};
     if (pd_store_list(c->o.store, collect_id, &l, &err) != PD_OK || l.n == 0) {
-        free(l.ids);
+        free(l.v);
         return;
     }
     redisReply **rs = calloc(2 * l.n, sizeof *rs);
     redisContext *ctx = rs ? conn_get(c, &err) : NULL;
     if (!ctx) {
         free(rs);
-        free(l.ids);
+        free(l.v);
         return;
     }
     char idhex[PD_PREFIX_ID_HEX], key[KEY_MAX];
     for (size_t i = 0; i < l.n; i++) {
-        pd_prefix_id_hex(&l.ids[i], idhex);
+        pd_prefix_id_hex(&l.v[i].id, idhex);
         key_of(c, key, "tomb", idhex, NULL);
         redisAppendCommand(ctx, "EXISTS %s", key);
         key_of(c, key, "rec", idhex, NULL);
-        redisAppendCommand(ctx, "EXISTS %s", key);
+        redisAppendCommand(ctx, "HGET %s pinned", key);
     }
     const bool ok = read_replies(c, ctx, rs, 2 * l.n, &err);
     conn_put(c, ctx);
-    size_t dropped = 0, published = 0;
+    size_t dropped = 0, published = 0, repinned = 0;
     for (size_t i = 0; ok && i < l.n; i++) {
-        const redisReply *tomb = rs[2 * i], *rec = rs[2 * i + 1];
+        const redisReply *tomb = rs[2 * i], *pinned = rs[2 * i + 1];
         if (tomb->type == REDIS_REPLY_INTEGER && tomb->integer == 1) {
-            drop_local(c, &l.ids[i]);
+            drop_local(c, &l.v[i].id);
             dropped++;
-        } else if (rec->type == REDIS_REPLY_INTEGER && rec->integer == 0 && c->o.role != PD_CLUSTER_CONSUMER) {
-            if (pd_cluster_publish(c, &l.ids[i], &err) == PD_OK) published++;
+        } else if (pinned->type == REDIS_REPLY_NIL && c->o.role != PD_CLUSTER_CONSUMER) {
+            if (pd_cluster_publish(c, &l.v[i].id, &err) == PD_OK) published++;
+        } else if (pinned->type == REDIS_REPLY_STRING && (pinned->str[0] == '1') != l.v[i].pinned) {
+            if (pd_store_pin(c->o.store, &l.v[i].id, !l.v[i].pinned, &err) == PD_OK) repinned++;
         }
     }
-    if (dropped || published)
-        pd_log(c->o.logger, PD_LOG_INFO, "shared tier: %zu prefixes deleted elsewhere were dropped, %zu published",
-               dropped, published);
+    if (dropped || published || repinned)
+        pd_log(c->o.logger, PD_LOG_INFO,
+               "shared tier: %zu prefixes deleted elsewhere were dropped, %zu (un)pinned elsewhere followed, %zu published",
+               dropped, repinned, published);
     free_replies(rs, 2 * l.n);
     free(rs);
-    free(l.ids);
+    free(l.v);
 }
 
 /* Wait up to `seconds` for the stop pipe; true when asked to stop. */
@@ -1027,6 +1049,7 @@ int pd_cluster_create(const pd_cluster_opts *o, pd_cluster **out, pd_error *err)
     }
     c->o.redis_url = c->o.password = c->o.key_prefix = NULL; /* the caller's strings are not kept */
     pthread_mutex_init(&c->mu, NULL);
+    pthread_mutex_init(&c->publish_mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     if (pipe(c->stop_pipe) != 0) {
         rc = pd_errorf(err, PD_EIO, "cannot create the shared tier's stop pipe: %s", strerror(errno));
@@ -1057,6 +1080,7 @@ void pd_cluster_free(pd_cluster *c) {
     for (int i = 0; i < 2; i++)
         if (c->stop_pipe[i] >= 0) close(c->stop_pipe[i]);
     pthread_cond_destroy(&c->cv);
+    pthread_mutex_destroy(&c->publish_mu);
     pthread_mutex_destroy(&c->mu);
     free(c);
 }

@@ -334,6 +334,18 @@ Test(cluster, pins_propagate) {
         cr_assert_eq(pd_store_info(b, &id, &info, &err), PD_OK);
     }
     cr_assert(info.pinned, "b's copy was not pinned within 1 s");
+    /* b is away while the pin is taken off; it follows when it comes back. */
+    pd_cluster_free(cb);
+    cr_assert_eq(pd_cluster_pin(ca, &id, false, &err), PD_OK, "%s", err.msg);
+    cr_assert_eq(pd_store_info(b, &id, &info, &err), PD_OK);
+    cr_assert(info.pinned);
+    cb = join(b, 1 << 20);
+    for (int i = 0; i < 100 && info.pinned; i++) {
+        usleep(20 * 1000);
+        cr_assert_eq(pd_store_info(b, &id, &info, &err), PD_OK);
+    }
+    cr_assert(!info.pinned, "the unpin was not applied on reconnect");
+    cr_assert_eq(pd_cluster_pin(ca, &id, true, &err), PD_OK, "%s", err.msg);
     /* A store that fetches it later gets it pinned. */
     pd_store *c = open_store("c");
     pd_cluster *cc = join(c, 1 << 20);
