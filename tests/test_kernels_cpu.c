@@ -667,9 +667,12 @@ Test(matmul, quantized_types_give_a_token_the_same_bits_at_every_batch_size, .ti
  * packed weights (PD_LAYOUT_CPU_X16)
  * ------------------------------------------------------------------------ */
 
-/* The types the AVX-512 backend packs. */
-static const pd_type x16_types[] = {PD_TYPE_Q4_K, PD_TYPE_Q6_K, PD_TYPE_Q8_0};
+/* The types the AVX-512 backend packs at load; the K-quants with x16
+ * kernels are repacked per call for batches of CPU_X16_REPACK_MIN_N (16)
+ * tokens and more. */
+static const pd_type x16_types[] = {PD_TYPE_Q8_0};
 #define N_X16_TYPES (sizeof x16_types / sizeof x16_types[0])
+static const pd_type x16_repacked_types[] = {PD_TYPE_Q4_K, PD_TYPE_Q6_K};
 
 /* A packed copy of w (made by an AVX-512 backend) in *pw; returns its bytes. */
 static uint8_t *packed_copy(const pd_weight *w, pd_weight *pw) {
@@ -754,6 +757,49 @@ Test(matmul, packed_weights_are_batch_invariant_and_fuse, .timeout = 120) {
     pd_backend_free(be);
 }
 
+/* q4_K and q6_K stay in the file's layout (the row kernels read it faster
+ * from memory) and a batch of 16 tokens or more takes the x16 kernels on
+ * groups repacked per call: against the reference, and the same bits as
+ * the row kernels give a token alone (the automatic prefix cache needs
+ * that), with 1 and 2 threads, tails of rows after the last group, and an
+ * odd block count (768 columns). */
+Test(matmul, prefill_batches_repack_k_quants_for_the_x16_kernels, .timeout = 120) {
+    if (!cpu_has("avx512")) cr_skip_test("this CPU has no avx512vnni");
+    enum { N = 40 };
+    const int64_t shapes[][2] = {{16, 256}, {53, 768}, {131, 2048}};
+    static const int64_t ns[] = {15, 16, 17, 40};
+    for (int th = 1; th <= 2; th++) {
+        pd_backend *be = make_backend(th, "avx512");
+        for (size_t i = 0; i < 2; i++)
+            for (size_t j = 0; j < 3; j++) {
+                const int64_t rows = shapes[j][0], cols = shapes[j][1];
+                uint64_t s = 8400 + 10 * i + j;
+                pd_weight w;
+                uint8_t *data = make_weights(&s, x16_repacked_types[i], rows, cols, &w);
+                pd_error err = {0};
+                cr_assert_eq(pd_backend_pack_weight(be, &w, data, &err), PD_OK, "%s", err.msg);
+                cr_assert_eq(w.layout, PD_LAYOUT_GGUF, "%s stays in the file's layout", pd_type_get(w.type)->name);
+                if (th == 1) check_weight_as(&w, &w, "avx512", &s, ns, sizeof ns / sizeof ns[0]);
+                float *x = malloc(sizeof(float) * N * (size_t)cols), *all = malloc(sizeof(float) * N * (size_t)rows),
+                      *one = malloc(sizeof(float) * (size_t)rows);
+                cr_assert(x && all && one);
+                fill_acts(&s, x, N * cols);
+                cr_assert_eq(pd_backend_matmul(be, &w, x, N, all, &err), PD_OK, "%s", err.msg);
+                for (int64_t t = 0; t < N; t++) {
+                    cr_assert_eq(pd_backend_matmul(be, &w, x + t * cols, 1, one, &err), PD_OK, "%s", err.msg);
+                    for (int64_t r = 0; r < rows; r++)
+                        cr_assert(memcmp(&all[t * rows + r], &one[r], sizeof(float)) == 0,
+                                  "%s %lldx%lld, %d threads: token %lld row %lld is %.9g in a batch of %d, %.9g alone",
+                                  pd_type_get(w.type)->name, (long long)rows, (long long)cols, th, (long long)t,
+                                  (long long)r, (double)all[t * rows + r], N, (double)one[r]);
+                }
+                free(x), free(all), free(one);
+                free(data);
+            }
+        pd_backend_free(be);
+    }
+}
+
 /* What is not packed stays as it was; a packed weight is refused, with the
  * fix named, by a backend without the kernels for it. */
 Test(matmul, packing_rules_and_errors) {
@@ -773,7 +819,7 @@ Test(matmul, packing_rules_and_errors) {
     free(data);
     pd_backend_free(be);
     if (!cpu_has("avx512")) return;
-    data = make_weights(&s, PD_TYPE_Q4_K, 32, 256, &w);
+    data = make_weights(&s, PD_TYPE_Q8_0, 32, 256, &w);
     pd_weight pw;
     uint8_t *packed = packed_copy(&w, &pw);
     pd_backend *scalar = make_backend(1, "scalar");

@@ -16,8 +16,10 @@
  * every call reads its weights from memory, as a forward pass over a model
  * larger than the caches does; without it a matrix stays in cache between
  * calls. --packed rearranges the weights as the model loader does for the
- * CPU (pd_backend_pack_weight: PD_LAYOUT_CPU_X16 where this CPU has kernels
- * for it; the type column then says e.g. q4_K/x16). --attn also times attention for SmolLM2-135M's shape (9 query
+ * CPU (pd_backend_pack_weight: PD_LAYOUT_CPU_X16 for the types this CPU
+ * packs at load, q8_0 on AVX-512; the type column then says q8_0/x16; q4_K
+ * and q6_K stay in the file's layout and are repacked per call from 16
+ * tokens). --attn also times attention for SmolLM2-135M's shape (9 query
  * heads, 3 kv heads of 64): prefill of 256 tokens (causal) and decode of one
  * token over 256 and 2048 cached keys, with f32 and with f16 K/V rows.
  *

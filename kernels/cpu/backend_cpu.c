@@ -112,10 +112,7 @@ int pd_weight_init(pd_weight *w, pd_type type, const void *data, int64_t rows, i
 
 static int cpu_pack_weight(pd_backend *be, pd_weight *w, void *data, pd_error *err) {
     const cpu_backend *cb = be->impl;
-    const pd_type_traits *tr = pd_type_get((uint32_t)w->type);
-    if (!tr || (uint32_t)w->type >= PD_TYPE_COUNT || !cb->k.mm_x16[w->type] || w->rows < CPU_X16 ||
-        w->row_bytes != (size_t)(w->cols / tr->block_size) * tr->type_size)
-        return PD_OK;
+    if (!cpu_x16_fits(&cb->k, w) || !cb->k.x16_at_load[w->type]) return PD_OK;
     uint8_t *tmp = malloc(CPU_X16 * w->row_bytes);
     if (!tmp) return pd_errorf(err, PD_ENOMEM, "pack_weight: out of memory");
     cpu_x16_pack(w->type, data, w->rows, w->row_bytes, tmp);
@@ -568,6 +565,7 @@ static void cpu_free(pd_backend *be) {
     free(cb->runs);
     free(cb->act);
     free(cb->work);
+    free(cb->x16_tmp);
     free(cb);
 }
 

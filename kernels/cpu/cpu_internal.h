@@ -100,11 +100,21 @@ static inline bool cpu_type_is_float(pd_type t) {
 typedef struct cpu_kernels {
     cpu_simd_level level;
     cpu_mm_fn mm[PD_TYPE_COUNT];       /* small-n (or any-n) kernels, NULL = unsupported */
-    /* Kernels for the whole 16-row groups of weights in PD_LAYOUT_CPU_X16
-     * (x16.c), at every n; a type with one is packed by pack_weight. Rows
-     * r0 and r1 are multiples of 16; the rows after the last group keep
-     * the GGUF layout and take mm. */
+    /* Kernels for whole 16-row groups in PD_LAYOUT_CPU_X16 (x16.c), at
+     * every n. Rows r0 and r1 are multiples of 16; the rows after the last
+     * group keep the GGUF layout and take mm. A type with x16_at_load is
+     * packed by pack_weight (its x16 kernel also reads memory faster in
+     * decode); the others stay in the file's layout, where the row kernels
+     * read faster from memory, and a batch of CPU_X16_REPACK_MIN_N tokens
+     * or more repacks each few groups into a per-thread buffer for the x16
+     * kernel (matmul.c). Either way a token gets the same bits: the row
+     * and x16 kernels take the same float steps per block. */
     cpu_mm_fn mm_x16[PD_TYPE_COUNT];
+    bool x16_at_load[PD_TYPE_COUNT];
+    /* The first `groups` groups of rows at src (file layout) arranged as
+     * cpu_x16_pack would, into dst (groups * 16 * row_bytes), for the
+     * types with an x16 kernel that are not packed at load; NULL: none */
+    void (*x16_repack)(pd_type t, const uint8_t *src, int64_t groups, size_t row_bytes, uint8_t *dst);
     /* Types whose mm kernel serves every n, never dequant + GEMM: every
      * quantized type from AVX2 up (set once, in cpu_kernels_avx2), so a
      * token's result does not depend on its batch. */
@@ -173,6 +183,19 @@ void cpu_kernels_x16_avx512(cpu_kernels *k);
  * 64-byte line; q6_K: the 32 words of low bits, the 16 of high bits, the 4
  * of scales, then the 16 d; q8_0: the 16 d, then 8 lines of codes. */
 #define CPU_X16 16
+/* Groups an x16 kernel takes at a time across its token passes (their
+ * codes stay in L2), and so what one repack (matmul.c) prepares. */
+#define CPU_X16_BATCH_GROUPS 4
+/* Batch size from which a weight in the file's layout is repacked for
+ * the x16 kernel (below it the row kernels read the file's layout). */
+#define CPU_X16_REPACK_MIN_N 16
+/* Whether w (GGUF layout) can be arranged in x16 groups: a kernel for its
+ * type, a whole group, rows exactly as long as their blocks. */
+static inline bool cpu_x16_fits(const cpu_kernels *k, const pd_weight *w) {
+    const pd_type_traits *tr = pd_type_get((uint32_t)w->type);
+    return tr && (uint32_t)w->type < PD_TYPE_COUNT && k->mm_x16[w->type] && w->rows >= CPU_X16 &&
+           w->row_bytes == (size_t)(w->cols / tr->block_size) * tr->type_size;
+}
 /* Pack the whole groups of `rows` rows of row_bytes at data in place;
  * tmp holds 16 * row_bytes. */
 void cpu_x16_pack(pd_type t, uint8_t *data, int64_t rows, size_t row_bytes, uint8_t *tmp);
@@ -347,6 +370,8 @@ typedef struct cpu_backend {
     size_t act_cap;
     float *work;        /* per-thread float scratch (dequantized tiles, attention) */
     size_t work_cap;    /* floats in total */
+    void *x16_tmp;      /* per-thread groups repacked for an x16 kernel */
+    size_t x16_tmp_cap;
 } cpu_backend;
 
 /* Make sure *buf holds at least `bytes` (64-byte aligned, contents not

@@ -40,7 +40,9 @@ typedef struct mm_part {
     cpu_mm m;
     cpu_mm_fn fn, fn_x16;
     int64_t rows, chunk, first; /* first: index of its first chunk */
-    int64_t x16_rows;           /* rows [0, x16_rows) packed (PD_LAYOUT_CPU_X16) */
+    int64_t x16_rows;           /* rows [0, x16_rows) for fn_x16: packed, or repacked when `repack` */
+    bool repack;                /* GGUF layout, x16 kernel: repack CPU_X16_BATCH_GROUPS groups at a time */
+    pd_type type;
 } mm_part;
 
 typedef struct mm_ctx {
@@ -48,6 +50,9 @@ typedef struct mm_ctx {
     int nparts;
     int64_t nchunks;
     cpu_mm_run *run; /* per thread: the chunk indices it owns */
+    uint8_t *tmp;    /* per thread, tmp_stride bytes: repacked groups */
+    size_t tmp_stride;
+    void (*repack)(pd_type t, const uint8_t *src, int64_t groups, size_t row_bytes, uint8_t *dst);
 } mm_ctx;
 
 /* A run is [lo, hi) in one 64-bit word: the owner takes lo, others hi - 1. */
@@ -64,14 +69,33 @@ static bool take_chunk(cpu_mm_run *r, bool front, int64_t *i) {
     }
 }
 
-static void run_chunk(const mm_ctx *c, int64_t i) {
+/* Rows [r0, r1) of a part whose x16 rows are repacked: a few groups at a
+ * time into thread ith's buffer, then the x16 kernel over them there. */
+static void run_repacked(const mm_ctx *c, const mm_part *p, int64_t r0, int64_t r1, int ith) {
+    uint8_t *tmp = c->tmp + (size_t)ith * c->tmp_stride;
+    const int64_t step = CPU_X16_BATCH_GROUPS * CPU_X16;
+    for (int64_t r = r0; r < r1; r += step) {
+        const int64_t rz = r + step < r1 ? r + step : r1;
+        c->repack(p->type, p->m.w + (size_t)r * p->m.rb, (rz - r) / CPU_X16, p->m.rb, tmp);
+        cpu_mm m = p->m;
+        m.w = tmp;
+        m.y = p->m.y + r;
+        p->fn_x16(&m, 0, rz - r);
+    }
+}
+
+static void run_chunk(const mm_ctx *c, int64_t i, int ith) {
     int k = 0;
     while (k + 1 < c->nparts && i >= c->part[k + 1].first) k++;
     const mm_part *p = &c->part[k];
     int64_t r0 = (i - p->first) * p->chunk;
     const int64_t r1 = r0 + p->chunk < p->rows ? r0 + p->chunk : p->rows;
     if (r0 < p->x16_rows) {
-        p->fn_x16(&p->m, r0, r1 < p->x16_rows ? r1 : p->x16_rows);
+        const int64_t rx = r1 < p->x16_rows ? r1 : p->x16_rows;
+        if (p->repack)
+            run_repacked(c, p, r0, rx, ith);
+        else
+            p->fn_x16(&p->m, r0, rx);
         r0 = p->x16_rows;
     }
     if (r0 < r1) p->fn(&p->m, r0, r1);
@@ -80,9 +104,9 @@ static void run_chunk(const mm_ctx *c, int64_t i) {
 static void mm_worker(void *p, int ith, int nth) {
     mm_ctx *c = p;
     int64_t i;
-    while (take_chunk(&c->run[ith], true, &i)) run_chunk(c, i);
+    while (take_chunk(&c->run[ith], true, &i)) run_chunk(c, i, ith);
     for (int k = 1; k < nth; k++)
-        while (take_chunk(&c->run[(ith + k) % nth], false, &i)) run_chunk(c, i);
+        while (take_chunk(&c->run[(ith + k) % nth], false, &i)) run_chunk(c, i, ith);
 }
 
 /* Rows per chunk: a multiple of `mult`, about `per_thread` chunks per
@@ -319,8 +343,17 @@ static int matmul_dot(cpu_backend *cb, const pd_weight *const *w, int nw, const 
         mm_part *p = &c.part[j];
         p->fn = cb->k.mm[w[j]->type];
         p->fn_x16 = cb->k.mm_x16[w[j]->type];
+        p->type = w[j]->type;
         p->rows = w[j]->rows;
-        p->x16_rows = w[j]->layout == PD_LAYOUT_CPU_X16 ? w[j]->rows / CPU_X16 * CPU_X16 : 0;
+        /* (a type packed at load that stayed in the file's layout, e.g.
+         * mapped, keeps its row kernels: theirs are not the x16 steps) */
+        p->repack = w[j]->layout == PD_LAYOUT_GGUF && n >= CPU_X16_REPACK_MIN_N && cb->k.x16_repack &&
+                    cpu_x16_fits(&cb->k, w[j]) && !cb->k.x16_at_load[w[j]->type];
+        p->x16_rows = w[j]->layout == PD_LAYOUT_CPU_X16 || p->repack ? w[j]->rows / CPU_X16 * CPU_X16 : 0;
+        if (p->repack) {
+            const size_t bytes = ALIGN64((size_t)CPU_X16_BATCH_GROUPS * CPU_X16 * w[j]->row_bytes);
+            if (bytes > c.tmp_stride) c.tmp_stride = bytes;
+        }
         p->m = (cpu_mm){.w = w[j]->data, .rb = w[j]->row_bytes, .cols = w[j]->cols, .n = n, .x = x, .y = y[j],
                         .ldy = w[j]->rows};
         if (!cpu_type_is_float(w[j]->type)) {
@@ -331,8 +364,14 @@ static int matmul_dot(cpu_backend *cb, const pd_weight *const *w, int nw, const 
         p->first = c.nchunks;
         c.nchunks += (p->rows + p->chunk - 1) / p->chunk;
     }
+    if (c.tmp_stride) {
+        int rc = cpu_scratch_reserve(&cb->x16_tmp, &cb->x16_tmp_cap, (size_t)nth * c.tmp_stride, err);
+        if (rc) return rc;
+        c.tmp = cb->x16_tmp;
+        c.repack = cb->k.x16_repack;
+    }
     if (c.nchunks == 1 || nth == 1) {
-        for (int64_t i = 0; i < c.nchunks; i++) run_chunk(&c, i);
+        for (int64_t i = 0; i < c.nchunks; i++) run_chunk(&c, i, 0);
         return PD_OK;
     }
     c.run = cb->runs;

@@ -318,6 +318,31 @@ PD_TARGET_AVX512 static inline __m512i q4k_scales_mins2(const uint8_t *s0, const
     return _mm512_cvtepu8_epi16(_mm256_unpacklo_epi32(lo, _mm256_or_si256(hl, hh)));
 }
 
+/* One token's float steps for blocks b and b + 1, in the order the packed
+ * kernel (simd_x16_avx512.c) takes them for a row: each block's exact
+ * integer total times d x xd, then its min total times dmin x xd taken
+ * off. The same operations on the same values give the same bits, so a
+ * token's product does not depend on which of the two kernels its batch
+ * size picked. v0, v1: the blocks' code sums in 16 lanes each; mins: the
+ * two blocks' min x bsum pairs in lanes 0-3 and 4-7 (4-7 zero for one
+ * block); dx: d0 xd0, dmin0 xd0, d1 xd1, dmin1 xd1. */
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) __m128
+q4_K_pair_steps(__m128 acc, __m512i v0, __m512i v1, __m256i mins, __m128 dx, bool two) {
+    const __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(v0), _mm512_extracti64x4_epi64(v0, 1));
+    const __m256i c = _mm256_add_epi32(_mm512_castsi512_si256(v1), _mm512_extracti64x4_epi64(v1, 1));
+    const __m256i h = _mm256_hadd_epi32(a, c); /* a0+a1 a2+a3 c0+c1 c2+c3 | a4+a5 a6+a7 c4+c5 c6+c7 */
+    const __m128i y = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    const __m128i m = _mm_hadd_epi32(_mm256_castsi256_si128(mins), _mm256_extracti128_si256(mins, 1));
+    const __m128 t = _mm_cvtepi32_ps(_mm_hadd_epi32(y, m)); /* I0 I1 M0 M1, exact */
+    acc = _mm_fmadd_ss(t, dx, acc);
+    acc = _mm_fnmadd_ss(_mm_movehl_ps(t, t), _mm_shuffle_ps(dx, dx, 1), acc);
+    if (two) {
+        acc = _mm_fmadd_ss(_mm_shuffle_ps(t, t, 1), _mm_movehl_ps(dx, dx), acc);
+        acc = _mm_fnmadd_ss(_mm_shuffle_ps(t, t, 3), _mm_shuffle_ps(dx, dx, 3), acc);
+    }
+    return acc;
+}
+
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
 q4_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const cpu_qact *q = m->q;
@@ -330,14 +355,9 @@ q4_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const __m512i ia1 = _mm512_add_epi16(ia, _mm512_set1_epi16(16)), ib1 = _mm512_add_epi16(ib, _mm512_set1_epi16(16));
     const __m512i imn = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                          31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
-    const __m256i i1 = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
-    __m512 acc[CPU_DECODE_MAX_N];
-    __m256 accm[CPU_DECODE_MAX_N];
+    __m128 acc[CPU_DECODE_MAX_N];
 PD_UNROLL
-    for (int j = 0; j < nt; j++) {
-        acc[j] = _mm512_setzero_ps();
-        accm[j] = _mm256_setzero_ps();
-    }
+    for (int j = 0; j < nt; j++) acc[j] = _mm_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *b0 = w + (size_t)CPU_Q4_K_BYTES * (size_t)b, *b1 = b0 + CPU_Q4_K_BYTES;
@@ -360,12 +380,9 @@ PD_UNROLL
             /* xd0 xd1 (a 4-byte aligned pair: movq, not a double load) */
             const __m128 xd = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(const void *)(q->d + (t0 + j) * nb + b)));
             const __m128 dx = _mm_mul_ps(dm, _mm_unpacklo_ps(xd, xd)); /* d0 xd0, dmin0 xd0, d1 xd1, dmin1 xd1 */
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_K_block_dot(b0, x, sa0, sb0)), _mm512_broadcastss_ps(dx), acc[j]);
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_K_block_dot(b1, x + PD_QK_K, sa1, sb1)),
-                                     _mm512_broadcastss_ps(_mm_movehl_ps(dx, dx)), acc[j]);
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b));
-            accm[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs)),
-                                      _mm256_permutexvar_ps(i1, _mm256_castps128_ps256(dx)), accm[j]);
+            acc[j] = q4_K_pair_steps(acc[j], q4_K_block_dot(b0, x, sa0, sb0), q4_K_block_dot(b1, x + PD_QK_K, sa1, sb1),
+                                     _mm256_madd_epi16(mn, bs), dx, true);
         }
     }
     if (b < nb) { /* odd block count: the last one alone */
@@ -378,15 +395,14 @@ PD_UNROLL
         for (int j = 0; j < nt; j++) {
             const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
             const __m128 dx = _mm_mul_ps(dm, _mm_set1_ps(q->d[(t0 + j) * nb + b]));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_K_block_dot(b0, x, sa0, sb0)), _mm512_broadcastss_ps(dx), acc[j]);
             const __m256i bs = _mm256_zextsi128_si256(
                 _mm_loadu_si128((const __m128i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b)));
-            accm[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn, bs)),
-                                      _mm256_permutexvar_ps(i1, _mm256_castps128_ps256(dx)), accm[j]);
+            acc[j] = q4_K_pair_steps(acc[j], q4_K_block_dot(b0, x, sa0, sb0), _mm512_setzero_si512(),
+                                     _mm256_madd_epi16(mn, bs), dx, false);
         }
     }
 PD_UNROLL
-    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]) - pd_hsum_ps_avx2(accm[j]);
+    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm_cvtss_f32(acc[j]);
 }
 
 /* q6_K: codes 0..63 (stored + 32) from the low nibbles and two high bits;
@@ -406,9 +422,11 @@ q6_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const __m512i ia = _mm512_set_epi16(7, 7, 7, 7, 3, 3, 3, 3, 6, 6, 6, 6, 2, 2, 2, 2,
                                         5, 5, 5, 5, 1, 1, 1, 1, 4, 4, 4, 4, 0, 0, 0, 0);
     const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(8));
-    __m512 acc[CPU_DECODE_MAX_N];
+    /* one float step per block, as the packed kernel takes it: the
+     * block's exact integer total times d x xd (see q4_K_pair_steps) */
+    __m128 acc[CPU_DECODE_MAX_N];
 PD_UNROLL
-    for (int j = 0; j < nt; j++) acc[j] = _mm512_setzero_ps();
+    for (int j = 0; j < nt; j++) acc[j] = _mm_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + (size_t)CPU_Q6_K_BYTES * (size_t)b;
         decode_prefetch(blk);
@@ -441,12 +459,14 @@ PD_UNROLL
             const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsv), 5);
             __m512i si = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_packs_epi32(p0, p1), sa),
                                              _mm512_packs_epi32(p2, p3), sb);
-            si = _mm512_sub_epi32(si, _mm512_zextsi256_si512(corr));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_set1_ps(dw * q->d[(t0 + j) * nb + b]), acc[j]);
+            const __m256i s8 = _mm256_sub_epi32(
+                _mm256_add_epi32(_mm512_castsi512_si256(si), _mm512_extracti64x4_epi64(si, 1)), corr);
+            const __m128 total = _mm_cvtepi32_ps(_mm_set1_epi32(pd_hsum_epi32_avx2(s8)));
+            acc[j] = _mm_fmadd_ss(total, _mm_set_ss(dw * q->d[(t0 + j) * nb + b]), acc[j]);
         }
     }
 PD_UNROLL
-    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm512_reduce_add_ps(acc[j]);
+    for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm_cvtss_f32(acc[j]);
 }
 
 PD_TARGET_AVX512 static void mm_q8_0(const cpu_mm *m, int64_t r0, int64_t r1) {

@@ -277,23 +277,23 @@ PD_UNROLL
 }
 
 /* Groups [g0, g1) for every token, X16_NT tokens per pass; prefill takes
- * a few groups at a time so their codes stay in L2 across the passes. */
-#define X16_PREFILL_GROUPS 4
-#define X16_GROUPS(KERNEL, m, g0, g1)                                                               \
-    for (int64_t ga = (g0); ga < (g1); ga += X16_PREFILL_GROUPS) {                                  \
-        const int64_t gz = ga + X16_PREFILL_GROUPS < (g1) ? ga + X16_PREFILL_GROUPS : (g1);         \
-        for (int64_t t0 = 0; t0 < (m)->n; t0 += X16_NT) {                                           \
-            const int64_t nt = (m)->n - t0 < X16_NT ? (m)->n - t0 : X16_NT;                         \
-            switch (nt) {                                                                           \
-            case 1: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 1); break;                   \
-            case 2: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 2); break;                   \
-            case 3: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 3); break;                   \
-            default: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 4); break;                  \
-            }                                                                                       \
-        }                                                                                           \
+ * CPU_X16_BATCH_GROUPS at a time so their codes stay in L2 across the
+ * passes. */
+#define X16_GROUPS(KERNEL, m, g0, g1)                                                           \
+    for (int64_t ga = (g0); ga < (g1); ga += CPU_X16_BATCH_GROUPS) {                            \
+        const int64_t gz = ga + CPU_X16_BATCH_GROUPS < (g1) ? ga + CPU_X16_BATCH_GROUPS : (g1); \
+        for (int64_t t0 = 0; t0 < (m)->n; t0 += X16_NT) {                                       \
+            const int64_t nt = (m)->n - t0 < X16_NT ? (m)->n - t0 : X16_NT;                     \
+            switch (nt) {                                                                       \
+            case 1: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 1); break;               \
+            case 2: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 2); break;               \
+            case 3: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 3); break;               \
+            default: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 4); break;              \
+            }                                                                                   \
+        }                                                                                       \
     }
 
-/* Rows [r0, r1) of a packed weight, both multiples of 16. */
+/* Rows [r0, r1) of a packed (or repacked) weight, both multiples of 16. */
 PD_TARGET_AVX512 static void mm_q4_K_x16(const cpu_mm *m, int64_t r0, int64_t r1) {
     X16_GROUPS(q4_K_x16, m, r0 / CPU_X16, r1 / CPU_X16)
 }
@@ -306,10 +306,37 @@ PD_TARGET_AVX512 static void mm_q8_0_x16(const cpu_mm *m, int64_t r0, int64_t r1
     X16_GROUPS(q8_0_x16, m, r0 / CPU_X16, r1 / CPU_X16)
 }
 
+/* cpu_kernels.x16_repack for the types repacked per call (q4_K, q6_K: no
+ * head, whole words then q6_K's 2-byte tail): each 64-byte line is one
+ * gather of a word of the 16 rows, a few times faster than word copies,
+ * so a prefill batch of 16 tokens pays little for it. */
+PD_TARGET_AVX512 static void x16_repack(pd_type t, const uint8_t *src, int64_t groups, size_t rb, uint8_t *dst) {
+    const size_t bb = t == PD_TYPE_Q6_K ? CPU_Q6_K_BYTES : CPU_Q4_K_BYTES, words = bb / 4, nb = rb / bb;
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)rb));
+    for (int64_t g = 0; g < groups; g++)
+        for (size_t b = 0; b < nb; b++) {
+            const uint8_t *in = src + (size_t)g * CPU_X16 * rb + b * bb;
+            uint8_t *out = dst + ((size_t)g * nb + b) * CPU_X16 * bb;
+            for (size_t k = 0; k < words; k++)
+                _mm512_storeu_si512((void *)(out + 64 * k), _mm512_i32gather_epi32(idx, (const void *)(in + 4 * k), 1));
+            if (bb % 4) { /* the last 2 bytes: the high half of the block's last word-sized load */
+                const __m512i v = _mm512_i32gather_epi32(idx, (const void *)(in + bb - 4), 1);
+                _mm256_storeu_si256((__m256i *)(void *)(out + 64 * words), _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+            }
+        }
+}
+
 void cpu_kernels_x16_avx512(cpu_kernels *k) {
     k->mm_x16[PD_TYPE_Q8_0] = mm_q8_0_x16;
     k->mm_x16[PD_TYPE_Q4_K] = mm_q4_K_x16;
     k->mm_x16[PD_TYPE_Q6_K] = mm_q6_K_x16;
+    /* From memory the q8_0 x16 kernel reads about as fast as its row
+     * kernel in decode and faster at 2 threads; the K-quant ones read
+     * 18-36% slower than theirs (kernel-bench --cold, docs/bench-peer.md),
+     * so K-quants are only repacked for prefill batches. */
+    k->x16_at_load[PD_TYPE_Q8_0] = true;
+    k->x16_repack = x16_repack;
 }
 
 #endif /* PD_X86 */
