@@ -306,12 +306,12 @@ PD_TARGET_AVX512 static void mm_q8_0_x16(const cpu_mm *m, int64_t r0, int64_t r1
     X16_GROUPS(q8_0_x16, m, r0 / CPU_X16, r1 / CPU_X16)
 }
 
-/* cpu_kernels.x16_repack for the types repacked per call (q4_K, q6_K: no
- * head, whole words then q6_K's 2-byte tail): each 64-byte line is one
- * gather of a word of the 16 rows, a few times faster than word copies,
- * so a prefill batch of 16 tokens pays little for it. */
+/* cpu_kernels.x16_repack for the types repacked per call (blocks with no
+ * head: whole words, then a 2-byte tail for q6_K): each 64-byte line is
+ * one gather of a word of the 16 rows, a few times faster than word
+ * copies, so a prefill batch of 16 tokens pays little for it. */
 PD_TARGET_AVX512 static void x16_repack(pd_type t, const uint8_t *src, int64_t groups, size_t rb, uint8_t *dst) {
-    const size_t bb = t == PD_TYPE_Q6_K ? CPU_Q6_K_BYTES : CPU_Q4_K_BYTES, words = bb / 4, nb = rb / bb;
+    const size_t bb = pd_type_get((uint32_t)t)->type_size, words = bb / 4, nb = rb / bb;
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32((int)rb));
     for (int64_t g = 0; g < groups; g++)
