@@ -103,12 +103,13 @@ typedef struct cpu_kernels {
     /* Kernels for whole 16-row groups in PD_LAYOUT_CPU_X16 (x16.c), at
      * every n. Rows r0 and r1 are multiples of 16; the rows after the last
      * group keep the GGUF layout and take mm. A type with x16_at_load is
-     * packed by pack_weight (its x16 kernel also reads memory faster in
-     * decode); the others stay in the file's layout, where the row kernels
-     * read faster from memory, and a batch of CPU_X16_REPACK_MIN_N tokens
-     * or more repacks each few groups into a per-thread buffer for the x16
-     * kernel (matmul.c). Either way a token gets the same bits: the row
-     * and x16 kernels take the same float steps per block. */
+     * packed by pack_weight (its x16 kernel reads memory about as fast as
+     * its row kernel in decode); the others stay in the file's layout,
+     * where the row kernels read faster from memory, and a batch of
+     * CPU_X16_REPACK_MIN_N tokens or more repacks each few groups into a
+     * per-thread buffer for the x16 kernel (matmul.c). Either way a token
+     * gets the same bits: for those types the row and x16 kernels take the
+     * same float steps per block. */
     cpu_mm_fn mm_x16[PD_TYPE_COUNT];
     bool x16_at_load[PD_TYPE_COUNT];
     /* The first `groups` groups of rows at src (file layout) arranged as

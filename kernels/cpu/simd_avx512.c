@@ -17,7 +17,6 @@
 
 #include "kernels/cpu/simd_x86.h"
 
-
 /* ------------------------------------------------------------------------
  * q8_0 x q8_0 tile kernel
  * ------------------------------------------------------------------------ */
@@ -161,8 +160,6 @@ PD_TARGET_AVX512 static inline __m256i unpack_q4_0_512(const uint8_t *qs) {
     const __m128i mask = _mm_set1_epi8(0x0f);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
 }
-
-
 
 /* ------------------------------------------------------------------------
  * Decode (n <= CPU_DECODE_MAX_N): one weight row at a time, front to back,
