@@ -315,6 +315,31 @@ PD_TARGET_AVX512 static inline __m512i q4k_scales_mins2(const uint8_t *s0, const
     return _mm512_cvtepu8_epi16(_mm256_unpacklo_epi32(lo, _mm256_or_si256(hl, hh)));
 }
 
+/* A pair of q4_K blocks' scale and min words (q4k_scales_mins2's layout)
+ * as q4_K_block_dot and the min correction take them: sa/sb per block,
+ * and the mins of both (of the first only, zero-extended, unless two). */
+typedef struct q4k_words {
+    __m512i sa0, sb0, sa1, sb1;
+    __m256i mn;
+} q4k_words;
+
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) q4k_words q4k_pair_words(__m512i sm, bool two) {
+    /* 128-bit lane k of packs(p0, p1): 4 words of p0's sub-block, 4 of p1's */
+    const __m512i ia = _mm512_set_epi16(3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2,
+                                        1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(4));
+    const __m512i imn = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
+    q4k_words o;
+    o.sa0 = _mm512_permutexvar_epi16(ia, sm);
+    o.sb0 = _mm512_permutexvar_epi16(ib, sm);
+    o.sa1 = two ? _mm512_permutexvar_epi16(_mm512_add_epi16(ia, _mm512_set1_epi16(16)), sm) : o.sa0;
+    o.sb1 = two ? _mm512_permutexvar_epi16(_mm512_add_epi16(ib, _mm512_set1_epi16(16)), sm) : o.sb0;
+    const __m512i mp = _mm512_permutexvar_epi16(imn, sm);
+    o.mn = two ? _mm512_castsi512_si256(mp) : _mm256_zextsi128_si256(_mm512_castsi512_si128(mp));
+    return o;
+}
+
 /* One token's float steps for blocks b and b + 1, in the order the packed
  * kernel (simd_x16_avx512.c) takes them for a row: each block's exact
  * integer total times d x xd, then its min total times dmin x xd taken
@@ -345,13 +370,6 @@ q4_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const cpu_qact *q = m->q;
     const int64_t nb = q->nblocks;
     const uint8_t *w = m->w + (size_t)r * m->rb;
-    /* 128-bit lane k of packs(p0, p1): 4 words of p0's sub-block, 4 of p1's */
-    const __m512i ia = _mm512_set_epi16(3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2,
-                                        1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(4));
-    const __m512i ia1 = _mm512_add_epi16(ia, _mm512_set1_epi16(16)), ib1 = _mm512_add_epi16(ib, _mm512_set1_epi16(16));
-    const __m512i imn = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                         31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
     __m128 acc[CPU_DECODE_MAX_N];
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm_setzero_ps();
@@ -363,10 +381,7 @@ PD_UNROLL
         decode_prefetch(b0 + 128);
         decode_prefetch(b0 + 192);
         decode_prefetch(b0 + 256);
-        const __m512i sm = q4k_scales_mins2(b0 + 4, b1 + 4);
-        const __m512i sa0 = _mm512_permutexvar_epi16(ia, sm), sb0 = _mm512_permutexvar_epi16(ib, sm);
-        const __m512i sa1 = _mm512_permutexvar_epi16(ia1, sm), sb1 = _mm512_permutexvar_epi16(ib1, sm);
-        const __m256i mn = _mm512_castsi512_si256(_mm512_permutexvar_epi16(imn, sm));
+        const q4k_words sw = q4k_pair_words(q4k_scales_mins2(b0 + 4, b1 + 4), true);
         /* d0 dmin0 d1 dmin1 */
         const uint64_t h4 = (uint64_t)pd_ld16(b0) | ((uint64_t)pd_ld16(b0 + 2) << 16) |
                             ((uint64_t)pd_ld16(b1) << 32) | ((uint64_t)pd_ld16(b1 + 2) << 48);
@@ -378,15 +393,14 @@ PD_UNROLL
             const __m128 xd = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(const void *)(q->d + (t0 + j) * nb + b)));
             const __m128 dx = _mm_mul_ps(dm, _mm_unpacklo_ps(xd, xd)); /* d0 xd0, dmin0 xd0, d1 xd1, dmin1 xd1 */
             const __m256i bs = _mm256_loadu_si256((const __m256i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b));
-            acc[j] = q4_K_pair_steps(acc[j], q4_K_block_dot(b0, x, sa0, sb0), q4_K_block_dot(b1, x + PD_QK_K, sa1, sb1),
-                                     _mm256_madd_epi16(mn, bs), dx, true);
+            acc[j] = q4_K_pair_steps(acc[j], q4_K_block_dot(b0, x, sw.sa0, sw.sb0),
+                                     q4_K_block_dot(b1, x + PD_QK_K, sw.sa1, sw.sb1), _mm256_madd_epi16(sw.mn, bs), dx,
+                                     true);
         }
     }
     if (b < nb) { /* odd block count: the last one alone */
         const uint8_t *b0 = w + (size_t)CPU_Q4_K_BYTES * (size_t)b;
-        const __m512i sm = q4k_scales_mins2(b0 + 4, b0 + 4);
-        const __m512i sa0 = _mm512_permutexvar_epi16(ia, sm), sb0 = _mm512_permutexvar_epi16(ib, sm);
-        const __m256i mn = _mm256_zextsi128_si256(_mm512_castsi512_si128(_mm512_permutexvar_epi16(imn, sm)));
+        const q4k_words sw = q4k_pair_words(q4k_scales_mins2(b0 + 4, b0 + 4), false);
         const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)pd_ld16(b0) | ((uint32_t)pd_ld16(b0 + 2) << 16))));
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
@@ -394,8 +408,8 @@ PD_UNROLL
             const __m128 dx = _mm_mul_ps(dm, _mm_set1_ps(q->d[(t0 + j) * nb + b]));
             const __m256i bs = _mm256_zextsi128_si256(
                 _mm_loadu_si128((const __m128i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b)));
-            acc[j] = q4_K_pair_steps(acc[j], q4_K_block_dot(b0, x, sa0, sb0), _mm512_setzero_si512(),
-                                     _mm256_madd_epi16(mn, bs), dx, false);
+            acc[j] = q4_K_pair_steps(acc[j], q4_K_block_dot(b0, x, sw.sa0, sw.sb0), _mm512_setzero_si512(),
+                                     _mm256_madd_epi16(sw.mn, bs), dx, false);
         }
     }
 PD_UNROLL
@@ -464,12 +478,6 @@ PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
 q4_K_rows4_step(const cpu_qact *q, const uint8_t *p, size_t rb, int64_t b, int64_t t0, const int nt, bool two,
                 __m128 *acc) {
     const int64_t nb = q->nblocks;
-    const __m512i ia = _mm512_set_epi16(3, 3, 3, 3, 2, 2, 2, 2, 3, 3, 3, 3, 2, 2, 2, 2,
-                                        1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(4));
-    const __m512i ia1 = _mm512_add_epi16(ia, _mm512_set1_epi16(16)), ib1 = _mm512_add_epi16(ib, _mm512_set1_epi16(16));
-    const __m512i imn = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                         31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
     /* d, dmin words of the heads of rows (0, 1) | (2, 3) to
      * d0(r0..r3) dmin0(..) d1(..) dmin1(..): word 8k of a head register
      * is lane k's d, 8k + 1 its dmin; the second register's from 32 */
@@ -491,17 +499,9 @@ PD_UNROLL
     sm[2] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(s23));
     sm[3] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(s23, 1));
     const __m512 dm = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(h01, idm, h23)));
-    __m512i sa0[4], sb0[4], sa1[4], sb1[4];
-    __m256i mn[4];
+    q4k_words sw[4];
 PD_UNROLL
-    for (int i = 0; i < 4; i++) {
-        sa0[i] = _mm512_permutexvar_epi16(ia, sm[i]);
-        sb0[i] = _mm512_permutexvar_epi16(ib, sm[i]);
-        sa1[i] = two ? _mm512_permutexvar_epi16(ia1, sm[i]) : sa0[i];
-        sb1[i] = two ? _mm512_permutexvar_epi16(ib1, sm[i]) : sb0[i];
-        const __m512i mp = _mm512_permutexvar_epi16(imn, sm[i]);
-        mn[i] = two ? _mm512_castsi512_si256(mp) : _mm256_zextsi128_si256(_mm512_castsi512_si128(mp));
-    }
+    for (int i = 0; i < 4; i++) sw[i] = q4k_pair_words(sm[i], two);
 PD_UNROLL
     for (int j = 0; j < nt; j++) {
         const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
@@ -514,15 +514,15 @@ PD_UNROLL
         __m512i v0[4], v1[4];
 PD_UNROLL
         for (int i = 0; i < 4; i++) {
-            v0[i] = q4_K_block_dot(p + (size_t)i * rb, x, sa0[i], sb0[i]);
-            v1[i] = two ? q4_K_block_dot(p + (size_t)i * rb + CPU_Q4_K_BYTES, x + PD_QK_K, sa1[i], sb1[i])
+            v0[i] = q4_K_block_dot(p + (size_t)i * rb, x, sw[i].sa0, sw[i].sb0);
+            v1[i] = two ? q4_K_block_dot(p + (size_t)i * rb + CPU_Q4_K_BYTES, x + PD_QK_K, sw[i].sa1, sw[i].sb1)
                         : _mm512_setzero_si512();
         }
         /* lane k of m01 (m23) sums to block k%2's min total of row k/2 (+ 2) */
-        const __m512i m01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_madd_epi16(mn[0], bs)),
-                                               _mm256_madd_epi16(mn[1], bs), 1);
-        const __m512i m23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_madd_epi16(mn[2], bs)),
-                                               _mm256_madd_epi16(mn[3], bs), 1);
+        const __m512i m01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_madd_epi16(sw[0].mn, bs)),
+                                               _mm256_madd_epi16(sw[1].mn, bs), 1);
+        const __m512i m23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_madd_epi16(sw[2].mn, bs)),
+                                               _mm256_madd_epi16(sw[3].mn, bs), 1);
         __m512i ms = _mm512_add_epi32(_mm512_unpacklo_epi32(m01, m23), _mm512_unpackhi_epi32(m01, m23));
         ms = _mm512_add_epi32(ms, _mm512_shuffle_epi32(ms, _MM_SHUFFLE(1, 0, 3, 2)));
         const __m512 t = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(_mm512_castsi256_si512(reduce_4x2(v0, v1)), itot, ms));
