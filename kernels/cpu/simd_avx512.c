@@ -620,6 +620,92 @@ PD_UNROLL
     for (int j = 0; j < nt; j++) m->y[(t0 + j) * m->ldy + r] = _mm_cvtss_f32(acc[j]);
 }
 
+/* The four 8-lane totals s[i] summed: lane i of the result is s[i]'s sum.
+ * Integer adds, so the totals are exact in any order. */
+PD_TARGET_AVX2 static inline __m128i reduce4_epi32(const __m256i s[4]) {
+    const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    return _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+}
+
+/* q6_K decode over four far-apart rows, as q4_K_rows4: rows r, r + h,
+ * r + 2h, r + 3h, each row's block totals q6_K_row's and its float steps
+ * the same operations on the same values (the same bits), with the four
+ * rows in the lanes of one register. Rows one at a time within a block
+ * (each row's codes then stay in registers for all tokens); the four
+ * streams still advance a block at a time together. */
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
+q6_K_rows4(const cpu_mm *m, int64_t r, int64_t h, int64_t t0, const int nt) {
+    const cpu_qact *q = m->q;
+    const int64_t nb = q->nblocks;
+    const size_t stride = (size_t)h * m->rb;
+    const uint8_t *w = m->w + (size_t)r * m->rb;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i m30 = _mm512_set1_epi8(0x30);
+    const __m512i shl = halves_epi16(4, 2);
+    const __m512i shr = halves_epi16(0, 2);
+    const __m512i ia = _mm512_set_epi16(7, 7, 7, 7, 3, 3, 3, 3, 6, 6, 6, 6, 2, 2, 2, 2,
+                                        5, 5, 5, 5, 1, 1, 1, 1, 4, 4, 4, 4, 0, 0, 0, 0);
+    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(8));
+    __m128 acc[CPU_DECODE_MAX_N];
+PD_UNROLL
+    for (int j = 0; j < nt; j++) acc[j] = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + (size_t)CPU_Q6_K_BYTES * (size_t)b;
+PD_UNROLL
+        for (int i = 0; i < 4; i++)
+            for (int o = 0; o < CPU_Q6_K_BYTES; o += 64)
+                _mm_prefetch((const char *)p + (size_t)i * stride + FAR4_PF + o, _MM_HINT_T0);
+        const uint64_t h4 = (uint64_t)pd_ld16(p + 208) | ((uint64_t)pd_ld16(p + stride + 208) << 16) |
+                            ((uint64_t)pd_ld16(p + 2 * stride + 208) << 32) |
+                            ((uint64_t)pd_ld16(p + 3 * stride + 208) << 48);
+        const __m128 dw = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)h4));
+        __m256i s8[CPU_DECODE_MAX_N][4];
+PD_UNROLL
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *blk = p + (size_t)i * stride;
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            const __m512i sa = _mm512_permutexvar_epi16(ia, _mm512_castsi256_si512(sc16));
+            const __m512i sb = _mm512_permutexvar_epi16(ib, _mm512_castsi256_si512(sc16));
+            __m512i cd[4];
+PD_UNROLL
+            for (int k = 0; k < 2; k++) {
+                const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * k));
+                const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * k)));
+                cd[2 * k] = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(hb, shl), m30));
+                cd[2 * k + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                                _mm512_and_si512(_mm512_srlv_epi16(hb, shr), m30));
+            }
+PD_UNROLL
+            for (int j = 0; j < nt; j++) {
+                const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
+                const __m512i z = _mm512_setzero_si512();
+                const __m512i p0 = _mm512_dpbusd_epi32(z, cd[0], _mm512_loadu_si512((const void *)x));
+                const __m512i p1 = _mm512_dpbusd_epi32(z, cd[1], _mm512_loadu_si512((const void *)(x + 64)));
+                const __m512i p2 = _mm512_dpbusd_epi32(z, cd[2], _mm512_loadu_si512((const void *)(x + 128)));
+                const __m512i p3 = _mm512_dpbusd_epi32(z, cd[3], _mm512_loadu_si512((const void *)(x + 192)));
+                const __m256i bsv =
+                    _mm256_loadu_si256((const __m256i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b));
+                const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsv), 5);
+                const __m512i si = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_packs_epi32(p0, p1), sa),
+                                                       _mm512_packs_epi32(p2, p3), sb);
+                s8[j][i] = _mm256_sub_epi32(_mm256_add_epi32(_mm512_castsi512_si256(si), _mm512_extracti64x4_epi64(si, 1)),
+                                            corr);
+            }
+        }
+PD_UNROLL
+        for (int j = 0; j < nt; j++) {
+            const __m128 total = _mm_cvtepi32_ps(reduce4_epi32(s8[j]));
+            acc[j] = _mm_fmadd_ps(total, _mm_mul_ps(dw, _mm_set1_ps(q->d[(t0 + j) * nb + b])), acc[j]);
+        }
+    }
+PD_UNROLL
+    for (int j = 0; j < nt; j++) {
+        float v[4];
+        _mm_storeu_ps(v, acc[j]);
+        for (int i = 0; i < 4; i++) m->y[(t0 + j) * m->ldy + r + i * h] = v[i];
+    }
+}
+
 PD_TARGET_AVX512 static void mm_q8_0(const cpu_mm *m, int64_t r0, int64_t r1) {
     if (m->n > CPU_DECODE_MAX_N) return mm_q8_0_tiles(m, r0, r1); /* 4x4 tiles win at large n */
     ROW_RANGE(q8_0_row, m, r0, r1, 0, m->n)
@@ -635,6 +721,10 @@ PD_TARGET_AVX512 static void mm_q4_K(const cpu_mm *m, int64_t r0, int64_t r1) {
 }
 
 PD_TARGET_AVX512 static void mm_q6_K(const cpu_mm *m, int64_t r0, int64_t r1) {
+    if (m->n <= CPU_DECODE_MAX_N) {
+        FAR4_RANGE(q6_K_rows4, q6_K_row, m, r0, r1)
+        return;
+    }
     ROW_KERNEL_ALL_N(q6_K_row, m, r0, r1)
 }
 
