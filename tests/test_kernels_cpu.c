@@ -710,6 +710,46 @@ Test(matmul, packed_weights_match_reference, .timeout = 120) {
         }
 }
 
+/* Decode over a packed q8_0 weight big enough that a thread's rows split
+ * into four far-apart quarters read side by side (X16_FAR4_MIN_BYTES,
+ * simd_x16_avx512.c; quarters of 2-9 groups of 16 rows at 1 and 2
+ * threads here) plus a tail of groups and of rows: against the reference,
+ * and each token the same bits alone, in pairs and in a prefill batch. */
+Test(matmul, packed_q8_0_decode_over_far_apart_groups, .timeout = 120) {
+    if (!cpu_has("avx512")) cr_skip_test("this CPU has no avx512vnni");
+    enum { ROWS = 1043, COLS = 2048, N = 9 };
+    static const int64_t ns[] = {1, 2, 3};
+    uint64_t s = 8300;
+    pd_weight w, pw;
+    uint8_t *data = make_weights(&s, PD_TYPE_Q8_0, ROWS, COLS, &w);
+    uint8_t *packed = packed_copy(&w, &pw);
+    check_weight_as(&pw, &w, "avx512", &s, ns, sizeof ns / sizeof ns[0]);
+    float *x = malloc(sizeof(float) * N * COLS), *all = malloc(sizeof(float) * N * ROWS),
+          *part = malloc(sizeof(float) * N * ROWS);
+    cr_assert(x && all && part);
+    fill_acts(&s, x, N * COLS);
+    for (int th = 1; th <= 2; th++) {
+        pd_backend *be = make_backend(th, "avx512");
+        pd_error err = {0};
+        cr_assert_eq(pd_backend_matmul(be, &pw, x, N, all, &err), PD_OK, "%s", err.msg);
+        for (int64_t split = 1; split <= 2; split++) {
+            for (int64_t t0 = 0; t0 < N; t0 += split) {
+                const int64_t n = t0 + split <= N ? split : N - t0;
+                cr_assert_eq(pd_backend_matmul(be, &pw, x + t0 * COLS, n, part + t0 * ROWS, &err), PD_OK, "%s",
+                             err.msg);
+            }
+            for (int64_t e = 0; e < N * ROWS; e++)
+                cr_assert(memcmp(&all[e], &part[e], sizeof(float)) == 0,
+                          "%d threads: token %lld row %lld is %.9g in a batch of %d but %.9g in calls of %lld", th,
+                          (long long)(e / ROWS), (long long)(e % ROWS), (double)all[e], N, (double)part[e],
+                          (long long)split);
+        }
+        pd_backend_free(be);
+    }
+    free(x), free(all), free(part);
+    free(packed), free(data);
+}
+
 /* As for the GGUF layout: a token's product has the same bits whatever
  * its batch, and rows of a packed weight fused with others agree with the
  * weight alone; get_rows gives the rows the file has. */

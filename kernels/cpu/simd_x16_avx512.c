@@ -68,82 +68,74 @@ PD_TARGET_AVX512 static inline __m512i word_pair_pick(int k) {
     return dword_bytes(0x80008000u | (unsigned)k | ((unsigned)(k + 1) << 16));
 }
 
+/* Block b of one group (blk: its 16 rows' codes) into acc, for tokens
+ * [t0, t0 + nt). */
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
-q4_K_x16(const cpu_mm *m, int64_t g, int64_t t0, const int nt) {
-    const cpu_qact *q = m->q;
+q4_K_x16_block(const cpu_qact *q, const uint8_t *blk, int64_t b, int64_t t0, const int nt, __m512 *acc) {
     const int64_t nb = q->nblocks;
-    const uint8_t *w = m->w + (size_t)g * CPU_X16 * m->rb;
     const __m512i lo4 = _mm512_set1_epi8(0x0f), hi4 = _mm512_set1_epi8((char)0xf0);
     const __m512i m6 = _mm512_set1_epi8(0x3f), m2h = _mm512_set1_epi8(0x30);
-    __m512 acc[X16_NT];
+    const __m512i dd = _mm512_loadu_si512((const void *)blk);
+    const __m512i s0 = _mm512_loadu_si512((const void *)(blk + 64));
+    const __m512i s1 = _mm512_loadu_si512((const void *)(blk + 128));
+    const __m512i s2 = _mm512_loadu_si512((const void *)(blk + 192));
+    /* scales 0-3 and 4-7, mins 0-3 and 4-7, a byte each per row */
+    const __m512i sc03 = _mm512_and_si512(s0, m6);
+    const __m512i sc47 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(s0, 2), m2h), s2, lo4, 0xf8);
+    const __m512i mn03 = _mm512_and_si512(s1, m6);
+    const __m512i mn47 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(s1, 2), m2h),
+                                                   _mm512_srli_epi32(s2, 4), lo4, 0xf8);
+    const int8_t *xb[X16_NT];
+    __m512i isum[X16_NT];
 PD_UNROLL
-    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)b * CPU_X16 * CPU_Q4_K_BYTES;
-        const __m512i dd = _mm512_loadu_si512((const void *)blk);
-        const __m512i s0 = _mm512_loadu_si512((const void *)(blk + 64));
-        const __m512i s1 = _mm512_loadu_si512((const void *)(blk + 128));
-        const __m512i s2 = _mm512_loadu_si512((const void *)(blk + 192));
-        /* scales 0-3 and 4-7, mins 0-3 and 4-7, a byte each per row */
-        const __m512i sc03 = _mm512_and_si512(s0, m6);
-        const __m512i sc47 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(s0, 2), m2h), s2, lo4, 0xf8);
-        const __m512i mn03 = _mm512_and_si512(s1, m6);
-        const __m512i mn47 = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(s1, 2), m2h),
-                                                       _mm512_srli_epi32(s2, 4), lo4, 0xf8);
-        const int8_t *xb[X16_NT];
-        __m512i isum[X16_NT];
-PD_UNROLL
-        for (int t = 0; t < nt; t++) {
-            xb[t] = q->qs + (t0 + t) * q->cols + PD_QK_K * b;
-            isum[t] = _mm512_setzero_si512();
-        }
-PD_UNROLL
-        for (int p = 0; p < 4; p++) {
-            const __m512i sv = p < 2 ? sc03 : sc47;
-            const __m512i sc_lo = _mm512_slli_epi32(_mm512_shuffle_epi8(sv, byte_pick(2 * (p & 1))), 4);
-            const __m512i sc_hi = _mm512_shuffle_epi8(sv, byte_pick(2 * (p & 1) + 1));
-            const int olo = q8k4_pos(2 * p), ohi = q8k4_pos(2 * p + 1);
-            __m512i alo[X16_NT], ahi[X16_NT];
-PD_UNROLL
-            for (int t = 0; t < nt; t++) alo[t] = ahi[t] = _mm512_setzero_si512();
-PD_UNROLL
-            for (int k = 0; k < 8; k++) {
-                const uint8_t *cp = blk + 64 * (4 + 8 * p + k);
-                x16_prefetch(cp);
-                const __m512i r = _mm512_loadu_si512((const void *)cp);
-                const __m512i cl = _mm512_and_si512(r, lo4), ch = _mm512_and_si512(r, hi4);
-PD_UNROLL
-                for (int t = 0; t < nt; t++) {
-                    alo[t] = _mm512_dpbusd_epi32(alo[t], cl, bcast4(xb[t] + olo + 4 * k));
-                    ahi[t] = _mm512_dpbusd_epi32(ahi[t], ch, bcast4(xb[t] + ohi + 4 * k));
-                }
-            }
-PD_UNROLL
-            for (int t = 0; t < nt; t++)
-                isum[t] = _mm512_add_epi32(isum[t], _mm512_add_epi32(_mm512_mullo_epi32(alo[t], sc_lo),
-                                                                     _mm512_mullo_epi32(ahi[t], sc_hi)));
-        }
-        /* d and dmin of the 16 rows */
-        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
-        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
-        __m512i mw[4]; /* mins 2c and 2c + 1 as the two words of each lane */
-PD_UNROLL
-        for (int c = 0; c < 4; c++) mw[c] = _mm512_shuffle_epi8(c < 2 ? mn03 : mn47, word_pair_pick(2 * (c & 1)));
-PD_UNROLL
-        for (int t = 0; t < nt; t++) {
-            const int16_t *bs = q->bsums + (t0 + t) * (q->cols / 16) + 16 * (b & ~(int64_t)1) + 8 * (b & 1);
-            __m512i ms = _mm512_setzero_si512();
-PD_UNROLL
-            for (int c = 0; c < 4; c++) {
-                ms = _mm512_dpwssd_epi32(ms, mw[c], bcast4(bs + 2 * c));
-            }
-            const float xd = q->d[(t0 + t) * nb + b];
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, _mm512_set1_ps(xd * 0.0625f)), acc[t]);
-            acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dmin, _mm512_set1_ps(xd)), acc[t]);
-        }
+    for (int t = 0; t < nt; t++) {
+        xb[t] = q->qs + (t0 + t) * q->cols + PD_QK_K * b;
+        isum[t] = _mm512_setzero_si512();
     }
 PD_UNROLL
-    for (int t = 0; t < nt; t++) _mm512_storeu_ps(m->y + (t0 + t) * m->ldy + g * CPU_X16, acc[t]);
+    for (int p = 0; p < 4; p++) {
+        const __m512i sv = p < 2 ? sc03 : sc47;
+        const __m512i sc_lo = _mm512_slli_epi32(_mm512_shuffle_epi8(sv, byte_pick(2 * (p & 1))), 4);
+        const __m512i sc_hi = _mm512_shuffle_epi8(sv, byte_pick(2 * (p & 1) + 1));
+        const int olo = q8k4_pos(2 * p), ohi = q8k4_pos(2 * p + 1);
+        __m512i alo[X16_NT], ahi[X16_NT];
+PD_UNROLL
+        for (int t = 0; t < nt; t++) alo[t] = ahi[t] = _mm512_setzero_si512();
+PD_UNROLL
+        for (int k = 0; k < 8; k++) {
+            const uint8_t *cp = blk + 64 * (4 + 8 * p + k);
+            x16_prefetch(cp);
+            const __m512i r = _mm512_loadu_si512((const void *)cp);
+            const __m512i cl = _mm512_and_si512(r, lo4), ch = _mm512_and_si512(r, hi4);
+PD_UNROLL
+            for (int t = 0; t < nt; t++) {
+                alo[t] = _mm512_dpbusd_epi32(alo[t], cl, bcast4(xb[t] + olo + 4 * k));
+                ahi[t] = _mm512_dpbusd_epi32(ahi[t], ch, bcast4(xb[t] + ohi + 4 * k));
+            }
+        }
+PD_UNROLL
+        for (int t = 0; t < nt; t++)
+            isum[t] = _mm512_add_epi32(isum[t], _mm512_add_epi32(_mm512_mullo_epi32(alo[t], sc_lo),
+                                                                 _mm512_mullo_epi32(ahi[t], sc_hi)));
+    }
+    /* d and dmin of the 16 rows */
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
+    __m512i mw[4]; /* mins 2c and 2c + 1 as the two words of each lane */
+PD_UNROLL
+    for (int c = 0; c < 4; c++) mw[c] = _mm512_shuffle_epi8(c < 2 ? mn03 : mn47, word_pair_pick(2 * (c & 1)));
+PD_UNROLL
+    for (int t = 0; t < nt; t++) {
+        const int16_t *bs = q->bsums + (t0 + t) * (q->cols / 16) + 16 * (b & ~(int64_t)1) + 8 * (b & 1);
+        __m512i ms = _mm512_setzero_si512();
+PD_UNROLL
+        for (int c = 0; c < 4; c++) {
+            ms = _mm512_dpwssd_epi32(ms, mw[c], bcast4(bs + 2 * c));
+        }
+        const float xd = q->d[(t0 + t) * nb + b];
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_mul_ps(d, _mm512_set1_ps(xd * 0.0625f)), acc[t]);
+        acc[t] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms), _mm512_mul_ps(dmin, _mm512_set1_ps(xd)), acc[t]);
+    }
 }
 
 /* q6_K (natural q8_K activations). Word k < 8 of a half h holds low
@@ -156,125 +148,135 @@ PD_UNROLL
  * pairs of scales against pairs of sums in vpdpwssd. */
 
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
-q6_K_x16(const cpu_mm *m, int64_t g, int64_t t0, const int nt) {
-    const cpu_qact *q = m->q;
+q6_K_x16_block(const cpu_qact *q, const uint8_t *blk, int64_t b, int64_t t0, const int nt, __m512 *acc) {
     const int64_t nb = q->nblocks;
-    const uint8_t *w = m->w + (size_t)g * CPU_X16 * m->rb;
     const __m512i lo4 = _mm512_set1_epi8(0x0f), b45 = _mm512_set1_epi8(0x30);
-    __m512 acc[X16_NT];
+    const int8_t *xb[X16_NT];
+    __m512i isum[X16_NT];
 PD_UNROLL
-    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)b * CPU_X16 * CPU_Q6_K_BYTES;
-        const int8_t *xb[X16_NT];
-        __m512i isum[X16_NT];
+    for (int t = 0; t < nt; t++) {
+        xb[t] = q->qs + (t0 + t) * q->cols + PD_QK_K * b;
+        isum[t] = _mm512_setzero_si512();
+    }
+    /* scales 2i and 2i + 1 as sign-extended words of each lane */
+    __m512i sp[8];
 PD_UNROLL
-        for (int t = 0; t < nt; t++) {
-            xb[t] = q->qs + (t0 + t) * q->cols + PD_QK_K * b;
-            isum[t] = _mm512_setzero_si512();
-        }
-        /* scales 2i and 2i + 1 as sign-extended words of each lane */
-        __m512i sp[8];
+    for (int i = 0; i < 8; i++) {
+        const __m512i sw = _mm512_loadu_si512((const void *)(blk + 64 * (48 + i / 2)));
+        const unsigned k = 2u * (unsigned)(i & 1);
+        sp[i] = _mm512_srai_epi16(_mm512_shuffle_epi8(sw, dword_bytes(0x00800080u | k << 8 | (k + 1) << 24)), 8);
+    }
 PD_UNROLL
-        for (int i = 0; i < 8; i++) {
-            const __m512i sw = _mm512_loadu_si512((const void *)(blk + 64 * (48 + i / 2)));
-            const unsigned k = 2u * (unsigned)(i & 1);
-            sp[i] = _mm512_srai_epi16(_mm512_shuffle_epi8(sw, dword_bytes(0x00800080u | k << 8 | (k + 1) << 24)), 8);
-        }
+    for (int h = 0; h < 2; h++) {
 PD_UNROLL
-        for (int h = 0; h < 2; h++) {
+        for (int kk = 0; kk < 2; kk++) {
+            __m512i a[4][X16_NT];
 PD_UNROLL
-            for (int kk = 0; kk < 2; kk++) {
-                __m512i a[4][X16_NT];
+            for (int j = 0; j < 4; j++)
+PD_UNROLL
+                for (int t = 0; t < nt; t++) a[j][t] = _mm512_setzero_si512();
+PD_UNROLL
+            for (int k = 4 * kk; k < 4 * kk + 4; k++) {
+                const uint8_t *la = blk + 64 * (16 * h + k), *lb = la + 64 * 8, *hp = blk + 64 * (32 + 8 * h + k);
+                x16_prefetch(la);
+                x16_prefetch(lb);
+                x16_prefetch(hp);
+                const __m512i ra = _mm512_loadu_si512((const void *)la), rb = _mm512_loadu_si512((const void *)lb);
+                const __m512i rh = _mm512_loadu_si512((const void *)hp);
+                __m512i c[4]; /* A | (B & C): 0xf8 */
+                c[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(ra, lo4), _mm512_slli_epi32(rh, 4), b45, 0xf8);
+                c[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(rb, lo4), _mm512_slli_epi32(rh, 2), b45, 0xf8);
+                c[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(ra, 4), lo4), rh, b45, 0xf8);
+                c[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(rb, 4), lo4),
+                                                 _mm512_srli_epi32(rh, 2), b45, 0xf8);
 PD_UNROLL
                 for (int j = 0; j < 4; j++)
 PD_UNROLL
-                    for (int t = 0; t < nt; t++) a[j][t] = _mm512_setzero_si512();
-PD_UNROLL
-                for (int k = 4 * kk; k < 4 * kk + 4; k++) {
-                    const uint8_t *la = blk + 64 * (16 * h + k), *lb = la + 64 * 8, *hp = blk + 64 * (32 + 8 * h + k);
-                    x16_prefetch(la);
-                    x16_prefetch(lb);
-                    x16_prefetch(hp);
-                    const __m512i ra = _mm512_loadu_si512((const void *)la), rb = _mm512_loadu_si512((const void *)lb);
-                    const __m512i rh = _mm512_loadu_si512((const void *)hp);
-                    __m512i c[4]; /* A | (B & C): 0xf8 */
-                    c[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(ra, lo4), _mm512_slli_epi32(rh, 4), b45, 0xf8);
-                    c[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(rb, lo4), _mm512_slli_epi32(rh, 2), b45, 0xf8);
-                    c[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(ra, 4), lo4), rh, b45, 0xf8);
-                    c[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(rb, 4), lo4),
-                                                     _mm512_srli_epi32(rh, 2), b45, 0xf8);
-PD_UNROLL
-                    for (int j = 0; j < 4; j++)
-PD_UNROLL
-                        for (int t = 0; t < nt; t++)
-                            a[j][t] = _mm512_dpbusd_epi32(a[j][t], c[j], bcast4(xb[t] + 128 * h + 32 * j + 4 * k));
-                }
-PD_UNROLL
-                for (int j = 0; j < 4; j++) {
-                    const int s = 8 * h + 2 * j + kk; /* the sub-block of 16 */
-                    const __m512i sc = s & 1 ? _mm512_srai_epi32(sp[s / 2], 16)
-                                             : _mm512_srai_epi32(_mm512_slli_epi32(sp[s / 2], 16), 16);
-PD_UNROLL
-                    for (int t = 0; t < nt; t++) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(a[j][t], sc));
-                }
+                    for (int t = 0; t < nt; t++)
+                        a[j][t] = _mm512_dpbusd_epi32(a[j][t], c[j], bcast4(xb[t] + 128 * h + 32 * j + 4 * k));
             }
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(blk + 64 * 52)));
 PD_UNROLL
-        for (int t = 0; t < nt; t++) {
-            const int16_t *bs = q->bsums + (t0 + t) * (q->cols / 16) + 16 * b;
-            __m512i corr = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++) {
+                const int s = 8 * h + 2 * j + kk; /* the sub-block of 16 */
+                const __m512i sc = s & 1 ? _mm512_srai_epi32(sp[s / 2], 16)
+                                         : _mm512_srai_epi32(_mm512_slli_epi32(sp[s / 2], 16), 16);
 PD_UNROLL
-            for (int i = 0; i < 8; i++) {
-                corr = _mm512_dpwssd_epi32(corr, sp[i], bcast4(bs + 2 * i));
+                for (int t = 0; t < nt; t++) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(a[j][t], sc));
             }
-            const __m512i si = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(corr, 5));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(q->d[(t0 + t) * nb + b])),
-                                     acc[t]);
         }
     }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(blk + 64 * 52)));
 PD_UNROLL
-    for (int t = 0; t < nt; t++) _mm512_storeu_ps(m->y + (t0 + t) * m->ldy + g * CPU_X16, acc[t]);
+    for (int t = 0; t < nt; t++) {
+        const int16_t *bs = q->bsums + (t0 + t) * (q->cols / 16) + 16 * b;
+        __m512i corr = _mm512_setzero_si512();
+PD_UNROLL
+        for (int i = 0; i < 8; i++) {
+            corr = _mm512_dpwssd_epi32(corr, sp[i], bcast4(bs + 2 * i));
+        }
+        const __m512i si = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(corr, 5));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d, _mm512_set1_ps(q->d[(t0 + t) * nb + b])),
+                                 acc[t]);
+    }
 }
 
 /* q8_0 (q8_0 activations): the codes flipped to unsigned bytes (w + 128)
  * for vpdpbusd, each block's sum starting at c = -128 * sum(x), as in the
  * row kernel; one float scale step per block of 32. */
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
-q8_0_x16(const cpu_mm *m, int64_t g, int64_t t0, const int nt) {
-    const cpu_qact *q = m->q;
+q8_0_x16_block(const cpu_qact *q, const uint8_t *blk, int64_t b, int64_t t0, const int nt, __m512 *acc) {
     const int64_t nb = q->nblocks;
-    const uint8_t *w = m->w + (size_t)g * CPU_X16 * m->rb;
     const __m512i x80 = _mm512_set1_epi8((char)0x80);
-    __m512 acc[X16_NT];
+    x16_prefetch(blk);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)blk));
+    __m512i s[X16_NT];
 PD_UNROLL
-    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (size_t)b * CPU_X16 * CPU_Q8_0_BYTES;
-        x16_prefetch(blk);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)blk));
-        __m512i s[X16_NT];
+    for (int t = 0; t < nt; t++) s[t] = bcast4(q->c + (t0 + t) * nb + b);
 PD_UNROLL
-        for (int t = 0; t < nt; t++) s[t] = bcast4(q->c + (t0 + t) * nb + b);
+    for (int k = 0; k < 8; k++) {
+        const uint8_t *cp = blk + 2 * CPU_X16 + 64 * k;
+        x16_prefetch(cp + 32);
+        const __m512i r = _mm512_xor_si512(_mm512_loadu_si512((const void *)cp), x80);
 PD_UNROLL
-        for (int k = 0; k < 8; k++) {
-            const uint8_t *cp = blk + 2 * CPU_X16 + 64 * k;
-            x16_prefetch(cp + 32);
-            const __m512i r = _mm512_xor_si512(_mm512_loadu_si512((const void *)cp), x80);
-PD_UNROLL
-            for (int t = 0; t < nt; t++) {
-                s[t] = _mm512_dpbusd_epi32(s[t], r, bcast4(q->qs + (t0 + t) * q->cols + 32 * b + 4 * k));
-            }
-        }
-PD_UNROLL
-        for (int t = 0; t < nt; t++)
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]), _mm512_mul_ps(d, _mm512_set1_ps(q->d[(t0 + t) * nb + b])),
-                                     acc[t]);
+        for (int t = 0; t < nt; t++) s[t] = _mm512_dpbusd_epi32(s[t], r, bcast4(q->qs + (t0 + t) * q->cols + 32 * b + 4 * k));
     }
 PD_UNROLL
-    for (int t = 0; t < nt; t++) _mm512_storeu_ps(m->y + (t0 + t) * m->ldy + g * CPU_X16, acc[t]);
+    for (int t = 0; t < nt; t++)
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]), _mm512_mul_ps(d, _mm512_set1_ps(q->d[(t0 + t) * nb + b])),
+                                 acc[t]);
 }
+
+/* NAME(m, g, h, ng, t0, nt): groups g, g + h, ... (ng of them, 1 or 4)
+ * for tokens [t0, t0 + nt), a block of each in turn, with BLOCK the
+ * type's step over one block of one group (BYTES a row's block). Four
+ * groups far apart put four streams of the matrix in flight where one
+ * group has one (as q4_K_rows4 in simd_avx512.c: one core reads memory
+ * faster from several far-apart streams than from one); each group's
+ * steps, and so its bits, are the same either way. */
+#define X16_KERNEL(NAME, BLOCK, BYTES)                                                                  \
+    PD_TARGET_AVX512 static inline __attribute__((always_inline)) void NAME(                            \
+        const cpu_mm *m, int64_t g, int64_t h, const int ng, int64_t t0, const int nt) {                \
+        const size_t gs = (size_t)h * CPU_X16 * m->rb;                                                  \
+        const uint8_t *w = m->w + (size_t)g * CPU_X16 * m->rb;                                          \
+        __m512 acc[4][X16_NT];                                                                          \
+        PD_UNROLL                                                                                       \
+        for (int i = 0; i < ng; i++)                                                                    \
+            PD_UNROLL                                                                                   \
+            for (int t = 0; t < nt; t++) acc[i][t] = _mm512_setzero_ps();                               \
+        for (int64_t b = 0; b < m->q->nblocks; b++)                                                     \
+            PD_UNROLL                                                                                   \
+            for (int i = 0; i < ng; i++)                                                                \
+                BLOCK(m->q, w + (size_t)i * gs + (size_t)b * CPU_X16 * (BYTES), b, t0, nt, acc[i]);     \
+        PD_UNROLL                                                                                       \
+        for (int i = 0; i < ng; i++)                                                                    \
+            PD_UNROLL                                                                                   \
+            for (int t = 0; t < nt; t++)                                                                \
+                _mm512_storeu_ps(m->y + (t0 + t) * m->ldy + (g + i * h) * CPU_X16, acc[i][t]);          \
+    }
+
+X16_KERNEL(q4_K_x16, q4_K_x16_block, CPU_Q4_K_BYTES)
+X16_KERNEL(q6_K_x16, q6_K_x16_block, CPU_Q6_K_BYTES)
+X16_KERNEL(q8_0_x16, q8_0_x16_block, CPU_Q8_0_BYTES)
 
 /* Groups [g0, g1) for every token, X16_NT tokens per pass; prefill takes
  * CPU_X16_BATCH_GROUPS at a time so their codes stay in L2 across the
@@ -285,13 +287,42 @@ PD_UNROLL
         for (int64_t t0 = 0; t0 < (m)->n; t0 += X16_NT) {                                       \
             const int64_t nt = (m)->n - t0 < X16_NT ? (m)->n - t0 : X16_NT;                     \
             switch (nt) {                                                                       \
-            case 1: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 1); break;               \
-            case 2: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 2); break;               \
-            case 3: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 3); break;               \
-            default: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, t0, 4); break;              \
+            case 1: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, 0, 1, t0, 1); break;         \
+            case 2: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, 0, 1, t0, 2); break;         \
+            case 3: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, 0, 1, t0, 3); break;         \
+            default: for (int64_t g = ga; g < gz; g++) KERNEL(m, g, 0, 1, t0, 4); break;        \
             }                                                                                   \
         }                                                                                       \
     }
+
+/* Decode of one or two tokens over groups [g0, g1) cut into four quarters
+ * of h groups read side by side, when a quarter is long enough; otherwise
+ * X16_GROUPS. Quarters of X16_FAR4_MIN_BYTES and more: on q8_0 (kernel-bench
+ * --cold --packed, 3 interleaved rounds, 1 | 2 threads) 2048x2048 went
+ * from 28.7 to 33.7 GB/s | 55.0 to 63.4, 8192x2048 28.9 to 32.5 | 62.0 to
+ * 70.6, 512x2048 (quarters of 35 KB) 27.6 to 30.8; quarters of one group
+ * (10 KB) were slower (576x576: 28.9 to 26.2), and SmolLM2-135M decode,
+ * whose matrices give quarters of 26-29 KB, gained nothing. Llama-3.2-1B
+ * Q8_0 decode: 23.7 to 28.5 tokens/s at 1 thread, 45.4 to 53.7 at 2
+ * (prefix-bench, 3 interleaved rounds). Only q8_0 takes it: the K-quant x16
+ * blocks over four groups ran at half the speed (their registers spill). */
+#define X16_FAR4_MIN_BYTES ((size_t)32 << 10)
+#define X16_DECODE(KERNEL, m, g0, g1)                                                           \
+    do {                                                                                        \
+        const int64_t h = ((g1) - (g0)) / 4;                                                    \
+        if ((m)->n > 2 || (size_t)h * CPU_X16 * (m)->rb < X16_FAR4_MIN_BYTES) {                     \
+            X16_GROUPS(KERNEL, m, g0, g1)                                                       \
+            break;                                                                              \
+        }                                                                                       \
+        for (int64_t i = 0; i < h; i++) {                                                       \
+            if ((m)->n == 1) KERNEL(m, (g0) + i, h, 4, 0, 1);                                   \
+            else KERNEL(m, (g0) + i, h, 4, 0, 2);                                               \
+        }                                                                                       \
+        for (int64_t g = (g0) + 4 * h; g < (g1); g++) {                                         \
+            if ((m)->n == 1) KERNEL(m, g, 0, 1, 0, 1);                                          \
+            else KERNEL(m, g, 0, 1, 0, 2);                                                      \
+        }                                                                                       \
+    } while (0)
 
 /* Rows [r0, r1) of a packed (or repacked) weight, both multiples of 16. */
 PD_TARGET_AVX512 static void mm_q4_K_x16(const cpu_mm *m, int64_t r0, int64_t r1) {
@@ -303,7 +334,7 @@ PD_TARGET_AVX512 static void mm_q6_K_x16(const cpu_mm *m, int64_t r0, int64_t r1
 }
 
 PD_TARGET_AVX512 static void mm_q8_0_x16(const cpu_mm *m, int64_t r0, int64_t r1) {
-    X16_GROUPS(q8_0_x16, m, r0 / CPU_X16, r1 / CPU_X16)
+    X16_DECODE(q8_0_x16, m, r0 / CPU_X16, r1 / CPU_X16);
 }
 
 /* cpu_kernels.x16_repack for the types repacked per call (blocks with no
