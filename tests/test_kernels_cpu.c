@@ -347,9 +347,10 @@ Test(matmul, q8_0_q4_0_match_reference, .timeout = 120) {
             check_matmul(ts[i], shapes[j][0], shapes[j][1], NULL, 2000 + 10 * i + j);
 }
 
+/* (131x2048: quarters of 32 rows, so decode reads them side by side) */
 Test(matmul, q4_k_q6_k_match_reference, .timeout = 120) {
     const pd_type ts[] = {PD_TYPE_Q4_K, PD_TYPE_Q6_K};
-    const int64_t shapes[][2] = {{1, 256}, {5, 512}, {13, 768}, {37, 256}};
+    const int64_t shapes[][2] = {{1, 256}, {5, 512}, {13, 768}, {37, 256}, {131, 2048}};
     for (size_t i = 0; i < 2; i++)
         for (size_t j = 0; j < sizeof shapes / sizeof shapes[0]; j++)
             check_matmul(ts[i], shapes[j][0], shapes[j][1], NULL, 3000 + 10 * i + j);

@@ -75,6 +75,10 @@ typedef struct cpu_mm {
     const cpu_qact *q; /* quantized activations (quantized weights) */
     float *y;
     int64_t ldy;
+    /* Decode only (n <= CPU_DECODE_MAX_N), for kernels with decode_far: 0,
+     * or a call for rows [r0, r1) also computes the rows far, 2 far and 3
+     * far after them, reading the four ranges side by side (matmul.c). */
+    int64_t far;
 } cpu_mm;
 
 typedef void (*cpu_mm_fn)(const cpu_mm *m, int64_t r0, int64_t r1);
@@ -85,6 +89,8 @@ typedef void (*cpu_mm_fn)(const cpu_mm *m, int64_t r0, int64_t r1);
  * interleaved streams, ran at half the memory bandwidth), and every weight
  * byte is loaded once for all n tokens. */
 #define CPU_DECODE_MAX_N 8
+/* x16_decode_far kernels take cpu_mm.far up to this many tokens */
+#define CPU_X16_FAR_MAX_N 2
 /* Quantize one row of cols floats (cols a multiple of the block size). */
 typedef void (*cpu_quant_fn)(const float *x, int64_t cols, int8_t *qs, float *d, int32_t *c,
                              int16_t *bsums);
@@ -112,6 +118,9 @@ typedef struct cpu_kernels {
      * same float steps per block. */
     cpu_mm_fn mm_x16[PD_TYPE_COUNT];
     bool x16_at_load[PD_TYPE_COUNT];
+    /* mm (decode_far) or mm_x16 (x16_decode_far) honours cpu_mm.far: one
+     * core reads memory faster from four far-apart streams than from one */
+    bool decode_far[PD_TYPE_COUNT], x16_decode_far[PD_TYPE_COUNT];
     /* The first `groups` groups of rows at src (file layout) arranged as
      * cpu_x16_pack would, into dst (groups * 16 * row_bytes), for the
      * types with an x16 kernel that are not packed at load; NULL: none */

@@ -713,16 +713,16 @@ PD_TARGET_AVX512 static void mm_q8_0(const cpu_mm *m, int64_t r0, int64_t r1) {
 
 /* The K-quant row kernels beat tiles at every n (twice the GFLOP/s). */
 PD_TARGET_AVX512 static void mm_q4_K(const cpu_mm *m, int64_t r0, int64_t r1) {
-    if (m->n <= CPU_DECODE_MAX_N) {
-        FAR4_RANGE(q4_K_rows4, q4_K_row, m, r0, r1)
+    if (m->far) {
+        FAR4_RANGE(q4_K_rows4, m, r0, r1)
         return;
     }
     ROW_KERNEL_ALL_N(q4_K_row, m, r0, r1)
 }
 
 PD_TARGET_AVX512 static void mm_q6_K(const cpu_mm *m, int64_t r0, int64_t r1) {
-    if (m->n <= CPU_DECODE_MAX_N) {
-        FAR4_RANGE(q6_K_rows4, q6_K_row, m, r0, r1)
+    if (m->far) {
+        FAR4_RANGE(q6_K_rows4, m, r0, r1)
         return;
     }
     ROW_KERNEL_ALL_N(q6_K_row, m, r0, r1)
@@ -998,6 +998,7 @@ void cpu_kernels_avx512(cpu_kernels *k) {
     k->mm[PD_TYPE_Q4_0] = mm_q4_0;
     k->mm[PD_TYPE_Q4_K] = mm_q4_K;
     k->mm[PD_TYPE_Q6_K] = mm_q6_K;
+    k->decode_far[PD_TYPE_Q4_K] = k->decode_far[PD_TYPE_Q6_K] = true;
     k->quant_act[PD_TYPE_Q4_K] = cpu_quant_q8_K4_avx512;
     k->quant_act[PD_TYPE_Q4_0] = cpu_quant_q8_0_q4_avx512;
     k->mm[PD_TYPE_F32] = mm_f32;

@@ -295,32 +295,15 @@ X16_KERNEL(q8_0_x16, q8_0_x16_block, CPU_Q8_0_BYTES)
         }                                                                                       \
     }
 
-/* Decode of one or two tokens over groups [g0, g1) cut into four quarters
- * of h groups read side by side, when a quarter is long enough; otherwise
- * X16_GROUPS. Quarters of X16_FAR4_MIN_BYTES and more: on q8_0 (kernel-bench
- * --cold --packed, 3 interleaved rounds, 1 | 2 threads) 2048x2048 went
- * from 28.7 to 33.7 GB/s | 55.0 to 63.4, 8192x2048 28.9 to 32.5 | 62.0 to
- * 70.6, 512x2048 (quarters of 35 KB) 27.6 to 30.8; quarters of one group
- * (10 KB) were slower (576x576: 28.9 to 26.2), and SmolLM2-135M decode,
- * whose matrices give quarters of 26-29 KB, gained nothing. Llama-3.2-1B
- * Q8_0 decode: 23.7 to 28.5 tokens/s at 1 thread, 45.4 to 53.7 at 2
- * (prefix-bench, 3 interleaved rounds). Only q8_0 takes it: the K-quant x16
- * blocks over four groups ran at half the speed (their registers spill). */
-#define X16_FAR4_MIN_BYTES ((size_t)32 << 10)
+/* Decode of one or two tokens with cpu_mm.far set: groups [g0, g1) and
+ * the groups far, 2 far and 3 far rows after them, a block of each in
+ * turn. */
 #define X16_DECODE(KERNEL, m, g0, g1)                                                           \
     do {                                                                                        \
-        const int64_t h = ((g1) - (g0)) / 4;                                                    \
-        if ((m)->n > 2 || (size_t)h * CPU_X16 * (m)->rb < X16_FAR4_MIN_BYTES) {                     \
-            X16_GROUPS(KERNEL, m, g0, g1)                                                       \
-            break;                                                                              \
-        }                                                                                       \
-        for (int64_t i = 0; i < h; i++) {                                                       \
-            if ((m)->n == 1) KERNEL(m, (g0) + i, h, 4, 0, 1);                                   \
-            else KERNEL(m, (g0) + i, h, 4, 0, 2);                                               \
-        }                                                                                       \
-        for (int64_t g = (g0) + 4 * h; g < (g1); g++) {                                         \
-            if ((m)->n == 1) KERNEL(m, g, 0, 1, 0, 1);                                          \
-            else KERNEL(m, g, 0, 1, 0, 2);                                                      \
+        const int64_t h = (m)->far / CPU_X16;                                                   \
+        for (int64_t g = (g0); g < (g1); g++) {                                                 \
+            if ((m)->n == 1) KERNEL(m, g, h, 4, 0, 1);                                          \
+            else KERNEL(m, g, h, 4, 0, 2);                                                      \
         }                                                                                       \
     } while (0)
 
@@ -334,7 +317,8 @@ PD_TARGET_AVX512 static void mm_q6_K_x16(const cpu_mm *m, int64_t r0, int64_t r1
 }
 
 PD_TARGET_AVX512 static void mm_q8_0_x16(const cpu_mm *m, int64_t r0, int64_t r1) {
-    X16_DECODE(q8_0_x16, m, r0 / CPU_X16, r1 / CPU_X16);
+    if (m->far) X16_DECODE(q8_0_x16, m, r0 / CPU_X16, r1 / CPU_X16);
+    else X16_GROUPS(q8_0_x16, m, r0 / CPU_X16, r1 / CPU_X16)
 }
 
 /* cpu_kernels.x16_repack for the types repacked per call (blocks with no
@@ -367,6 +351,8 @@ void cpu_kernels_x16_avx512(cpu_kernels *k) {
      * 18-36% slower than theirs (kernel-bench --cold, docs/bench-peer.md),
      * so K-quants are only repacked for prefill batches. */
     k->x16_at_load[PD_TYPE_Q8_0] = true;
+    k->x16_decode_far[PD_TYPE_Q8_0] = true; /* for one or two tokens (X16_DECODE); the K-quant
+                                             * blocks over four groups ran at half the speed */
     k->x16_repack = x16_repack;
 }
 
