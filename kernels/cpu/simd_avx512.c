@@ -417,9 +417,10 @@ PD_UNROLL
 }
 
 /* q4_K decode over four rows at once, far apart: rows r, r + h, r + 2h,
- * r + 3h of a thread's chunk (FAR4_RANGE, simd_x86.h), each read front to
- * back, so that four streams of the matrix are in flight where q4_K_row
- * had one. Each row's dot products are q4_K_row's, and so are its float
+ * r + 3h, h a quarter of the matrix (cpu_mm.far, planned in matmul.c),
+ * each read front to back, so that four streams of the matrix are in
+ * flight where q4_K_row had one. Each row's dot products are q4_K_row's,
+ * and so are its float
  * steps (the same operations on the same values, so the same bits, see
  * q4_K_pair_steps): the four rows' block totals and min totals meet in
  * one reduction tree and the steps run with the rows in the lanes of one
