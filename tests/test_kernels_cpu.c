@@ -711,11 +711,11 @@ Test(matmul, packed_weights_match_reference, .timeout = 120) {
         }
 }
 
-/* Decode over a packed q8_0 weight big enough that a thread's rows split
- * into four far-apart quarters read side by side (X16_FAR4_MIN_BYTES,
- * simd_x16_avx512.c; quarters of 2-9 groups of 16 rows at 1 and 2
- * threads here) plus a tail of groups and of rows: against the reference,
- * and each token the same bits alone, in pairs and in a prefill batch. */
+/* Decode over a packed q8_0 weight big enough to be read as four
+ * far-apart quarters side by side (plan_far, matmul.c: quarters of 256
+ * rows, in pieces of 2 groups of 16 rows at 1 thread and 1 at 2) plus a
+ * tail of groups and of rows: against the reference, and each token the
+ * same bits alone, in pairs and in a prefill batch. */
 Test(matmul, packed_q8_0_decode_over_far_apart_groups, .timeout = 120) {
     if (!cpu_has("avx512")) cr_skip_test("this CPU has no avx512vnni");
     enum { ROWS = 1043, COLS = 2048, N = 9 };

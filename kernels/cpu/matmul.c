@@ -148,10 +148,13 @@ static void plan_far(const cpu_kernels *k, mm_part *p, int64_t n) {
     const int64_t mult = x16 ? CPU_X16 : 1;
     const int64_t quarter = (x16 ? p->x16_rows : p->rows) / 4 / mult * mult;
     if ((size_t)quarter * p->m.rb < FAR_MIN_BYTES) return;
+    /* four far-apart pieces no bigger together than an ordinary chunk, so
+     * that the threads still finish within a chunk of each other */
+    const int64_t far_chunk = p->chunk / 4 / mult * mult;
+    if (far_chunk == 0) return;
     p->mf.far = quarter;
-    p->far_chunk = p->chunk / 4 / mult * mult;
-    if (p->far_chunk < mult) p->far_chunk = mult;
-    p->nfar = (quarter + p->far_chunk - 1) / p->far_chunk;
+    p->far_chunk = far_chunk;
+    p->nfar = (quarter + far_chunk - 1) / far_chunk;
 }
 
 /* Rows per chunk: a multiple of `mult`, about `per_thread` chunks per
