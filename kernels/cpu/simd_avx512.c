@@ -536,11 +536,11 @@ PD_UNROLL
     }
 }
 
-/* Rows r, r + h, r + 2h, r + 3h for tokens [t0, t0 + nt). */
+/* Rows r, r + h, r + 2h, r + 3h (h = m->far) for tokens [t0, t0 + nt). */
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
-q4_K_rows4(const cpu_mm *m, int64_t r, int64_t h, int64_t t0, const int nt) {
+q4_K_rows4(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const cpu_qact *q = m->q;
-    const int64_t nb = q->nblocks;
+    const int64_t nb = q->nblocks, h = m->far;
     const size_t stride = (size_t)h * m->rb;
     const uint8_t *w = m->w + (size_t)r * m->rb;
     __m128 acc[CPU_DECODE_MAX_N];
@@ -629,15 +629,15 @@ PD_TARGET_AVX2 static inline __m128i reduce4_epi32(const __m256i s[4]) {
 }
 
 /* q6_K decode over four far-apart rows, as q4_K_rows4: rows r, r + h,
- * r + 2h, r + 3h, each row's block totals q6_K_row's and its float steps
- * the same operations on the same values (the same bits), with the four
- * rows in the lanes of one register. Rows one at a time within a block
+ * r + 2h, r + 3h (h = m->far), each row's block totals q6_K_row's and its
+ * float steps the same operations on the same values (the same bits), with
+ * the four rows in the lanes of one register. Rows one at a time within a block
  * (each row's codes then stay in registers for all tokens); the four
  * streams still advance a block at a time together. */
 PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
-q6_K_rows4(const cpu_mm *m, int64_t r, int64_t h, int64_t t0, const int nt) {
+q6_K_rows4(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const cpu_qact *q = m->q;
-    const int64_t nb = q->nblocks;
+    const int64_t nb = q->nblocks, h = m->far;
     const size_t stride = (size_t)h * m->rb;
     const uint8_t *w = m->w + (size_t)r * m->rb;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
@@ -715,7 +715,7 @@ PD_TARGET_AVX512 static void mm_q8_0(const cpu_mm *m, int64_t r0, int64_t r1) {
 /* The K-quant row kernels beat tiles at every n (twice the GFLOP/s). */
 PD_TARGET_AVX512 static void mm_q4_K(const cpu_mm *m, int64_t r0, int64_t r1) {
     if (m->far) {
-        FAR4_RANGE(q4_K_rows4, m, r0, r1)
+        ROW_RANGE(q4_K_rows4, m, r0, r1, 0, m->n)
         return;
     }
     ROW_KERNEL_ALL_N(q4_K_row, m, r0, r1)
@@ -723,7 +723,7 @@ PD_TARGET_AVX512 static void mm_q4_K(const cpu_mm *m, int64_t r0, int64_t r1) {
 
 PD_TARGET_AVX512 static void mm_q6_K(const cpu_mm *m, int64_t r0, int64_t r1) {
     if (m->far) {
-        FAR4_RANGE(q6_K_rows4, m, r0, r1)
+        ROW_RANGE(q6_K_rows4, m, r0, r1, 0, m->n)
         return;
     }
     ROW_KERNEL_ALL_N(q6_K_row, m, r0, r1)

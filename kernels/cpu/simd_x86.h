@@ -63,23 +63,6 @@ static inline void decode_prefetch(const uint8_t *p) {
         }                                                                                        \
     }
 
-/* Decode (one pass of m->n <= 8 tokens) with cpu_mm.far set:
- * ROW4(m, r, h, 0, NT) computes rows r, r + h, r + 2h, r + 3h (h =
- * m->far) for every r in [r0, r1). */
-#define FAR4_NT(ROW4, m, r0, r1, NT)                                                             \
-    for (int64_t r = (r0); r < (r1); r++) ROW4(m, r, (m)->far, 0, NT);
-#define FAR4_RANGE(ROW4, m, r0, r1)                                                              \
-    switch ((m)->n) {                                                                            \
-    case 1: FAR4_NT(ROW4, m, r0, r1, 1) break;                                                   \
-    case 2: FAR4_NT(ROW4, m, r0, r1, 2) break;                                                   \
-    case 3: FAR4_NT(ROW4, m, r0, r1, 3) break;                                                   \
-    case 4: FAR4_NT(ROW4, m, r0, r1, 4) break;                                                   \
-    case 5: FAR4_NT(ROW4, m, r0, r1, 5) break;                                                   \
-    case 6: FAR4_NT(ROW4, m, r0, r1, 6) break;                                                   \
-    case 7: FAR4_NT(ROW4, m, r0, r1, 7) break;                                                   \
-    default: FAR4_NT(ROW4, m, r0, r1, 8) break;                                                  \
-    }
-
 PD_TARGET_AVX2 static inline int32_t pd_hsum_epi32_sse(__m128i v) {
     v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
     v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1)));
