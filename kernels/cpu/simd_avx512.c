@@ -559,12 +559,15 @@ PD_UNROLL
 
 /* q6_K: codes 0..63 (stored + 32) from the low nibbles and two high bits;
  * 4-byte VNNI sums are at most 4 * 63 * 127 = 32004, so they pack into
- * words as in q4_K_row. Natural activation order (quant_q8_K). */
-PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
-q6_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
-    const cpu_qact *q = m->q;
-    const int64_t nb = q->nblocks;
-    const uint8_t *w = m->w + (size_t)r * m->rb;
+ * words as in q4_K_row. Natural activation order (quant_q8_K). A block's
+ * codes and scale words, unpacked once for all tokens: */
+typedef struct q6k_block {
+    __m256i sc16;  /* the 16 scales as words */
+    __m512i sa, sb; /* scale words against packs(p0, p1) and packs(p2, p3) */
+    __m512i cd[4];  /* the codes, 64 bytes each */
+} q6k_block;
+
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) q6k_block q6k_unpack(const uint8_t *blk) {
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     const __m512i m30 = _mm512_set1_epi8(0x30);
     const __m512i shl = halves_epi16(4, 2); /* qh bits 0-1 | 2-3 to bits 4-5 */
@@ -574,6 +577,42 @@ q6_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const __m512i ia = _mm512_set_epi16(7, 7, 7, 7, 3, 3, 3, 3, 6, 6, 6, 6, 2, 2, 2, 2,
                                         5, 5, 5, 5, 1, 1, 1, 1, 4, 4, 4, 4, 0, 0, 0, 0);
     const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(8));
+    q6k_block k;
+    k.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    k.sa = _mm512_permutexvar_epi16(ia, _mm512_castsi256_si512(k.sc16));
+    k.sb = _mm512_permutexvar_epi16(ib, _mm512_castsi256_si512(k.sc16));
+PD_UNROLL
+    for (int h = 0; h < 2; h++) {
+        const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
+        const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+        k.cd[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(hb, shl), m30));
+        k.cd[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                          _mm512_and_si512(_mm512_srlv_epi16(hb, shr), m30));
+    }
+    return k;
+}
+
+/* A block's integer total against one token's activations x and sub-block
+ * sums bs, in 8 lanes (exact: any order of the lanes' sum gives it). */
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) __m256i
+q6k_block_sums(const q6k_block *k, const int8_t *x, const int16_t *bs) {
+    const __m512i z = _mm512_setzero_si512();
+    const __m512i p0 = _mm512_dpbusd_epi32(z, k->cd[0], _mm512_loadu_si512((const void *)x));
+    const __m512i p1 = _mm512_dpbusd_epi32(z, k->cd[1], _mm512_loadu_si512((const void *)(x + 64)));
+    const __m512i p2 = _mm512_dpbusd_epi32(z, k->cd[2], _mm512_loadu_si512((const void *)(x + 128)));
+    const __m512i p3 = _mm512_dpbusd_epi32(z, k->cd[3], _mm512_loadu_si512((const void *)(x + 192)));
+    /* the codes are stored + 32: subtract 32 * sum(scale * bsum) */
+    const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(k->sc16, _mm256_loadu_si256((const __m256i *)(const void *)bs)), 5);
+    const __m512i si = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_packs_epi32(p0, p1), k->sa),
+                                           _mm512_packs_epi32(p2, p3), k->sb);
+    return _mm256_sub_epi32(_mm256_add_epi32(_mm512_castsi512_si256(si), _mm512_extracti64x4_epi64(si, 1)), corr);
+}
+
+PD_TARGET_AVX512 static inline __attribute__((always_inline)) void
+q6_K_row(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
+    const cpu_qact *q = m->q;
+    const int64_t nb = q->nblocks;
+    const uint8_t *w = m->w + (size_t)r * m->rb;
     /* one float step per block, as the packed kernel takes it: the
      * block's exact integer total times d x xd (see q4_K_pair_steps) */
     __m128 acc[CPU_DECODE_MAX_N];
@@ -585,34 +624,12 @@ PD_UNROLL
         decode_prefetch(blk + 64);
         decode_prefetch(blk + 128);
         decode_prefetch(blk + 192);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-        const __m512i sa = _mm512_permutexvar_epi16(ia, _mm512_castsi256_si512(sc16));
-        const __m512i sb = _mm512_permutexvar_epi16(ib, _mm512_castsi256_si512(sc16));
-        __m512i cd[4];
-PD_UNROLL
-        for (int h = 0; h < 2; h++) {
-            const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * h));
-            const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-            cd[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(hb, shl), m30));
-            cd[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                            _mm512_and_si512(_mm512_srlv_epi16(hb, shr), m30));
-        }
+        const q6k_block k = q6k_unpack(blk);
         const float dw = _cvtsh_ss(pd_ld16(blk + 208));
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
-            const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
-            const __m512i z = _mm512_setzero_si512();
-            const __m512i p0 = _mm512_dpbusd_epi32(z, cd[0], _mm512_loadu_si512((const void *)x));
-            const __m512i p1 = _mm512_dpbusd_epi32(z, cd[1], _mm512_loadu_si512((const void *)(x + 64)));
-            const __m512i p2 = _mm512_dpbusd_epi32(z, cd[2], _mm512_loadu_si512((const void *)(x + 128)));
-            const __m512i p3 = _mm512_dpbusd_epi32(z, cd[3], _mm512_loadu_si512((const void *)(x + 192)));
-            /* the codes are stored + 32: subtract 32 * sum(scale * bsum) */
-            const __m256i bsv = _mm256_loadu_si256((const __m256i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b));
-            const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsv), 5);
-            __m512i si = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_packs_epi32(p0, p1), sa),
-                                             _mm512_packs_epi32(p2, p3), sb);
-            const __m256i s8 = _mm256_sub_epi32(
-                _mm256_add_epi32(_mm512_castsi512_si256(si), _mm512_extracti64x4_epi64(si, 1)), corr);
+            const __m256i s8 = q6k_block_sums(&k, q->qs + (t0 + j) * q->cols + PD_QK_K * b,
+                                              q->bsums + (t0 + j) * (q->cols / 16) + 16 * b);
             const __m128 total = _mm_cvtepi32_ps(_mm_set1_epi32(pd_hsum_epi32_avx2(s8)));
             acc[j] = _mm_fmadd_ss(total, _mm_set_ss(dw * q->d[(t0 + j) * nb + b]), acc[j]);
         }
@@ -640,13 +657,6 @@ q6_K_rows4(const cpu_mm *m, int64_t r, int64_t t0, const int nt) {
     const int64_t nb = q->nblocks, h = m->far;
     const size_t stride = (size_t)h * m->rb;
     const uint8_t *w = m->w + (size_t)r * m->rb;
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    const __m512i m30 = _mm512_set1_epi8(0x30);
-    const __m512i shl = halves_epi16(4, 2);
-    const __m512i shr = halves_epi16(0, 2);
-    const __m512i ia = _mm512_set_epi16(7, 7, 7, 7, 3, 3, 3, 3, 6, 6, 6, 6, 2, 2, 2, 2,
-                                        5, 5, 5, 5, 1, 1, 1, 1, 4, 4, 4, 4, 0, 0, 0, 0);
-    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(8));
     __m128 acc[CPU_DECODE_MAX_N];
 PD_UNROLL
     for (int j = 0; j < nt; j++) acc[j] = _mm_setzero_ps();
@@ -663,35 +673,11 @@ PD_UNROLL
         __m256i s8[CPU_DECODE_MAX_N][4];
 PD_UNROLL
         for (int i = 0; i < 4; i++) {
-            const uint8_t *blk = p + (size_t)i * stride;
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-            const __m512i sa = _mm512_permutexvar_epi16(ia, _mm512_castsi256_si512(sc16));
-            const __m512i sb = _mm512_permutexvar_epi16(ib, _mm512_castsi256_si512(sc16));
-            __m512i cd[4];
+            const q6k_block k = q6k_unpack(p + (size_t)i * stride);
 PD_UNROLL
-            for (int k = 0; k < 2; k++) {
-                const __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * k));
-                const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * k)));
-                cd[2 * k] = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(hb, shl), m30));
-                cd[2 * k + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                                _mm512_and_si512(_mm512_srlv_epi16(hb, shr), m30));
-            }
-PD_UNROLL
-            for (int j = 0; j < nt; j++) {
-                const int8_t *x = q->qs + (t0 + j) * q->cols + PD_QK_K * b;
-                const __m512i z = _mm512_setzero_si512();
-                const __m512i p0 = _mm512_dpbusd_epi32(z, cd[0], _mm512_loadu_si512((const void *)x));
-                const __m512i p1 = _mm512_dpbusd_epi32(z, cd[1], _mm512_loadu_si512((const void *)(x + 64)));
-                const __m512i p2 = _mm512_dpbusd_epi32(z, cd[2], _mm512_loadu_si512((const void *)(x + 128)));
-                const __m512i p3 = _mm512_dpbusd_epi32(z, cd[3], _mm512_loadu_si512((const void *)(x + 192)));
-                const __m256i bsv =
-                    _mm256_loadu_si256((const __m256i *)(const void *)(q->bsums + (t0 + j) * (q->cols / 16) + 16 * b));
-                const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsv), 5);
-                const __m512i si = _mm512_dpwssd_epi32(_mm512_madd_epi16(_mm512_packs_epi32(p0, p1), sa),
-                                                       _mm512_packs_epi32(p2, p3), sb);
-                s8[j][i] = _mm256_sub_epi32(_mm256_add_epi32(_mm512_castsi512_si256(si), _mm512_extracti64x4_epi64(si, 1)),
-                                            corr);
-            }
+            for (int j = 0; j < nt; j++)
+                s8[j][i] = q6k_block_sums(&k, q->qs + (t0 + j) * q->cols + PD_QK_K * b,
+                                          q->bsums + (t0 + j) * (q->cols / 16) + 16 * b);
         }
 PD_UNROLL
         for (int j = 0; j < nt; j++) {
